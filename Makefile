@@ -1,0 +1,107 @@
+# Kitsune — one entry point. See README.md.
+#   make deps       install what build and tests need (idempotent)
+#   make all        build/libkitsune.so (+ static lib, tests, benchmarks)
+#   make test       deps + CPU test suites (Criterion + pytest)
+#   make test-asan  the C suites under AddressSanitizer + UBSan
+#   make demo       the main job (GPU if present, else host backend)
+#   make bench      C allocator benchmarks -> bench/results/
+#   make gpu-test   build + the suites on the CUDA backend (on a GPU machine)
+#   make clean
+
+SHELL := /bin/bash
+CC ?= gcc
+PYTHON ?= python3
+NVCC := $(shell command -v nvcc 2>/dev/null)
+CUDA_HOME ?= $(if $(NVCC),$(patsubst %/bin/nvcc,%,$(NVCC)),/usr/local/cuda)
+BUILD ?= build
+# Criterion/jemalloc unpacked with dpkg -x for machines that cannot apt-get (GPU box)
+DEPS_ROOT ?= $(CURDIR)/.deps/root
+DEPS_INC := $(if $(wildcard $(DEPS_ROOT)/usr/include),-I$(DEPS_ROOT)/usr/include)
+comma := ,
+DEPS_LIB := $(if $(wildcard $(DEPS_ROOT)/usr/lib/x86_64-linux-gnu),-L$(DEPS_ROOT)/usr/lib/x86_64-linux-gnu -Wl$(comma)-rpath$(comma)$(DEPS_ROOT)/usr/lib/x86_64-linux-gnu)
+
+NVTX_DEF := $(if $(wildcard $(CUDA_HOME)/include/nvtx3/nvToolsExt.h),-DKT_HAVE_NVTX)
+CPPFLAGS := -Iallocator/include -Iallocator/src -I$(CUDA_HOME)/include $(NVTX_DEF) -D_GNU_SOURCE
+CFLAGS ?= -O2 -g
+CFLAGS += -std=c11 -fPIC -Wall -Wextra -Wno-unused-parameter -pthread
+CUDA_LIBS := -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt -lpthread
+ASAN_FLAGS := -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined -DKT_DEBUG
+
+LIB_SRC := $(wildcard allocator/src/*.c) $(wildcard allocator/backends/*.c)
+LIB_HDR := $(wildcard allocator/include/kitsune/*.h) $(wildcard allocator/src/*.h)
+OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(LIB_SRC))
+ASAN_OBJ := $(patsubst %.c,$(BUILD)/asan/%.o,$(LIB_SRC))
+
+TIERS := unit integration stress conformance hotpath
+TEST_BINS := $(addprefix $(BUILD)/tests/,$(TIERS))
+ASAN_BINS := $(addprefix $(BUILD)/asan-tests/,$(filter-out hotpath,$(TIERS)))
+BENCH_BINS := $(BUILD)/bench/alloc_bench $(BUILD)/bench/alloc_replay
+TEST_LIBS := $(DEPS_LIB) -lcriterion
+
+.PHONY: all deps test test-c test-python test-asan demo bench gpu-test gpu-deps clean
+all: $(BUILD)/libkitsune.so $(BUILD)/libkitsune.a $(TEST_BINS) $(BENCH_BINS) $(BUILD)/libnvtx_record.so
+
+$(BUILD)/obj/%.o: %.c $(LIB_HDR)
+	@mkdir -p $(dir $@)
+	$(CC) $(CPPFLAGS) $(CFLAGS) -c $< -o $@
+
+$(BUILD)/asan/%.o: %.c $(LIB_HDR)
+	@mkdir -p $(dir $@)
+	$(CC) $(CPPFLAGS) -std=c11 -fPIC -Wall -Wextra -Wno-unused-parameter -pthread $(ASAN_FLAGS) -c $< -o $@
+
+# Only kt_* is exported; the static CUDA runtime stays private to the library.
+$(BUILD)/libkitsune.so: $(OBJ) allocator/exports.map
+	$(CC) -shared -o $@ $(OBJ) -Wl,--version-script=allocator/exports.map -Wl,--exclude-libs,ALL $(CUDA_LIBS)
+
+$(BUILD)/libkitsune.a: $(OBJ)
+	@rm -f $@; ar rcs $@ $(OBJ)
+
+$(BUILD)/tests/%: tests/c/%/*.c tests/c/common.h $(BUILD)/libkitsune.a
+	@mkdir -p $(dir $@)
+	$(CC) $(CPPFLAGS) $(DEPS_INC) -Itests/c $(CFLAGS) -o $@ $(wildcard tests/c/$*/*.c) $(BUILD)/libkitsune.a $(CUDA_LIBS) $(TEST_LIBS)
+
+$(BUILD)/asan-tests/%: tests/c/%/*.c tests/c/common.h $(ASAN_OBJ)
+	@mkdir -p $(dir $@)
+	$(CC) $(CPPFLAGS) $(DEPS_INC) -Itests/c -std=c11 -pthread $(ASAN_FLAGS) -o $@ $(wildcard tests/c/$*/*.c) $(ASAN_OBJ) $(CUDA_LIBS) $(TEST_LIBS)
+
+$(BUILD)/bench/%: bench/%.c $(BUILD)/libkitsune.a
+	@mkdir -p $(dir $@)
+	$(CC) $(CPPFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libkitsune.a $(CUDA_LIBS) -lm
+
+# NVTX injection library that records calls (tests/c/nvtx_record.c)
+$(BUILD)/libnvtx_record.so: tests/c/nvtx_record.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CPPFLAGS) $(CFLAGS) -shared -o $@ $<
+
+deps:
+	@bash tools/deps.sh
+
+# The GPU machine installs nothing: unpack Debian packages here, carry .deps.
+gpu-deps:
+	@bash tools/gpu_deps.sh
+
+test: deps
+	@$(MAKE) --no-print-directory test-c test-python
+
+test-c: $(TEST_BINS) $(BUILD)/libkitsune.so $(BUILD)/libnvtx_record.so
+	@bash tools/run_c_tests.sh $(BUILD)/tests $(TIERS)
+
+test-python: $(BUILD)/libkitsune.so
+	@KITSUNE_LIBRARY=$(CURDIR)/$(BUILD)/libkitsune.so PYTHONPATH=$(CURDIR)/python $(PYTHON) -m pytest -q tests/python
+
+test-asan: $(ASAN_BINS)
+	@ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+	  KT_STRESS_OPS=200000 bash tools/run_c_tests.sh $(BUILD)/asan-tests $(filter-out hotpath,$(TIERS))
+
+demo: $(BUILD)/libkitsune.so $(BENCH_BINS)
+	@bash tools/demo.sh $(BUILD)
+
+bench: $(BENCH_BINS)
+	@bash tools/bench.sh $(BUILD)
+
+gpu-test: $(TEST_BINS) $(BUILD)/libkitsune.so $(BUILD)/libnvtx_record.so
+	@KT_TEST_BACKEND=cuda KT_REQUIRE_GPU=1 bash tools/run_c_tests.sh $(BUILD)/tests conformance stress
+	@bash tools/run_c_tests.sh $(BUILD)/tests $(TIERS)
+
+clean:
+	rm -rf $(BUILD)

@@ -1,0 +1,171 @@
+/* kitsune/alloc.h — the Kitsune device-memory pool.
+ *
+ * A pool hands out device memory from segments it reserves through a backend
+ * (kitsune/backend.h). Requests up to KT_LARGE_THRESHOLD are rounded to a size
+ * class and served from per-stream free lists; larger requests are placed by
+ * best fit in an address-ordered arena with split and coalesce.
+ *
+ * Stream contract (what a caller may rely on, and must do):
+ *  - A block returned by kt_alloc(pool, size, S, ..) may be used on stream S at once.
+ *  - kt_free(pool, p, size, S) must name the stream p was *allocated* on (this is
+ *    what PyTorch's pluggable-allocator ABI passes). All work that touched p must
+ *    be enqueued on S before the call, or declared with kt_record_stream.
+ *  - After kt_free the block is reused immediately only by allocations on S (stream
+ *    order makes that safe). If kt_record_stream(p, U) was called for other streams
+ *    U, an event is recorded on each U at free time and the block is not handed out
+ *    again — on any stream — until all those events have completed.
+ *  - Memory is never handed from one stream's free list to another stream while work
+ *    that used it may still run; idle memory moves between streams only by being
+ *    returned to the backend or by coming from a fresh segment.
+ *
+ * Errors: every call returns kt_status. KT_ERR_OOM is distinct from invalid
+ * arguments; after an OOM, kt_last_oom() describes it on the calling thread.
+ * The library never prints and never exits.
+ *
+ * Thread safety: every function may be called from any thread. alloc/free of a
+ * size class already seen on a stream take that stream's lock only, make no host
+ * allocation and no backend call.
+ */
+#ifndef KITSUNE_ALLOC_H
+#define KITSUNE_ALLOC_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kitsune/backend.h"
+#include "kitsune/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KT_QUANTUM          512u               /* every size is a multiple of this */
+#define KT_LARGE_THRESHOLD  (1u << 20)          /* requests above this use the arena */
+#define KT_NUM_CLASSES      72                  /* see sizeclass.c for the derivation */
+#define KT_MAX_STREAMS      1024                /* distinct streams per pool */
+#define KT_MAX_USES         8                   /* kt_record_stream streams tracked per block */
+
+
+typedef struct kt_pool kt_pool_t;
+
+typedef struct kt_pool_options {
+  int device;             /* device ordinal passed to the backend */
+  size_t memory_limit;    /* bytes; 0 = no limit beyond the device */
+  int track_lifetimes;    /* 1: stamp each allocation with a time (default 1) */
+} kt_pool_options;
+
+/* Fills defaults: device 0, no limit, lifetimes tracked. */
+void kt_pool_options_default(kt_pool_options *opt);
+
+/* The backend must outlive the pool. */
+kt_status kt_pool_create(const kt_pool_options *opt, const kt_backend *backend, kt_pool_t **out);
+/* Releases every segment back to the backend, live blocks included. */
+void kt_pool_destroy(kt_pool_t *pool);
+
+/* size 0 returns *out = NULL and KT_OK (PyTorch allocates 0 bytes and never frees). */
+kt_status kt_alloc(kt_pool_t *pool, size_t size, kt_stream_t stream, void **out);
+/* size may be 0 (unknown); otherwise it must round to the block's size. */
+kt_status kt_free(kt_pool_t *pool, void *ptr, size_t size, kt_stream_t stream);
+/* Declares that the live block containing ptr (its start) is used on stream. */
+kt_status kt_record_stream(kt_pool_t *pool, void *ptr, kt_stream_t stream);
+
+/* Returns cached memory that is truly idle to the backend. */
+kt_status kt_empty_cache(kt_pool_t *pool);
+/* 0 removes the limit. A limit below what is reserved now takes effect as memory is freed. */
+kt_status kt_set_memory_limit(kt_pool_t *pool, size_t bytes);
+/* fraction in (0, 1] of the device's total memory (asks the backend). */
+kt_status kt_set_memory_fraction(kt_pool_t *pool, double fraction);
+size_t kt_get_memory_limit(const kt_pool_t *pool);
+
+/* ---- stats ---------------------------------------------------------------- */
+typedef struct kt_stat {
+  int64_t current;
+  int64_t peak;       /* since creation or the last kt_reset_peak_stats */
+  int64_t allocated;  /* cumulative increase */
+  int64_t freed;      /* cumulative decrease */
+} kt_stat;
+
+typedef struct kt_stats {
+  /* Identities (checked in tests, exact when no call is in flight):
+   *   allocated_bytes.current == sum of sizes of live blocks (rounded sizes)
+   *   active_bytes.current    == allocated_bytes.current + bytes of freed blocks
+   *                              still waiting for other streams' events
+   *   reserved_bytes.current  == sum of segment sizes held from the backend
+   *   reserved >= active, and x.current == x.allocated - x.freed for each stat. */
+  kt_stat allocated_bytes;
+  kt_stat active_bytes;
+  kt_stat reserved_bytes;
+  kt_stat requested_bytes;  /* unrounded sizes of live blocks (current/allocated/freed; no peak) */
+  kt_stat allocations;      /* live blocks (count) */
+  kt_stat segments;         /* live segments (count) */
+  uint64_t num_allocs, num_frees;
+  uint64_t num_alloc_retries;  /* OOM recovered by releasing cache */
+  uint64_t num_ooms;           /* KT_ERR_OOM returned */
+  uint64_t num_backend_reserves, num_backend_releases;
+  uint64_t num_large_allocs;
+  uint64_t num_pending_frees;  /* frees that waited on other streams */
+  uint64_t class_allocs[KT_NUM_CLASSES];  /* cumulative allocations per size class */
+  uint64_t class_live[KT_NUM_CLASSES];    /* live blocks per size class */
+  size_t memory_limit;
+  size_t largest_free_block;   /* largest free range in the arena (not slabs) */
+} kt_stats;
+
+kt_status kt_get_stats(kt_pool_t *pool, kt_stats *out);
+/* Peak := current for every stat. */
+void kt_reset_peak_stats(kt_pool_t *pool);
+
+/* ---- out-of-memory diagnosis ---------------------------------------------- */
+typedef struct kt_oom_info {
+  size_t requested;       /* the size asked for */
+  size_t rounded;         /* what the pool tried to reserve */
+  size_t live;            /* allocated bytes */
+  size_t cached;          /* reserved - allocated: held by the pool, not in use */
+  size_t reserved;
+  size_t limit;           /* 0 = none */
+  size_t largest_free;    /* largest free block in the arena */
+  size_t device_free, device_total;  /* from the backend, 0 when unknown */
+  int hit_limit;          /* 1 when the pool's limit refused the reservation */
+  int device;
+} kt_oom_info;
+
+/* The last OOM on the calling thread (all zero before one). */
+const kt_oom_info *kt_last_oom(void);
+/* One-line diagnosis into buf; returns what snprintf returns. */
+int kt_format_oom(const kt_oom_info *info, char *buf, size_t len);
+
+/* ---- lifetime tracking ---------------------------------------------------- */
+typedef struct kt_block_info {
+  void *ptr;
+  size_t size;           /* rounded size */
+  size_t requested;      /* size passed to kt_alloc */
+  kt_stream_t stream;    /* allocation stream */
+  uint64_t alloc_ns;     /* CLOCK_MONOTONIC ns at allocation; 0 when not tracked */
+  int num_uses;          /* other streams recorded with kt_record_stream */
+  kt_stream_t uses[KT_MAX_USES];
+  int size_class;        /* -1 for large blocks */
+} kt_block_info;
+
+/* Info on the live block that starts at ptr. */
+kt_status kt_block_query(kt_pool_t *pool, const void *ptr, kt_block_info *out);
+
+/* ---- size classes --------------------------------------------------------- */
+/* Class index for a size in [1, KT_LARGE_THRESHOLD]; -1 above. Table lookup. */
+int kt_size_class(size_t size);
+/* The formula the table is built from (for tests). */
+int kt_size_class_formula(size_t size);
+size_t kt_class_size(int cls);
+
+/* ---- trace ---------------------------------------------------------------- */
+/* CSV, one line per event: thread,time_ns,action,ptr,size,stream
+ * action is alloc|free|record_stream|empty_cache|oom. */
+kt_status kt_trace_start(kt_pool_t *pool, const char *path);
+kt_status kt_trace_stop(kt_pool_t *pool);
+
+/* ---- debugging ------------------------------------------------------------ */
+/* O(n) walk of every structure checking invariants; KT_OK or KT_ERR_INVALID. */
+kt_status kt_pool_validate(kt_pool_t *pool);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,80 @@
+/* kitsune/backend.h — where a pool's memory, events and streams come from.
+ *
+ * A backend is a table of functions over an opaque context. The pool calls them
+ * only on slow paths (new segment, segment release, cross-stream frees, OOM).
+ * Two implementations ship: the CUDA backend (cudaMalloc segments, CUDA events)
+ * and a host fake that hands out addresses it never touches and whose events
+ * complete when a test says so. Wrappers that add one behaviour (counting,
+ * fault injection) can be stacked by forwarding to an inner backend.
+ */
+#ifndef KITSUNE_BACKEND_H
+#define KITSUNE_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kitsune/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef void *kt_stream_t;   /* a cudaStream_t on the CUDA backend; NULL is valid */
+typedef void *kt_event_t;
+
+/* Segments are reserved in multiples of this many bytes, aligned to at least 64 KiB
+ * (cudaMalloc gives 2 MiB alignment for such sizes). */
+#define KT_SEGMENT_ALIGN ((size_t)2 << 20)
+
+typedef struct kt_backend {
+  const char *name;
+  void *ctx;
+  /* size is a multiple of KT_SEGMENT_ALIGN; *out must be 64 KiB aligned and below 2^48.
+   * Returns KT_OK, KT_ERR_OOM when the device has no room, or KT_ERR_BACKEND. */
+  kt_status (*reserve)(void *ctx, int device, size_t size, void **out);
+  /* Must be safe while work enqueued before the call still uses the memory
+   * (cudaFree synchronizes the device; a VMM backend must synchronize itself). */
+  kt_status (*release)(void *ctx, int device, void *ptr, size_t size);
+  kt_status (*event_create)(void *ctx, int device, kt_event_t *out);
+  kt_status (*event_destroy)(void *ctx, int device, kt_event_t ev);
+  kt_status (*event_record)(void *ctx, int device, kt_event_t ev, kt_stream_t stream);
+  /* *done = 1 when all work captured by the event has completed. */
+  kt_status (*event_query)(void *ctx, int device, kt_event_t ev, int *done);
+  /* Waits for all work on the device. */
+  kt_status (*synchronize)(void *ctx, int device);
+  /* Device memory; may be NULL (then fractions and OOM device numbers are unavailable). */
+  kt_status (*mem_info)(void *ctx, int device, size_t *free_bytes, size_t *total_bytes);
+} kt_backend;
+
+/* ---- host fake backend ---------------------------------------------------- */
+/* Addresses start at 2^36 and are never dereferenced. capacity 0 = unlimited. */
+kt_backend *kt_fake_backend_create(size_t capacity);
+void kt_fake_backend_destroy(kt_backend *b);
+
+typedef struct kt_fake_counts {
+  uint64_t reserves, releases, failed_reserves;
+  uint64_t event_creates, event_destroys, event_records, event_queries, syncs;
+  size_t reserved_bytes;     /* held now */
+  uint64_t live_events;
+} kt_fake_counts;
+
+void kt_fake_get_counts(const kt_backend *b, kt_fake_counts *out);
+void kt_fake_set_capacity(kt_backend *b, size_t capacity);
+/* The next n reserves fail with KT_ERR_OOM whatever the capacity. */
+void kt_fake_fail_next_reserves(kt_backend *b, int n);
+/* While held, recorded events stay incomplete until kt_fake_complete_events. */
+void kt_fake_hold_events(kt_backend *b, int hold);
+void kt_fake_complete_events(kt_backend *b);
+/* 1 when [ptr, ptr+size) lies inside one live reservation. */
+int kt_fake_owns(const kt_backend *b, const void *ptr, size_t size);
+
+/* ---- CUDA backend --------------------------------------------------------- */
+/* The process-wide CUDA backend (statically linked runtime). Never NULL. */
+const kt_backend *kt_cuda_backend(void);
+/* Number of CUDA devices, 0 when there is no driver or no device. */
+int kt_cuda_device_count(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

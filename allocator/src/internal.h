@@ -1,0 +1,296 @@
+/* allocator/src/internal.h — the pool's data structures. Not installed.
+ *
+ * Memory layout
+ *   segment   a range reserved from the backend (multiple of 2 MiB, 2 MiB aligned).
+ *   extent    a sub-range of one segment, in address order: FREE, SLAB or LARGE.
+ *   slab      a 64 KiB-aligned extent cut into equal blocks of one size class.
+ *   block     what kt_alloc returns: a slab slot, or a whole LARGE extent.
+ *   heap      per-stream state: one free list per size class + the slabs it owns
+ *             + the arena's free extents tagged with this stream.
+ *
+ * Invariants (kt_pool_validate checks them):
+ *   reserved == sum(segment sizes) == sum(extent sizes over all segments)
+ *   a FREE extent is in exactly one bin set: its tag's heap, or the untagged set
+ *   no two address-adjacent FREE extents of one segment share a tag (coalesced)
+ *   slab.nfree == number of its blocks in state FREE == number on the heap's list
+ *   packed.allocated_units*512 == sum of live block sizes
+ *   packed.pending_units*512   == sum of sizes of blocks waiting for events
+ *
+ * Locks, outermost first: heap_lock (mutex, creating heaps; stats and cache
+ * release walk the heap list under it) -> arena_lock (mutex) -> heap.lock (spin).
+ * pending_lock and trace_lock are leaves. The fast paths take one heap.lock and
+ * nothing else; no path takes arena_lock or heap_lock while holding a heap.lock,
+ * so slow paths drop the heap lock before they touch the arena.
+ */
+#ifndef KT_INTERNAL_H
+#define KT_INTERNAL_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdio.h>
+
+#include "kitsune/alloc.h"
+
+#define kt_likely(x)   __builtin_expect(!!(x), 1)
+#define kt_unlikely(x) __builtin_expect(!!(x), 0)
+#define KT_NOINLINE __attribute__((noinline))
+#define KT_CACHELINE 64
+
+/* Debug asserts: compiled in with -DKT_DEBUG (make test builds them in). */
+#ifdef KT_DEBUG
+#include <stdlib.h>
+#define kt_assert(c) do { if (kt_unlikely(!(c))) kt__assert_fail(#c, __FILE__, __LINE__); } while (0)
+void kt__assert_fail(const char *cond, const char *file, int line) __attribute__((noreturn));
+#else
+#define kt_assert(c) ((void)0)
+#endif
+
+#define KT_PAGE_SHIFT 16
+#define KT_PAGE ((size_t)1 << KT_PAGE_SHIFT)         /* slab alignment, radix granule */
+#define KT_VA_BITS 48                                 /* addresses must be below 2^48 */
+#define KT_RADIX_BITS (KT_VA_BITS - KT_PAGE_SHIFT)   /* 32 */
+#define KT_RADIX_LEAF_BITS 16
+#define KT_RADIX_ROOT_BITS (KT_RADIX_BITS - KT_RADIX_LEAF_BITS)
+#define KT_NUM_BINS 304                               /* arena bins: see bin_of() */
+#define KT_BIN_WORDS ((KT_NUM_BINS + 63) / 64)
+#define KT_HEAP_TABLE 2048                            /* 2x KT_MAX_STREAMS, power of two */
+
+/* ---- spinlock: critical sections here are a few loads and stores ---------- */
+typedef struct { atomic_int v; } kt_spinlock;
+void kt__spin_lock_slow(kt_spinlock *l);
+static inline void kt_spin_lock(kt_spinlock *l) {
+  if (kt_likely(!atomic_exchange_explicit(&l->v, 1, memory_order_acquire))) return;
+  kt__spin_lock_slow(l);
+}
+static inline void kt_spin_unlock(kt_spinlock *l) {
+  atomic_store_explicit(&l->v, 0, memory_order_release);
+}
+
+typedef struct kt_heap kt_heap;
+typedef struct kt_slab kt_slab;
+typedef struct kt_extent kt_extent;
+typedef struct kt_segment kt_segment;
+
+enum { KT_BLOCK_FREE = 0, KT_BLOCK_LIVE = 1, KT_BLOCK_PENDING = 2 };
+
+/* Other streams that used a block (kt_record_stream); allocated on first use. */
+typedef struct kt_uses {
+  struct kt_uses *next;           /* pool's recycle list */
+  int n;                          /* streams in s[] */
+  int overflow;                   /* more than KT_MAX_USES: free synchronizes */
+  kt_stream_t s[KT_MAX_USES];
+  kt_event_t ev[KT_MAX_USES];     /* recorded at free time */
+} kt_uses;
+
+typedef struct kt_block {
+  struct kt_block *next;   /* heap free list, or pending list */
+  uintptr_t addr;
+  size_t size;             /* rounded */
+  size_t requested;
+  uint64_t alloc_ticks;    /* kt__ticks() at allocation, 0 when not tracked */
+  kt_heap *heap;           /* allocation stream */
+  kt_slab *slab;           /* NULL for large blocks */
+  kt_uses *uses;
+  int16_t cls;             /* -1 for large */
+  uint8_t state;
+} kt_block;
+
+struct kt_slab {
+  uintptr_t base;
+  size_t bytes;
+  uint64_t magic;          /* ceil(2^40 / class size): index = off*magic >> 40 */
+  kt_extent *ext;
+  kt_heap *heap;
+  kt_slab *next;           /* heap's slab list, or the pool's retired list */
+  uint32_t nblocks, nfree; /* nfree under heap.lock */
+  int cls;
+  kt_block blocks[];
+};
+
+/* Arena bins: a bitmap of non-empty bins + list heads. */
+typedef struct kt_bins {
+  uint64_t bits[KT_BIN_WORDS];
+  kt_extent *head[KT_NUM_BINS];
+  size_t count;
+} kt_bins;
+
+enum { KT_EXT_FREE = 0, KT_EXT_SLAB = 1, KT_EXT_LARGE = 2 };
+
+struct kt_extent {
+  uintptr_t addr;
+  size_t size;
+  kt_extent *aprev, *anext;   /* address order within the segment */
+  kt_extent *fprev, *fnext;   /* bin list while FREE */
+  kt_segment *seg;
+  kt_heap *tag;               /* FREE: stream it is confined to (NULL: any) */
+  kt_slab *slab;              /* SLAB */
+  kt_block blk;               /* LARGE: the block */
+  uint16_t bin;
+  uint8_t kind;
+};
+
+struct kt_segment {
+  uintptr_t base;
+  size_t size;
+  kt_extent *first;
+  kt_segment *prev, *next;
+  void *nvtx_heap;
+};
+
+/* Per-stream counters, updated under heap.lock; summed by kt_get_stats. */
+typedef struct kt_heap_stats {
+  uint64_t nalloc, nfree;
+  int64_t bytes_alloc, bytes_freed;        /* rounded, cumulative */
+  int64_t req_alloc, req_freed;            /* requested, cumulative */
+  uint64_t class_alloc[KT_NUM_CLASSES];
+  uint64_t class_free[KT_NUM_CLASSES];
+} kt_heap_stats;
+
+struct kt_heap {
+  kt_spinlock lock;
+  kt_stream_t stream;
+  kt_block *free[KT_NUM_CLASSES];
+  kt_slab *slabs;
+  kt_heap_stats st;
+  kt_bins bins;            /* under the pool's arena_lock */
+  kt_heap *next;           /* pool's list of heaps */
+} __attribute__((aligned(KT_CACHELINE)));
+
+typedef struct kt_heap_slot {
+  _Atomic uintptr_t key;   /* stream + 1; 0 = empty */
+  kt_heap *_Atomic heap;
+} kt_heap_slot;
+
+/* Slab geometry per class, computed once. */
+typedef struct kt_class_geom {
+  size_t size, slab_bytes;
+  uint32_t nblocks;
+  uint64_t magic;
+} kt_class_geom;
+
+struct kt_pool {
+  /* -- read-mostly, hot -- */
+  const kt_backend *be;
+  int device;
+  int track;                           /* lifetimes */
+  _Atomic int hooks;                   /* trace on | nvtx regions on */
+  _Atomic uintptr_t *_Atomic radix[1u << KT_RADIX_ROOT_BITS];
+  kt_heap_slot heaps[KT_HEAP_TABLE];
+
+  /* -- the one hot global: allocated units (low 32) | pending units (high 32) -- */
+  _Alignas(KT_CACHELINE) _Atomic uint64_t packed;
+  _Atomic int64_t peak_allocated, peak_active;   /* bytes */
+
+  /* -- slow paths -- */
+  _Alignas(KT_CACHELINE) pthread_mutex_t arena_lock;
+  kt_segment *segments;
+  kt_bins untagged;
+  size_t limit;
+  int64_t reserved, reserved_peak, reserved_total, released_total;
+  int64_t nsegments, nsegments_peak, nsegments_total;
+  uint64_t n_reserves, n_releases, n_large, n_retries, n_ooms;
+  int64_t large_req_alloc, large_req_freed, large_bytes_alloc, large_bytes_freed;
+  uint64_t large_nalloc, large_nfree;
+  kt_slab *retired[KT_NUM_CLASSES];    /* slab descriptors kept for reuse */
+
+  pthread_mutex_t heap_lock;           /* creating heaps */
+  kt_heap *heap_list;
+  int nheaps;
+
+  pthread_mutex_t pending_lock;
+  kt_block *pending;
+  _Atomic int npending;
+  uint64_t n_pending_frees;
+  kt_event_t *event_cache;             /* recycled events */
+  int nevents, event_cap;
+  kt_uses *uses_cache;
+
+  pthread_mutex_t trace_lock;
+  FILE *trace;
+  uint64_t t0_ns, t0_ticks;            /* tick -> ns calibration */
+
+  void *nvtx_domain;
+  int nvtx_regions;
+};
+
+/* ---- size classes ---------------------------------------------------------- */
+extern uint8_t kt__class_table[KT_LARGE_THRESHOLD / KT_QUANTUM];
+extern kt_class_geom kt__geom[KT_NUM_CLASSES];
+void kt__sizeclass_init(void);
+static inline int kt__class_of(size_t size) {  /* 1 <= size <= KT_LARGE_THRESHOLD */
+  return kt__class_table[(size - 1) >> 9];
+}
+
+/* ---- radix: page -> (slab* | 1) or (large extent starting in the page) ------ */
+static inline uintptr_t kt__radix_get(kt_pool_t *p, uintptr_t addr) {
+  uintptr_t key = addr >> KT_PAGE_SHIFT;
+  if (kt_unlikely(key >> KT_RADIX_BITS)) return 0;
+  _Atomic uintptr_t *leaf = atomic_load_explicit(&p->radix[key >> KT_RADIX_LEAF_BITS], memory_order_acquire);
+  if (kt_unlikely(!leaf)) return 0;
+  return atomic_load_explicit(&leaf[key & ((1u << KT_RADIX_LEAF_BITS) - 1)], memory_order_acquire);
+}
+kt_status kt__radix_set_range(kt_pool_t *p, uintptr_t addr, size_t bytes, uintptr_t val);
+kt_status kt__radix_set(kt_pool_t *p, uintptr_t addr, uintptr_t val);
+void kt__radix_free(kt_pool_t *p);
+
+/* ---- time ------------------------------------------------------------------ */
+static inline uint64_t kt__ticks(void) {
+#if defined(__x86_64__)
+  return __builtin_ia32_rdtsc();
+#else
+  struct timespec ts; clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+#endif
+}
+uint64_t kt__now_ns(void);
+uint64_t kt__ticks_to_ns(kt_pool_t *p, uint64_t ticks);
+
+/* ---- packed allocated/pending counter -------------------------------------- */
+#define KT_UNITS(bytes) ((uint64_t)(bytes) >> 9)
+static inline void kt__peak_max(_Atomic int64_t *peak, int64_t v) {
+  int64_t cur = atomic_load_explicit(peak, memory_order_relaxed);
+  while (kt_unlikely(v > cur) &&
+         !atomic_compare_exchange_weak_explicit(peak, &cur, v, memory_order_relaxed, memory_order_relaxed)) {}
+}
+/* One atomic add; peaks compared against the value this add produced (exact). */
+static inline void kt__count_alloc(kt_pool_t *p, size_t bytes) {
+  uint64_t v = atomic_fetch_add_explicit(&p->packed, KT_UNITS(bytes), memory_order_relaxed) + KT_UNITS(bytes);
+  int64_t alloc = (int64_t)(v & 0xffffffffu) << 9, pend = (int64_t)(v >> 32) << 9;
+  kt__peak_max(&p->peak_allocated, alloc);
+  kt__peak_max(&p->peak_active, alloc + pend);
+}
+static inline void kt__count_free(kt_pool_t *p, size_t bytes) {
+  atomic_fetch_sub_explicit(&p->packed, KT_UNITS(bytes), memory_order_relaxed);
+}
+
+/* ---- arena (arena.c), caller holds arena_lock ----------------------------- */
+int kt__bin_of(size_t size);
+void kt__bins_insert(kt_bins *b, kt_extent *e);
+void kt__bins_remove(kt_bins *b, kt_extent *e);
+kt_bins *kt__bins_for(kt_pool_t *p, kt_heap *tag);
+/* Best fit for size at align among tag's free extents, then untagged ones; grows
+ * the arena (may call the backend) when nothing fits. */
+kt_status kt__arena_take(kt_pool_t *p, kt_heap *tag, size_t size, size_t align, size_t requested,
+                         kt_extent **out, kt_oom_info *oom);
+/* Returns an extent to the free bins with tag, coalescing. */
+void kt__arena_put(kt_pool_t *p, kt_extent *e, kt_heap *tag);
+/* Unlinks segments whose extents are all free; caller releases them unlocked. */
+kt_segment *kt__arena_collect_idle(kt_pool_t *p);
+void kt__segment_release(kt_pool_t *p, kt_segment *s);
+size_t kt__arena_largest_free(kt_pool_t *p);
+kt_status kt__arena_validate(kt_pool_t *p);
+
+/* ---- nvtx.c ---------------------------------------------------------------- */
+void kt__nvtx_init(kt_pool_t *p);
+void kt__nvtx_push(kt_pool_t *p, const char *name);
+void kt__nvtx_pop(kt_pool_t *p);
+void *kt__nvtx_heap_register(kt_pool_t *p, uintptr_t base, size_t size);
+void kt__nvtx_heap_unregister(kt_pool_t *p, void *heap);
+void kt__nvtx_region(kt_pool_t *p, void *heap, uintptr_t addr, size_t size, int alive);
+
+/* ---- trace.c --------------------------------------------------------------- */
+enum { KT_HOOK_TRACE = 1, KT_HOOK_NVTX = 2 };
+void kt__trace(kt_pool_t *p, const char *action, uintptr_t ptr, size_t size, kt_stream_t s);
+
+#endif

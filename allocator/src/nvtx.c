@@ -1,0 +1,86 @@
+/* allocator/src/nvtx.c — NVTX annotations in the "kitsune" domain.
+ *
+ * Ranges mark the slow paths (segment reserve/release, empty_cache, OOM retry).
+ * Each segment is registered as an NVTX memory heap (a sub-allocator's heap) and,
+ * when a tool is attached (NVTX_INJECTION64_PATH set when the pool is created),
+ * every block is registered as a region of it on alloc and unregistered on free,
+ * so tools that read NVTX (Nsight, compute-sanitizer) see sub-allocations. Without
+ * a tool the per-block calls are skipped entirely; the rest cost a pointer check.
+ */
+#include <stdlib.h>
+
+#include "internal.h"
+
+#ifdef KT_HAVE_NVTX
+#include <nvtx3/nvToolsExt.h>
+#include <nvtx3/nvToolsExtMem.h>
+
+void kt__nvtx_init(kt_pool_t *p) {
+  p->nvtx_domain = nvtxDomainCreateA("kitsune");
+  const char *inj = getenv("NVTX_INJECTION64_PATH");
+  p->nvtx_regions = inj && *inj;
+}
+
+void kt__nvtx_push(kt_pool_t *p, const char *name) {
+  nvtxEventAttributes_t a = {0};
+  a.version = NVTX_VERSION;
+  a.size = NVTX_EVENT_ATTRIB_STRUCT_SIZE;
+  a.messageType = NVTX_MESSAGE_TYPE_ASCII;
+  a.message.ascii = name;
+  nvtxDomainRangePushEx((nvtxDomainHandle_t)p->nvtx_domain, &a);
+}
+
+void kt__nvtx_pop(kt_pool_t *p) { nvtxDomainRangePop((nvtxDomainHandle_t)p->nvtx_domain); }
+
+void *kt__nvtx_heap_register(kt_pool_t *p, uintptr_t base, size_t size) {
+  nvtxMemVirtualRangeDesc_t r = {size, (const void *)base};
+  nvtxMemHeapDesc_t d = {0};
+  d.extCompatID = NVTX_EXT_COMPATID_MEM;
+  d.structSize = sizeof d;
+  d.usage = NVTX_MEM_HEAP_USAGE_TYPE_SUB_ALLOCATOR;
+  d.type = NVTX_MEM_TYPE_VIRTUAL_ADDRESS;
+  d.typeSpecificDescSize = sizeof r;
+  d.typeSpecificDesc = &r;
+  return (void *)nvtxMemHeapRegister((nvtxDomainHandle_t)p->nvtx_domain, &d);
+}
+
+void kt__nvtx_heap_unregister(kt_pool_t *p, void *heap) {
+  if (heap) nvtxMemHeapUnregister((nvtxDomainHandle_t)p->nvtx_domain, (nvtxMemHeapHandle_t)heap);
+}
+
+void kt__nvtx_region(kt_pool_t *p, void *heap, uintptr_t addr, size_t size, int alive) {
+  if (alive) {
+    nvtxMemVirtualRangeDesc_t r = {size, (const void *)addr};
+    nvtxMemRegionsRegisterBatch_t b = {0};
+    b.extCompatID = NVTX_EXT_COMPATID_MEM;
+    b.structSize = sizeof b;
+    b.regionType = NVTX_MEM_TYPE_VIRTUAL_ADDRESS;
+    b.heap = (nvtxMemHeapHandle_t)heap;
+    b.regionCount = 1;
+    b.regionDescElementSize = sizeof r;
+    b.regionDescElements = &r;
+    nvtxMemRegionsRegister((nvtxDomainHandle_t)p->nvtx_domain, &b);
+  } else {
+    nvtxMemRegionRef_t ref;
+    ref.pointer = (const void *)addr;
+    nvtxMemRegionsUnregisterBatch_t b = {0};
+    b.extCompatID = NVTX_EXT_COMPATID_MEM;
+    b.structSize = sizeof b;
+    b.refType = NVTX_MEM_REGION_REF_TYPE_POINTER;
+    b.refCount = 1;
+    b.refElementSize = sizeof ref;
+    b.refElements = &ref;
+    nvtxMemRegionsUnregister((nvtxDomainHandle_t)p->nvtx_domain, &b);
+  }
+}
+
+#else  /* built without NVTX headers */
+void kt__nvtx_init(kt_pool_t *p) { p->nvtx_domain = NULL; p->nvtx_regions = 0; }
+void kt__nvtx_push(kt_pool_t *p, const char *name) { (void)p; (void)name; }
+void kt__nvtx_pop(kt_pool_t *p) { (void)p; }
+void *kt__nvtx_heap_register(kt_pool_t *p, uintptr_t base, size_t size) { (void)p; (void)base; (void)size; return NULL; }
+void kt__nvtx_heap_unregister(kt_pool_t *p, void *heap) { (void)p; (void)heap; }
+void kt__nvtx_region(kt_pool_t *p, void *heap, uintptr_t addr, size_t size, int alive) {
+  (void)p; (void)heap; (void)addr; (void)size; (void)alive;
+}
+#endif

@@ -1,0 +1,896 @@
+/* allocator/src/pool.c — the pool: per-stream heaps, slabs, large blocks,
+ * cross-stream frees, OOM recovery and stats.
+ *
+ * Fast path (a size class already seen on this stream), budget ~15 ns a call:
+ *   alloc: table lookup of the class, probe the stream table (one hit for the
+ *          usual 1-4 streams), heap spinlock, pop the class list, one atomic add
+ *          on the packed allocated|pending counter.
+ *   free:  two-level radix load of the page entry, slab index by multiply-shift,
+ *          heap spinlock, push, one atomic sub.
+ * No malloc, no backend call, no process-wide lock. Everything else is in the
+ * KT_NOINLINE slow paths below, which run with no heap lock held.
+ */
+#include <stdlib.h>
+#include <string.h>
+#include <sched.h>
+#include <time.h>
+#include <unistd.h>
+#include <sys/syscall.h>
+
+#include "internal.h"
+
+const char *kt_status_str(kt_status s) {
+  switch (s) {
+    case KT_OK: return "ok";
+    case KT_ERR_INVALID: return "invalid argument";
+    case KT_ERR_OOM: return "out of memory";
+    case KT_ERR_BACKEND: return "backend error";
+    case KT_ERR_HOST_OOM: return "host out of memory";
+    case KT_ERR_LIMIT: return "capacity exceeded";
+    case KT_ERR_IO: return "i/o error";
+    case KT_ERR_UNAVAILABLE: return "unavailable";
+  }
+  return "unknown status";
+}
+
+#ifdef KT_DEBUG
+void kt__assert_fail(const char *cond, const char *file, int line) {
+  fprintf(stderr, "kitsune: internal assertion failed: %s (%s:%d)\n", cond, file, line);
+  abort();
+}
+#endif
+
+void kt__spin_lock_slow(kt_spinlock *l) {
+  for (unsigned n = 0;; n++) {
+    if (!atomic_load_explicit(&l->v, memory_order_relaxed) &&
+        !atomic_exchange_explicit(&l->v, 1, memory_order_acquire))
+      return;
+    if (n < 64) {
+#if defined(__x86_64__)
+      __builtin_ia32_pause();
+#endif
+    } else {
+      sched_yield();
+    }
+  }
+}
+
+uint64_t kt__now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+uint64_t kt__ticks_to_ns(kt_pool_t *p, uint64_t ticks) {
+#if defined(__x86_64__)
+  /* Calibrate against the clock over the pool's life so far (no start-up cost). */
+  uint64_t now_t = kt__ticks(), now_ns = kt__now_ns();
+  if (now_t <= p->t0_ticks) return p->t0_ns;
+  double ns_per_tick = (double)(now_ns - p->t0_ns) / (double)(now_t - p->t0_ticks);
+  return p->t0_ns + (uint64_t)((double)(int64_t)(ticks - p->t0_ticks) * ns_per_tick);
+#else
+  (void)p;
+  return ticks;
+#endif
+}
+
+/* ---- radix ----------------------------------------------------------------- */
+kt_status kt__radix_set(kt_pool_t *p, uintptr_t addr, uintptr_t val) {
+  uintptr_t key = addr >> KT_PAGE_SHIFT;
+  if (key >> KT_RADIX_BITS) return KT_ERR_BACKEND;
+  _Atomic uintptr_t *_Atomic *slot = &p->radix[key >> KT_RADIX_LEAF_BITS];
+  _Atomic uintptr_t *leaf = atomic_load_explicit(slot, memory_order_acquire);
+  if (!leaf) {
+    if (!val) return KT_OK;
+    leaf = calloc((size_t)1 << KT_RADIX_LEAF_BITS, sizeof *leaf);
+    if (!leaf) return KT_ERR_HOST_OOM;
+    _Atomic uintptr_t *expect = NULL;
+    if (!atomic_compare_exchange_strong(slot, &expect, leaf)) { free(leaf); leaf = expect; }
+  }
+  atomic_store_explicit(&leaf[key & ((1u << KT_RADIX_LEAF_BITS) - 1)], val, memory_order_release);
+  return KT_OK;
+}
+
+kt_status kt__radix_set_range(kt_pool_t *p, uintptr_t addr, size_t bytes, uintptr_t val) {
+  for (size_t off = 0; off < bytes; off += KT_PAGE) {
+    kt_status st = kt__radix_set(p, addr + off, val);
+    if (st != KT_OK) return st;
+  }
+  return KT_OK;
+}
+
+void kt__radix_free(kt_pool_t *p) {
+  for (size_t i = 0; i < ((size_t)1 << KT_RADIX_ROOT_BITS); i++) free((void *)p->radix[i]);
+}
+
+/* ---- pool ------------------------------------------------------------------ */
+void kt_pool_options_default(kt_pool_options *o) {
+  memset(o, 0, sizeof *o);
+  o->track_lifetimes = 1;
+}
+
+kt_status kt_pool_create(const kt_pool_options *opt, const kt_backend *be, kt_pool_t **out) {
+  if (!out || !be || !be->reserve || !be->release || !be->event_create || !be->event_destroy ||
+      !be->event_record || !be->event_query || !be->synchronize)
+    return KT_ERR_INVALID;
+  kt_pool_options def;
+  if (!opt) { kt_pool_options_default(&def); opt = &def; }
+  kt__sizeclass_init();
+  kt_pool_t *p = aligned_alloc(KT_CACHELINE, (sizeof *p + KT_CACHELINE - 1) & ~(size_t)(KT_CACHELINE - 1));
+  if (!p) return KT_ERR_HOST_OOM;
+  memset(p, 0, sizeof *p);
+  p->be = be;
+  p->device = opt->device;
+  p->track = opt->track_lifetimes;
+  p->limit = opt->memory_limit;
+  pthread_mutex_init(&p->arena_lock, NULL);
+  pthread_mutex_init(&p->heap_lock, NULL);
+  pthread_mutex_init(&p->pending_lock, NULL);
+  pthread_mutex_init(&p->trace_lock, NULL);
+  p->t0_ns = kt__now_ns();
+  p->t0_ticks = kt__ticks();
+  kt__nvtx_init(p);
+  if (p->nvtx_regions) atomic_fetch_or(&p->hooks, KT_HOOK_NVTX);
+  *out = p;
+  return KT_OK;
+}
+
+void kt_pool_destroy(kt_pool_t *p) {
+  if (!p) return;
+  kt_trace_stop(p);
+  for (kt_block *b = p->pending; b; b = b->next) {   /* before the extents holding them go */
+    for (int i = 0; i < b->uses->n; i++) p->be->event_destroy(p->be->ctx, p->device, b->uses->ev[i]);
+    free(b->uses);
+    b->uses = NULL;
+  }
+  for (kt_segment *s = p->segments, *sn; s; s = sn) {
+    sn = s->next;
+    for (kt_extent *e = s->first, *en; e; e = en) {
+      en = e->anext;
+      if (e->kind == KT_EXT_SLAB) {
+        for (uint32_t i = 0; i < e->slab->nblocks; i++) free(e->slab->blocks[i].uses);
+        free(e->slab);
+      }
+      if (e->kind == KT_EXT_LARGE) free(e->blk.uses);
+      free(e);
+    }
+    kt__segment_release(p, s);
+  }
+  for (int c = 0; c < KT_NUM_CLASSES; c++)
+    for (kt_slab *s = p->retired[c], *sn; s; s = sn) { sn = s->next; free(s); }
+  for (int i = 0; i < p->nevents; i++) p->be->event_destroy(p->be->ctx, p->device, p->event_cache[i]);
+  free(p->event_cache);
+  for (kt_uses *u = p->uses_cache, *un; u; u = un) { un = u->next; free(u); }
+  for (kt_heap *h = p->heap_list, *hn; h; h = hn) { hn = h->next; free(h); }
+  kt__radix_free(p);
+  pthread_mutex_destroy(&p->arena_lock);
+  pthread_mutex_destroy(&p->heap_lock);
+  pthread_mutex_destroy(&p->pending_lock);
+  pthread_mutex_destroy(&p->trace_lock);
+  free(p);
+}
+
+/* ---- stream -> heap -------------------------------------------------------- */
+static inline size_t heap_hash(uintptr_t key) {
+  return (size_t)((key * 0x9E3779B97F4A7C15ull) >> (64 - 11)) & (KT_HEAP_TABLE - 1);
+}
+
+static inline kt_heap *heap_find(kt_pool_t *p, kt_stream_t stream) {
+  uintptr_t key = (uintptr_t)stream + 1;
+  for (size_t i = heap_hash(key);; i = (i + 1) & (KT_HEAP_TABLE - 1)) {
+    uintptr_t k = atomic_load_explicit(&p->heaps[i].key, memory_order_acquire);
+    if (kt_likely(k == key)) return atomic_load_explicit(&p->heaps[i].heap, memory_order_relaxed);
+    if (!k) return NULL;
+  }
+}
+
+static KT_NOINLINE kt_status heap_create(kt_pool_t *p, kt_stream_t stream, kt_heap **out) {
+  if ((uintptr_t)stream == UINTPTR_MAX) return KT_ERR_INVALID;
+  kt_status st = KT_OK;
+  pthread_mutex_lock(&p->heap_lock);
+  kt_heap *h = heap_find(p, stream);
+  if (h) goto done;
+  if (p->nheaps >= KT_MAX_STREAMS) { st = KT_ERR_LIMIT; goto done; }
+  h = aligned_alloc(KT_CACHELINE, sizeof *h);
+  if (!h) { st = KT_ERR_HOST_OOM; goto done; }
+  memset(h, 0, sizeof *h);
+  h->stream = stream;
+  uintptr_t key = (uintptr_t)stream + 1;
+  size_t i = heap_hash(key);
+  while (atomic_load_explicit(&p->heaps[i].key, memory_order_relaxed)) i = (i + 1) & (KT_HEAP_TABLE - 1);
+  atomic_store_explicit(&p->heaps[i].heap, h, memory_order_relaxed);
+  atomic_store_explicit(&p->heaps[i].key, key, memory_order_release);
+  /* heap_list is read under arena_lock (bins) and heap_lock: publish under both */
+  pthread_mutex_lock(&p->arena_lock);
+  h->next = p->heap_list; p->heap_list = h;
+  pthread_mutex_unlock(&p->arena_lock);
+  p->nheaps++;
+done:
+  pthread_mutex_unlock(&p->heap_lock);
+  *out = h;
+  return st;
+}
+
+static inline kt_status heap_get(kt_pool_t *p, kt_stream_t stream, kt_heap **out) {
+  kt_heap *h = heap_find(p, stream);
+  if (kt_likely(h != NULL)) { *out = h; return KT_OK; }
+  return heap_create(p, stream, out);
+}
+
+/* ---- hooks: trace and NVTX regions (off the fast path unless enabled) ------ */
+static void *block_nvtx_heap(kt_block *b) {
+  if (b->slab) return b->slab->ext->seg->nvtx_heap;
+  kt_extent *e = (kt_extent *)((char *)b - offsetof(kt_extent, blk));
+  return e->seg->nvtx_heap;
+}
+
+static KT_NOINLINE void on_alloc(kt_pool_t *p, kt_block *b) {
+  int h = atomic_load_explicit(&p->hooks, memory_order_relaxed);
+  if (h & KT_HOOK_NVTX) kt__nvtx_region(p, block_nvtx_heap(b), b->addr, b->size, 1);
+  if (h & KT_HOOK_TRACE) kt__trace(p, "alloc", b->addr, b->requested, b->heap->stream);
+}
+
+static KT_NOINLINE void on_free(kt_pool_t *p, uintptr_t addr, size_t requested, kt_stream_t s) {
+  int h = atomic_load_explicit(&p->hooks, memory_order_relaxed);
+  if (h & KT_HOOK_NVTX) kt__nvtx_region(p, NULL, addr, 0, 0);
+  if (h & KT_HOOK_TRACE) kt__trace(p, "free", addr, requested, s);
+}
+
+/* ---- OOM info -------------------------------------------------------------- */
+static __thread kt_oom_info last_oom;
+const kt_oom_info *kt_last_oom(void) { return &last_oom; }
+
+static void human(char *buf, size_t len, size_t b) {
+  const char *u[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = (double)b; int i = 0;
+  while (v >= 1024 && i < 4) { v /= 1024; i++; }
+  snprintf(buf, len, i ? "%.2f %s" : "%.0f %s", v, u[i]);
+}
+
+int kt_format_oom(const kt_oom_info *o, char *buf, size_t len) {
+  char req[32], live[32], cached[32], res[32], lim[32], big[32], dfree[32], dtot[32];
+  human(req, sizeof req, o->requested); human(live, sizeof live, o->live);
+  human(cached, sizeof cached, o->cached); human(res, sizeof res, o->reserved);
+  human(big, sizeof big, o->largest_free);
+  if (o->limit) human(lim, sizeof lim, o->limit); else snprintf(lim, sizeof lim, "none");
+  if (o->device_total) { human(dfree, sizeof dfree, o->device_free); human(dtot, sizeof dtot, o->device_total); }
+  else { snprintf(dfree, sizeof dfree, "?"); snprintf(dtot, sizeof dtot, "?"); }
+  const char *hint = o->hit_limit
+      ? "the pool's memory limit refused it: raise the limit or free tensors"
+      : (o->largest_free < o->requested && o->cached >= o->requested)
+            ? "enough memory is cached but no free block is large enough (fragmentation): "
+              "free tensors or call empty_cache between phases"
+            : "reduce the batch size or free tensors you no longer need";
+  return snprintf(buf, len,
+                  "Kitsune: out of memory on device %d: tried to allocate %s (%zu bytes); "
+                  "live %s, cached %s, reserved %s, limit %s; largest free block %s; "
+                  "device free %s of %s. Hint: %s.",
+                  o->device, req, o->requested, live, cached, res, lim, big, dfree, dtot, hint);
+}
+
+static void fill_oom(kt_pool_t *p, kt_oom_info *o, size_t requested) {
+  /* caller holds arena_lock */
+  uint64_t v = atomic_load(&p->packed);
+  o->requested = requested;
+  o->live = (size_t)(v & 0xffffffffu) << 9;
+  o->reserved = (size_t)p->reserved;
+  o->cached = o->reserved > o->live ? o->reserved - o->live : 0;
+  o->limit = p->limit;
+  o->largest_free = kt__arena_largest_free(p);
+  o->device = p->device;
+  o->device_free = o->device_total = 0;
+  if (p->be->mem_info) p->be->mem_info(p->be->ctx, p->device, &o->device_free, &o->device_total);
+}
+
+/* ---- pending (cross-stream) frees ------------------------------------------ */
+static kt_status event_get(kt_pool_t *p, kt_event_t *ev) {
+  if (p->nevents) { *ev = p->event_cache[--p->nevents]; return KT_OK; }
+  return p->be->event_create(p->be->ctx, p->device, ev);
+}
+
+static void event_put(kt_pool_t *p, kt_event_t ev) {
+  if (p->nevents == p->event_cap) {
+    int cap = p->event_cap ? 2 * p->event_cap : 64;
+    kt_event_t *n = realloc(p->event_cache, (size_t)cap * sizeof *n);
+    if (!n) { p->be->event_destroy(p->be->ctx, p->device, ev); return; }
+    p->event_cache = n; p->event_cap = cap;
+  }
+  p->event_cache[p->nevents++] = ev;
+}
+
+static kt_uses *uses_get(kt_pool_t *p) {
+  pthread_mutex_lock(&p->pending_lock);
+  kt_uses *u = p->uses_cache;
+  if (u) p->uses_cache = u->next;
+  pthread_mutex_unlock(&p->pending_lock);
+  if (!u) u = malloc(sizeof *u);
+  if (u) memset(u, 0, sizeof *u);
+  return u;
+}
+
+static void uses_put_locked(kt_pool_t *p, kt_uses *u) { u->next = p->uses_cache; p->uses_cache = u; }
+
+static void finish_free(kt_pool_t *p, kt_block *b);
+
+/* b is PENDING and off every list. Records an event on each stream that used it.
+ * On failure to get events it synchronizes the device instead. */
+static KT_NOINLINE kt_status free_pending(kt_pool_t *p, kt_block *b) {
+  kt_uses *u = b->uses;
+  int ok = !u->overflow;
+  pthread_mutex_lock(&p->pending_lock);
+  int i = 0;
+  for (; ok && i < u->n; i++) {
+    if (event_get(p, &u->ev[i]) != KT_OK ||
+        p->be->event_record(p->be->ctx, p->device, u->ev[i], u->s[i]) != KT_OK) {
+      ok = 0;
+      if (u->ev[i]) event_put(p, u->ev[i]);
+      break;
+    }
+  }
+  if (!ok) {  /* too many streams or no events: wait for everything instead */
+    for (int j = 0; j < i; j++) event_put(p, u->ev[j]);
+    pthread_mutex_unlock(&p->pending_lock);
+    kt_status st = p->be->synchronize(p->be->ctx, p->device);
+    if (st != KT_OK) return st;  /* block stays PENDING and off-list: leaked, reported */
+    u->n = 0;
+    atomic_fetch_add_explicit(&p->packed, (KT_UNITS(b->size) << 32) - KT_UNITS(b->size), memory_order_relaxed);
+    finish_free(p, b);
+    return KT_OK;
+  }
+  /* move the bytes from allocated to pending in one add: active stays the same */
+  atomic_fetch_add_explicit(&p->packed, (KT_UNITS(b->size) << 32) - KT_UNITS(b->size), memory_order_relaxed);
+  b->next = p->pending; p->pending = b;
+  p->n_pending_frees++;
+  atomic_fetch_add_explicit(&p->npending, 1, memory_order_release);
+  pthread_mutex_unlock(&p->pending_lock);
+  return KT_OK;
+}
+
+/* Returns blocks whose events all completed to their stream. sync: wait first. */
+static void drain_pending(kt_pool_t *p, int sync) {
+  if (!atomic_load_explicit(&p->npending, memory_order_acquire)) return;
+  if (sync) p->be->synchronize(p->be->ctx, p->device);
+  kt_block *done = NULL;
+  pthread_mutex_lock(&p->pending_lock);
+  for (kt_block **pp = &p->pending; *pp;) {
+    kt_block *b = *pp;
+    kt_uses *u = b->uses;
+    int all = 1;
+    for (int i = 0; i < u->n && all; i++) {
+      int d = 0;
+      if (p->be->event_query(p->be->ctx, p->device, u->ev[i], &d) != KT_OK || !d) all = 0;
+    }
+    if (!all) { pp = &b->next; continue; }
+    *pp = b->next;
+    for (int i = 0; i < u->n; i++) event_put(p, u->ev[i]);
+    u->n = 0;
+    b->next = done; done = b;
+    atomic_fetch_sub_explicit(&p->npending, 1, memory_order_relaxed);
+  }
+  pthread_mutex_unlock(&p->pending_lock);
+  while (done) {
+    kt_block *b = done;
+    done = b->next;
+    finish_free(p, b);
+  }
+}
+
+/* A PENDING block whose users are done becomes FREE on its own stream. */
+static void finish_free(kt_pool_t *p, kt_block *b) {
+  kt_uses *u = b->uses;
+  b->uses = NULL;
+  if (u) { pthread_mutex_lock(&p->pending_lock); uses_put_locked(p, u); pthread_mutex_unlock(&p->pending_lock); }
+  size_t size = b->size;
+  if (b->slab) {
+    kt_heap *h = b->heap;
+    kt_spin_lock(&h->lock);
+    b->state = KT_BLOCK_FREE;
+    b->next = h->free[b->cls]; h->free[b->cls] = b;
+    b->slab->nfree++;
+    kt_spin_unlock(&h->lock);
+  } else {
+    kt_extent *e = (kt_extent *)((char *)b - offsetof(kt_extent, blk));
+    pthread_mutex_lock(&p->arena_lock);
+    kt__radix_set(p, e->addr, 0);
+    e->blk.state = KT_BLOCK_FREE;
+    kt__arena_put(p, e, b->heap);
+    pthread_mutex_unlock(&p->arena_lock);
+  }
+  atomic_fetch_sub_explicit(&p->packed, KT_UNITS(size) << 32, memory_order_relaxed);
+}
+
+/* ---- releasing cache ------------------------------------------------------- */
+/* Gives fully free slabs back to the arena and idle segments to the backend. */
+static void release_cached(kt_pool_t *p, int sync) {
+  drain_pending(p, sync);
+  kt_slab *freed = NULL;
+  pthread_mutex_lock(&p->heap_lock);
+  for (kt_heap *h = p->heap_list; h; h = h->next) {
+    kt_spin_lock(&h->lock);
+    int any = 0;
+    for (kt_slab **sp = &h->slabs; *sp;) {
+      kt_slab *s = *sp;
+      if (s->nfree != s->nblocks) { sp = &s->next; continue; }
+      *sp = s->next;
+      s->nfree = UINT32_MAX;            /* mark: drop its blocks from the lists */
+      s->next = freed; freed = s;
+      any = 1;
+    }
+    if (any)
+      for (int c = 0; c < KT_NUM_CLASSES; c++)
+        for (kt_block **bp = &h->free[c]; *bp;) {
+          if ((*bp)->slab->nfree == UINT32_MAX) *bp = (*bp)->next; else bp = &(*bp)->next;
+        }
+    kt_spin_unlock(&h->lock);
+  }
+  pthread_mutex_unlock(&p->heap_lock);
+  pthread_mutex_lock(&p->arena_lock);
+  while (freed) {
+    kt_slab *s = freed;
+    freed = s->next;
+    kt__radix_set_range(p, s->base, s->bytes, 0);
+    kt__arena_put(p, s->ext, s->heap);
+    s->ext = NULL;
+    s->next = p->retired[s->cls]; p->retired[s->cls] = s;
+  }
+  kt_segment *idle = kt__arena_collect_idle(p);
+  pthread_mutex_unlock(&p->arena_lock);
+  while (idle) {
+    kt_segment *s = idle;
+    idle = s->next;
+    kt__segment_release(p, s);
+  }
+}
+
+kt_status kt_empty_cache(kt_pool_t *p) {
+  if (!p) return KT_ERR_INVALID;
+  kt__nvtx_push(p, "kitsune:empty_cache");
+  release_cached(p, 0);
+  kt__nvtx_pop(p);
+  if (atomic_load_explicit(&p->hooks, memory_order_relaxed) & KT_HOOK_TRACE) kt__trace(p, "empty_cache", 0, 0, NULL);
+  return KT_OK;
+}
+
+/* arena_take with one retry after releasing cache; fills the thread's OOM info. */
+static kt_status take_extent(kt_pool_t *p, kt_heap *h, size_t size, size_t align, size_t requested,
+                             kt_extent **out) {
+  kt_oom_info oom = {0};
+  pthread_mutex_lock(&p->arena_lock);
+  kt_status st = kt__arena_take(p, h, size, align, requested, out, &oom);
+  if (st == KT_ERR_OOM) {
+    p->n_retries++;
+    pthread_mutex_unlock(&p->arena_lock);
+    kt__nvtx_push(p, "kitsune:oom_retry");
+    release_cached(p, 1);
+    kt__nvtx_pop(p);
+    memset(&oom, 0, sizeof oom);
+    pthread_mutex_lock(&p->arena_lock);
+    st = kt__arena_take(p, h, size, align, requested, out, &oom);
+    if (st == KT_ERR_OOM) {
+      p->n_ooms++;
+      fill_oom(p, &oom, requested);
+      last_oom = oom;
+    }
+  }
+  pthread_mutex_unlock(&p->arena_lock);
+  if (st == KT_ERR_OOM && (atomic_load_explicit(&p->hooks, memory_order_relaxed) & KT_HOOK_TRACE))
+    kt__trace(p, "oom", 0, requested, h->stream);
+  return st;
+}
+
+/* ---- alloc ----------------------------------------------------------------- */
+static inline void block_take(kt_pool_t *p, kt_heap *h, kt_block *b, int cls, size_t size) {
+  b->state = KT_BLOCK_LIVE;
+  b->requested = size;
+  b->alloc_ticks = p->track ? kt__ticks() : 0;
+  b->slab->nfree--;
+  h->st.nalloc++;
+  h->st.class_alloc[cls]++;
+  h->st.bytes_alloc += (int64_t)b->size;
+  h->st.req_alloc += (int64_t)size;
+}
+
+static kt_slab *slab_descriptor(kt_pool_t *p, int cls) {
+  /* caller holds arena_lock */
+  kt_slab *s = p->retired[cls];
+  if (s) { p->retired[cls] = s->next; return s; }
+  return malloc(sizeof(kt_slab) + kt__geom[cls].nblocks * sizeof(kt_block));
+}
+
+static KT_NOINLINE kt_status alloc_class_slow(kt_pool_t *p, kt_heap *h, int cls, size_t size, void **out) {
+  if (atomic_load_explicit(&p->npending, memory_order_relaxed)) {
+    drain_pending(p, 0);
+    kt_spin_lock(&h->lock);
+    kt_block *b = h->free[cls];
+    if (b) {
+      h->free[cls] = b->next;
+      block_take(p, h, b, cls, size);
+      kt_spin_unlock(&h->lock);
+      kt__count_alloc(p, b->size);
+      if (kt_unlikely(atomic_load_explicit(&p->hooks, memory_order_relaxed))) on_alloc(p, b);
+      *out = (void *)b->addr;
+      return KT_OK;
+    }
+    kt_spin_unlock(&h->lock);
+  }
+  const kt_class_geom *g = &kt__geom[cls];
+  kt_extent *e;
+  kt_status st = take_extent(p, h, g->slab_bytes, KT_PAGE, size, &e);
+  if (st != KT_OK) return st;
+  pthread_mutex_lock(&p->arena_lock);
+  kt_slab *s = slab_descriptor(p, cls);
+  if (s) st = kt__radix_set_range(p, e->addr, g->slab_bytes, (uintptr_t)s | 1);
+  if (!s || st != KT_OK) {
+    if (s) { kt__radix_set_range(p, e->addr, g->slab_bytes, 0); s->next = p->retired[cls]; p->retired[cls] = s; }
+    kt__arena_put(p, e, h);
+    pthread_mutex_unlock(&p->arena_lock);
+    return KT_ERR_HOST_OOM;
+  }
+  e->kind = KT_EXT_SLAB;
+  e->slab = s;
+  pthread_mutex_unlock(&p->arena_lock);
+  s->base = e->addr; s->bytes = g->slab_bytes; s->magic = g->magic; s->ext = e; s->heap = h;
+  s->nblocks = g->nblocks; s->cls = cls;
+  for (uint32_t i = 0; i < g->nblocks; i++) {
+    kt_block *b = &s->blocks[i];
+    memset(b, 0, sizeof *b);
+    b->addr = s->base + (uintptr_t)i * g->size;
+    b->size = g->size; b->heap = h; b->slab = s; b->cls = (int16_t)cls; b->state = KT_BLOCK_FREE;
+  }
+  kt_spin_lock(&h->lock);
+  s->next = h->slabs; h->slabs = s;
+  s->nfree = g->nblocks;
+  for (uint32_t i = g->nblocks; i-- > 1;) {   /* lowest addresses pop first */
+    s->blocks[i].next = h->free[cls];
+    h->free[cls] = &s->blocks[i];
+  }
+  kt_block *b = &s->blocks[0];
+  block_take(p, h, b, cls, size);
+  kt_spin_unlock(&h->lock);
+  kt__count_alloc(p, b->size);
+  if (kt_unlikely(atomic_load_explicit(&p->hooks, memory_order_relaxed))) on_alloc(p, b);
+  *out = (void *)b->addr;
+  return KT_OK;
+}
+
+static KT_NOINLINE kt_status alloc_large(kt_pool_t *p, size_t size, kt_stream_t stream, void **out) {
+  if (size > ((size_t)1 << KT_VA_BITS)) {
+    memset(&last_oom, 0, sizeof last_oom);
+    last_oom.requested = size; last_oom.device = p->device;
+    return KT_ERR_OOM;
+  }
+  kt_heap *h;
+  kt_status st = heap_get(p, stream, &h);
+  if (st != KT_OK) return st;
+  drain_pending(p, 0);
+  size_t rounded = (size + KT_QUANTUM - 1) & ~(size_t)(KT_QUANTUM - 1);
+  kt_extent *e;
+  st = take_extent(p, h, rounded, KT_QUANTUM, size, &e);
+  if (st != KT_OK) return st;
+  pthread_mutex_lock(&p->arena_lock);
+  st = kt__radix_set(p, e->addr, (uintptr_t)e);
+  if (st != KT_OK) {
+    kt__arena_put(p, e, h);
+    pthread_mutex_unlock(&p->arena_lock);
+    return st;
+  }
+  e->kind = KT_EXT_LARGE;
+  kt_block *b = &e->blk;
+  memset(b, 0, sizeof *b);
+  b->addr = e->addr; b->size = rounded; b->requested = size; b->heap = h; b->cls = -1;
+  b->alloc_ticks = p->track ? kt__ticks() : 0;
+  b->state = KT_BLOCK_LIVE;
+  p->n_large++; p->large_nalloc++;
+  p->large_bytes_alloc += (int64_t)rounded; p->large_req_alloc += (int64_t)size;
+  pthread_mutex_unlock(&p->arena_lock);
+  kt__count_alloc(p, rounded);
+  if (kt_unlikely(atomic_load_explicit(&p->hooks, memory_order_relaxed))) on_alloc(p, b);
+  *out = (void *)b->addr;
+  return KT_OK;
+}
+
+kt_status kt_alloc(kt_pool_t *p, size_t size, kt_stream_t stream, void **out) {
+  if (kt_unlikely(size - 1 >= KT_LARGE_THRESHOLD)) {
+    if (!p || !out) return KT_ERR_INVALID;
+    if (size == 0) { *out = NULL; return KT_OK; }
+    return alloc_large(p, size, stream, out);
+  }
+  if (kt_unlikely(!p || !out)) return KT_ERR_INVALID;
+  int cls = kt__class_of(size);
+  kt_heap *h = heap_find(p, stream);
+  if (kt_unlikely(!h)) {
+    kt_status st = heap_create(p, stream, &h);
+    if (st != KT_OK) return st;
+  }
+  kt_spin_lock(&h->lock);
+  kt_block *b = h->free[cls];
+  if (kt_unlikely(!b)) {
+    kt_spin_unlock(&h->lock);
+    return alloc_class_slow(p, h, cls, size, out);
+  }
+  h->free[cls] = b->next;
+  block_take(p, h, b, cls, size);
+  kt_spin_unlock(&h->lock);
+  kt__count_alloc(p, b->size);
+  if (kt_unlikely(atomic_load_explicit(&p->hooks, memory_order_relaxed))) on_alloc(p, b);
+  *out = (void *)b->addr;
+  return KT_OK;
+}
+
+/* ---- free ------------------------------------------------------------------ */
+static inline kt_block *slab_block(kt_slab *s, uintptr_t addr) {
+  uint64_t off = addr - s->base;
+  uint64_t i = (off * s->magic) >> 40;
+  kt_block *b = &s->blocks[i];
+  return (i < s->nblocks && b->addr == addr) ? b : NULL;
+}
+
+static inline void count_free_stats(kt_heap *h, kt_block *b) {
+  h->st.nfree++;
+  h->st.class_free[b->cls]++;
+  h->st.bytes_freed += (int64_t)b->size;
+  h->st.req_freed += (int64_t)b->requested;
+}
+
+static KT_NOINLINE kt_status free_large(kt_pool_t *p, uintptr_t addr, uintptr_t ent, size_t size) {
+  kt_extent *e = (kt_extent *)ent;
+  pthread_mutex_lock(&p->arena_lock);
+  if (e->addr != addr || e->kind != KT_EXT_LARGE || e->blk.state != KT_BLOCK_LIVE ||
+      (size && ((size + KT_QUANTUM - 1) & ~(size_t)(KT_QUANTUM - 1)) != e->size)) {
+    pthread_mutex_unlock(&p->arena_lock);
+    return KT_ERR_INVALID;
+  }
+  kt_block *b = &e->blk;
+  kt_heap *h = b->heap;
+  size_t bytes = e->size, req = b->requested;
+  p->large_nfree++;
+  p->large_bytes_freed += (int64_t)bytes; p->large_req_freed += (int64_t)req;
+  if (b->uses) {
+    b->state = KT_BLOCK_PENDING;
+    pthread_mutex_unlock(&p->arena_lock);
+    if (kt_unlikely(atomic_load_explicit(&p->hooks, memory_order_relaxed))) on_free(p, addr, req, h->stream);
+    return free_pending(p, b);
+  }
+  b->state = KT_BLOCK_FREE;
+  kt__radix_set(p, addr, 0);
+  kt__arena_put(p, e, h);
+  pthread_mutex_unlock(&p->arena_lock);
+  kt__count_free(p, bytes);
+  if (kt_unlikely(atomic_load_explicit(&p->hooks, memory_order_relaxed))) on_free(p, addr, req, h->stream);
+  return KT_OK;
+}
+
+kt_status kt_free(kt_pool_t *p, void *ptr, size_t size, kt_stream_t stream) {
+  (void)stream;  /* the block knows its stream; the argument is PyTorch's ABI */
+  if (kt_unlikely(!ptr || !p)) return p ? KT_OK : KT_ERR_INVALID;
+  uintptr_t addr = (uintptr_t)ptr;
+  uintptr_t ent = kt__radix_get(p, addr);
+  if (kt_unlikely(!(ent & 1))) return ent ? free_large(p, addr, ent, size) : KT_ERR_INVALID;
+  kt_slab *s = (kt_slab *)(ent & ~(uintptr_t)1);
+  kt_block *b = slab_block(s, addr);
+  if (kt_unlikely(!b || (size && (size > KT_LARGE_THRESHOLD || kt__class_of(size) != b->cls))))
+    return KT_ERR_INVALID;
+  kt_heap *h = b->heap;
+  kt_spin_lock(&h->lock);
+  if (kt_unlikely(b->state != KT_BLOCK_LIVE)) { kt_spin_unlock(&h->lock); return KT_ERR_INVALID; }
+  count_free_stats(h, b);
+  size_t req = b->requested;
+  if (kt_unlikely(b->uses != NULL)) {
+    b->state = KT_BLOCK_PENDING;
+    kt_spin_unlock(&h->lock);
+    if (kt_unlikely(atomic_load_explicit(&p->hooks, memory_order_relaxed))) on_free(p, addr, req, h->stream);
+    return free_pending(p, b);
+  }
+  b->state = KT_BLOCK_FREE;
+  b->next = h->free[b->cls];
+  h->free[b->cls] = b;
+  s->nfree++;
+  kt_spin_unlock(&h->lock);
+  kt__count_free(p, b->size);
+  if (kt_unlikely(atomic_load_explicit(&p->hooks, memory_order_relaxed))) on_free(p, addr, req, h->stream);
+  return KT_OK;
+}
+
+/* ---- record_stream ----------------------------------------------------------- */
+static void add_use(kt_block *b, kt_stream_t s) {
+  kt_uses *u = b->uses;
+  if (s == b->heap->stream || u->overflow) return;
+  for (int i = 0; i < u->n; i++) if (u->s[i] == s) return;
+  if (u->n == KT_MAX_USES) { u->overflow = 1; return; }
+  u->s[u->n++] = s;
+}
+
+kt_status kt_record_stream(kt_pool_t *p, void *ptr, kt_stream_t stream) {
+  if (!p || !ptr) return KT_ERR_INVALID;
+  uintptr_t addr = (uintptr_t)ptr, ent = kt__radix_get(p, addr);
+  if (!ent) return KT_ERR_INVALID;
+  kt_uses *spare = uses_get(p);
+  if (!spare) return KT_ERR_HOST_OOM;
+  kt_status st = KT_OK;
+  if (ent & 1) {
+    kt_block *b = slab_block((kt_slab *)(ent & ~(uintptr_t)1), addr);
+    if (!b) { st = KT_ERR_INVALID; goto out; }
+    kt_spin_lock(&b->heap->lock);
+    if (b->state != KT_BLOCK_LIVE) st = KT_ERR_INVALID;
+    else if (stream != b->heap->stream) {
+      if (!b->uses) { b->uses = spare; spare = NULL; }
+      add_use(b, stream);
+    }
+    kt_spin_unlock(&b->heap->lock);
+  } else {
+    kt_extent *e = (kt_extent *)ent;
+    pthread_mutex_lock(&p->arena_lock);
+    if (e->addr != addr || e->kind != KT_EXT_LARGE || e->blk.state != KT_BLOCK_LIVE) st = KT_ERR_INVALID;
+    else if (stream != e->blk.heap->stream) {
+      if (!e->blk.uses) { e->blk.uses = spare; spare = NULL; }
+      add_use(&e->blk, stream);
+    }
+    pthread_mutex_unlock(&p->arena_lock);
+  }
+out:
+  if (spare) { pthread_mutex_lock(&p->pending_lock); uses_put_locked(p, spare); pthread_mutex_unlock(&p->pending_lock); }
+  if (st == KT_OK && (atomic_load_explicit(&p->hooks, memory_order_relaxed) & KT_HOOK_TRACE))
+    kt__trace(p, "record_stream", addr, 0, stream);
+  return st;
+}
+
+/* ---- queries ----------------------------------------------------------------- */
+kt_status kt_block_query(kt_pool_t *p, const void *ptr, kt_block_info *out) {
+  if (!p || !ptr || !out) return KT_ERR_INVALID;
+  uintptr_t addr = (uintptr_t)ptr, ent = kt__radix_get(p, addr);
+  if (!ent) return KT_ERR_INVALID;
+  kt_block copy;
+  kt_uses uses = {0};
+  kt_status st = KT_OK;
+  if (ent & 1) {
+    kt_block *b = slab_block((kt_slab *)(ent & ~(uintptr_t)1), addr);
+    if (!b) return KT_ERR_INVALID;
+    kt_spin_lock(&b->heap->lock);
+    copy = *b;
+    if (b->uses) uses = *b->uses;
+    kt_spin_unlock(&b->heap->lock);
+  } else {
+    kt_extent *e = (kt_extent *)ent;
+    pthread_mutex_lock(&p->arena_lock);
+    if (e->addr != addr || e->kind != KT_EXT_LARGE) st = KT_ERR_INVALID;
+    else { copy = e->blk; if (e->blk.uses) uses = *e->blk.uses; }
+    pthread_mutex_unlock(&p->arena_lock);
+    if (st != KT_OK) return st;
+  }
+  if (copy.state != KT_BLOCK_LIVE) return KT_ERR_INVALID;
+  memset(out, 0, sizeof *out);
+  out->ptr = (void *)copy.addr;
+  out->size = copy.size;
+  out->requested = copy.requested;
+  out->stream = copy.heap->stream;
+  out->alloc_ns = copy.alloc_ticks ? kt__ticks_to_ns(p, copy.alloc_ticks) : 0;
+  out->num_uses = uses.n;
+  for (int i = 0; i < uses.n; i++) out->uses[i] = uses.s[i];
+  out->size_class = copy.cls;
+  return KT_OK;
+}
+
+/* ---- limits ---------------------------------------------------------------- */
+kt_status kt_set_memory_limit(kt_pool_t *p, size_t bytes) {
+  if (!p) return KT_ERR_INVALID;
+  pthread_mutex_lock(&p->arena_lock);
+  p->limit = bytes;
+  pthread_mutex_unlock(&p->arena_lock);
+  return KT_OK;
+}
+
+kt_status kt_set_memory_fraction(kt_pool_t *p, double fraction) {
+  if (!p || !(fraction > 0.0 && fraction <= 1.0)) return KT_ERR_INVALID;
+  if (!p->be->mem_info) return KT_ERR_UNAVAILABLE;
+  size_t fr, total;
+  kt_status st = p->be->mem_info(p->be->ctx, p->device, &fr, &total);
+  if (st != KT_OK) return st;
+  return kt_set_memory_limit(p, (size_t)((double)total * fraction));
+}
+
+size_t kt_get_memory_limit(const kt_pool_t *p) { return p ? p->limit : 0; }
+
+/* ---- stats ----------------------------------------------------------------- */
+static void stat_set(kt_stat *s, int64_t cur, int64_t peak, int64_t alloc, int64_t freed) {
+  s->current = cur; s->peak = peak; s->allocated = alloc; s->freed = freed;
+}
+
+kt_status kt_get_stats(kt_pool_t *p, kt_stats *o) {
+  if (!p || !o) return KT_ERR_INVALID;
+  memset(o, 0, sizeof *o);
+  kt_heap_stats sum = {0};
+  pthread_mutex_lock(&p->heap_lock);
+  for (kt_heap *h = p->heap_list; h; h = h->next) {
+    kt_spin_lock(&h->lock);
+    sum.nalloc += h->st.nalloc; sum.nfree += h->st.nfree;
+    sum.bytes_alloc += h->st.bytes_alloc; sum.bytes_freed += h->st.bytes_freed;
+    sum.req_alloc += h->st.req_alloc; sum.req_freed += h->st.req_freed;
+    for (int c = 0; c < KT_NUM_CLASSES; c++) {
+      sum.class_alloc[c] += h->st.class_alloc[c];
+      sum.class_free[c] += h->st.class_free[c];
+    }
+    kt_spin_unlock(&h->lock);
+  }
+  pthread_mutex_unlock(&p->heap_lock);
+  uint64_t v = atomic_load(&p->packed);
+  int64_t allocated = (int64_t)(v & 0xffffffffu) << 9, pending = (int64_t)(v >> 32) << 9;
+  pthread_mutex_lock(&p->arena_lock);
+  int64_t ba = sum.bytes_alloc + p->large_bytes_alloc, bf = sum.bytes_freed + p->large_bytes_freed;
+  int64_t na = (int64_t)(sum.nalloc + p->large_nalloc), nf = (int64_t)(sum.nfree + p->large_nfree);
+  stat_set(&o->allocated_bytes, allocated, atomic_load(&p->peak_allocated), ba, bf);
+  stat_set(&o->active_bytes, allocated + pending, atomic_load(&p->peak_active), ba, bf - pending);
+  stat_set(&o->reserved_bytes, p->reserved, p->reserved_peak, p->reserved_total, p->released_total);
+  stat_set(&o->requested_bytes, sum.req_alloc + p->large_req_alloc - sum.req_freed - p->large_req_freed, 0,
+           sum.req_alloc + p->large_req_alloc, sum.req_freed + p->large_req_freed);
+  stat_set(&o->allocations, na - nf, 0, na, nf);
+  stat_set(&o->segments, p->nsegments, p->nsegments_peak, p->nsegments_total, p->nsegments_total - p->nsegments);
+  o->num_allocs = (uint64_t)na; o->num_frees = (uint64_t)nf;
+  o->num_alloc_retries = p->n_retries; o->num_ooms = p->n_ooms;
+  o->num_backend_reserves = p->n_reserves; o->num_backend_releases = p->n_releases;
+  o->num_large_allocs = p->n_large;
+  for (int c = 0; c < KT_NUM_CLASSES; c++) {
+    o->class_allocs[c] = sum.class_alloc[c];
+    o->class_live[c] = sum.class_alloc[c] - sum.class_free[c];
+  }
+  o->memory_limit = p->limit;
+  o->largest_free_block = kt__arena_largest_free(p);
+  pthread_mutex_unlock(&p->arena_lock);
+  pthread_mutex_lock(&p->pending_lock);
+  o->num_pending_frees = p->n_pending_frees;
+  pthread_mutex_unlock(&p->pending_lock);
+  return KT_OK;
+}
+
+void kt_reset_peak_stats(kt_pool_t *p) {
+  if (!p) return;
+  uint64_t v = atomic_load(&p->packed);
+  int64_t allocated = (int64_t)(v & 0xffffffffu) << 9, pending = (int64_t)(v >> 32) << 9;
+  atomic_store(&p->peak_allocated, allocated);
+  atomic_store(&p->peak_active, allocated + pending);
+  pthread_mutex_lock(&p->arena_lock);
+  p->reserved_peak = p->reserved;
+  p->nsegments_peak = p->nsegments;
+  pthread_mutex_unlock(&p->arena_lock);
+}
+
+/* ---- validation (O(n)) ------------------------------------------------------- */
+#define CHECK(c) do { if (!(c)) { st = KT_ERR_INVALID; goto out; } } while (0)
+
+kt_status kt_pool_validate(kt_pool_t *p) {
+  if (!p) return KT_ERR_INVALID;
+  kt_status st = KT_OK;
+  int64_t live = 0;
+  pthread_mutex_lock(&p->heap_lock);
+  pthread_mutex_lock(&p->arena_lock);
+  st = kt__arena_validate(p);
+  if (st != KT_OK) goto out;
+  for (kt_segment *s = p->segments; s; s = s->next)
+    for (kt_extent *e = s->first; e; e = e->anext)
+      if (e->kind == KT_EXT_LARGE && e->blk.state == KT_BLOCK_LIVE) live += (int64_t)e->size;
+  for (kt_heap *h = p->heap_list; h; h = h->next) {
+    kt_spin_lock(&h->lock);
+    for (kt_slab *s = h->slabs; s && st == KT_OK; s = s->next) {
+      uint32_t nfree = 0;
+      if (!(s->heap == h && s->ext && s->ext->slab == s && s->ext->kind == KT_EXT_SLAB)) st = KT_ERR_INVALID;
+      for (uint32_t i = 0; i < s->nblocks && st == KT_OK; i++) {
+        kt_block *b = &s->blocks[i];
+        if (b->state == KT_BLOCK_FREE) nfree++;
+        else if (b->state == KT_BLOCK_LIVE) live += (int64_t)b->size;
+        if (b->addr != s->base + i * kt__geom[s->cls].size || b->cls != s->cls) st = KT_ERR_INVALID;
+      }
+      if (nfree != s->nfree) st = KT_ERR_INVALID;
+    }
+    for (int c = 0; c < KT_NUM_CLASSES && st == KT_OK; c++) {
+      uint64_t n = 0;
+      for (kt_block *b = h->free[c]; b && st == KT_OK; b = b->next, n++)
+        if (b->state != KT_BLOCK_FREE || b->cls != c || b->heap != h || n > (1u << 28)) st = KT_ERR_INVALID;
+    }
+    kt_spin_unlock(&h->lock);
+    if (st != KT_OK) goto out;
+  }
+  CHECK(live == (int64_t)((atomic_load(&p->packed) & 0xffffffffu) << 9));
+out:
+  pthread_mutex_unlock(&p->arena_lock);
+  pthread_mutex_unlock(&p->heap_lock);
+  return st;
+}

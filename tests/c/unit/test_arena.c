@@ -1,0 +1,158 @@
+/* Unit: arena split/coalesce, free lists, slab bookkeeping, radix, stats identities. */
+#include "common.h"
+#include "internal.h"
+
+static kt_backend *be;
+static kt_pool_t *pool;
+static void setup(void) {
+  be = kt_fake_backend_create(0);
+  kt_pool_options o; kt_pool_options_default(&o);
+  cr_assert_eq(kt_pool_create(&o, be, &pool), KT_OK);
+}
+static void teardown(void) { kt_pool_destroy(pool); kt_fake_backend_destroy(be); }
+TestSuite(arena, .init = setup, .fini = teardown);
+
+static size_t free_extents(kt_pool_t *p) {
+  size_t n = p->untagged.count;
+  for (kt_heap *h = p->heap_list; h; h = h->next) n += h->bins.count;
+  return n;
+}
+
+Test(arena, split_then_coalesce_back_to_one_extent) {
+  void *a, *b, *c;
+  cr_assert_eq(kt_alloc(pool, 3 * MiB, NULL, &a), KT_OK);
+  cr_assert_eq(kt_alloc(pool, 3 * MiB, NULL, &b), KT_OK);
+  cr_assert_eq(kt_alloc(pool, 3 * MiB, NULL, &c), KT_OK);
+  /* three 3 MiB requests: each grows by a 4 MiB segment; the 1 MiB tails stay free */
+  cr_assert_eq(pool->nsegments, 3);
+  cr_assert_eq(free_extents(pool), 3);
+  cr_assert_eq(kt_free(pool, b, 3 * MiB, NULL), KT_OK);
+  cr_assert_eq(kt_pool_validate(pool), KT_OK);
+  /* b's extent merged with its own segment's tail: one free extent there */
+  kt_segment *sb = NULL;
+  for (kt_segment *s = pool->segments; s; s = s->next) if (s->base == (uintptr_t)b) sb = s;
+  cr_assert_not_null(sb);
+  cr_assert_eq(sb->first->kind, KT_EXT_FREE);
+  cr_assert_eq(sb->first->size, 4 * MiB);
+  cr_assert_null(sb->first->anext);
+  cr_assert_eq(kt_free(pool, a, 0, NULL), KT_OK);
+  cr_assert_eq(kt_free(pool, c, 0, NULL), KT_OK);
+  cr_assert_eq(free_extents(pool), 3);   /* one per segment, fully coalesced */
+  cr_assert_eq(kt_pool_validate(pool), KT_OK);
+}
+
+Test(arena, best_fit_prefers_the_smallest_hole) {
+  void *blk[6];
+  /* one segment of 32 MiB carved into 6 pieces, then holes of 5, 3 and 4 MiB */
+  void *big;
+  cr_assert_eq(kt_alloc(pool, 32 * MiB, NULL, &big), KT_OK);
+  cr_assert_eq(kt_free(pool, big, 0, NULL), KT_OK);
+  size_t sizes[6] = {5 * MiB, 2 * MiB, 3 * MiB, 2 * MiB, 4 * MiB, 2 * MiB};
+  for (int i = 0; i < 6; i++) cr_assert_eq(kt_alloc(pool, sizes[i], NULL, &blk[i]), KT_OK);
+  for (int i = 1; i < 6; i++) cr_assert_eq((uintptr_t)blk[i], (uintptr_t)blk[i - 1] + sizes[i - 1]);
+  cr_assert_eq(kt_free(pool, blk[0], 0, NULL), KT_OK);
+  cr_assert_eq(kt_free(pool, blk[2], 0, NULL), KT_OK);
+  cr_assert_eq(kt_free(pool, blk[4], 0, NULL), KT_OK);
+  void *x;
+  cr_assert_eq(kt_alloc(pool, 3 * MiB - 4096, NULL, &x), KT_OK);
+  cr_assert_eq(x, blk[2], "best fit should take the 3 MiB hole");
+  void *y;
+  cr_assert_eq(kt_alloc(pool, 4 * MiB, NULL, &y), KT_OK);
+  cr_assert_eq(y, blk[4]);
+  cr_assert_eq(pool->nsegments, 1);
+  cr_assert_eq(kt_pool_validate(pool), KT_OK);
+}
+
+Test(arena, streams_never_share_free_extents) {
+  void *a, *b;
+  kt_stream_t s1 = (kt_stream_t)0x100, s2 = (kt_stream_t)0x200;
+  cr_assert_eq(kt_alloc(pool, 8 * MiB, s1, &a), KT_OK);
+  cr_assert_eq(kt_free(pool, a, 0, s1), KT_OK);
+  cr_assert_eq(kt_alloc(pool, 8 * MiB, s2, &b), KT_OK);
+  cr_assert_neq(a, b, "a block freed on s1 went to s2");
+  void *c;
+  cr_assert_eq(kt_alloc(pool, 8 * MiB, s1, &c), KT_OK);
+  cr_assert_eq(a, c, "s1 should reuse its own freed block");
+}
+
+Test(arena, free_list_is_lifo_and_slab_counts_match) {
+  void *p[4];
+  for (int i = 0; i < 4; i++) cr_assert_eq(kt_alloc(pool, 1000, NULL, &p[i]), KT_OK);
+  for (int i = 1; i < 4; i++) cr_assert_eq((uintptr_t)p[i], (uintptr_t)p[i - 1] + 1024);
+  kt_slab *s = (kt_slab *)(kt__radix_get(pool, (uintptr_t)p[0]) & ~(uintptr_t)1);
+  cr_assert_eq(s->nblocks, 64);
+  cr_assert_eq(s->nfree, 60);
+  cr_assert_eq(kt_free(pool, p[1], 1000, NULL), KT_OK);
+  cr_assert_eq(kt_free(pool, p[3], 1000, NULL), KT_OK);
+  cr_assert_eq(s->nfree, 62);
+  void *q;
+  cr_assert_eq(kt_alloc(pool, 1024, NULL, &q), KT_OK);
+  cr_assert_eq(q, p[3], "last freed is first reused");
+  cr_assert_eq(kt_alloc(pool, 2000, NULL, &q), KT_OK);
+  cr_assert_neq(kt__radix_get(pool, (uintptr_t)q), (uintptr_t)s | 1, "another class gets another slab");
+  cr_assert_eq(kt_pool_validate(pool), KT_OK);
+}
+
+Test(arena, radix_maps_slab_pages_and_large_starts_only) {
+  void *small, *large;
+  cr_assert_eq(kt_alloc(pool, 100 * KiB, NULL, &small), KT_OK);
+  cr_assert_eq(kt_alloc(pool, 5 * MiB + 512, NULL, &large), KT_OK);
+  uintptr_t e = kt__radix_get(pool, (uintptr_t)small);
+  cr_assert(e & 1);
+  kt_slab *s = (kt_slab *)(e & ~(uintptr_t)1);
+  for (size_t off = 0; off < s->bytes; off += KT_PAGE) cr_assert_eq(kt__radix_get(pool, s->base + off), e);
+  kt_extent *x = (kt_extent *)kt__radix_get(pool, (uintptr_t)large);
+  cr_assert_eq(x->addr, (uintptr_t)large);
+  cr_assert_eq(x->size, 5 * MiB + 512);
+  cr_assert_eq(kt_free(pool, large, 0, NULL), KT_OK);
+  cr_assert_eq(kt__radix_get(pool, (uintptr_t)large), 0);
+  cr_assert_eq(kt_free(pool, large, 0, NULL), KT_ERR_INVALID, "double free of a large block");
+  cr_assert_eq(kt_free(pool, small, 0, NULL), KT_OK);
+  cr_assert_eq(kt_empty_cache(pool), KT_OK);
+  cr_assert_eq(kt__radix_get(pool, (uintptr_t)small), 0, "released slab pages unmapped");
+  cr_assert_eq(pool->reserved, 0);
+}
+
+Test(arena, stats_identities_over_random_operations) {
+  uint64_t seed = 42;
+  void *live[512] = {0};
+  size_t sz[512] = {0};
+  int64_t expect = 0;
+  for (int it = 0; it < 20000; it++) {
+    int i = (int)(test_rand(&seed) % 512);
+    kt_stream_t s = (kt_stream_t)(uintptr_t)(0x100 * (1 + test_rand(&seed) % 3));
+    if (live[i]) {
+      cr_assert_eq(kt_free(pool, live[i], sz[i], s), KT_OK);
+      expect -= (int64_t)(sz[i] <= KT_LARGE_THRESHOLD ? kt_class_size(kt_size_class(sz[i])) : (sz[i] + 511) / 512 * 512);
+      live[i] = NULL;
+    } else {
+      uint64_t r = test_rand(&seed);
+      sz[i] = 1 + (r % 8 == 0 ? r % (6 * MiB) : r % (64 * KiB));
+      cr_assert_eq(kt_alloc(pool, sz[i], s, &live[i]), KT_OK);
+      expect += (int64_t)(sz[i] <= KT_LARGE_THRESHOLD ? kt_class_size(kt_size_class(sz[i])) : (sz[i] + 511) / 512 * 512);
+    }
+    if (it % 2000 == 0) {
+      kt_stats st;
+      kt_get_stats(pool, &st);
+      cr_assert_eq(st.allocated_bytes.current, expect);
+      assert_stats_identities(pool);
+    }
+  }
+  kt_stats st;
+  kt_get_stats(pool, &st);
+  int64_t peak = st.allocated_bytes.peak;
+  kt_reset_peak_stats(pool);
+  kt_get_stats(pool, &st);
+  cr_assert_eq(st.allocated_bytes.peak, st.allocated_bytes.current);
+  cr_assert_geq(peak, st.allocated_bytes.current);
+  for (int i = 0; i < 512; i++) if (live[i]) cr_assert_eq(kt_free(pool, live[i], 0, NULL), KT_OK);
+  cr_assert_eq(kt_empty_cache(pool), KT_OK);
+  kt_get_stats(pool, &st);
+  cr_assert_eq(st.allocated_bytes.current, 0);
+  cr_assert_eq(st.reserved_bytes.current, 0);
+  kt_fake_counts fc;
+  kt_fake_get_counts(be, &fc);
+  cr_assert_eq(fc.reserved_bytes, 0);
+  cr_assert_eq(fc.reserves, fc.releases);
+  assert_stats_identities(pool);
+}

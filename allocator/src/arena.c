@@ -151,9 +151,8 @@ static kt_status grow(kt_pool_t *p, size_t size, kt_extent **out, kt_oom_info *o
   return KT_OK;
 }
 
-kt_status kt__arena_take(kt_pool_t *p, kt_heap *tag, size_t size, size_t align, size_t requested,
+kt_status kt__arena_take(kt_pool_t *p, kt_heap *tag, size_t size, size_t align, int kind,
                          kt_extent **out, kt_oom_info *oom) {
-  (void)requested;
   kt_extent *e = tag ? best_fit(&tag->bins, size, align) : NULL;
   if (!e) e = best_fit(&p->untagged, size, align);
   if (!e) {
@@ -161,7 +160,8 @@ kt_status kt__arena_take(kt_pool_t *p, kt_heap *tag, size_t size, size_t align, 
     if (st != KT_OK) return st;
   }
   kt_status st = carve(p, e, size, align, out);
-  if (st == KT_OK) (*out)->tag = tag;
+  /* marked in use before arena_lock is dropped: never mergeable while unlocked */
+  if (st == KT_OK) { (*out)->tag = tag; (*out)->kind = (uint8_t)kind; }
   return st;
 }
 

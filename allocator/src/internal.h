@@ -270,8 +270,9 @@ void kt__bins_insert(kt_bins *b, kt_extent *e);
 void kt__bins_remove(kt_bins *b, kt_extent *e);
 kt_bins *kt__bins_for(kt_pool_t *p, kt_heap *tag);
 /* Best fit for size at align among tag's free extents, then untagged ones; grows
- * the arena (may call the backend) when nothing fits. */
-kt_status kt__arena_take(kt_pool_t *p, kt_heap *tag, size_t size, size_t align, size_t requested,
+ * the arena (may call the backend) when nothing fits. The extent comes back
+ * marked kind (SLAB or LARGE), so it is never coalesced once the lock is dropped. */
+kt_status kt__arena_take(kt_pool_t *p, kt_heap *tag, size_t size, size_t align, int kind,
                          kt_extent **out, kt_oom_info *oom);
 /* Returns an extent to the free bins with tag, coalescing. */
 void kt__arena_put(kt_pool_t *p, kt_extent *e, kt_heap *tag);

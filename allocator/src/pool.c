@@ -452,11 +452,11 @@ kt_status kt_empty_cache(kt_pool_t *p) {
 }
 
 /* arena_take with one retry after releasing cache; fills the thread's OOM info. */
-static kt_status take_extent(kt_pool_t *p, kt_heap *h, size_t size, size_t align, size_t requested,
+static kt_status take_extent(kt_pool_t *p, kt_heap *h, size_t size, size_t align, int kind, size_t requested,
                              kt_extent **out) {
   kt_oom_info oom = {0};
   pthread_mutex_lock(&p->arena_lock);
-  kt_status st = kt__arena_take(p, h, size, align, requested, out, &oom);
+  kt_status st = kt__arena_take(p, h, size, align, kind, out, &oom);
   if (st == KT_ERR_OOM) {
     p->n_retries++;
     pthread_mutex_unlock(&p->arena_lock);
@@ -465,7 +465,7 @@ static kt_status take_extent(kt_pool_t *p, kt_heap *h, size_t size, size_t align
     kt__nvtx_pop(p);
     memset(&oom, 0, sizeof oom);
     pthread_mutex_lock(&p->arena_lock);
-    st = kt__arena_take(p, h, size, align, requested, out, &oom);
+    st = kt__arena_take(p, h, size, align, kind, out, &oom);
     if (st == KT_ERR_OOM) {
       p->n_ooms++;
       fill_oom(p, &oom, requested);
@@ -515,7 +515,7 @@ static KT_NOINLINE kt_status alloc_class_slow(kt_pool_t *p, kt_heap *h, int cls,
   }
   const kt_class_geom *g = &kt__geom[cls];
   kt_extent *e;
-  kt_status st = take_extent(p, h, g->slab_bytes, KT_PAGE, size, &e);
+  kt_status st = take_extent(p, h, g->slab_bytes, KT_PAGE, KT_EXT_SLAB, size, &e);
   if (st != KT_OK) return st;
   pthread_mutex_lock(&p->arena_lock);
   kt_slab *s = slab_descriptor(p, cls);
@@ -526,7 +526,6 @@ static KT_NOINLINE kt_status alloc_class_slow(kt_pool_t *p, kt_heap *h, int cls,
     pthread_mutex_unlock(&p->arena_lock);
     return KT_ERR_HOST_OOM;
   }
-  e->kind = KT_EXT_SLAB;
   e->slab = s;
   pthread_mutex_unlock(&p->arena_lock);
   s->base = e->addr; s->bytes = g->slab_bytes; s->magic = g->magic; s->ext = e; s->heap = h;
@@ -565,7 +564,7 @@ static KT_NOINLINE kt_status alloc_large(kt_pool_t *p, size_t size, kt_stream_t 
   drain_pending(p, 0);
   size_t rounded = (size + KT_QUANTUM - 1) & ~(size_t)(KT_QUANTUM - 1);
   kt_extent *e;
-  st = take_extent(p, h, rounded, KT_QUANTUM, size, &e);
+  st = take_extent(p, h, rounded, KT_QUANTUM, KT_EXT_LARGE, size, &e);
   if (st != KT_OK) return st;
   pthread_mutex_lock(&p->arena_lock);
   st = kt__radix_set(p, e->addr, (uintptr_t)e);
@@ -574,7 +573,6 @@ static KT_NOINLINE kt_status alloc_large(kt_pool_t *p, size_t size, kt_stream_t 
     pthread_mutex_unlock(&p->arena_lock);
     return st;
   }
-  e->kind = KT_EXT_LARGE;
   kt_block *b = &e->blk;
   memset(b, 0, sizeof *b);
   b->addr = e->addr; b->size = rounded; b->requested = size; b->heap = h; b->cls = -1;

@@ -162,7 +162,8 @@ kt_status kt_trace_start(kt_pool_t *pool, const char *path);
 kt_status kt_trace_stop(kt_pool_t *pool);
 
 /* ---- debugging ------------------------------------------------------------ */
-/* O(n) walk of every structure checking invariants; KT_OK or KT_ERR_INVALID. */
+/* O(n) walk of every structure checking invariants; KT_OK or KT_ERR_INVALID.
+ * Call it while no other thread is inside the pool (a checkpoint). */
 kt_status kt_pool_validate(kt_pool_t *pool);
 
 #ifdef __cplusplus

@@ -84,6 +84,9 @@ test: deps
 	@$(MAKE) --no-print-directory test-c test-python
 
 test-c: $(TEST_BINS) $(BUILD)/libkitsune.so $(BUILD)/libnvtx_record.so
+	@echo "-- conformance on the CUDA backend (skips without a GPU) --"
+	@KT_TEST_BACKEND=cuda bash tools/run_c_tests.sh $(BUILD)/tests conformance
+	@echo "-- all C suites on the host fake backend --"
 	@bash tools/run_c_tests.sh $(BUILD)/tests $(TIERS)
 
 test-python: $(BUILD)/libkitsune.so

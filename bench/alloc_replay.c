@@ -1,0 +1,164 @@
+/* bench/alloc_replay.c — replays an allocation trace against the allocator.
+ *
+ *   alloc_replay TRACE.csv [--backend fake|cuda] [--repeat R] [--json FILE]
+ *
+ * TRACE is what kt_trace_start / kitsune.allocator.trace() record:
+ *   thread,time_ns,action,ptr,size,stream
+ * Events are replayed in file order on one thread; recorded pointers map to the new
+ * ones, recorded streams to fake handles or to fresh CUDA streams. Prints ns/op and
+ * peak reserved / peak live (live = sum of requested sizes of live blocks).
+ */
+#include "bench_common.h"
+
+typedef struct ev { uint64_t ptr, stream; size_t size; char action; } ev;  /* a f r e */
+
+/* open-addressing map: recorded pointer -> slot in the live table */
+typedef struct map { uint64_t *key; void **val; size_t *size; size_t cap, n; } map;
+
+static size_t hash(uint64_t k, size_t cap) { return (size_t)((k * 0x9E3779B97F4A7C15ull) >> 20) & (cap - 1); }
+
+static void map_put(map *m, uint64_t k, void *v, size_t size) {
+  if (2 * (m->n + 1) > m->cap) {
+    map old = *m;
+    m->cap = old.cap ? 2 * old.cap : 1024;
+    m->key = calloc(m->cap, sizeof *m->key); m->val = calloc(m->cap, sizeof *m->val); m->size = calloc(m->cap, sizeof *m->size);
+    m->n = 0;
+    for (size_t i = 0; i < old.cap; i++) if (old.key[i]) map_put(m, old.key[i], old.val[i], old.size[i]);
+    free(old.key); free(old.val); free(old.size);
+  }
+  size_t i = hash(k, m->cap);
+  while (m->key[i] && m->key[i] != k) i = (i + 1) & (m->cap - 1);
+  if (!m->key[i]) m->n++;
+  m->key[i] = k; m->val[i] = v; m->size[i] = size;
+}
+
+static long map_find(map *m, uint64_t k) {
+  if (!m->cap) return -1;
+  for (size_t i = hash(k, m->cap); m->key[i]; i = (i + 1) & (m->cap - 1)) if (m->key[i] == k) return (long)i;
+  return -1;
+}
+
+static void map_del(map *m, size_t i) {   /* backward-shift deletion */
+  m->key[i] = 0; m->n--;
+  for (size_t j = (i + 1) & (m->cap - 1); m->key[j]; j = (j + 1) & (m->cap - 1)) {
+    uint64_t k = m->key[j]; void *v = m->val[j]; size_t s = m->size[j];
+    m->key[j] = 0; m->n--;
+    map_put(m, k, v, s);
+  }
+}
+
+int main(int argc, char **argv) {
+  const char *path = NULL, *backend = "fake", *json = NULL;
+  int repeat = 1;
+  for (int i = 1; i < argc; i++) {
+    if (!strcmp(argv[i], "--backend") && i + 1 < argc) backend = argv[++i];
+    else if (!strcmp(argv[i], "--repeat") && i + 1 < argc) repeat = atoi(argv[++i]);
+    else if (!strcmp(argv[i], "--json") && i + 1 < argc) json = argv[++i];
+    else if (!path && argv[i][0] != '-') path = argv[i];
+    else { fprintf(stderr, "usage: %s TRACE.csv [--backend fake|cuda] [--repeat R] [--json FILE]\n", argv[0]); return 2; }
+  }
+  if (!path) { fprintf(stderr, "usage: %s TRACE.csv [--backend fake|cuda] [--repeat R] [--json FILE]\n", argv[0]); return 2; }
+  FILE *f = fopen(path, "r");
+  if (!f) { fprintf(stderr, "cannot read %s\n", path); return 1; }
+  size_t cap = 1 << 16, n = 0;
+  ev *evs = malloc(cap * sizeof *evs);
+  char line[512];
+  long lineno = 0;
+  uint64_t streams[64];
+  int nstreams = 0;
+  while (fgets(line, sizeof line, f)) {
+    lineno++;
+    if (lineno == 1 && !strncmp(line, "thread,", 7)) continue;
+    long tid; unsigned long long t, ptr, stream; size_t size; char action[32];
+    if (sscanf(line, "%ld,%llu,%31[^,],%llx,%zu,%llx", &tid, &t, action, &ptr, &size, &stream) != 6) {
+      fprintf(stderr, "%s:%ld: not a trace line: %s", path, lineno, line);
+      return 1;
+    }
+    char a = !strcmp(action, "alloc") ? 'a' : !strcmp(action, "free") ? 'f' : !strcmp(action, "record_stream") ? 'r'
+           : !strcmp(action, "empty_cache") ? 'e' : 0;
+    if (!a) continue;   /* oom and future actions: not replayed */
+    if (n == cap) evs = realloc(evs, (cap *= 2) * sizeof *evs);
+    evs[n++] = (ev){ptr, stream, size, a};
+    int known = 0;
+    for (int i = 0; i < nstreams; i++) known |= streams[i] == stream;
+    if (!known && a != 'e') {
+      if (nstreams == 64) { fprintf(stderr, "more than 64 streams in the trace\n"); return 1; }
+      streams[nstreams++] = stream;
+    }
+  }
+  fclose(f);
+  char device[256], date[32];
+  const kt_backend *be = bench_backend(backend, device, sizeof device);
+  if (!be) return 1;
+  iso_date(date, sizeof date);
+  kt_stream_t mapped[64];
+  for (int i = 0; i < nstreams; i++) {
+    if (!strcmp(be->name, "cuda") && streams[i]) {
+      cudaStream_t s;
+      cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+      mapped[i] = s;
+    } else {
+      mapped[i] = (kt_stream_t)(uintptr_t)streams[i];
+    }
+  }
+  double best = 1e30;
+  size_t peak_reserved = 0, peak_live = 0;
+  long ops = 0, missing = 0;
+  for (int r = 0; r < repeat; r++) {
+    kt_pool_options o;
+    kt_pool_options_default(&o);
+    kt_pool_t *pool;
+    if (kt_pool_create(&o, be, &pool) != KT_OK) return 1;
+    map m = {0};
+    size_t live = 0;
+    peak_live = 0; ops = 0; missing = 0;
+    double t0 = now_s();
+    for (size_t i = 0; i < n; i++) {
+      ev *e = &evs[i];
+      kt_stream_t s = NULL;
+      for (int k = 0; k < nstreams; k++) if (streams[k] == e->stream) { s = mapped[k]; break; }
+      if (e->action == 'a') {
+        void *p;
+        if (kt_alloc(pool, e->size, s, &p) != KT_OK) { fprintf(stderr, "replay: allocation of %zu failed\n", e->size); return 1; }
+        if (p) map_put(&m, e->ptr, p, e->size);
+        live += e->size;
+        if (live > peak_live) peak_live = live;
+      } else if (e->action == 'f') {
+        long k = map_find(&m, e->ptr);
+        if (k < 0) { missing++; continue; }   /* allocated before the trace started */
+        kt_free(pool, m.val[k], m.size[k], s);
+        live -= m.size[k];
+        map_del(&m, (size_t)k);
+      } else if (e->action == 'r') {
+        long k = map_find(&m, e->ptr);
+        if (k >= 0) kt_record_stream(pool, m.val[k], s);
+      } else {
+        kt_empty_cache(pool);
+      }
+      ops++;
+    }
+    double dt = now_s() - t0;
+    if (dt < best) best = dt;
+    kt_stats st;
+    kt_get_stats(pool, &st);
+    peak_reserved = (size_t)st.reserved_bytes.peak;
+    for (size_t i = 0; i < m.cap; i++) if (m.key[i]) kt_free(pool, m.val[i], m.size[i], NULL);
+    free(m.key); free(m.val); free(m.size);
+    kt_pool_destroy(pool);
+  }
+  double ns = best * 1e9 / (double)(ops ? ops : 1);
+  double ratio = peak_live ? (double)peak_reserved / (double)peak_live : 0;
+  printf("replay %s: %zu events, %d streams, backend %s (%s)\n", path, n, nstreams, be->name, device);
+  printf("  %.1f ns/op (best of %d), peak reserved %zu, peak live %zu, reserved/live %.3f%s\n", ns, repeat,
+         peak_reserved, peak_live, ratio, missing ? " (frees of untraced blocks skipped)" : "");
+  if (json) {
+    FILE *js = fopen(json, "w");
+    if (!js) { fprintf(stderr, "cannot write %s\n", json); return 1; }
+    fprintf(js, "{\"benchmark\": \"alloc_replay\", \"trace\": \"%s\", \"backend\": \"%s\", \"device\": \"%s\", \"date\": \"%s\", "
+            "\"commit\": \"%s\", \"events\": %zu, \"ns_per_op\": %.1f, \"peak_reserved\": %zu, \"peak_live\": %zu, "
+            "\"reserved_over_live\": %.4f}\n", path, be->name, device, date, getenv("KT_COMMIT") ? getenv("KT_COMMIT") : "?",
+            n, ns, peak_reserved, peak_live, ratio);
+    fclose(js);
+  }
+  return 0;
+}

@@ -1,0 +1,17 @@
+"""Kitsune: a faster, leaner PyTorch on NVIDIA GPUs with no change to the model.
+
+``import kitsune`` works anywhere, with or without a GPU or a build: the native
+library loads at first use, and a missing build fails then with a message that
+says what was searched and how to fix it (see :func:`kitsune.native`).
+"""
+from ._native import KitsuneError, KitsuneNotBuiltError, KitsuneOutOfMemoryError, native
+
+__version__ = "0.1.0"
+__all__ = ["native", "KitsuneError", "KitsuneNotBuiltError", "KitsuneOutOfMemoryError", "allocator", "__version__"]
+
+
+def __getattr__(name):
+    if name == "allocator":   # imported lazily: nothing native loads on `import kitsune`
+        import importlib
+        return importlib.import_module(".allocator", __name__)
+    raise AttributeError(f"module 'kitsune' has no attribute {name!r}")

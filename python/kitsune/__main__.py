@@ -1,0 +1,30 @@
+"""python -m kitsune: an environment report."""
+import os
+import platform
+import sys
+
+from . import __version__, _native
+
+
+def report():
+    print(f"kitsune {__version__}  (python {platform.python_version()}, {platform.machine()})")
+    try:
+        lib = _native.native()
+        print(f"  native library: {_native.library_path()}")
+        print(f"  CUDA devices visible to Kitsune: {lib.kt_cuda_device_count()}")
+    except _native.KitsuneNotBuiltError as e:
+        print(f"  native library: not loaded\n    {e}")
+    try:
+        import torch
+        cuda = torch.version.cuda or "none"
+        print(f"  torch {torch.__version__} (CUDA {cuda}), cuda available: {torch.cuda.is_available()}")
+    except ImportError:
+        print("  torch: not installed (needed from the PyTorch-allocator issue on)")
+    for var in ("KITSUNE_LIBRARY", "NVTX_INJECTION64_PATH"):
+        if os.environ.get(var):
+            print(f"  {var}={os.environ[var]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(report())

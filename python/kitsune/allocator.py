@@ -1,0 +1,124 @@
+"""Kitsune's memory pool from Python.
+
+``Pool`` drives the C pool directly, over the CUDA backend or the host fake backend
+(which hands out addresses it never touches, so the pool logic runs anywhere).
+Installing Kitsune as PyTorch's allocator builds on this in the PyTorch-allocator issue.
+"""
+import contextlib
+import ctypes
+
+from . import _native
+from ._native import check, native
+
+_STATS = ("allocated_bytes", "active_bytes", "reserved_bytes", "requested_bytes", "allocations", "segments")
+_COUNTERS = ("num_allocs", "num_frees", "num_alloc_retries", "num_ooms", "num_backend_reserves",
+             "num_backend_releases", "num_large_allocs", "num_pending_frees")
+
+
+class Pool:
+    """A Kitsune pool. backend: "cuda" or "fake". Streams are cudaStream_t values (ints)."""
+
+    def __init__(self, backend="cuda", device=0, memory_limit=0):
+        self._pool, self._fake = ctypes.c_void_p(), None   # close() is safe from here on
+        lib = native()
+        self._lib = lib
+        if backend == "fake":
+            self._fake = lib.kt_fake_backend_create(0)
+            be = self._fake
+        elif backend == "cuda":
+            if lib.kt_cuda_device_count() <= device:
+                raise _native.KitsuneError(
+                    f"Pool(backend='cuda', device={device}): {lib.kt_cuda_device_count()} CUDA device(s) visible; "
+                    "use backend='fake' on a machine without a GPU")
+            be = lib.kt_cuda_backend()
+        else:
+            raise ValueError(f"Pool(backend={backend!r}): expected 'cuda' or 'fake'")
+        if memory_limit < 0:
+            raise ValueError(f"Pool(memory_limit={memory_limit}): must be >= 0 bytes (0 = no limit)")
+        opt = _native.PoolOptions()
+        lib.kt_pool_options_default(ctypes.byref(opt))
+        opt.device, opt.memory_limit = device, memory_limit
+        check(lib.kt_pool_create(ctypes.byref(opt), be, ctypes.byref(self._pool)), "kt_pool_create")
+
+    def close(self):
+        if self._pool:
+            self._lib.kt_pool_destroy(self._pool)
+            self._pool = ctypes.c_void_p()
+        if self._fake:
+            self._lib.kt_fake_backend_destroy(self._fake)
+            self._fake = None
+
+    __del__ = close
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def alloc(self, size, stream=0):
+        if size < 0:
+            raise ValueError(f"alloc(size={size}): size must be >= 0")
+        out = ctypes.c_void_p()
+        check(self._lib.kt_alloc(self._pool, size, stream, ctypes.byref(out)), f"alloc(size={size})")
+        return out.value or 0
+
+    def free(self, ptr, size=0, stream=0):
+        check(self._lib.kt_free(self._pool, ptr, size, stream), f"free(ptr={ptr:#x}, size={size})")
+
+    def record_stream(self, ptr, stream):
+        check(self._lib.kt_record_stream(self._pool, ptr, stream), f"record_stream(ptr={ptr:#x})")
+
+    def empty_cache(self):
+        check(self._lib.kt_empty_cache(self._pool), "empty_cache")
+
+    def set_memory_limit(self, nbytes):
+        if nbytes < 0:
+            raise ValueError(f"set_memory_limit({nbytes}): must be >= 0 bytes (0 = no limit)")
+        check(self._lib.kt_set_memory_limit(self._pool, nbytes), "set_memory_limit")
+
+    def set_memory_fraction(self, fraction):
+        if not 0.0 < fraction <= 1.0:
+            raise ValueError(f"set_memory_fraction({fraction}): must be in (0, 1]")
+        check(self._lib.kt_set_memory_fraction(self._pool, fraction), "set_memory_fraction")
+
+    def reset_peak_stats(self):
+        self._lib.kt_reset_peak_stats(self._pool)
+
+    def validate(self):
+        check(self._lib.kt_pool_validate(self._pool), "validate")
+
+    def stats(self):
+        """A flat dict with PyTorch's key names (``allocated_bytes.all.current`` ...)."""
+        st = _native.Stats()
+        check(self._lib.kt_get_stats(self._pool, ctypes.byref(st)), "stats")
+        out = {}
+        for name in _STATS:
+            s = getattr(st, name)
+            key = "allocation" if name == "allocations" else "segment" if name == "segments" else name
+            for field in ("current", "peak", "allocated", "freed"):
+                out[f"{key}.all.{field}"] = getattr(s, field)
+        for name in _COUNTERS:
+            out[name] = getattr(st, name)
+        out["num_device_alloc"] = st.num_backend_reserves
+        out["num_device_free"] = st.num_backend_releases
+        out["memory_limit"] = st.memory_limit
+        out["largest_free_block"] = st.largest_free_block
+        out["size_classes"] = {self._lib.kt_class_size(c): (st.class_allocs[c], st.class_live[c])
+                               for c in range(_native.NUM_CLASSES) if st.class_allocs[c]}
+        return out
+
+    @contextlib.contextmanager
+    def trace(self, path):
+        """Records every allocation event as CSV (replay with bench/alloc_replay)."""
+        check(self._lib.kt_trace_start(self._pool, str(path).encode()), f"trace({path!r})")
+        try:
+            yield path
+        finally:
+            check(self._lib.kt_trace_stop(self._pool), "trace stop")
+
+
+def size_class(size):
+    """(class index, class size) for a request; (-1, rounded) above the large threshold."""
+    c = native().kt_size_class(size)
+    return (c, native().kt_class_size(c)) if c >= 0 else (-1, (size + 511) // 512 * 512)

@@ -1,0 +1,95 @@
+"""The Python package: import without a build, loader diagnostics, the Pool API."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PYDIR = os.path.join(REPO, "python")
+
+
+def run_py(code, **env):
+    e = dict(os.environ, PYTHONPATH=PYDIR, **env)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=60)
+
+
+def test_import_works_without_a_build_and_first_use_says_how_to_fix():
+    r = run_py("import kitsune\n"
+               "try:\n    kitsune.native()\nexcept kitsune.KitsuneNotBuiltError as e:\n    print('ERR', e)\n",
+               KITSUNE_LIBRARY="/nonexistent/libkitsune.so")
+    assert r.returncode == 0, r.stderr
+    assert "ERR libkitsune.so is not built" in r.stdout
+    assert "/nonexistent/libkitsune.so (missing)" in r.stdout
+    assert "run `make`" in r.stdout
+
+
+def test_env_report_runs_with_and_without_library():
+    r = run_py("import runpy; runpy.run_module('kitsune', run_name='__main__')", KITSUNE_LIBRARY="/nope.so")
+    assert "native library: not loaded" in r.stdout
+    r = run_py("import runpy; runpy.run_module('kitsune', run_name='__main__')")
+    assert "CUDA devices visible to Kitsune:" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.fixture
+def pool():
+    from kitsune.allocator import Pool
+    p = Pool(backend="fake")
+    yield p
+    p.close()
+
+
+def test_pool_alloc_free_and_pytorch_style_stats(pool):
+    a = pool.alloc(1000)
+    b = pool.alloc(5 << 20)
+    assert a % 512 == 0 and b % 512 == 0 and a != b
+    st = pool.stats()
+    assert st["allocated_bytes.all.current"] == 1024 + (5 << 20)
+    assert st["allocation.all.current"] == 2
+    assert st["size_classes"][1024] == (1, 1)
+    pool.free(a, 1000)
+    pool.free(b)
+    st = pool.stats()
+    assert st["allocated_bytes.all.current"] == 0
+    assert st["allocated_bytes.all.peak"] == 1024 + (5 << 20)
+    assert st["reserved_bytes.all.current"] > 0
+    pool.empty_cache()
+    assert pool.stats()["reserved_bytes.all.current"] == 0
+    pool.validate()
+    assert pool.alloc(0) == 0
+
+
+def test_errors_name_the_bad_value(pool):
+    import kitsune
+    with pytest.raises(ValueError, match=r"free\(ptr=0x1234"):
+        pool.free(0x1234)
+    with pytest.raises(ValueError, match=r"size=-1"):
+        pool.alloc(-1)
+    with pytest.raises(ValueError, match=r"set_memory_fraction\(1.5\)"):
+        pool.set_memory_fraction(1.5)
+    pool.set_memory_limit(8 << 20)
+    with pytest.raises(kitsune.KitsuneOutOfMemoryError) as e:
+        pool.alloc(16 << 20)
+    msg = str(e.value)
+    assert "tried to allocate 16.00 MiB" in msg and "limit 8.00 MiB" in msg and "Hint" in msg
+    assert isinstance(e.value, MemoryError)
+    with pytest.raises(ValueError, match="backend='tpu'"):
+        from kitsune.allocator import Pool
+        Pool(backend="tpu")
+
+
+def test_trace_then_replay(pool, tmp_path):
+    path = tmp_path / "t.csv"
+    with pool.trace(path):
+        ptrs = [pool.alloc(s, stream=0x100) for s in (100, 200000, 3 << 20)]
+        for p in ptrs:
+            pool.free(p)
+    lines = path.read_text().splitlines()
+    assert lines[0] == "thread,time_ns,action,ptr,size,stream"
+    assert [l.split(",")[2] for l in lines[1:]] == ["alloc"] * 3 + ["free"] * 3
+    replay = os.path.join(REPO, "build", "bench", "alloc_replay")
+    if not os.path.exists(replay):
+        pytest.skip("build/bench/alloc_replay not built")
+    r = subprocess.run([replay, str(path)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "6 events" in r.stdout and "peak live 3345828" in r.stdout

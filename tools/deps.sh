@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# make deps: installs what the build and the tests need. Idempotent: a second run
+# installs nothing. Debian packages via apt-get (sudo when not root), Python via pip.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+apt_pkgs=()
+have_hdr() { [ -f "/usr/include/$1" ] || [ -f ".deps/root/usr/include/$1" ]; }
+have_hdr criterion/criterion.h || apt_pkgs+=(libcriterion-dev)
+have_hdr jemalloc/jemalloc.h || apt_pkgs+=(libjemalloc-dev)
+command -v gcc >/dev/null || apt_pkgs+=(gcc)
+if [ ${#apt_pkgs[@]} -gt 0 ]; then
+  sudo=""; [ "$(id -u)" -eq 0 ] || sudo=sudo
+  echo "deps: apt-get install ${apt_pkgs[*]}"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${apt_pkgs[@]}" >/dev/null
+fi
+cuda_home=$(command -v nvcc >/dev/null && dirname "$(dirname "$(command -v nvcc)")" || echo /usr/local/cuda)
+if [ ! -f "$cuda_home/include/cuda_runtime_api.h" ] || [ ! -f "$cuda_home/lib64/libcudart_static.a" ]; then
+  echo "deps: the CUDA toolkit (headers + libcudart_static) is needed to build; none found at $cuda_home." >&2
+  echo "      install it (e.g. NVIDIA's cuda-toolkit package) and put nvcc on PATH." >&2
+  exit 1
+fi
+py=${PYTHON:-python3}
+$py -c "import pytest" 2>/dev/null || { echo "deps: pip install pytest"; $py -m pip install -q pytest; }
+$py -c "import kitsune, os, sys; sys.exit(0 if os.path.realpath(kitsune.__file__).startswith(os.path.realpath('python')) else 1)" 2>/dev/null \
+  || { echo "deps: pip install -e . (the kitsune package)"; $py -m pip install -q --no-deps -e .; }
+echo "deps: ok"

@@ -216,7 +216,7 @@ int main(int argc, char **argv) {
     if (js) fprintf(js, ",\n  \"cuda_baselines\": [\n");
     first = 1;
     for (size_t si = 0; si < sizeof sizes / sizeof *sizes; si++) {
-      double a = cuda_baseline(sizes[si], 0, quick ? 2000 : 20000), b = cuda_baseline(sizes[si], 1, quick ? 20000 : 200000);
+      double a = cuda_baseline(sizes[si], 0, quick ? 200 : 2000), b = cuda_baseline(sizes[si], 1, quick ? 20000 : 200000);
       printf("  %10zu  %12.1f  %14.1f\n", sizes[si], a, b);
       if (js) fprintf(js, "%s    {\"size\": %zu, \"cudaMalloc_ns\": %.1f, \"cudaMallocAsync_ns\": %.1f}", first ? "" : ",\n", sizes[si], a, b), first = 0;
     }

@@ -10,7 +10,8 @@ mkdir -p "$out"
 export KT_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
 "$build/bench/alloc_bench" --backend "$backend" --json "$out/alloc_bench_$backend.json" \
   ${BENCH_TRACE:+--trace "$BENCH_TRACE"}
-for t in bench/traces/*.csv; do
+shopt -s nullglob
+for t in bench/traces/*.csv ${BENCH_TRACE:-}; do
   name=$(basename "$t" .csv)
   "$build/bench/alloc_replay" "$t" --backend "$backend" --repeat 5 --json "$out/alloc_replay_${name}_$backend.json"
 done

@@ -15,7 +15,10 @@ else
   echo "Replaying a recorded allocation trace on the host fake backend instead"
   echo "(the same pool logic; addresses are handed out but never touched):"
   echo
-  for t in bench/traces/*.csv; do "$build/bench/alloc_replay" "$t" --repeat 3; done
+  shopt -s nullglob
+  traces=(bench/traces/*.csv)
+  [ ${#traces[@]} -gt 0 ] || { echo "no trace in bench/traces/"; exit 1; }
+  for t in "${traces[@]}"; do "$build/bench/alloc_replay" "$t" --repeat 3; done
   echo
   echo "Host-backend microbenchmark (CPU timings, not GPU numbers):"
   "$build/bench/alloc_bench" --backend fake --quick

@@ -18,7 +18,7 @@ BUILD ?= build
 DEPS_ROOT ?= $(CURDIR)/.deps/root
 DEPS_INC := $(if $(wildcard $(DEPS_ROOT)/usr/include),-I$(DEPS_ROOT)/usr/include)
 comma := ,
-DEPS_LIB := $(if $(wildcard $(DEPS_ROOT)/usr/lib/x86_64-linux-gnu),-L$(DEPS_ROOT)/usr/lib/x86_64-linux-gnu -Wl$(comma)-rpath$(comma)$(DEPS_ROOT)/usr/lib/x86_64-linux-gnu)
+DEPS_LIB := $(if $(wildcard $(DEPS_ROOT)/usr/lib/x86_64-linux-gnu),-L$(DEPS_ROOT)/usr/lib/x86_64-linux-gnu -Wl$(comma)--disable-new-dtags$(comma)-rpath$(comma)$(DEPS_ROOT)/usr/lib/x86_64-linux-gnu)
 
 NVTX_DEF := $(if $(wildcard $(CUDA_HOME)/include/nvtx3/nvToolsExt.h),-DKT_HAVE_NVTX)
 CPPFLAGS := -Iallocator/include -Iallocator/src -I$(CUDA_HOME)/include $(NVTX_DEF) -D_GNU_SOURCE
@@ -35,7 +35,7 @@ ASAN_OBJ := $(patsubst %.c,$(BUILD)/asan/%.o,$(LIB_SRC))
 TIERS := unit integration stress conformance hotpath
 TEST_BINS := $(addprefix $(BUILD)/tests/,$(TIERS))
 ASAN_BINS := $(addprefix $(BUILD)/asan-tests/,$(filter-out hotpath,$(TIERS)))
-BENCH_BINS := $(BUILD)/bench/alloc_bench $(BUILD)/bench/alloc_replay
+BENCH_BINS := $(BUILD)/bench/alloc_bench $(BUILD)/bench/alloc_replay $(BUILD)/bench/probe_costs
 TEST_LIBS := $(DEPS_LIB) -lcriterion
 
 .PHONY: all deps test test-c test-python test-asan demo bench gpu-test gpu-deps clean

@@ -13,6 +13,7 @@ for t in "$@"; do
   c=$(echo "$syn" | sed -n 's/.*Crashing: \([0-9]*\).*/\1/p'); s=$(echo "$out" | grep -c "\[SKIP\]")
   passed=$((passed + ${p:-0})); failed=$((failed + ${f:-0} + ${c:-0})); skipped=$((skipped + s))
   [ $rc -eq 0 ] && [ -n "$syn" ] || fail=1
+  if echo "$out" | grep -q "ERROR: [A-Za-z]*Sanitizer\|runtime error:"; then echo "sanitizer report in $t"; fail=1; failed=$((failed + 1)); fi
 done
 echo "C suites: $passed passed, $failed failed, $skipped skipped"
 exit $fail

@@ -7,20 +7,25 @@
  *   block     what kt_alloc returns: a slab slot, or a whole LARGE extent.
  *   heap      per-stream state: one free list per size class + the slabs it owns
  *             + the arena's free extents tagged with this stream.
+ *   tcache    per-thread, per-(pool, stream) cache in front of a heap: one short
+ *             list per class, touched only by its thread, so the size-class fast
+ *             path takes no lock. A block moves between a tcache and its heap in
+ *             batches; it never leaves its stream.
  *
- * Invariants (kt_pool_validate checks them):
+ * Invariants (kt_pool_validate checks them, at a quiescent point):
  *   reserved == sum(segment sizes) == sum(extent sizes over all segments)
  *   a FREE extent is in exactly one bin set: its tag's heap, or the untagged set
  *   no two address-adjacent FREE extents of one segment share a tag (coalesced)
- *   slab.nfree == number of its blocks in state FREE == number on the heap's list
+ *   blocks of a slab in state FREE == slab.nfree (on the heap's list)
+ *                                     + those in tcache bins of the slab's stream
  *   packed.allocated_units*512 == sum of live block sizes
  *   packed.pending_units*512   == sum of sizes of blocks waiting for events
  *
- * Locks, outermost first: heap_lock (mutex, creating heaps; stats and cache
- * release walk the heap list under it) -> arena_lock (mutex) -> heap.lock (spin).
- * pending_lock and trace_lock are leaves. The fast paths take one heap.lock and
- * nothing else; no path takes arena_lock or heap_lock while holding a heap.lock,
- * so slow paths drop the heap lock before they touch the arena.
+ * Locks, outermost first: kt__registry (global mutex: tcache lists) -> heap_lock
+ * (mutex, creating heaps; stats and cache release walk the heap list under it) ->
+ * arena_lock (mutex) -> heap.lock (spin). pending_lock and trace_lock are leaves.
+ * The size-class fast path takes no lock; a tcache refill or flush takes one
+ * heap.lock. No path takes arena_lock or heap_lock while holding a heap.lock.
  */
 #ifndef KT_INTERNAL_H
 #define KT_INTERNAL_H
@@ -29,6 +34,7 @@
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdio.h>
+#include <time.h>
 
 #include "kitsune/alloc.h"
 
@@ -88,7 +94,7 @@ typedef struct kt_block {
   uintptr_t addr;
   size_t size;             /* rounded */
   size_t requested;
-  uint64_t alloc_ticks;    /* kt__ticks() at allocation, 0 when not tracked */
+  uint64_t alloc_ns;       /* kt__coarse_ns() at allocation, 0 when not tracked */
   kt_heap *heap;           /* allocation stream */
   kt_slab *slab;           /* NULL for large blocks */
   kt_uses *uses;
@@ -103,7 +109,8 @@ struct kt_slab {
   kt_extent *ext;
   kt_heap *heap;
   kt_slab *next;           /* heap's slab list, or the pool's retired list */
-  uint32_t nblocks, nfree; /* nfree under heap.lock */
+  uint32_t nblocks, nfree; /* nfree: blocks on the heap's list, under heap.lock */
+  uint32_t vcount;         /* scratch for kt_pool_validate */
   int cls;
   kt_block blocks[];
 };
@@ -138,24 +145,48 @@ struct kt_segment {
   void *nvtx_heap;
 };
 
-/* Per-stream counters, updated under heap.lock; summed by kt_get_stats. */
-typedef struct kt_heap_stats {
-  uint64_t nalloc, nfree;
-  int64_t bytes_alloc, bytes_freed;        /* rounded, cumulative */
-  int64_t req_alloc, req_freed;            /* requested, cumulative */
-  uint64_t class_alloc[KT_NUM_CLASSES];
-  uint64_t class_free[KT_NUM_CLASSES];
-} kt_heap_stats;
+/* Counters with one writer (a tcache's thread, or a heap under its lock), read
+ * by kt_get_stats from any thread: relaxed atomics, so increments are plain
+ * load-add-store (no lock prefix) and reads are never torn. */
+typedef _Atomic uint64_t kt_counter;
+static inline void kt__inc(kt_counter *c, uint64_t v) {
+  atomic_store_explicit(c, atomic_load_explicit(c, memory_order_relaxed) + v, memory_order_relaxed);
+}
+static inline uint64_t kt__get(const kt_counter *c) { return atomic_load_explicit(c, memory_order_relaxed); }
+
+typedef struct kt_tstats {
+  kt_counter nalloc, nfree;
+  kt_counter bytes_alloc, bytes_freed;     /* rounded, cumulative */
+  kt_counter req_alloc, req_freed;         /* requested, cumulative */
+  kt_counter class_alloc[KT_NUM_CLASSES];
+  kt_counter class_free[KT_NUM_CLASSES];
+} kt_tstats;
 
 struct kt_heap {
   kt_spinlock lock;
   kt_stream_t stream;
   kt_block *free[KT_NUM_CLASSES];
   kt_slab *slabs;
-  kt_heap_stats st;
   kt_bins bins;            /* under the pool's arena_lock */
   kt_heap *next;           /* pool's list of heaps */
 } __attribute__((aligned(KT_CACHELINE)));
+
+/* Per-class cap on blocks a tcache keeps: 256 KiB worth, 1 to 32 blocks. */
+#define KT_TCACHE_BYTES ((size_t)256 << 10)
+#define KT_TCACHE_MAX 32
+
+typedef struct kt_tbin { kt_block *head; uint32_t n, cap; } kt_tbin;
+
+typedef struct kt_tcache {
+  kt_pool_t *_Atomic pool;     /* NULL once the pool is destroyed */
+  kt_heap *heap;
+  kt_stream_t stream;
+  _Atomic int flush_request;   /* set by other threads' empty_cache / OOM */
+  kt_tbin bins[KT_NUM_CLASSES];
+  kt_tstats st;
+  struct kt_tcache *pnext, *pprev;  /* pool's list (kt__registry) */
+  struct kt_tcache *tnext;          /* owning thread's list */
+} __attribute__((aligned(KT_CACHELINE))) kt_tcache;
 
 typedef struct kt_heap_slot {
   _Atomic uintptr_t key;   /* stream + 1; 0 = empty */
@@ -198,6 +229,9 @@ struct kt_pool {
   kt_heap *heap_list;
   int nheaps;
 
+  kt_tcache *tcaches;                  /* live tcaches of all threads (kt__registry) */
+  kt_tstats retired_stats;             /* stats of tcaches whose thread exited (kt__registry) */
+
   pthread_mutex_t pending_lock;
   kt_block *pending;
   _Atomic int npending;
@@ -208,11 +242,13 @@ struct kt_pool {
 
   pthread_mutex_t trace_lock;
   FILE *trace;
-  uint64_t t0_ns, t0_ticks;            /* tick -> ns calibration */
 
   void *nvtx_domain;
   int nvtx_regions;
 };
+
+/* kt__registry guards every pool's tcache list (tcaches outlive or die with pools). */
+extern pthread_mutex_t kt__registry;
 
 /* ---- size classes ---------------------------------------------------------- */
 extern uint8_t kt__class_table[KT_LARGE_THRESHOLD / KT_QUANTUM];
@@ -234,17 +270,16 @@ kt_status kt__radix_set_range(kt_pool_t *p, uintptr_t addr, size_t bytes, uintpt
 kt_status kt__radix_set(kt_pool_t *p, uintptr_t addr, uintptr_t val);
 void kt__radix_free(kt_pool_t *p);
 
-/* ---- time ------------------------------------------------------------------ */
-static inline uint64_t kt__ticks(void) {
-#if defined(__x86_64__)
-  return __builtin_ia32_rdtsc();
-#else
-  struct timespec ts; clock_gettime(CLOCK_MONOTONIC, &ts);
+/* ---- time: allocation stamps at clock-tick resolution ----------------------
+ * CLOCK_MONOTONIC_COARSE reads the kernel's last tick from the vDSO: 8 ns on the
+ * H100 host where rdtsc costs 23 ns and CLOCK_MONOTONIC 46 ns (bench/probe_costs),
+ * at 1-4 ms resolution, which is what lifetime reports need. */
+static inline uint64_t kt__coarse_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
   return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-#endif
 }
 uint64_t kt__now_ns(void);
-uint64_t kt__ticks_to_ns(kt_pool_t *p, uint64_t ticks);
 
 /* ---- packed allocated/pending counter -------------------------------------- */
 #define KT_UNITS(bytes) ((uint64_t)(bytes) >> 9)

@@ -15,8 +15,13 @@
 #include <nvtx3/nvToolsExt.h>
 #include <nvtx3/nvToolsExtMem.h>
 
+static nvtxDomainHandle_t domain;      /* one "kitsune" domain per process */
+static pthread_once_t domain_once = PTHREAD_ONCE_INIT;
+static void domain_make(void) { domain = nvtxDomainCreateA("kitsune"); }
+
 void kt__nvtx_init(kt_pool_t *p) {
-  p->nvtx_domain = nvtxDomainCreateA("kitsune");
+  pthread_once(&domain_once, domain_make);
+  p->nvtx_domain = domain;
   const char *inj = getenv("NVTX_INJECTION64_PATH");
   p->nvtx_regions = inj && *inj;
 }

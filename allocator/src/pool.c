@@ -1,14 +1,15 @@
-/* allocator/src/pool.c — the pool: per-stream heaps, slabs, large blocks,
- * cross-stream frees, OOM recovery and stats.
+/* allocator/src/pool.c — the pool: thread caches, per-stream heaps, slabs, large
+ * blocks, cross-stream frees, OOM recovery and stats.
  *
- * Fast path (a size class already seen on this stream), budget ~15 ns a call:
- *   alloc: table lookup of the class, probe the stream table (one hit for the
- *          usual 1-4 streams), heap spinlock, pop the class list, one atomic add
- *          on the packed allocated|pending counter.
- *   free:  two-level radix load of the page entry, slab index by multiply-shift,
- *          heap spinlock, push, one atomic sub.
- * No malloc, no backend call, no process-wide lock. Everything else is in the
- * KT_NOINLINE slow paths below, which run with no heap lock held.
+ * Fast path (a size class already seen by this thread on this stream):
+ *   alloc: class table lookup, compare the thread's last tcache (pool, stream),
+ *          pop its class list, stamp (coarse clock), four single-writer counter
+ *          bumps, one atomic add on the packed allocated|pending word.
+ *   free:  two-level radix load, slab index by multiply-shift, compare the
+ *          block's heap with the thread's tcache, push, counters, one atomic sub.
+ * No lock, no malloc, no backend call. The one atomic per call is what keeps
+ * peak stats exact under concurrency. Everything else is in KT_NOINLINE slow
+ * paths, which run with no heap lock held.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -61,19 +62,6 @@ uint64_t kt__now_ns(void) {
   return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
-uint64_t kt__ticks_to_ns(kt_pool_t *p, uint64_t ticks) {
-#if defined(__x86_64__)
-  /* Calibrate against the clock over the pool's life so far (no start-up cost). */
-  uint64_t now_t = kt__ticks(), now_ns = kt__now_ns();
-  if (now_t <= p->t0_ticks) return p->t0_ns;
-  double ns_per_tick = (double)(now_ns - p->t0_ns) / (double)(now_t - p->t0_ticks);
-  return p->t0_ns + (uint64_t)((double)(int64_t)(ticks - p->t0_ticks) * ns_per_tick);
-#else
-  (void)p;
-  return ticks;
-#endif
-}
-
 /* ---- radix ----------------------------------------------------------------- */
 kt_status kt__radix_set(kt_pool_t *p, uintptr_t addr, uintptr_t val) {
   uintptr_t key = addr >> KT_PAGE_SHIFT;
@@ -103,6 +91,9 @@ void kt__radix_free(kt_pool_t *p) {
   for (size_t i = 0; i < ((size_t)1 << KT_RADIX_ROOT_BITS); i++) free((void *)p->radix[i]);
 }
 
+static __thread kt_tcache *tc_last;   /* the hot one: last (pool, stream) allocated on */
+static __thread kt_tcache *tc_list;   /* all of this thread's tcaches */
+
 /* ---- pool ------------------------------------------------------------------ */
 void kt_pool_options_default(kt_pool_options *o) {
   memset(o, 0, sizeof *o);
@@ -127,8 +118,6 @@ kt_status kt_pool_create(const kt_pool_options *opt, const kt_backend *be, kt_po
   pthread_mutex_init(&p->heap_lock, NULL);
   pthread_mutex_init(&p->pending_lock, NULL);
   pthread_mutex_init(&p->trace_lock, NULL);
-  p->t0_ns = kt__now_ns();
-  p->t0_ticks = kt__ticks();
   kt__nvtx_init(p);
   if (p->nvtx_regions) atomic_fetch_or(&p->hooks, KT_HOOK_NVTX);
   *out = p;
@@ -138,6 +127,17 @@ kt_status kt_pool_create(const kt_pool_options *opt, const kt_backend *be, kt_po
 void kt_pool_destroy(kt_pool_t *p) {
   if (!p) return;
   kt_trace_stop(p);
+  pthread_mutex_lock(&kt__registry);   /* tcaches of any thread die with the pool */
+  for (kt_tcache *tc = p->tcaches; tc; tc = tc->pnext) atomic_store(&tc->pool, NULL);
+  p->tcaches = NULL;
+  pthread_mutex_unlock(&kt__registry);
+  for (kt_tcache **pp = &tc_list; *pp;) {   /* this thread's are freed now; others' at their exit */
+    kt_tcache *tc = *pp;
+    if (atomic_load(&tc->pool)) { pp = &tc->tnext; continue; }
+    *pp = tc->tnext;
+    if (tc_last == tc) tc_last = NULL;
+    free(tc);
+  }
   for (kt_block *b = p->pending; b; b = b->next) {   /* before the extents holding them go */
     for (int i = 0; i < b->uses->n; i++) p->be->event_destroy(p->be->ctx, p->device, b->uses->ev[i]);
     free(b->uses);
@@ -234,6 +234,120 @@ static KT_NOINLINE void on_free(kt_pool_t *p, uintptr_t addr, size_t requested, 
   int h = atomic_load_explicit(&p->hooks, memory_order_relaxed);
   if (h & KT_HOOK_NVTX) kt__nvtx_region(p, NULL, addr, 0, 0);
   if (h & KT_HOOK_TRACE) kt__trace(p, "free", addr, requested, s);
+}
+
+/* ---- thread caches ---------------------------------------------------------- */
+pthread_mutex_t kt__registry = PTHREAD_MUTEX_INITIALIZER;
+static pthread_key_t tc_key;
+static pthread_once_t tc_key_once = PTHREAD_ONCE_INIT;
+
+static void tstats_fold(kt_tstats *dst, const kt_tstats *src) {
+  kt__inc(&dst->nalloc, kt__get(&src->nalloc)); kt__inc(&dst->nfree, kt__get(&src->nfree));
+  kt__inc(&dst->bytes_alloc, kt__get(&src->bytes_alloc)); kt__inc(&dst->bytes_freed, kt__get(&src->bytes_freed));
+  kt__inc(&dst->req_alloc, kt__get(&src->req_alloc)); kt__inc(&dst->req_freed, kt__get(&src->req_freed));
+  for (int c = 0; c < KT_NUM_CLASSES; c++) {
+    kt__inc(&dst->class_alloc[c], kt__get(&src->class_alloc[c]));
+    kt__inc(&dst->class_free[c], kt__get(&src->class_free[c]));
+  }
+}
+
+/* Moves blocks beyond keep from a tcache bin back to its heap. */
+static void tbin_flush(kt_tcache *tc, int cls, uint32_t keep) {
+  kt_tbin *bin = &tc->bins[cls];
+  if (bin->n <= keep) return;
+  kt_heap *h = tc->heap;
+  kt_spin_lock(&h->lock);
+  while (bin->n > keep) {
+    kt_block *b = bin->head;
+    bin->head = b->next;
+    bin->n--;
+    b->next = h->free[cls];
+    h->free[cls] = b;
+    b->slab->nfree++;
+  }
+  kt_spin_unlock(&h->lock);
+}
+
+static void tcache_flush_all(kt_tcache *tc) {
+  atomic_store_explicit(&tc->flush_request, 0, memory_order_relaxed);
+  for (int c = 0; c < KT_NUM_CLASSES; c++) tbin_flush(tc, c, 0);
+}
+
+/* Thread exit: return cached blocks, keep the counts, free the tcaches. */
+static void tc_thread_exit(void *unused) {
+  (void)unused;
+  pthread_mutex_lock(&kt__registry);
+  for (kt_tcache *tc = tc_list, *next; tc; tc = next) {
+    next = tc->tnext;
+    kt_pool_t *p = atomic_load(&tc->pool);
+    if (p) {
+      tcache_flush_all(tc);
+      tstats_fold(&p->retired_stats, &tc->st);
+      if (tc->pprev) tc->pprev->pnext = tc->pnext; else p->tcaches = tc->pnext;
+      if (tc->pnext) tc->pnext->pprev = tc->pprev;
+    }
+    free(tc);
+  }
+  tc_list = tc_last = NULL;
+  pthread_mutex_unlock(&kt__registry);
+}
+
+static void tc_key_make(void) { pthread_key_create(&tc_key, tc_thread_exit); }
+
+/* This thread's tcache for (pool, stream), created on first use. */
+static KT_NOINLINE kt_status tcache_get(kt_pool_t *p, kt_stream_t stream, kt_tcache **out) {
+  for (kt_tcache **pp = &tc_list; *pp;) {
+    kt_tcache *tc = *pp;
+    kt_pool_t *tp = atomic_load_explicit(&tc->pool, memory_order_acquire);
+    if (!tp) {                       /* its pool was destroyed: reap it */
+      *pp = tc->tnext;
+      if (tc_last == tc) tc_last = NULL;
+      free(tc);
+      continue;
+    }
+    if (tp == p && tc->stream == stream) {
+      if (atomic_load_explicit(&tc->flush_request, memory_order_relaxed)) tcache_flush_all(tc);
+      *out = tc;
+      return KT_OK;
+    }
+    pp = &tc->tnext;
+  }
+  kt_heap *h;
+  kt_status st = heap_get(p, stream, &h);
+  if (st != KT_OK) return st;
+  kt_tcache *tc = aligned_alloc(KT_CACHELINE, sizeof *tc);
+  if (!tc) return KT_ERR_HOST_OOM;
+  memset(tc, 0, sizeof *tc);
+  atomic_store(&tc->pool, p);
+  tc->heap = h;
+  tc->stream = stream;
+  for (int c = 0; c < KT_NUM_CLASSES; c++) {
+    size_t n = KT_TCACHE_BYTES / kt__geom[c].size;
+    tc->bins[c].cap = (uint32_t)(n < 1 ? 1 : n > KT_TCACHE_MAX ? KT_TCACHE_MAX : n);
+  }
+  pthread_once(&tc_key_once, tc_key_make);
+  pthread_setspecific(tc_key, (void *)1);   /* arms tc_thread_exit */
+  pthread_mutex_lock(&kt__registry);
+  tc->pnext = p->tcaches;
+  if (p->tcaches) p->tcaches->pprev = tc;
+  p->tcaches = tc;
+  pthread_mutex_unlock(&kt__registry);
+  tc->tnext = tc_list;
+  tc_list = tc;
+  *out = tc;
+  return KT_OK;
+}
+
+/* Empties this thread's tcaches of p and asks other threads to empty theirs at
+ * their next slow path (a tcache is only ever touched by its own thread). */
+static void tcaches_release(kt_pool_t *p) {
+  for (kt_tcache *tc = tc_list; tc; tc = tc->tnext)
+    if (atomic_load(&tc->pool) == p) tcache_flush_all(tc);
+  pthread_mutex_lock(&kt__registry);
+  for (kt_tcache *tc = p->tcaches; tc; tc = tc->pnext) atomic_store(&tc->flush_request, 1);
+  pthread_mutex_unlock(&kt__registry);
+  for (kt_tcache *tc = tc_list; tc; tc = tc->tnext)   /* not our own */
+    if (atomic_load(&tc->pool) == p) atomic_store(&tc->flush_request, 0);
 }
 
 /* ---- OOM info -------------------------------------------------------------- */
@@ -402,6 +516,7 @@ static void finish_free(kt_pool_t *p, kt_block *b) {
 /* ---- releasing cache ------------------------------------------------------- */
 /* Gives fully free slabs back to the arena and idle segments to the backend. */
 static void release_cached(kt_pool_t *p, int sync) {
+  tcaches_release(p);
   drain_pending(p, sync);
   kt_slab *freed = NULL;
   pthread_mutex_lock(&p->heap_lock);
@@ -479,17 +594,6 @@ static kt_status take_extent(kt_pool_t *p, kt_heap *h, size_t size, size_t align
 }
 
 /* ---- alloc ----------------------------------------------------------------- */
-static inline void block_take(kt_pool_t *p, kt_heap *h, kt_block *b, int cls, size_t size) {
-  b->state = KT_BLOCK_LIVE;
-  b->requested = size;
-  b->alloc_ticks = p->track ? kt__ticks() : 0;
-  b->slab->nfree--;
-  h->st.nalloc++;
-  h->st.class_alloc[cls]++;
-  h->st.bytes_alloc += (int64_t)b->size;
-  h->st.req_alloc += (int64_t)size;
-}
-
 static kt_slab *slab_descriptor(kt_pool_t *p, int cls) {
   /* caller holds arena_lock */
   kt_slab *s = p->retired[cls];
@@ -497,25 +601,11 @@ static kt_slab *slab_descriptor(kt_pool_t *p, int cls) {
   return malloc(sizeof(kt_slab) + kt__geom[cls].nblocks * sizeof(kt_block));
 }
 
-static KT_NOINLINE kt_status alloc_class_slow(kt_pool_t *p, kt_heap *h, int cls, size_t size, void **out) {
-  if (atomic_load_explicit(&p->npending, memory_order_relaxed)) {
-    drain_pending(p, 0);
-    kt_spin_lock(&h->lock);
-    kt_block *b = h->free[cls];
-    if (b) {
-      h->free[cls] = b->next;
-      block_take(p, h, b, cls, size);
-      kt_spin_unlock(&h->lock);
-      kt__count_alloc(p, b->size);
-      if (kt_unlikely(atomic_load_explicit(&p->hooks, memory_order_relaxed))) on_alloc(p, b);
-      *out = (void *)b->addr;
-      return KT_OK;
-    }
-    kt_spin_unlock(&h->lock);
-  }
+/* A new slab of class cls for heap h; its blocks go on the heap's list. */
+static KT_NOINLINE kt_status slab_new(kt_pool_t *p, kt_heap *h, int cls, size_t requested) {
   const kt_class_geom *g = &kt__geom[cls];
   kt_extent *e;
-  kt_status st = take_extent(p, h, g->slab_bytes, KT_PAGE, KT_EXT_SLAB, size, &e);
+  kt_status st = take_extent(p, h, g->slab_bytes, KT_PAGE, KT_EXT_SLAB, requested, &e);
   if (st != KT_OK) return st;
   pthread_mutex_lock(&p->arena_lock);
   kt_slab *s = slab_descriptor(p, cls);
@@ -539,17 +629,70 @@ static KT_NOINLINE kt_status alloc_class_slow(kt_pool_t *p, kt_heap *h, int cls,
   kt_spin_lock(&h->lock);
   s->next = h->slabs; h->slabs = s;
   s->nfree = g->nblocks;
-  for (uint32_t i = g->nblocks; i-- > 1;) {   /* lowest addresses pop first */
+  for (uint32_t i = g->nblocks; i-- > 0;) {   /* lowest addresses first */
     s->blocks[i].next = h->free[cls];
     h->free[cls] = &s->blocks[i];
   }
-  kt_block *b = &s->blocks[0];
-  block_take(p, h, b, cls, size);
   kt_spin_unlock(&h->lock);
+  return KT_OK;
+}
+
+static inline kt_status alloc_finish(kt_pool_t *p, kt_tcache *tc, kt_block *b, int cls, size_t size, void **out) {
+  b->state = KT_BLOCK_LIVE;
+  b->requested = size;
+  b->alloc_ns = p->track ? kt__coarse_ns() : 0;
+  kt__inc(&tc->st.nalloc, 1);
+  kt__inc(&tc->st.class_alloc[cls], 1);
+  kt__inc(&tc->st.bytes_alloc, b->size);
+  kt__inc(&tc->st.req_alloc, size);
   kt__count_alloc(p, b->size);
   if (kt_unlikely(atomic_load_explicit(&p->hooks, memory_order_relaxed))) on_alloc(p, b);
   *out = (void *)b->addr;
   return KT_OK;
+}
+
+/* The tcache bin is empty: take a batch from the heap, making a slab if needed. */
+static KT_NOINLINE kt_status alloc_refill(kt_pool_t *p, kt_tcache *tc, int cls, size_t size, void **out) {
+  if (atomic_load_explicit(&tc->flush_request, memory_order_relaxed)) tcache_flush_all(tc);
+  if (atomic_load_explicit(&p->npending, memory_order_relaxed)) drain_pending(p, 0);
+  kt_heap *h = tc->heap;
+  kt_tbin *bin = &tc->bins[cls];
+  uint32_t batch = bin->cap > 1 ? bin->cap / 2 : 1;
+  for (int tries = 0; tries < 2; tries++) {
+    kt_spin_lock(&h->lock);          /* splice the first batch blocks, order kept (LIFO reuse) */
+    kt_block *first = h->free[cls], *last = NULL;
+    uint32_t n = 0;
+    for (kt_block *b = first; b && n < batch; b = b->next, n++) { b->slab->nfree--; last = b; }
+    if (last) {
+      h->free[cls] = last->next;
+      last->next = bin->head;
+      bin->head = first;
+      bin->n += n;
+    }
+    kt_spin_unlock(&h->lock);
+    if (bin->head) break;
+    kt_status st = slab_new(p, h, cls, size);
+    if (st != KT_OK) return st;
+  }
+  kt_block *b = bin->head;
+  if (!b) return KT_ERR_OOM;   /* another thread took the new slab's blocks twice over */
+  bin->head = b->next;
+  bin->n--;
+  return alloc_finish(p, tc, b, cls, size, out);
+}
+
+/* The thread's last tcache is for another pool or stream. */
+static KT_NOINLINE kt_status alloc_switch(kt_pool_t *p, int cls, size_t size, kt_stream_t stream, void **out) {
+  kt_tcache *tc;
+  kt_status st = tcache_get(p, stream, &tc);
+  if (st != KT_OK) return st;
+  tc_last = tc;
+  kt_tbin *bin = &tc->bins[cls];
+  kt_block *b = bin->head;
+  if (!b) return alloc_refill(p, tc, cls, size, out);
+  bin->head = b->next;
+  bin->n--;
+  return alloc_finish(p, tc, b, cls, size, out);
 }
 
 static KT_NOINLINE kt_status alloc_large(kt_pool_t *p, size_t size, kt_stream_t stream, void **out) {
@@ -576,7 +719,7 @@ static KT_NOINLINE kt_status alloc_large(kt_pool_t *p, size_t size, kt_stream_t 
   kt_block *b = &e->blk;
   memset(b, 0, sizeof *b);
   b->addr = e->addr; b->size = rounded; b->requested = size; b->heap = h; b->cls = -1;
-  b->alloc_ticks = p->track ? kt__ticks() : 0;
+  b->alloc_ns = p->track ? kt__coarse_ns() : 0;
   b->state = KT_BLOCK_LIVE;
   p->n_large++; p->large_nalloc++;
   p->large_bytes_alloc += (int64_t)rounded; p->large_req_alloc += (int64_t)size;
@@ -595,24 +738,15 @@ kt_status kt_alloc(kt_pool_t *p, size_t size, kt_stream_t stream, void **out) {
   }
   if (kt_unlikely(!p || !out)) return KT_ERR_INVALID;
   int cls = kt__class_of(size);
-  kt_heap *h = heap_find(p, stream);
-  if (kt_unlikely(!h)) {
-    kt_status st = heap_create(p, stream, &h);
-    if (st != KT_OK) return st;
-  }
-  kt_spin_lock(&h->lock);
-  kt_block *b = h->free[cls];
-  if (kt_unlikely(!b)) {
-    kt_spin_unlock(&h->lock);
-    return alloc_class_slow(p, h, cls, size, out);
-  }
-  h->free[cls] = b->next;
-  block_take(p, h, b, cls, size);
-  kt_spin_unlock(&h->lock);
-  kt__count_alloc(p, b->size);
-  if (kt_unlikely(atomic_load_explicit(&p->hooks, memory_order_relaxed))) on_alloc(p, b);
-  *out = (void *)b->addr;
-  return KT_OK;
+  kt_tcache *tc = tc_last;
+  if (kt_unlikely(!tc || atomic_load_explicit(&tc->pool, memory_order_relaxed) != p || tc->stream != stream))
+    return alloc_switch(p, cls, size, stream, out);
+  kt_tbin *bin = &tc->bins[cls];
+  kt_block *b = bin->head;
+  if (kt_unlikely(!b)) return alloc_refill(p, tc, cls, size, out);
+  bin->head = b->next;
+  bin->n--;
+  return alloc_finish(p, tc, b, cls, size, out);
 }
 
 /* ---- free ------------------------------------------------------------------ */
@@ -621,13 +755,6 @@ static inline kt_block *slab_block(kt_slab *s, uintptr_t addr) {
   uint64_t i = (off * s->magic) >> 40;
   kt_block *b = &s->blocks[i];
   return (i < s->nblocks && b->addr == addr) ? b : NULL;
-}
-
-static inline void count_free_stats(kt_heap *h, kt_block *b) {
-  h->st.nfree++;
-  h->st.class_free[b->cls]++;
-  h->st.bytes_freed += (int64_t)b->size;
-  h->st.req_freed += (int64_t)b->requested;
 }
 
 static KT_NOINLINE kt_status free_large(kt_pool_t *p, uintptr_t addr, uintptr_t ent, size_t size) {
@@ -658,35 +785,55 @@ static KT_NOINLINE kt_status free_large(kt_pool_t *p, uintptr_t addr, uintptr_t 
   return KT_OK;
 }
 
+static KT_NOINLINE void tbin_overflow(kt_tcache *tc, int cls) {
+  if (atomic_load_explicit(&tc->flush_request, memory_order_relaxed)) tcache_flush_all(tc);
+  else tbin_flush(tc, cls, tc->bins[cls].cap / 2);
+}
+
+static inline kt_status free_to(kt_pool_t *p, kt_tcache *tc, kt_block *b) {
+  if (kt_unlikely(b->state != KT_BLOCK_LIVE)) return KT_ERR_INVALID;
+  int cls = b->cls;
+  size_t req = b->requested;
+  kt__inc(&tc->st.nfree, 1);
+  kt__inc(&tc->st.class_free[cls], 1);
+  kt__inc(&tc->st.bytes_freed, b->size);
+  kt__inc(&tc->st.req_freed, req);
+  if (kt_unlikely(b->uses != NULL)) {
+    b->state = KT_BLOCK_PENDING;
+    if (kt_unlikely(atomic_load_explicit(&p->hooks, memory_order_relaxed))) on_free(p, b->addr, req, b->heap->stream);
+    return free_pending(p, b);
+  }
+  b->state = KT_BLOCK_FREE;
+  kt_tbin *bin = &tc->bins[cls];
+  b->next = bin->head;
+  bin->head = b;
+  kt__count_free(p, b->size);
+  if (kt_unlikely(++bin->n > bin->cap)) tbin_overflow(tc, cls);
+  if (kt_unlikely(atomic_load_explicit(&p->hooks, memory_order_relaxed))) on_free(p, b->addr, req, b->heap->stream);
+  return KT_OK;
+}
+
+/* The block's stream is not the thread's current one: use the matching tcache. */
+static KT_NOINLINE kt_status free_switch(kt_pool_t *p, kt_block *b) {
+  kt_tcache *tc;
+  kt_status st = tcache_get(p, b->heap->stream, &tc);
+  if (st != KT_OK) return st;
+  return free_to(p, tc, b);
+}
+
 kt_status kt_free(kt_pool_t *p, void *ptr, size_t size, kt_stream_t stream) {
   (void)stream;  /* the block knows its stream; the argument is PyTorch's ABI */
   if (kt_unlikely(!ptr || !p)) return p ? KT_OK : KT_ERR_INVALID;
   uintptr_t addr = (uintptr_t)ptr;
   uintptr_t ent = kt__radix_get(p, addr);
   if (kt_unlikely(!(ent & 1))) return ent ? free_large(p, addr, ent, size) : KT_ERR_INVALID;
-  kt_slab *s = (kt_slab *)(ent & ~(uintptr_t)1);
-  kt_block *b = slab_block(s, addr);
+  kt_block *b = slab_block((kt_slab *)(ent & ~(uintptr_t)1), addr);
   if (kt_unlikely(!b || (size && (size > KT_LARGE_THRESHOLD || kt__class_of(size) != b->cls))))
     return KT_ERR_INVALID;
-  kt_heap *h = b->heap;
-  kt_spin_lock(&h->lock);
-  if (kt_unlikely(b->state != KT_BLOCK_LIVE)) { kt_spin_unlock(&h->lock); return KT_ERR_INVALID; }
-  count_free_stats(h, b);
-  size_t req = b->requested;
-  if (kt_unlikely(b->uses != NULL)) {
-    b->state = KT_BLOCK_PENDING;
-    kt_spin_unlock(&h->lock);
-    if (kt_unlikely(atomic_load_explicit(&p->hooks, memory_order_relaxed))) on_free(p, addr, req, h->stream);
-    return free_pending(p, b);
-  }
-  b->state = KT_BLOCK_FREE;
-  b->next = h->free[b->cls];
-  h->free[b->cls] = b;
-  s->nfree++;
-  kt_spin_unlock(&h->lock);
-  kt__count_free(p, b->size);
-  if (kt_unlikely(atomic_load_explicit(&p->hooks, memory_order_relaxed))) on_free(p, addr, req, h->stream);
-  return KT_OK;
+  kt_tcache *tc = tc_last;
+  if (kt_unlikely(!tc || tc->heap != b->heap || atomic_load_explicit(&tc->pool, memory_order_relaxed) != p))
+    return free_switch(p, b);
+  return free_to(p, tc, b);
 }
 
 /* ---- record_stream ----------------------------------------------------------- */
@@ -761,7 +908,7 @@ kt_status kt_block_query(kt_pool_t *p, const void *ptr, kt_block_info *out) {
   out->size = copy.size;
   out->requested = copy.requested;
   out->stream = copy.heap->stream;
-  out->alloc_ns = copy.alloc_ticks ? kt__ticks_to_ns(p, copy.alloc_ticks) : 0;
+  out->alloc_ns = copy.alloc_ns;
   out->num_uses = uses.n;
   for (int i = 0; i < uses.n; i++) out->uses[i] = uses.s[i];
   out->size_class = copy.cls;
@@ -796,30 +943,23 @@ static void stat_set(kt_stat *s, int64_t cur, int64_t peak, int64_t alloc, int64
 kt_status kt_get_stats(kt_pool_t *p, kt_stats *o) {
   if (!p || !o) return KT_ERR_INVALID;
   memset(o, 0, sizeof *o);
-  kt_heap_stats sum = {0};
-  pthread_mutex_lock(&p->heap_lock);
-  for (kt_heap *h = p->heap_list; h; h = h->next) {
-    kt_spin_lock(&h->lock);
-    sum.nalloc += h->st.nalloc; sum.nfree += h->st.nfree;
-    sum.bytes_alloc += h->st.bytes_alloc; sum.bytes_freed += h->st.bytes_freed;
-    sum.req_alloc += h->st.req_alloc; sum.req_freed += h->st.req_freed;
-    for (int c = 0; c < KT_NUM_CLASSES; c++) {
-      sum.class_alloc[c] += h->st.class_alloc[c];
-      sum.class_free[c] += h->st.class_free[c];
-    }
-    kt_spin_unlock(&h->lock);
-  }
-  pthread_mutex_unlock(&p->heap_lock);
+  kt_tstats sum;
+  memset(&sum, 0, sizeof sum);
+  pthread_mutex_lock(&kt__registry);
+  tstats_fold(&sum, &p->retired_stats);
+  for (kt_tcache *tc = p->tcaches; tc; tc = tc->pnext) tstats_fold(&sum, &tc->st);
+  pthread_mutex_unlock(&kt__registry);
   uint64_t v = atomic_load(&p->packed);
   int64_t allocated = (int64_t)(v & 0xffffffffu) << 9, pending = (int64_t)(v >> 32) << 9;
   pthread_mutex_lock(&p->arena_lock);
-  int64_t ba = sum.bytes_alloc + p->large_bytes_alloc, bf = sum.bytes_freed + p->large_bytes_freed;
-  int64_t na = (int64_t)(sum.nalloc + p->large_nalloc), nf = (int64_t)(sum.nfree + p->large_nfree);
+  int64_t ba = (int64_t)kt__get(&sum.bytes_alloc) + p->large_bytes_alloc;
+  int64_t bf = (int64_t)kt__get(&sum.bytes_freed) + p->large_bytes_freed;
+  int64_t na = (int64_t)(kt__get(&sum.nalloc) + p->large_nalloc), nf = (int64_t)(kt__get(&sum.nfree) + p->large_nfree);
+  int64_t ra = (int64_t)kt__get(&sum.req_alloc) + p->large_req_alloc, rf = (int64_t)kt__get(&sum.req_freed) + p->large_req_freed;
   stat_set(&o->allocated_bytes, allocated, atomic_load(&p->peak_allocated), ba, bf);
   stat_set(&o->active_bytes, allocated + pending, atomic_load(&p->peak_active), ba, bf - pending);
   stat_set(&o->reserved_bytes, p->reserved, p->reserved_peak, p->reserved_total, p->released_total);
-  stat_set(&o->requested_bytes, sum.req_alloc + p->large_req_alloc - sum.req_freed - p->large_req_freed, 0,
-           sum.req_alloc + p->large_req_alloc, sum.req_freed + p->large_req_freed);
+  stat_set(&o->requested_bytes, ra - rf, 0, ra, rf);
   stat_set(&o->allocations, na - nf, 0, na, nf);
   stat_set(&o->segments, p->nsegments, p->nsegments_peak, p->nsegments_total, p->nsegments_total - p->nsegments);
   o->num_allocs = (uint64_t)na; o->num_frees = (uint64_t)nf;
@@ -827,8 +967,8 @@ kt_status kt_get_stats(kt_pool_t *p, kt_stats *o) {
   o->num_backend_reserves = p->n_reserves; o->num_backend_releases = p->n_releases;
   o->num_large_allocs = p->n_large;
   for (int c = 0; c < KT_NUM_CLASSES; c++) {
-    o->class_allocs[c] = sum.class_alloc[c];
-    o->class_live[c] = sum.class_alloc[c] - sum.class_free[c];
+    o->class_allocs[c] = kt__get(&sum.class_alloc[c]);
+    o->class_live[c] = kt__get(&sum.class_alloc[c]) - kt__get(&sum.class_free[c]);
   }
   o->memory_limit = p->limit;
   o->largest_free_block = kt__arena_largest_free(p);
@@ -858,6 +998,7 @@ kt_status kt_pool_validate(kt_pool_t *p) {
   if (!p) return KT_ERR_INVALID;
   kt_status st = KT_OK;
   int64_t live = 0;
+  pthread_mutex_lock(&kt__registry);
   pthread_mutex_lock(&p->heap_lock);
   pthread_mutex_lock(&p->arena_lock);
   st = kt__arena_validate(p);
@@ -867,6 +1008,32 @@ kt_status kt_pool_validate(kt_pool_t *p) {
       if (e->kind == KT_EXT_LARGE && e->blk.state == KT_BLOCK_LIVE) live += (int64_t)e->size;
   for (kt_heap *h = p->heap_list; h; h = h->next) {
     kt_spin_lock(&h->lock);
+    for (kt_slab *s = h->slabs; s; s = s->next) s->vcount = 0;
+    for (int c = 0; c < KT_NUM_CLASSES && st == KT_OK; c++) {     /* heap lists */
+      uint64_t n = 0;
+      for (kt_block *b = h->free[c]; b && st == KT_OK; b = b->next, n++) {
+        if (b->state != KT_BLOCK_FREE || b->cls != c || b->heap != h || n > (1u << 28)) st = KT_ERR_INVALID;
+        else b->slab->vcount++;
+      }
+    }
+    for (kt_slab *s = h->slabs; s && st == KT_OK; s = s->next) {
+      if (s->vcount != s->nfree) st = KT_ERR_INVALID;
+      s->vcount = 0;
+    }
+    kt_spin_unlock(&h->lock);
+    if (st != KT_OK) goto out;
+  }
+  for (kt_tcache *tc = p->tcaches; tc && st == KT_OK; tc = tc->pnext)   /* tcache bins */
+    for (int c = 0; c < KT_NUM_CLASSES && st == KT_OK; c++) {
+      uint32_t n = 0;
+      for (kt_block *b = tc->bins[c].head; b && st == KT_OK; b = b->next, n++) {
+        if (b->state != KT_BLOCK_FREE || b->cls != c || b->heap != tc->heap || n > KT_TCACHE_MAX) st = KT_ERR_INVALID;
+        else b->slab->vcount++;
+      }
+      if (n != tc->bins[c].n) st = KT_ERR_INVALID;
+    }
+  if (st != KT_OK) goto out;
+  for (kt_heap *h = p->heap_list; h; h = h->next)
     for (kt_slab *s = h->slabs; s && st == KT_OK; s = s->next) {
       uint32_t nfree = 0;
       if (!(s->heap == h && s->ext && s->ext->slab == s && s->ext->kind == KT_EXT_SLAB)) st = KT_ERR_INVALID;
@@ -876,19 +1043,13 @@ kt_status kt_pool_validate(kt_pool_t *p) {
         else if (b->state == KT_BLOCK_LIVE) live += (int64_t)b->size;
         if (b->addr != s->base + i * kt__geom[s->cls].size || b->cls != s->cls) st = KT_ERR_INVALID;
       }
-      if (nfree != s->nfree) st = KT_ERR_INVALID;
+      if (nfree != s->nfree + s->vcount) st = KT_ERR_INVALID;   /* heap list + tcaches */
     }
-    for (int c = 0; c < KT_NUM_CLASSES && st == KT_OK; c++) {
-      uint64_t n = 0;
-      for (kt_block *b = h->free[c]; b && st == KT_OK; b = b->next, n++)
-        if (b->state != KT_BLOCK_FREE || b->cls != c || b->heap != h || n > (1u << 28)) st = KT_ERR_INVALID;
-    }
-    kt_spin_unlock(&h->lock);
-    if (st != KT_OK) goto out;
-  }
+  if (st != KT_OK) goto out;
   CHECK(live == (int64_t)((atomic_load(&p->packed) & 0xffffffffu) << 9));
 out:
   pthread_mutex_unlock(&p->arena_lock);
   pthread_mutex_unlock(&p->heap_lock);
+  pthread_mutex_unlock(&kt__registry);
   return st;
 }

@@ -94,6 +94,7 @@ static kt_pool_t *locked_pool;
 static atomic_int hot_done;
 static void *hold_locks(void *arg) {
   (void)arg;
+  pthread_mutex_lock(&kt__registry);
   pthread_mutex_lock(&locked_pool->heap_lock);
   pthread_mutex_lock(&locked_pool->arena_lock);
   pthread_mutex_lock(&locked_pool->pending_lock);
@@ -103,6 +104,7 @@ static void *hold_locks(void *arg) {
   pthread_mutex_unlock(&locked_pool->pending_lock);
   pthread_mutex_unlock(&locked_pool->arena_lock);
   pthread_mutex_unlock(&locked_pool->heap_lock);
+  pthread_mutex_unlock(&kt__registry);
   return NULL;
 }
 
@@ -114,6 +116,7 @@ Test(hotpath, no_process_wide_lock_after_warmup, .timeout = 30) {
   pthread_create(&t, NULL, hold_locks, NULL);
   usleep(20000);   /* let it take the locks */
   cr_assert_eq(pthread_mutex_trylock(&locked_pool->arena_lock), EBUSY);
+  cr_assert_eq(pthread_mutex_trylock(&kt__registry), EBUSY);
   cr_assert_eq(hot_loop(locked_pool, 20000), 0);   /* would block here if it took one */
   atomic_store(&hot_done, 1);
   pthread_join(t, NULL);

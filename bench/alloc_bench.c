@@ -12,6 +12,7 @@
  *  alloc_bench [--backend fake|cuda] [--json FILE] [--quick] [--trace FILE]
  *  alloc_bench --probe   prints the number of CUDA devices
  *  --no-lifetimes: pool without allocation time stamps; --pairs-only: skip the rest
+ *  --peak-slack BYTES: kt_pool_options.peak_slack (0 = exact peaks, one atomic per call)
  *  --trace records the N=10000, max=4 MiB random run as a replayable trace.
  */
 #include <pthread.h>
@@ -149,6 +150,7 @@ static double cuda_baseline(size_t size, int async, long iters) {
 int main(int argc, char **argv) {
   const char *backend = "fake", *json = NULL, *trace = NULL;
   int quick = 0, lifetimes = 1, pairs_only = 0;
+  size_t slack = KT_DEFAULT_PEAK_SLACK;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--backend") && i + 1 < argc) backend = argv[++i];
     else if (!strcmp(argv[i], "--json") && i + 1 < argc) json = argv[++i];
@@ -156,6 +158,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(argv[i], "--quick")) quick = 1;
     else if (!strcmp(argv[i], "--no-lifetimes")) lifetimes = 0;
     else if (!strcmp(argv[i], "--pairs-only")) pairs_only = 1;
+    else if (!strcmp(argv[i], "--peak-slack") && i + 1 < argc) slack = (size_t)atoll(argv[++i]);
     else if (!strcmp(argv[i], "--probe")) { printf("%d\n", kt_cuda_device_count()); return 0; }
     else { fprintf(stderr, "usage: %s [--backend fake|cuda] [--json FILE] [--trace FILE] [--quick]\n", argv[0]); return 2; }
   }
@@ -168,6 +171,7 @@ int main(int argc, char **argv) {
   kt_pool_options o;
   kt_pool_options_default(&o);
   o.track_lifetimes = lifetimes;
+  o.peak_slack = slack;
   if (kt_pool_create(&o, be, &pool) != KT_OK) { fprintf(stderr, "pool create failed\n"); return 1; }
 
   printf("Kitsune allocator benchmark\n  backend: %s\n  device:  %s\n  cpu:     %s\n  date:    %s  commit %s\n\n",
@@ -175,13 +179,13 @@ int main(int argc, char **argv) {
   FILE *js = json ? fopen(json, "w") : NULL;
   if (json && !js) { fprintf(stderr, "cannot write %s\n", json); return 1; }
   if (js) fprintf(js, "{\n  \"benchmark\": \"alloc_bench\",\n  \"backend\": \"%s\",\n  \"device\": \"%s\",\n  \"cpu\": \"%s\",\n"
-                  "  \"date\": \"%s\",\n  \"commit\": \"%s\",\n  \"lifetimes\": %d,\n  \"pairs\": [\n", be->name, device, cpu, date, commit ? commit : "?", lifetimes);
+                  "  \"date\": \"%s\",\n  \"commit\": \"%s\",\n  \"lifetimes\": %d,\n  \"peak_slack\": %zu,\n  \"pairs\": [\n", be->name, device, cpu, date, commit ? commit : "?", lifetimes, slack);
 
   size_t sizes[] = {512, 4096, 65536, 1 << 20, 8 * MiB};
   int threads[] = {1, 2, 4};
   long iters = quick ? 200000 : 2000000;
-  printf("alloc+free pair, ns per pair per thread (median of 5 runs, %ld pairs each; lifetimes %s)\n", iters,
-         lifetimes ? "tracked" : "off");
+  printf("alloc+free pair, ns per pair per thread (median of 5 runs, %ld pairs each; lifetimes %s; peak slack %zu)\n",
+         iters, lifetimes ? "tracked" : "off", slack);
   printf("  %10s  %8s  %8s  %8s  %8s  %8s  %8s\n", "size", "1 thr", "2 own", "2 shared", "4 own", "4 shared", "");
   int first = 1;
   for (size_t si = 0; si < sizeof sizes / sizeof *sizes; si++) {

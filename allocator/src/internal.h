@@ -181,6 +181,11 @@ typedef struct kt_tcache {
   kt_pool_t *_Atomic pool;     /* NULL once the pool is destroyed */
   kt_heap *heap;
   kt_stream_t stream;
+  /* Freed units not yet taken off packed.allocated (single writer; stats read it):
+   *   true allocated bytes == packed.allocated*512 - sum over tcaches of credit*512
+   * An allocation spends credit before it touches packed, a free adds to it and
+   * publishes once it passes pool->slack_units. */
+  kt_counter credit;
   _Atomic int flush_request;   /* set by other threads' empty_cache / OOM */
   kt_tbin bins[KT_NUM_CLASSES];
   kt_tstats st;
@@ -205,6 +210,7 @@ struct kt_pool {
   const kt_backend *be;
   int device;
   int track;                           /* lifetimes */
+  uint64_t slack_units;                /* peak_slack / 512 */
   _Atomic int hooks;                   /* trace on | nvtx regions on */
   _Atomic uintptr_t *_Atomic radix[1u << KT_RADIX_ROOT_BITS];
   kt_heap_slot heaps[KT_HEAP_TABLE];
@@ -288,7 +294,7 @@ static inline void kt__peak_max(_Atomic int64_t *peak, int64_t v) {
   while (kt_unlikely(v > cur) &&
          !atomic_compare_exchange_weak_explicit(peak, &cur, v, memory_order_relaxed, memory_order_relaxed)) {}
 }
-/* One atomic add; peaks compared against the value this add produced (exact). */
+/* One atomic add; peaks compared against the value this add produced. */
 static inline void kt__count_alloc(kt_pool_t *p, size_t bytes) {
   uint64_t v = atomic_fetch_add_explicit(&p->packed, KT_UNITS(bytes), memory_order_relaxed) + KT_UNITS(bytes);
   int64_t alloc = (int64_t)(v & 0xffffffffu) << 9, pend = (int64_t)(v >> 32) << 9;

@@ -98,6 +98,7 @@ static __thread kt_tcache *tc_list;   /* all of this thread's tcaches */
 void kt_pool_options_default(kt_pool_options *o) {
   memset(o, 0, sizeof *o);
   o->track_lifetimes = 1;
+  o->peak_slack = KT_DEFAULT_PEAK_SLACK;
 }
 
 kt_status kt_pool_create(const kt_pool_options *opt, const kt_backend *be, kt_pool_t **out) {
@@ -113,6 +114,7 @@ kt_status kt_pool_create(const kt_pool_options *opt, const kt_backend *be, kt_po
   p->be = be;
   p->device = opt->device;
   p->track = opt->track_lifetimes;
+  p->slack_units = KT_UNITS(opt->peak_slack);
   p->limit = opt->memory_limit;
   pthread_mutex_init(&p->arena_lock, NULL);
   pthread_mutex_init(&p->heap_lock, NULL);
@@ -270,6 +272,11 @@ static void tbin_flush(kt_tcache *tc, int cls, uint32_t keep) {
 
 static void tcache_flush_all(kt_tcache *tc) {
   atomic_store_explicit(&tc->flush_request, 0, memory_order_relaxed);
+  uint64_t credit = kt__get(&tc->credit);
+  if (credit) {
+    atomic_store_explicit(&tc->credit, 0, memory_order_relaxed);
+    atomic_fetch_sub_explicit(&atomic_load(&tc->pool)->packed, credit, memory_order_relaxed);
+  }
   for (int c = 0; c < KT_NUM_CLASSES; c++) tbin_flush(tc, c, 0);
 }
 
@@ -338,6 +345,13 @@ static KT_NOINLINE kt_status tcache_get(kt_pool_t *p, kt_stream_t stream, kt_tca
   return KT_OK;
 }
 
+/* Bytes freed in thread caches but not yet taken off packed (kt__registry held). */
+static int64_t credits_locked(kt_pool_t *p) {
+  int64_t c = 0;
+  for (kt_tcache *tc = p->tcaches; tc; tc = tc->pnext) c += (int64_t)kt__get(&tc->credit) << 9;
+  return c;
+}
+
 /* Empties this thread's tcaches of p and asks other threads to empty theirs at
  * their next slow path (a tcache is only ever touched by its own thread). */
 static void tcaches_release(kt_pool_t *p) {
@@ -386,7 +400,7 @@ static void fill_oom(kt_pool_t *p, kt_oom_info *o, size_t requested) {
   /* caller holds arena_lock */
   uint64_t v = atomic_load(&p->packed);
   o->requested = requested;
-  o->live = (size_t)(v & 0xffffffffu) << 9;
+  o->live = (size_t)(v & 0xffffffffu) << 9;   /* take_extent subtracts thread credits */
   o->reserved = (size_t)p->reserved;
   o->cached = o->reserved > o->live ? o->reserved - o->live : 0;
   o->limit = p->limit;
@@ -588,6 +602,13 @@ static kt_status take_extent(kt_pool_t *p, kt_heap *h, size_t size, size_t align
     }
   }
   pthread_mutex_unlock(&p->arena_lock);
+  if (st == KT_ERR_OOM && last_oom.requested == requested) {   /* live excludes thread credits */
+    pthread_mutex_lock(&kt__registry);
+    size_t credit = (size_t)credits_locked(p);
+    pthread_mutex_unlock(&kt__registry);
+    last_oom.live -= credit < last_oom.live ? credit : last_oom.live;
+    last_oom.cached = last_oom.reserved > last_oom.live ? last_oom.reserved - last_oom.live : 0;
+  }
   if (st == KT_ERR_OOM && (atomic_load_explicit(&p->hooks, memory_order_relaxed) & KT_HOOK_TRACE))
     kt__trace(p, "oom", 0, requested, h->stream);
   return st;
@@ -645,7 +666,13 @@ static inline kt_status alloc_finish(kt_pool_t *p, kt_tcache *tc, kt_block *b, i
   kt__inc(&tc->st.class_alloc[cls], 1);
   kt__inc(&tc->st.bytes_alloc, b->size);
   kt__inc(&tc->st.req_alloc, size);
-  kt__count_alloc(p, b->size);
+  uint64_t units = KT_UNITS(b->size), credit = kt__get(&tc->credit);
+  if (kt_likely(credit >= units)) {      /* spend this thread's freed bytes: no shared write */
+    atomic_store_explicit(&tc->credit, credit - units, memory_order_relaxed);
+  } else {
+    atomic_store_explicit(&tc->credit, 0, memory_order_relaxed);
+    kt__count_alloc(p, (units - credit) << 9);
+  }
   if (kt_unlikely(atomic_load_explicit(&p->hooks, memory_order_relaxed))) on_alloc(p, b);
   *out = (void *)b->addr;
   return KT_OK;
@@ -807,7 +834,13 @@ static inline kt_status free_to(kt_pool_t *p, kt_tcache *tc, kt_block *b) {
   kt_tbin *bin = &tc->bins[cls];
   b->next = bin->head;
   bin->head = b;
-  kt__count_free(p, b->size);
+  uint64_t credit = kt__get(&tc->credit) + KT_UNITS(b->size);
+  if (kt_likely(credit <= p->slack_units)) {
+    atomic_store_explicit(&tc->credit, credit, memory_order_relaxed);
+  } else {                               /* publish: the shared counter comes down */
+    atomic_store_explicit(&tc->credit, 0, memory_order_relaxed);
+    kt__count_free(p, credit << 9);
+  }
   if (kt_unlikely(++bin->n > bin->cap)) tbin_overflow(tc, cls);
   if (kt_unlikely(atomic_load_explicit(&p->hooks, memory_order_relaxed))) on_free(p, b->addr, req, b->heap->stream);
   return KT_OK;
@@ -947,10 +980,11 @@ kt_status kt_get_stats(kt_pool_t *p, kt_stats *o) {
   memset(&sum, 0, sizeof sum);
   pthread_mutex_lock(&kt__registry);
   tstats_fold(&sum, &p->retired_stats);
+  int64_t credit = credits_locked(p);
   for (kt_tcache *tc = p->tcaches; tc; tc = tc->pnext) tstats_fold(&sum, &tc->st);
   pthread_mutex_unlock(&kt__registry);
   uint64_t v = atomic_load(&p->packed);
-  int64_t allocated = (int64_t)(v & 0xffffffffu) << 9, pending = (int64_t)(v >> 32) << 9;
+  int64_t allocated = ((int64_t)(v & 0xffffffffu) << 9) - credit, pending = (int64_t)(v >> 32) << 9;
   pthread_mutex_lock(&p->arena_lock);
   int64_t ba = (int64_t)kt__get(&sum.bytes_alloc) + p->large_bytes_alloc;
   int64_t bf = (int64_t)kt__get(&sum.bytes_freed) + p->large_bytes_freed;
@@ -981,8 +1015,11 @@ kt_status kt_get_stats(kt_pool_t *p, kt_stats *o) {
 
 void kt_reset_peak_stats(kt_pool_t *p) {
   if (!p) return;
+  pthread_mutex_lock(&kt__registry);
+  int64_t credit = credits_locked(p);
+  pthread_mutex_unlock(&kt__registry);
   uint64_t v = atomic_load(&p->packed);
-  int64_t allocated = (int64_t)(v & 0xffffffffu) << 9, pending = (int64_t)(v >> 32) << 9;
+  int64_t allocated = ((int64_t)(v & 0xffffffffu) << 9) - credit, pending = (int64_t)(v >> 32) << 9;
   atomic_store(&p->peak_allocated, allocated);
   atomic_store(&p->peak_active, allocated + pending);
   pthread_mutex_lock(&p->arena_lock);
@@ -1046,7 +1083,7 @@ kt_status kt_pool_validate(kt_pool_t *p) {
       if (nfree != s->nfree + s->vcount) st = KT_ERR_INVALID;   /* heap list + tcaches */
     }
   if (st != KT_OK) goto out;
-  CHECK(live == (int64_t)((atomic_load(&p->packed) & 0xffffffffu) << 9));
+  CHECK(live == (int64_t)((atomic_load(&p->packed) & 0xffffffffu) << 9) - credits_locked(p));
 out:
   pthread_mutex_unlock(&p->arena_lock);
   pthread_mutex_unlock(&p->heap_lock);

@@ -52,9 +52,17 @@ typedef struct kt_pool_options {
   int device;             /* device ordinal passed to the backend */
   size_t memory_limit;    /* bytes; 0 = no limit beyond the device */
   int track_lifetimes;    /* 1: stamp each allocation with a time (default 1) */
+  /* Bytes a thread cache may free before publishing the decrease to the pool's
+   * shared counter (default KT_DEFAULT_PEAK_SLACK). Current values are exact
+   * either way. Peaks are exact while one thread allocates at a time; with several
+   * threads a peak may overstate the true one by at most peak_slack for each other
+   * thread cache. 0 makes peaks exact always, at one shared atomic per call. */
+  size_t peak_slack;
 } kt_pool_options;
 
-/* Fills defaults: device 0, no limit, lifetimes tracked. */
+#define KT_DEFAULT_PEAK_SLACK ((size_t)2 << 20)
+
+/* Fills defaults: device 0, no limit, lifetimes tracked, 2 MiB peak slack. */
 void kt_pool_options_default(kt_pool_options *opt);
 
 /* The backend must outlive the pool. */

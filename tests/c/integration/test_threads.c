@@ -1,5 +1,6 @@
 /* Integration: thread caches across threads — exit, cross-thread frees, flush requests. */
 #include <pthread.h>
+#include <unistd.h>
 
 #include "common.h"
 
@@ -98,4 +99,84 @@ Test(threads, pool_destroyed_while_a_thread_keeps_its_cache) {
   cr_assert_eq(kt_free(again, p, 0, NULL), KT_OK);
   cr_assert_eq(kt_pool_validate(again), KT_OK);
   kt_pool_destroy(again);
+}
+
+/* ---- peak semantics (kt_pool_options.peak_slack) ---- */
+static kt_pool_t *slack_pool(size_t slack) {
+  kt_pool_options o;
+  kt_pool_options_default(&o);
+  o.peak_slack = slack;
+  kt_pool_t *q;
+  cr_assert_eq(kt_pool_create(&o, be, &q), KT_OK);
+  return q;
+}
+
+Test(threads, single_thread_peak_is_exact_at_any_slack) {
+  size_t slacks[] = {0, KT_DEFAULT_PEAK_SLACK, (size_t)64 << 20};
+  for (int k = 0; k < 3; k++) {
+    kt_pool_t *q = slack_pool(slacks[k]);
+    uint64_t seed = 99;
+    void *live[64] = {0};
+    size_t sz[64];
+    int64_t cur = 0, peak = 0;
+    for (int it = 0; it < 20000; it++) {
+      int i = (int)(test_rand(&seed) % 64);
+      if (live[i]) { kt_free(q, live[i], 0, NULL); cur -= (int64_t)kt_class_size(kt_size_class(sz[i])); live[i] = NULL; }
+      else {
+        sz[i] = 1 + test_rand(&seed) % (256 * KiB);
+        cr_assert_eq(kt_alloc(q, sz[i], NULL, &live[i]), KT_OK);
+        cur += (int64_t)kt_class_size(kt_size_class(sz[i]));
+        if (cur > peak) peak = cur;
+      }
+    }
+    kt_stats st;
+    kt_get_stats(q, &st);
+    cr_assert_eq(st.allocated_bytes.current, cur, "slack %zu", slacks[k]);
+    cr_assert_eq(st.allocated_bytes.peak, peak, "slack %zu: peak %lld, true %lld", slacks[k],
+                 (long long)st.allocated_bytes.peak, (long long)peak);
+    cr_assert_eq(kt_pool_validate(q), KT_OK);
+    kt_pool_destroy(q);
+  }
+}
+
+static kt_pool_t *alt_pool;
+static void *alloc_free_1mib(void *arg) {
+  (void)arg;
+  void *p;
+  cr_assert_eq(kt_alloc(alt_pool, 1 << 20, NULL, &p), KT_OK);
+  cr_assert_eq(kt_free(alt_pool, p, 0, NULL), KT_OK);   /* this thread keeps 1 MiB of credit */
+  return NULL;
+}
+
+Test(threads, peak_across_threads_is_exact_with_zero_slack_and_bounded_otherwise) {
+  size_t slacks[] = {0, KT_DEFAULT_PEAK_SLACK};
+  for (int k = 0; k < 2; k++) {
+    alt_pool = slack_pool(slacks[k]);
+    pthread_t t;
+    pthread_create(&t, NULL, alloc_free_1mib, NULL);
+    pthread_join(t, NULL);   /* it exited: its credit was published at exit */
+    void *p;
+    cr_assert_eq(kt_alloc(alt_pool, 1 << 20, NULL, &p), KT_OK);   /* true peak: 1 MiB */
+    kt_stats st;
+    kt_get_stats(alt_pool, &st);
+    cr_assert_eq(st.allocated_bytes.current, 1 << 20);
+    cr_assert_eq(st.allocated_bytes.peak, 1 << 20, "slack %zu: exited threads publish their credit", slacks[k]);
+    cr_assert_eq(kt_free(alt_pool, p, 0, NULL), KT_OK);
+    kt_pool_destroy(alt_pool);
+  }
+  /* credit held by a live thread: the peak may overstate by at most the slack */
+  for (int k = 0; k < 2; k++) {
+    kt_pool_t *q = slack_pool(slacks[k]);
+    void *a, *b;
+    cr_assert_eq(kt_alloc(q, 1 << 20, (kt_stream_t)0x1, &a), KT_OK);
+    cr_assert_eq(kt_free(q, a, 0, (kt_stream_t)0x1), KT_OK);  /* credit in the stream-1 cache */
+    cr_assert_eq(kt_alloc(q, 1 << 20, (kt_stream_t)0x2, &b), KT_OK);  /* another cache grows */
+    kt_stats st;
+    kt_get_stats(q, &st);
+    cr_assert_eq(st.allocated_bytes.current, 1 << 20, "current is exact");
+    cr_assert_leq(st.allocated_bytes.peak, (int64_t)(1 << 20) + (int64_t)slacks[k]);
+    if (slacks[k] == 0) cr_assert_eq(st.allocated_bytes.peak, 1 << 20);
+    cr_assert_eq(kt_free(q, b, 0, (kt_stream_t)0x2), KT_OK);
+    kt_pool_destroy(q);
+  }
 }

@@ -24,6 +24,11 @@ NVTX_DEF := $(if $(wildcard $(CUDA_HOME)/include/nvtx3/nvToolsExt.h),-DKT_HAVE_N
 CPPFLAGS := -Iallocator/include -Iallocator/src -I$(CUDA_HOME)/include $(NVTX_DEF) -D_GNU_SOURCE
 CFLAGS ?= -O2 -g
 CFLAGS += -std=c11 -fPIC -Wall -Wextra -Wno-unused-parameter -pthread
+# TLS descriptors: the thread-cache lookup stays a few instructions even in a
+# dlopen'd library (general-dynamic TLS would call __tls_get_addr on every alloc).
+ifeq ($(shell uname -m),x86_64)
+CFLAGS += -mtls-dialect=gnu2
+endif
 CUDA_LIBS := -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt -lpthread
 ASAN_FLAGS := -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined -DKT_DEBUG
 

@@ -24,14 +24,14 @@
 static const kt_backend *be;
 static kt_pool_t *pool;
 
-typedef struct job {
+typedef struct job {   /* one per thread, padded to its own cache lines */
   size_t size;
   long iters;
   kt_stream_t stream;
   pthread_barrier_t *bar;
   double ns;
   int err;
-} job;
+} __attribute__((aligned(128))) job;
 
 static void *pair_thread(void *arg) {
   job *j = arg;
@@ -41,12 +41,14 @@ static void *pair_thread(void *arg) {
     kt_free(pool, p, j->size, j->stream);
   }
   pthread_barrier_wait(j->bar);
+  int err = 0;                 /* local: writing j->err each iteration false-shares the job array */
   double t0 = now_s();
   for (long i = 0; i < j->iters; i++) {
-    j->err |= kt_alloc(pool, j->size, j->stream, &p) != KT_OK;
-    j->err |= kt_free(pool, p, j->size, j->stream) != KT_OK;
+    err |= kt_alloc(pool, j->size, j->stream, &p) != KT_OK;
+    err |= kt_free(pool, p, j->size, j->stream) != KT_OK;
   }
   j->ns = (now_s() - t0) * 1e9 / (double)j->iters;
+  j->err |= err;
   return NULL;
 }
 

@@ -41,6 +41,7 @@
 #define kt_likely(x)   __builtin_expect(!!(x), 1)
 #define kt_unlikely(x) __builtin_expect(!!(x), 0)
 #define KT_NOINLINE __attribute__((noinline))
+#define KT_INLINE static inline __attribute__((always_inline))
 #define KT_CACHELINE 64
 
 /* Debug asserts: compiled in with -DKT_DEBUG (make test builds them in). */

@@ -658,7 +658,19 @@ static KT_NOINLINE kt_status slab_new(kt_pool_t *p, kt_heap *h, int cls, size_t 
   return KT_OK;
 }
 
-static inline kt_status alloc_finish(kt_pool_t *p, kt_tcache *tc, kt_block *b, int cls, size_t size, void **out) {
+/* The shared counter goes up by what the thread's credit did not cover. */
+static KT_NOINLINE void credit_exhausted(kt_pool_t *p, kt_tcache *tc, uint64_t units) {
+  atomic_store_explicit(&tc->credit, 0, memory_order_relaxed);
+  kt__count_alloc(p, units << 9);
+}
+
+/* Credit passed the slack: publish it, the shared counter comes down. */
+static KT_NOINLINE void credit_publish(kt_pool_t *p, kt_tcache *tc, uint64_t credit) {
+  atomic_store_explicit(&tc->credit, 0, memory_order_relaxed);
+  kt__count_free(p, credit << 9);
+}
+
+KT_INLINE kt_status alloc_finish(kt_pool_t *p, kt_tcache *tc, kt_block *b, int cls, size_t size, void **out) {
   b->state = KT_BLOCK_LIVE;
   b->requested = size;
   b->alloc_ns = p->track ? kt__coarse_ns() : 0;
@@ -667,12 +679,10 @@ static inline kt_status alloc_finish(kt_pool_t *p, kt_tcache *tc, kt_block *b, i
   kt__inc(&tc->st.bytes_alloc, b->size);
   kt__inc(&tc->st.req_alloc, size);
   uint64_t units = KT_UNITS(b->size), credit = kt__get(&tc->credit);
-  if (kt_likely(credit >= units)) {      /* spend this thread's freed bytes: no shared write */
+  if (kt_likely(credit >= units))        /* spend this thread's freed bytes: no shared write */
     atomic_store_explicit(&tc->credit, credit - units, memory_order_relaxed);
-  } else {
-    atomic_store_explicit(&tc->credit, 0, memory_order_relaxed);
-    kt__count_alloc(p, (units - credit) << 9);
-  }
+  else
+    credit_exhausted(p, tc, units - credit);
   if (kt_unlikely(atomic_load_explicit(&p->hooks, memory_order_relaxed))) on_alloc(p, b);
   *out = (void *)b->addr;
   return KT_OK;
@@ -777,7 +787,7 @@ kt_status kt_alloc(kt_pool_t *p, size_t size, kt_stream_t stream, void **out) {
 }
 
 /* ---- free ------------------------------------------------------------------ */
-static inline kt_block *slab_block(kt_slab *s, uintptr_t addr) {
+KT_INLINE kt_block *slab_block(kt_slab *s, uintptr_t addr) {
   uint64_t off = addr - s->base;
   uint64_t i = (off * s->magic) >> 40;
   kt_block *b = &s->blocks[i];
@@ -817,7 +827,7 @@ static KT_NOINLINE void tbin_overflow(kt_tcache *tc, int cls) {
   else tbin_flush(tc, cls, tc->bins[cls].cap / 2);
 }
 
-static inline kt_status free_to(kt_pool_t *p, kt_tcache *tc, kt_block *b) {
+KT_INLINE kt_status free_to(kt_pool_t *p, kt_tcache *tc, kt_block *b) {
   if (kt_unlikely(b->state != KT_BLOCK_LIVE)) return KT_ERR_INVALID;
   int cls = b->cls;
   size_t req = b->requested;
@@ -835,12 +845,10 @@ static inline kt_status free_to(kt_pool_t *p, kt_tcache *tc, kt_block *b) {
   b->next = bin->head;
   bin->head = b;
   uint64_t credit = kt__get(&tc->credit) + KT_UNITS(b->size);
-  if (kt_likely(credit <= p->slack_units)) {
+  if (kt_likely(credit <= p->slack_units))
     atomic_store_explicit(&tc->credit, credit, memory_order_relaxed);
-  } else {                               /* publish: the shared counter comes down */
-    atomic_store_explicit(&tc->credit, 0, memory_order_relaxed);
-    kt__count_free(p, credit << 9);
-  }
+  else
+    credit_publish(p, tc, credit);
   if (kt_unlikely(++bin->n > bin->cap)) tbin_overflow(tc, cls);
   if (kt_unlikely(atomic_load_explicit(&p->hooks, memory_order_relaxed))) on_free(p, b->addr, req, b->heap->stream);
   return KT_OK;

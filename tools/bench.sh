@@ -10,6 +10,11 @@ mkdir -p "$out"
 export KT_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
 "$build/bench/alloc_bench" --backend "$backend" --json "$out/alloc_bench_$backend.json" \
   ${BENCH_TRACE:+--trace "$BENCH_TRACE"}
+echo
+echo "same pairs with exact peaks (peak_slack 0: one shared atomic per call):"
+"$build/bench/alloc_bench" --backend "$backend" --pairs-only --peak-slack 0 --json "$out/alloc_bench_exact_$backend.json"
+echo
+"$build/bench/probe_costs" 0 1 0 8 | tee "$out/probe_costs_$backend.txt"
 shopt -s nullglob
 for t in bench/traces/*.csv ${BENCH_TRACE:-}; do
   name=$(basename "$t" .csv)

@@ -12,9 +12,9 @@ export PYTHONUNBUFFERED=1
 } 2>&1 | tee "$OUT/machine.txt"
 make clean >/dev/null
 echo "== build =="; make -j16 all 2>&1 | grep -E "error|warning" ; [ -f build/libkitsune.so ] || { echo BUILD FAILED; exit 1; }
-echo "== gpu-test =="; make gpu-test 2>&1 | tee "$OUT/gpu_test.log" | grep -E "^==|Synthesis|C suites|SKIP|FAIL|Assert|Unexpected" 
+echo "== gpu-test =="; make gpu-test 2>&1 | tee "$OUT/gpu_test.log" | grep -E "^==|Synthesis|C suites|SKIP|FAIL|Assert|Unexpected|rror"
 echo "== python =="; make test-python 2>&1 | tail -3 | tee "$OUT/pytest.log"
-python3 - <<'PY' 2>&1 | tee -a "$OUT/pytest.log"
+KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python python3 - <<'PY' 2>&1 | tee -a "$OUT/pytest.log"
 import kitsune.allocator as ka
 with ka.Pool(backend="cuda") as p:
     x = p.alloc(123456); p.free(x); print("python Pool on cuda:", p.stats()["allocated_bytes.all.peak"], "bytes peak")

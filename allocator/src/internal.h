@@ -155,10 +155,10 @@ static inline void kt__inc(kt_counter *c, uint64_t v) {
 }
 static inline uint64_t kt__get(const kt_counter *c) { return atomic_load_explicit(c, memory_order_relaxed); }
 
+/* Counts and rounded bytes are derived at read time from the per-class counts
+ * (count x class size), so a call bumps two counters, not four. */
 typedef struct kt_tstats {
-  kt_counter nalloc, nfree;
-  kt_counter bytes_alloc, bytes_freed;     /* rounded, cumulative */
-  kt_counter req_alloc, req_freed;         /* requested, cumulative */
+  kt_counter req_alloc, req_freed;         /* requested bytes, cumulative */
   kt_counter class_alloc[KT_NUM_CLASSES];
   kt_counter class_free[KT_NUM_CLASSES];
 } kt_tstats;

@@ -244,8 +244,6 @@ static pthread_key_t tc_key;
 static pthread_once_t tc_key_once = PTHREAD_ONCE_INIT;
 
 static void tstats_fold(kt_tstats *dst, const kt_tstats *src) {
-  kt__inc(&dst->nalloc, kt__get(&src->nalloc)); kt__inc(&dst->nfree, kt__get(&src->nfree));
-  kt__inc(&dst->bytes_alloc, kt__get(&src->bytes_alloc)); kt__inc(&dst->bytes_freed, kt__get(&src->bytes_freed));
   kt__inc(&dst->req_alloc, kt__get(&src->req_alloc)); kt__inc(&dst->req_freed, kt__get(&src->req_freed));
   for (int c = 0; c < KT_NUM_CLASSES; c++) {
     kt__inc(&dst->class_alloc[c], kt__get(&src->class_alloc[c]));
@@ -658,32 +656,40 @@ static KT_NOINLINE kt_status slab_new(kt_pool_t *p, kt_heap *h, int cls, size_t 
   return KT_OK;
 }
 
-/* The shared counter goes up by what the thread's credit did not cover. */
-static KT_NOINLINE void credit_exhausted(kt_pool_t *p, kt_tcache *tc, uint64_t units) {
-  atomic_store_explicit(&tc->credit, 0, memory_order_relaxed);
-  kt__count_alloc(p, units << 9);
+/* Everything after the pop that is not the common case: credit exhausted (the
+ * shared counter must go up) or hooks on. Kept out of line so the fast path
+ * leaves through tail calls only and needs no saved registers. */
+static KT_NOINLINE kt_status alloc_finish_slow(kt_pool_t *p, kt_tcache *tc, kt_block *b, void **out) {
+  if (p->track) b->alloc_ns = kt__coarse_ns();
+  uint64_t units = KT_UNITS(b->size), credit = kt__get(&tc->credit);
+  if (credit >= units) {
+    atomic_store_explicit(&tc->credit, credit - units, memory_order_relaxed);
+  } else {
+    atomic_store_explicit(&tc->credit, 0, memory_order_relaxed);
+    kt__count_alloc(p, (units - credit) << 9);
+  }
+  if (atomic_load_explicit(&p->hooks, memory_order_relaxed)) on_alloc(p, b);
+  *out = (void *)b->addr;
+  return KT_OK;
 }
 
-/* Credit passed the slack: publish it, the shared counter comes down. */
-static KT_NOINLINE void credit_publish(kt_pool_t *p, kt_tcache *tc, uint64_t credit) {
-  atomic_store_explicit(&tc->credit, 0, memory_order_relaxed);
-  kt__count_free(p, credit << 9);
+/* The allocation time stamp: a vDSO call, tail-called so kt_alloc saves nothing. */
+static KT_NOINLINE kt_status alloc_stamp(kt_block *b, void **out) {
+  b->alloc_ns = kt__coarse_ns();
+  *out = (void *)b->addr;
+  return KT_OK;
 }
 
 KT_INLINE kt_status alloc_finish(kt_pool_t *p, kt_tcache *tc, kt_block *b, int cls, size_t size, void **out) {
   b->state = KT_BLOCK_LIVE;
   b->requested = size;
-  b->alloc_ns = p->track ? kt__coarse_ns() : 0;
-  kt__inc(&tc->st.nalloc, 1);
   kt__inc(&tc->st.class_alloc[cls], 1);
-  kt__inc(&tc->st.bytes_alloc, b->size);
   kt__inc(&tc->st.req_alloc, size);
   uint64_t units = KT_UNITS(b->size), credit = kt__get(&tc->credit);
-  if (kt_likely(credit >= units))        /* spend this thread's freed bytes: no shared write */
-    atomic_store_explicit(&tc->credit, credit - units, memory_order_relaxed);
-  else
-    credit_exhausted(p, tc, units - credit);
-  if (kt_unlikely(atomic_load_explicit(&p->hooks, memory_order_relaxed))) on_alloc(p, b);
+  if (kt_unlikely(credit < units || atomic_load_explicit(&p->hooks, memory_order_relaxed)))
+    return alloc_finish_slow(p, tc, b, out);
+  atomic_store_explicit(&tc->credit, credit - units, memory_order_relaxed);   /* no shared write */
+  if (p->track) return alloc_stamp(b, out);
   *out = (void *)b->addr;
   return KT_OK;
 }
@@ -822,35 +828,55 @@ static KT_NOINLINE kt_status free_large(kt_pool_t *p, uintptr_t addr, uintptr_t 
   return KT_OK;
 }
 
-static KT_NOINLINE void tbin_overflow(kt_tcache *tc, int cls) {
-  if (atomic_load_explicit(&tc->flush_request, memory_order_relaxed)) tcache_flush_all(tc);
-  else tbin_flush(tc, cls, tc->bins[cls].cap / 2);
+/* The uncommon ends of a free: a block other streams used (events), hooks on,
+ * credit past the slack, or the bin past its cap. */
+static KT_NOINLINE kt_status free_slow(kt_pool_t *p, kt_tcache *tc, kt_block *b) {
+  int cls = b->cls;
+  size_t req = b->requested;
+  int hooks = atomic_load_explicit(&p->hooks, memory_order_relaxed);
+  if (b->state == KT_BLOCK_LIVE) {         /* not yet counted: the pending or hooks case */
+    kt__inc(&tc->st.class_free[cls], 1);
+    kt__inc(&tc->st.req_freed, req);
+    if (b->uses != NULL) {
+      b->state = KT_BLOCK_PENDING;
+      if (hooks) on_free(p, b->addr, req, b->heap->stream);
+      return free_pending(p, b);
+    }
+    b->state = KT_BLOCK_FREE;
+    kt_tbin *bin = &tc->bins[cls];
+    b->next = bin->head;
+    bin->head = b;
+    bin->n++;
+    atomic_store_explicit(&tc->credit, kt__get(&tc->credit) + KT_UNITS(b->size), memory_order_relaxed);
+  }
+  uint64_t credit = kt__get(&tc->credit);
+  if (credit > p->slack_units) {           /* publish: the shared counter comes down */
+    atomic_store_explicit(&tc->credit, 0, memory_order_relaxed);
+    kt__count_free(p, credit << 9);
+  }
+  if (tc->bins[cls].n > tc->bins[cls].cap) {
+    if (atomic_load_explicit(&tc->flush_request, memory_order_relaxed)) tcache_flush_all(tc);
+    else tbin_flush(tc, cls, tc->bins[cls].cap / 2);
+  }
+  if (hooks) on_free(p, b->addr, req, b->heap->stream);
+  return KT_OK;
 }
 
 KT_INLINE kt_status free_to(kt_pool_t *p, kt_tcache *tc, kt_block *b) {
   if (kt_unlikely(b->state != KT_BLOCK_LIVE)) return KT_ERR_INVALID;
+  if (kt_unlikely(b->uses != NULL || atomic_load_explicit(&p->hooks, memory_order_relaxed)))
+    return free_slow(p, tc, b);
   int cls = b->cls;
-  size_t req = b->requested;
-  kt__inc(&tc->st.nfree, 1);
   kt__inc(&tc->st.class_free[cls], 1);
-  kt__inc(&tc->st.bytes_freed, b->size);
-  kt__inc(&tc->st.req_freed, req);
-  if (kt_unlikely(b->uses != NULL)) {
-    b->state = KT_BLOCK_PENDING;
-    if (kt_unlikely(atomic_load_explicit(&p->hooks, memory_order_relaxed))) on_free(p, b->addr, req, b->heap->stream);
-    return free_pending(p, b);
-  }
+  kt__inc(&tc->st.req_freed, b->requested);
   b->state = KT_BLOCK_FREE;
   kt_tbin *bin = &tc->bins[cls];
   b->next = bin->head;
   bin->head = b;
+  uint32_t n = ++bin->n;
   uint64_t credit = kt__get(&tc->credit) + KT_UNITS(b->size);
-  if (kt_likely(credit <= p->slack_units))
-    atomic_store_explicit(&tc->credit, credit, memory_order_relaxed);
-  else
-    credit_publish(p, tc, credit);
-  if (kt_unlikely(++bin->n > bin->cap)) tbin_overflow(tc, cls);
-  if (kt_unlikely(atomic_load_explicit(&p->hooks, memory_order_relaxed))) on_free(p, b->addr, req, b->heap->stream);
+  atomic_store_explicit(&tc->credit, credit, memory_order_relaxed);
+  if (kt_unlikely(credit > p->slack_units || n > bin->cap)) return free_slow(p, tc, b);
   return KT_OK;
 }
 
@@ -994,9 +1020,13 @@ kt_status kt_get_stats(kt_pool_t *p, kt_stats *o) {
   uint64_t v = atomic_load(&p->packed);
   int64_t allocated = ((int64_t)(v & 0xffffffffu) << 9) - credit, pending = (int64_t)(v >> 32) << 9;
   pthread_mutex_lock(&p->arena_lock);
-  int64_t ba = (int64_t)kt__get(&sum.bytes_alloc) + p->large_bytes_alloc;
-  int64_t bf = (int64_t)kt__get(&sum.bytes_freed) + p->large_bytes_freed;
-  int64_t na = (int64_t)(kt__get(&sum.nalloc) + p->large_nalloc), nf = (int64_t)(kt__get(&sum.nfree) + p->large_nfree);
+  int64_t ba = p->large_bytes_alloc, bf = p->large_bytes_freed;
+  int64_t na = (int64_t)p->large_nalloc, nf = (int64_t)p->large_nfree;
+  for (int c = 0; c < KT_NUM_CLASSES; c++) {
+    int64_t a = (int64_t)kt__get(&sum.class_alloc[c]), f = (int64_t)kt__get(&sum.class_free[c]);
+    na += a; nf += f;
+    ba += a * (int64_t)kt__geom[c].size; bf += f * (int64_t)kt__geom[c].size;
+  }
   int64_t ra = (int64_t)kt__get(&sum.req_alloc) + p->large_req_alloc, rf = (int64_t)kt__get(&sum.req_freed) + p->large_req_freed;
   stat_set(&o->allocated_bytes, allocated, atomic_load(&p->peak_allocated), ba, bf);
   stat_set(&o->active_bytes, allocated + pending, atomic_load(&p->peak_active), ba, bf - pending);

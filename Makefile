@@ -43,6 +43,7 @@ ASAN_BINS := $(addprefix $(BUILD)/asan-tests/,$(filter-out hotpath,$(TIERS)))
 BENCH_BINS := $(BUILD)/bench/alloc_bench $(BUILD)/bench/alloc_replay $(BUILD)/bench/probe_costs
 TEST_LIBS := $(DEPS_LIB) -lcriterion
 
+.SECONDARY:
 .PHONY: all deps test test-c test-python test-asan demo bench gpu-test gpu-deps clean
 all: $(BUILD)/libkitsune.so $(BUILD)/libkitsune.a $(TEST_BINS) $(BENCH_BINS) $(BUILD)/libnvtx_record.so
 

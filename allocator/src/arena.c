@@ -114,8 +114,16 @@ nomem:
   return KT_ERR_HOST_OOM;
 }
 
+/* Growth: a request under KT_SHARED_SEGMENT/2 gets a KT_SHARED_SEGMENT segment that
+ * later requests carve too (one backend call, 60-90 us for cudaMalloc on the H100
+ * host, serves many); a larger one gets its size rounded to 2 MiB. When the larger
+ * segment is refused (limit or device), the rounded size is tried. */
+#define KT_SHARED_SEGMENT ((size_t)20 << 20)
+
 static kt_status grow(kt_pool_t *p, size_t size, kt_extent **out, kt_oom_info *oom) {
-  size_t seg = align_up(size, KT_SEGMENT_ALIGN);
+  size_t exact = align_up(size, KT_SEGMENT_ALIGN);
+  size_t seg = size < KT_SHARED_SEGMENT / 2 ? KT_SHARED_SEGMENT : exact;
+  if (p->limit && (size_t)p->reserved + seg > p->limit) seg = exact;
   if (p->limit && (size_t)p->reserved + seg > p->limit) {
     if (oom) { oom->hit_limit = 1; oom->rounded = seg; }
     return KT_ERR_OOM;
@@ -126,6 +134,10 @@ static kt_status grow(kt_pool_t *p, size_t size, kt_extent **out, kt_oom_info *o
   void *base = NULL;
   kt__nvtx_push(p, "kitsune:segment_reserve");
   kt_status st = p->be->reserve(p->be->ctx, p->device, seg, &base);
+  if (st == KT_ERR_OOM && seg > exact) {
+    seg = exact;
+    st = p->be->reserve(p->be->ctx, p->device, seg, &base);
+  }
   kt__nvtx_pop(p);
   if (st != KT_OK || !base) {
     free(s); free(e);

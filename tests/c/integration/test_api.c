@@ -260,15 +260,19 @@ Test(api, too_many_streams_is_a_clear_error) {
 }
 
 Test(api, backend_failure_is_not_a_crash) {
-  kt_fake_fail_next_reserves(be, 2);   /* first try and the retry both fail */
+  /* a small request tries a 20 MiB segment, then 2 MiB, then the same after the retry */
+  kt_fake_fail_next_reserves(be, 4);
   void *p;
   cr_assert_eq(kt_alloc(pool, 100, NULL, &p), KT_ERR_OOM);
   cr_assert_eq(kt_alloc(pool, 100, NULL, &p), KT_OK);
   cr_assert_eq(kt_free(pool, p, 100, NULL), KT_OK);
   kt_fake_fail_next_reserves(be, 1);   /* only the first try fails: the retry succeeds */
-  cr_assert_eq(kt_alloc(pool, 9 * MiB, NULL, &p), KT_OK);
+  cr_assert_eq(kt_alloc(pool, 30 * MiB, NULL, &p), KT_OK);
   kt_stats st;
   kt_get_stats(pool, &st);
   cr_assert_eq(st.num_ooms, 1);
   cr_assert_eq(st.num_alloc_retries, 2);
+  kt_fake_counts fc;
+  kt_fake_get_counts(be, &fc);
+  cr_assert_eq(fc.failed_reserves, 5);
 }

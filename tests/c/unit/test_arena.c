@@ -20,24 +20,41 @@ static size_t free_extents(kt_pool_t *p) {
 
 Test(arena, split_then_coalesce_back_to_one_extent) {
   void *a, *b, *c;
-  cr_assert_eq(kt_alloc(pool, 3 * MiB, NULL, &a), KT_OK);
-  cr_assert_eq(kt_alloc(pool, 3 * MiB, NULL, &b), KT_OK);
-  cr_assert_eq(kt_alloc(pool, 3 * MiB, NULL, &c), KT_OK);
-  /* three 3 MiB requests: each grows by a 4 MiB segment; the 1 MiB tails stay free */
+  size_t sz = 11 * MiB;   /* >= 10 MiB: each request grows its own 12 MiB segment */
+  cr_assert_eq(kt_alloc(pool, sz, NULL, &a), KT_OK);
+  cr_assert_eq(kt_alloc(pool, sz, NULL, &b), KT_OK);
+  cr_assert_eq(kt_alloc(pool, sz, NULL, &c), KT_OK);
   cr_assert_eq(pool->nsegments, 3);
-  cr_assert_eq(free_extents(pool), 3);
-  cr_assert_eq(kt_free(pool, b, 3 * MiB, NULL), KT_OK);
+  cr_assert_eq(free_extents(pool), 3, "the 1 MiB tails stay free");
+  cr_assert_eq(kt_free(pool, b, sz, NULL), KT_OK);
   cr_assert_eq(kt_pool_validate(pool), KT_OK);
   /* b's extent merged with its own segment's tail: one free extent there */
   kt_segment *sb = NULL;
   for (kt_segment *s = pool->segments; s; s = s->next) if (s->base == (uintptr_t)b) sb = s;
   cr_assert_not_null(sb);
   cr_assert_eq(sb->first->kind, KT_EXT_FREE);
-  cr_assert_eq(sb->first->size, 4 * MiB);
+  cr_assert_eq(sb->first->size, 12 * MiB);
   cr_assert_null(sb->first->anext);
   cr_assert_eq(kt_free(pool, a, 0, NULL), KT_OK);
   cr_assert_eq(kt_free(pool, c, 0, NULL), KT_OK);
   cr_assert_eq(free_extents(pool), 3);   /* one per segment, fully coalesced */
+  cr_assert_eq(kt_pool_validate(pool), KT_OK);
+}
+
+Test(arena, small_requests_share_a_segment) {
+  void *p[4];
+  for (int i = 0; i < 4; i++) cr_assert_eq(kt_alloc(pool, 3 * MiB, NULL, &p[i]), KT_OK);
+  cr_assert_eq(pool->nsegments, 1, "requests under 10 MiB carve one 20 MiB segment");
+  cr_assert_eq(pool->reserved, (int64_t)(20 * MiB));
+  kt_fake_counts fc;
+  kt_fake_get_counts(be, &fc);
+  cr_assert_eq(fc.reserves, 1);
+  for (int i = 0; i < 4; i++) cr_assert_eq(kt_free(pool, p[i], 0, NULL), KT_OK);
+  kt_fake_set_capacity(be, 20 * MiB + 4 * MiB);   /* 20 MiB more would not fit: falls back to 4 MiB */
+  void *a, *b;
+  cr_assert_eq(kt_alloc(pool, 19 * MiB, NULL, &a), KT_OK);
+  cr_assert_eq(kt_alloc(pool, 3 * MiB, NULL, &b), KT_OK);
+  cr_assert_eq(pool->reserved, (int64_t)(24 * MiB));
   cr_assert_eq(kt_pool_validate(pool), KT_OK);
 }
 

@@ -701,7 +701,7 @@ static KT_NOINLINE kt_status alloc_refill(kt_pool_t *p, kt_tcache *tc, int cls, 
   kt_heap *h = tc->heap;
   kt_tbin *bin = &tc->bins[cls];
   uint32_t batch = bin->cap > 1 ? bin->cap / 2 : 1;
-  for (int tries = 0; tries < 2; tries++) {
+  for (;;) {   /* ends with blocks, or with slab_new's error: each slab adds blocks */
     kt_spin_lock(&h->lock);          /* splice the first batch blocks, order kept (LIFO reuse) */
     kt_block *first = h->free[cls], *last = NULL;
     uint32_t n = 0;
@@ -718,7 +718,6 @@ static KT_NOINLINE kt_status alloc_refill(kt_pool_t *p, kt_tcache *tc, int cls, 
     if (st != KT_OK) return st;
   }
   kt_block *b = bin->head;
-  if (!b) return KT_ERR_OOM;   /* another thread took the new slab's blocks twice over */
   bin->head = b->next;
   bin->n--;
   return alloc_finish(p, tc, b, cls, size, out);

@@ -7,7 +7,7 @@ ngpu=$("$build/bench/alloc_bench" --probe 2>/dev/null || echo 0)
 backend=fake; [ "${ngpu:-0}" -gt 0 ] && backend=cuda
 out=${BENCH_OUT:-bench/results}
 mkdir -p "$out"
-export KT_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
+export KT_COMMIT=${KT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo "?")}
 "$build/bench/alloc_bench" --backend "$backend" --json "$out/alloc_bench_$backend.json" \
   ${BENCH_TRACE:+--trace "$BENCH_TRACE"}
 echo

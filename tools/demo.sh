@@ -9,7 +9,7 @@ echo "Kitsune demo — allocator (more of the product lands with the next issues
 if [ "${ngpu:-0}" -gt 0 ]; then
   echo "GPU found ($ngpu device(s)): allocator benchmark on the CUDA backend"
   echo
-  KT_COMMIT=$(git rev-parse --short HEAD 2>/dev/null) "$build/bench/alloc_bench" --backend cuda --quick
+  KT_COMMIT=${KT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)} "$build/bench/alloc_bench" --backend cuda --quick
 else
   echo "No CUDA device is visible on this machine, so nothing runs on a GPU here."
   echo "Replaying a recorded allocation trace on the host fake backend instead"

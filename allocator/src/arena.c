@@ -73,7 +73,11 @@ static kt_extent *best_fit(kt_bins *b, size_t size, size_t align) {
   return NULL;
 }
 
-static kt_extent *extent_new(void) { return calloc(1, sizeof(kt_extent)); }
+static kt_extent *extent_new(void) {   /* holds a cache-line-aligned kt_block */
+  kt_extent *e = aligned_alloc(KT_CACHELINE, sizeof(kt_extent));
+  if (e) memset(e, 0, sizeof *e);
+  return e;
+}
 
 /* Split [e.addr, e.addr+at) off e as a new FREE extent before it, same tag. */
 static kt_extent *split_front(kt_pool_t *p, kt_extent *e, size_t at) {
@@ -291,7 +295,7 @@ kt_status kt__arena_validate(kt_pool_t *p) {
         CHECK(kt__radix_get(p, e->addr) == ((uintptr_t)e->slab | 1));
       } else {
         CHECK(e->kind == KT_EXT_LARGE && e->size > KT_LARGE_THRESHOLD);
-        CHECK(e->blk.addr == e->addr && e->blk.size == e->size);
+        CHECK(e->blk.addr == e->addr && kt__block_size(&e->blk) == e->size);
         if (e->blk.state == KT_BLOCK_LIVE || e->blk.state == KT_BLOCK_PENDING)
           CHECK(kt__radix_get(p, e->addr) == (uintptr_t)e);
       }

@@ -228,7 +228,7 @@ static void *block_nvtx_heap(kt_block *b) {
 
 static KT_NOINLINE void on_alloc(kt_pool_t *p, kt_block *b) {
   int h = atomic_load_explicit(&p->hooks, memory_order_relaxed);
-  if (h & KT_HOOK_NVTX) kt__nvtx_region(p, block_nvtx_heap(b), b->addr, b->size, 1);
+  if (h & KT_HOOK_NVTX) kt__nvtx_region(p, block_nvtx_heap(b), b->addr, kt__block_size(b), 1);
   if (h & KT_HOOK_TRACE) kt__trace(p, "alloc", b->addr, b->requested, b->heap->stream);
 }
 
@@ -459,12 +459,12 @@ static KT_NOINLINE kt_status free_pending(kt_pool_t *p, kt_block *b) {
     kt_status st = p->be->synchronize(p->be->ctx, p->device);
     if (st != KT_OK) return st;  /* block stays PENDING and off-list: leaked, reported */
     u->n = 0;
-    atomic_fetch_add_explicit(&p->packed, (KT_UNITS(b->size) << 32) - KT_UNITS(b->size), memory_order_relaxed);
+    atomic_fetch_add_explicit(&p->packed, (KT_UNITS(kt__block_size(b)) << 32) - KT_UNITS(kt__block_size(b)), memory_order_relaxed);
     finish_free(p, b);
     return KT_OK;
   }
   /* move the bytes from allocated to pending in one add: active stays the same */
-  atomic_fetch_add_explicit(&p->packed, (KT_UNITS(b->size) << 32) - KT_UNITS(b->size), memory_order_relaxed);
+  atomic_fetch_add_explicit(&p->packed, (KT_UNITS(kt__block_size(b)) << 32) - KT_UNITS(kt__block_size(b)), memory_order_relaxed);
   b->next = p->pending; p->pending = b;
   p->n_pending_frees++;
   atomic_fetch_add_explicit(&p->npending, 1, memory_order_release);
@@ -506,7 +506,7 @@ static void finish_free(kt_pool_t *p, kt_block *b) {
   kt_uses *u = b->uses;
   b->uses = NULL;
   if (u) { pthread_mutex_lock(&p->pending_lock); uses_put_locked(p, u); pthread_mutex_unlock(&p->pending_lock); }
-  size_t size = b->size;
+  size_t size = kt__block_size(b);
   if (b->slab) {
     kt_heap *h = b->heap;
     kt_spin_lock(&h->lock);
@@ -617,7 +617,8 @@ static kt_slab *slab_descriptor(kt_pool_t *p, int cls) {
   /* caller holds arena_lock */
   kt_slab *s = p->retired[cls];
   if (s) { p->retired[cls] = s->next; return s; }
-  return malloc(sizeof(kt_slab) + kt__geom[cls].nblocks * sizeof(kt_block));
+  size_t bytes = sizeof(kt_slab) + kt__geom[cls].nblocks * sizeof(kt_block);
+  return aligned_alloc(KT_CACHELINE, (bytes + KT_CACHELINE - 1) & ~(size_t)(KT_CACHELINE - 1));
 }
 
 /* A new slab of class cls for heap h; its blocks go on the heap's list. */
@@ -643,7 +644,7 @@ static KT_NOINLINE kt_status slab_new(kt_pool_t *p, kt_heap *h, int cls, size_t 
     kt_block *b = &s->blocks[i];
     memset(b, 0, sizeof *b);
     b->addr = s->base + (uintptr_t)i * g->size;
-    b->size = g->size; b->heap = h; b->slab = s; b->cls = (int16_t)cls; b->state = KT_BLOCK_FREE;
+    b->heap = h; b->slab = s; b->cls = (int16_t)cls; b->state = KT_BLOCK_FREE;
   }
   kt_spin_lock(&h->lock);
   s->next = h->slabs; h->slabs = s;
@@ -661,7 +662,7 @@ static KT_NOINLINE kt_status slab_new(kt_pool_t *p, kt_heap *h, int cls, size_t 
  * leaves through tail calls only and needs no saved registers. */
 static KT_NOINLINE kt_status alloc_finish_slow(kt_pool_t *p, kt_tcache *tc, kt_block *b, void **out) {
   if (p->track) b->alloc_ns = kt__coarse_ns();
-  uint64_t units = KT_UNITS(b->size), credit = kt__get(&tc->credit);
+  uint64_t units = KT_UNITS(kt__geom[b->cls].size), credit = kt__get(&tc->credit);
   if (credit >= units) {
     atomic_store_explicit(&tc->credit, credit - units, memory_order_relaxed);
   } else {
@@ -685,7 +686,7 @@ KT_INLINE kt_status alloc_finish(kt_pool_t *p, kt_tcache *tc, kt_block *b, int c
   b->requested = size;
   kt__inc(&tc->st.class_alloc[cls], 1);
   kt__inc(&tc->st.req_alloc, size);
-  uint64_t units = KT_UNITS(b->size), credit = kt__get(&tc->credit);
+  uint64_t units = KT_UNITS(kt__geom[b->cls].size), credit = kt__get(&tc->credit);
   if (kt_unlikely(credit < units || atomic_load_explicit(&p->hooks, memory_order_relaxed)))
     return alloc_finish_slow(p, tc, b, out);
   atomic_store_explicit(&tc->credit, credit - units, memory_order_relaxed);   /* no shared write */
@@ -760,7 +761,7 @@ static KT_NOINLINE kt_status alloc_large(kt_pool_t *p, size_t size, kt_stream_t 
   }
   kt_block *b = &e->blk;
   memset(b, 0, sizeof *b);
-  b->addr = e->addr; b->size = rounded; b->requested = size; b->heap = h; b->cls = -1;
+  b->addr = e->addr; b->requested = size; b->heap = h; b->cls = -1;
   b->alloc_ns = p->track ? kt__coarse_ns() : 0;
   b->state = KT_BLOCK_LIVE;
   p->n_large++; p->large_nalloc++;
@@ -846,7 +847,7 @@ static KT_NOINLINE kt_status free_slow(kt_pool_t *p, kt_tcache *tc, kt_block *b)
     b->next = bin->head;
     bin->head = b;
     bin->n++;
-    atomic_store_explicit(&tc->credit, kt__get(&tc->credit) + KT_UNITS(b->size), memory_order_relaxed);
+    atomic_store_explicit(&tc->credit, kt__get(&tc->credit) + KT_UNITS(kt__geom[cls].size), memory_order_relaxed);
   }
   uint64_t credit = kt__get(&tc->credit);
   if (credit > p->slack_units) {           /* publish: the shared counter comes down */
@@ -873,7 +874,7 @@ KT_INLINE kt_status free_to(kt_pool_t *p, kt_tcache *tc, kt_block *b) {
   b->next = bin->head;
   bin->head = b;
   uint32_t n = ++bin->n;
-  uint64_t credit = kt__get(&tc->credit) + KT_UNITS(b->size);
+  uint64_t credit = kt__get(&tc->credit) + KT_UNITS(kt__geom[cls].size);
   atomic_store_explicit(&tc->credit, credit, memory_order_relaxed);
   if (kt_unlikely(credit > p->slack_units || n > bin->cap)) return free_slow(p, tc, b);
   return KT_OK;
@@ -951,6 +952,7 @@ kt_status kt_block_query(kt_pool_t *p, const void *ptr, kt_block_info *out) {
   uintptr_t addr = (uintptr_t)ptr, ent = kt__radix_get(p, addr);
   if (!ent) return KT_ERR_INVALID;
   kt_block copy;
+  size_t size_of_large = 0;
   kt_uses uses = {0};
   kt_status st = KT_OK;
   if (ent & 1) {
@@ -964,14 +966,14 @@ kt_status kt_block_query(kt_pool_t *p, const void *ptr, kt_block_info *out) {
     kt_extent *e = (kt_extent *)ent;
     pthread_mutex_lock(&p->arena_lock);
     if (e->addr != addr || e->kind != KT_EXT_LARGE) st = KT_ERR_INVALID;
-    else { copy = e->blk; if (e->blk.uses) uses = *e->blk.uses; }
+    else { copy = e->blk; size_of_large = e->size; if (e->blk.uses) uses = *e->blk.uses; }
     pthread_mutex_unlock(&p->arena_lock);
     if (st != KT_OK) return st;
   }
   if (copy.state != KT_BLOCK_LIVE) return KT_ERR_INVALID;
   memset(out, 0, sizeof *out);
   out->ptr = (void *)copy.addr;
-  out->size = copy.size;
+  out->size = copy.slab ? kt__geom[copy.cls].size : size_of_large;
   out->requested = copy.requested;
   out->stream = copy.heap->stream;
   out->alloc_ns = copy.alloc_ns;
@@ -1114,7 +1116,7 @@ kt_status kt_pool_validate(kt_pool_t *p) {
       for (uint32_t i = 0; i < s->nblocks && st == KT_OK; i++) {
         kt_block *b = &s->blocks[i];
         if (b->state == KT_BLOCK_FREE) nfree++;
-        else if (b->state == KT_BLOCK_LIVE) live += (int64_t)b->size;
+        else if (b->state == KT_BLOCK_LIVE) live += (int64_t)kt__geom[s->cls].size;
         if (b->addr != s->base + i * kt__geom[s->cls].size || b->cls != s->cls) st = KT_ERR_INVALID;
       }
       if (nfree != s->nfree + s->vcount) st = KT_ERR_INVALID;   /* heap list + tcaches */

@@ -4,6 +4,7 @@
 set -uo pipefail
 build=${1:-build}
 cd "$(dirname "$0")/.."
+export KT_COMMIT=${KT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}
 ngpu=$("$build/bench/alloc_bench" --probe 2>/dev/null || echo 0)
 echo "Kitsune demo — allocator (more of the product lands with the next issues)"
 if [ "${ngpu:-0}" -gt 0 ]; then

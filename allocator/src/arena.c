@@ -185,24 +185,26 @@ static bool mergeable(const kt_extent *a, const kt_extent *b) {
   return a->kind == KT_EXT_FREE && b->kind == KT_EXT_FREE && (a->tag == b->tag || !a->tag || !b->tag);
 }
 
+/* hi follows lo in address order; neither is in a bin. hi goes. */
+static void merge_next(kt_extent *lo, kt_extent *hi) {
+  if (!lo->tag) lo->tag = hi->tag;
+  lo->size += hi->size;
+  lo->anext = hi->anext;
+  if (hi->anext) hi->anext->aprev = lo;
+  free(hi);
+}
+
 void kt__arena_put(kt_pool_t *p, kt_extent *e, kt_heap *tag) {
   e->kind = KT_EXT_FREE; e->tag = tag; e->slab = NULL;
-  kt_extent *a = e->aprev;
-  if (a && mergeable(a, e)) {          /* absorb e into a */
+  kt_extent *a = e->aprev, *n = e->anext;
+  if (a && mergeable(a, e)) {
     kt__bins_remove(kt__bins_for(p, a->tag), a);
-    if (!a->tag) a->tag = e->tag;
-    a->size += e->size;
-    a->anext = e->anext; if (e->anext) e->anext->aprev = a;
-    free(e);
+    merge_next(a, e);
     e = a;
   }
-  kt_extent *n = e->anext;
-  if (n && mergeable(e, n)) {          /* absorb n into e */
+  if (n && mergeable(e, n)) {
     kt__bins_remove(kt__bins_for(p, n->tag), n);
-    if (!e->tag) e->tag = n->tag;
-    e->size += n->size;
-    e->anext = n->anext; if (n->anext) n->anext->aprev = e;
-    free(n);
+    merge_next(e, n);
   }
   kt__bins_insert(kt__bins_for(p, e->tag), e);
 }

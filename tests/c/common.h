@@ -91,6 +91,14 @@ static inline kt_pool_t *test_pool(const kt_backend *be, size_t limit) {
   return p;
 }
 
+/* A suite whose tests each get a fresh pool (`pool`) over a fresh fake backend (`be`). */
+#define FAKE_POOL_SUITE(name, ...)                                                          \
+  static kt_backend *be;                                                                    \
+  static kt_pool_t *pool;                                                                   \
+  static void name##_setup(void) { be = kt_fake_backend_create(0); pool = test_pool(be, 0); } \
+  static void name##_teardown(void) { kt_pool_destroy(pool); kt_fake_backend_destroy(be); }  \
+  TestSuite(name, .init = name##_setup, .fini = name##_teardown, ##__VA_ARGS__)
+
 /* xorshift64*: deterministic per seed */
 static inline uint64_t test_rand(uint64_t *s) {
   *s ^= *s >> 12; *s ^= *s << 25; *s ^= *s >> 27;

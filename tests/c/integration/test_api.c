@@ -4,15 +4,7 @@
 
 #include "common.h"
 
-static kt_backend *be;
-static kt_pool_t *pool;
-static void setup(void) {
-  be = kt_fake_backend_create(0);
-  kt_pool_options o; kt_pool_options_default(&o);
-  cr_assert_eq(kt_pool_create(&o, be, &pool), KT_OK);
-}
-static void teardown(void) { kt_pool_destroy(pool); kt_fake_backend_destroy(be); }
-TestSuite(api, .init = setup, .fini = teardown);
+FAKE_POOL_SUITE(api);
 
 #define S1 ((kt_stream_t)0x1100)
 #define S2 ((kt_stream_t)0x2200)

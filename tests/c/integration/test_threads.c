@@ -4,11 +4,7 @@
 
 #include "common.h"
 
-static kt_backend *be;
-static kt_pool_t *pool;
-static void setup(void) { be = kt_fake_backend_create(0); pool = test_pool(be, 0); }
-static void teardown(void) { kt_pool_destroy(pool); kt_fake_backend_destroy(be); }
-TestSuite(threads, .init = setup, .fini = teardown, .timeout = 60);
+FAKE_POOL_SUITE(threads, .timeout = 60);
 
 static void *churn_and_exit(void *arg) {
   void *p[100];

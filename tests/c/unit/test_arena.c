@@ -2,15 +2,7 @@
 #include "common.h"
 #include "internal.h"
 
-static kt_backend *be;
-static kt_pool_t *pool;
-static void setup(void) {
-  be = kt_fake_backend_create(0);
-  kt_pool_options o; kt_pool_options_default(&o);
-  cr_assert_eq(kt_pool_create(&o, be, &pool), KT_OK);
-}
-static void teardown(void) { kt_pool_destroy(pool); kt_fake_backend_destroy(be); }
-TestSuite(arena, .init = setup, .fini = teardown);
+FAKE_POOL_SUITE(arena);
 
 static size_t free_extents(kt_pool_t *p) {
   size_t n = p->untagged.count;

@@ -23,8 +23,8 @@
  * The library never prints and never exits.
  *
  * Thread safety: every function may be called from any thread. alloc/free of a
- * size class already seen on a stream take that stream's lock only, make no host
- * allocation and no backend call.
+ * size class already seen by the calling thread on a stream take no lock, make no
+ * host allocation and no backend call (each thread keeps a small cache per stream).
  */
 #ifndef KITSUNE_ALLOC_H
 #define KITSUNE_ALLOC_H

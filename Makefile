@@ -95,7 +95,7 @@ test-c: $(TEST_BINS) $(BUILD)/libkitsune.so $(BUILD)/libnvtx_record.so
 	@echo "-- all C suites on the host fake backend --"
 	@bash tools/run_c_tests.sh $(BUILD)/tests $(TIERS)
 
-test-python: $(BUILD)/libkitsune.so
+test-python: $(BUILD)/libkitsune.so $(BUILD)/bench/alloc_replay
 	@KITSUNE_LIBRARY=$(CURDIR)/$(BUILD)/libkitsune.so PYTHONPATH=$(CURDIR)/python $(PYTHON) -m pytest -q tests/python
 
 test-asan: $(ASAN_BINS)

@@ -119,8 +119,8 @@ nomem:
 }
 
 /* Growth: a request under KT_SHARED_SEGMENT/2 gets a KT_SHARED_SEGMENT segment that
- * later requests carve too (one backend call, 60-90 us for cudaMalloc on the H100
- * host, serves many); a larger one gets its size rounded to 2 MiB. When the larger
+ * later requests carve too (one backend call: a cudaMalloc pair takes 68-77 us on the H100
+ * host, bench/results/alloc_bench_cuda.json, serves many); a larger one gets its size rounded to 2 MiB. When the larger
  * segment is refused (limit or device), the rounded size is tried. */
 #define KT_SHARED_SEGMENT ((size_t)20 << 20)
 

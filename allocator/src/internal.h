@@ -236,6 +236,7 @@ struct kt_pool {
   int64_t large_req_alloc, large_req_freed, large_bytes_alloc, large_bytes_freed;
   uint64_t large_nalloc, large_nfree;
   kt_slab *retired[KT_NUM_CLASSES];    /* slab descriptors kept for reuse */
+  kt_stats acc_base;                   /* cumulative values at the last reset (arena_lock) */
 
   pthread_mutex_t heap_lock;           /* creating heaps */
   kt_heap *heap_list;

@@ -1003,6 +1003,8 @@ kt_status kt_set_memory_fraction(kt_pool_t *p, double fraction) {
 
 size_t kt_get_memory_limit(const kt_pool_t *p) { return p ? p->limit : 0; }
 
+static void acc_subtract(kt_stats *o, const kt_stats *b);
+
 /* ---- stats ----------------------------------------------------------------- */
 static void stat_set(kt_stat *s, int64_t cur, int64_t peak, int64_t alloc, int64_t freed) {
   s->current = cur; s->peak = peak; s->allocated = alloc; s->freed = freed;
@@ -1045,11 +1047,41 @@ kt_status kt_get_stats(kt_pool_t *p, kt_stats *o) {
   }
   o->memory_limit = p->limit;
   o->largest_free_block = kt__arena_largest_free(p);
+  acc_subtract(o, &p->acc_base);
   pthread_mutex_unlock(&p->arena_lock);
   pthread_mutex_lock(&p->pending_lock);
   o->num_pending_frees = p->n_pending_frees;
   pthread_mutex_unlock(&p->pending_lock);
   return KT_OK;
+}
+
+/* Cumulative fields of o minus those of base (the last kt_reset_accumulated_stats). */
+static void acc_subtract(kt_stats *o, const kt_stats *b) {
+  kt_stat *os[] = {&o->allocated_bytes, &o->active_bytes, &o->reserved_bytes, &o->requested_bytes,
+                   &o->allocations, &o->segments};
+  const kt_stat *bs[] = {&b->allocated_bytes, &b->active_bytes, &b->reserved_bytes, &b->requested_bytes,
+                         &b->allocations, &b->segments};
+  for (size_t i = 0; i < sizeof os / sizeof *os; i++) {
+    os[i]->allocated -= bs[i]->allocated;
+    os[i]->freed -= bs[i]->freed;
+  }
+  o->num_allocs -= b->num_allocs; o->num_frees -= b->num_frees;
+  o->num_alloc_retries -= b->num_alloc_retries; o->num_ooms -= b->num_ooms;
+  o->num_backend_reserves -= b->num_backend_reserves; o->num_backend_releases -= b->num_backend_releases;
+  o->num_large_allocs -= b->num_large_allocs; o->num_pending_frees -= b->num_pending_frees;
+  for (int c = 0; c < KT_NUM_CLASSES; c++) o->class_allocs[c] -= b->class_allocs[c];
+}
+
+void kt_reset_accumulated_stats(kt_pool_t *p) {
+  if (!p) return;
+  kt_stats now;
+  pthread_mutex_lock(&p->arena_lock);
+  memset(&p->acc_base, 0, sizeof p->acc_base);   /* kt_get_stats subtracts it: read raw values */
+  pthread_mutex_unlock(&p->arena_lock);
+  kt_get_stats(p, &now);
+  pthread_mutex_lock(&p->arena_lock);
+  p->acc_base = now;
+  pthread_mutex_unlock(&p->arena_lock);
 }
 
 void kt_reset_peak_stats(kt_pool_t *p) {

@@ -121,6 +121,10 @@ typedef struct kt_stats {
 kt_status kt_get_stats(kt_pool_t *pool, kt_stats *out);
 /* Peak := current for every stat. */
 void kt_reset_peak_stats(kt_pool_t *pool);
+/* Cumulative values (x.allocated, x.freed, num_* counts, class_allocs) restart
+ * from zero, as torch.cuda.reset_accumulated_memory_stats does; current values
+ * and peaks are untouched (so current == allocated - freed no longer holds). */
+void kt_reset_accumulated_stats(kt_pool_t *pool);
 
 /* ---- out-of-memory diagnosis ---------------------------------------------- */
 typedef struct kt_oom_info {

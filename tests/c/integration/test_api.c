@@ -268,3 +268,23 @@ Test(api, backend_failure_is_not_a_crash) {
   kt_fake_get_counts(be, &fc);
   cr_assert_eq(fc.failed_reserves, 5);
 }
+
+Test(api, reset_accumulated_restarts_cumulative_values_only) {
+  void *a, *b;
+  cr_assert_eq(kt_alloc(pool, 4096, NULL, &a), KT_OK);
+  cr_assert_eq(kt_alloc(pool, 3 * MiB, NULL, &b), KT_OK);
+  cr_assert_eq(kt_free(pool, a, 0, NULL), KT_OK);
+  kt_reset_accumulated_stats(pool);
+  kt_stats st;
+  kt_get_stats(pool, &st);
+  cr_assert_eq(st.allocated_bytes.allocated, 0);
+  cr_assert_eq(st.allocated_bytes.freed, 0);
+  cr_assert_eq(st.num_allocs, 0);
+  cr_assert_eq(st.allocated_bytes.current, 3 * MiB, "current untouched");
+  cr_assert_eq(st.allocated_bytes.peak, 3 * MiB + 4096, "peak untouched");
+  cr_assert_eq(kt_alloc(pool, 4096, NULL, &a), KT_OK);
+  kt_get_stats(pool, &st);
+  cr_assert_eq(st.allocated_bytes.allocated, 4096);
+  cr_assert_eq(st.num_allocs, 1);
+  cr_assert_eq(st.class_allocs[kt_size_class(4096)], 1);
+}

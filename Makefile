@@ -1,6 +1,6 @@
 # Kitsune — one entry point. See README.md.
 #   make deps       install what build and tests need (idempotent)
-#   make all        build/libkitsune.so (+ static lib, tests, benchmarks)
+#   make all        build/libkitsune.so (+ static lib, tests, benchmarks, the torch bridge)
 #   make test       deps + CPU test suites (Criterion + pytest)
 #   make test-asan  the C suites under AddressSanitizer + UBSan
 #   make demo       the main job (GPU if present, else host backend)
@@ -44,8 +44,13 @@ BENCH_BINS := $(BUILD)/bench/alloc_bench $(BUILD)/bench/alloc_replay $(BUILD)/be
 TEST_LIBS := $(DEPS_LIB) -lcriterion
 
 .SECONDARY:
-.PHONY: all deps test test-c test-python test-asan demo bench gpu-test gpu-deps clean
-all: $(BUILD)/libkitsune.so $(BUILD)/libkitsune.a $(TEST_BINS) $(BENCH_BINS) $(BUILD)/libnvtx_record.so
+
+.PHONY: bridge all deps test test-c test-python test-asan demo bench gpu-test gpu-deps clean
+all: $(BUILD)/libkitsune.so $(BUILD)/libkitsune.a $(TEST_BINS) $(BENCH_BINS) $(BUILD)/libnvtx_record.so bridge
+
+# The C++ bridge to PyTorch (needs torch; skipped with a message without it)
+bridge: $(BUILD)/libkitsune.so
+	@bash tools/build_bridge.sh $(BUILD)
 
 $(BUILD)/obj/%.o: %.c $(LIB_HDR)
 	@mkdir -p $(dir $@)
@@ -95,7 +100,7 @@ test-c: $(TEST_BINS) $(BUILD)/libkitsune.so $(BUILD)/libnvtx_record.so
 	@echo "-- all C suites on the host fake backend --"
 	@bash tools/run_c_tests.sh $(BUILD)/tests $(TIERS)
 
-test-python: $(BUILD)/libkitsune.so $(BUILD)/bench/alloc_replay
+test-python: $(BUILD)/libkitsune.so $(BUILD)/bench/alloc_replay bridge
 	@KITSUNE_LIBRARY=$(CURDIR)/$(BUILD)/libkitsune.so PYTHONPATH=$(CURDIR)/python $(PYTHON) -m pytest -q tests/python
 
 test-asan: $(ASAN_BINS)
@@ -108,9 +113,11 @@ demo: $(BUILD)/libkitsune.so $(BENCH_BINS)
 bench: $(BENCH_BINS)
 	@bash tools/bench.sh $(BUILD)
 
-gpu-test: $(TEST_BINS) $(BUILD)/libkitsune.so $(BUILD)/libnvtx_record.so
+gpu-test: $(TEST_BINS) $(BUILD)/libkitsune.so $(BUILD)/libnvtx_record.so $(BUILD)/bench/alloc_replay bridge
 	@KT_TEST_BACKEND=cuda KT_REQUIRE_GPU=1 bash tools/run_c_tests.sh $(BUILD)/tests conformance stress
 	@bash tools/run_c_tests.sh $(BUILD)/tests $(TIERS)
+	@KITSUNE_REQUIRE_GPU=1 KITSUNE_LIBRARY=$(CURDIR)/$(BUILD)/libkitsune.so PYTHONPATH=$(CURDIR)/python \
+	  $(PYTHON) -m pytest -q -rs tests/python
 
 clean:
 	rm -rf $(BUILD)

@@ -22,6 +22,9 @@ if [ ! -f "$cuda_home/include/cuda_runtime_api.h" ] || [ ! -f "$cuda_home/lib64/
 fi
 py=${PYTHON:-python3}
 $py -c "import pytest" 2>/dev/null || { echo "deps: pip install pytest"; $py -m pip install -q pytest; }
+# torch: the version the GPU machine runs, so the bridge is built and tested against it
+torch_version=${KITSUNE_TORCH_VERSION:-2.11.0}
+$py -c "import torch, numpy" 2>/dev/null || { echo "deps: pip install torch==$torch_version numpy"; $py -m pip install -q "torch==$torch_version" numpy; }
 $py -c "import kitsune, os, sys; sys.exit(0 if os.path.realpath(kitsune.__file__).startswith(os.path.realpath('python')) else 1)" 2>/dev/null \
   || { echo "deps: pip install -e . (the kitsune package)"; $py -m pip install -q --no-deps -e .; }
 echo "deps: ok"

@@ -578,6 +578,15 @@ kt_status kt_empty_cache(kt_pool_t *p) {
   return KT_OK;
 }
 
+/* The OOM info's live bytes exclude what thread caches freed but not yet published. */
+static void oom_subtract_credits(kt_pool_t *p) {
+  pthread_mutex_lock(&kt__registry);
+  size_t credit = (size_t)credits_locked(p);
+  pthread_mutex_unlock(&kt__registry);
+  last_oom.live -= credit < last_oom.live ? credit : last_oom.live;
+  last_oom.cached = last_oom.reserved > last_oom.live ? last_oom.reserved - last_oom.live : 0;
+}
+
 /* arena_take with one retry after releasing cache; fills the thread's OOM info. */
 static kt_status take_extent(kt_pool_t *p, kt_heap *h, size_t size, size_t align, int kind, size_t requested,
                              kt_extent **out) {
@@ -600,13 +609,7 @@ static kt_status take_extent(kt_pool_t *p, kt_heap *h, size_t size, size_t align
     }
   }
   pthread_mutex_unlock(&p->arena_lock);
-  if (st == KT_ERR_OOM && last_oom.requested == requested) {   /* live excludes thread credits */
-    pthread_mutex_lock(&kt__registry);
-    size_t credit = (size_t)credits_locked(p);
-    pthread_mutex_unlock(&kt__registry);
-    last_oom.live -= credit < last_oom.live ? credit : last_oom.live;
-    last_oom.cached = last_oom.reserved > last_oom.live ? last_oom.reserved - last_oom.live : 0;
-  }
+  if (st == KT_ERR_OOM && last_oom.requested == requested) oom_subtract_credits(p);
   if (st == KT_ERR_OOM && (atomic_load_explicit(&p->hooks, memory_order_relaxed) & KT_HOOK_TRACE))
     kt__trace(p, "oom", 0, requested, h->stream);
   return st;
@@ -739,9 +742,12 @@ static KT_NOINLINE kt_status alloc_switch(kt_pool_t *p, int cls, size_t size, kt
 }
 
 static KT_NOINLINE kt_status alloc_large(kt_pool_t *p, size_t size, kt_stream_t stream, void **out) {
-  if (size > ((size_t)1 << KT_VA_BITS)) {
-    memset(&last_oom, 0, sizeof last_oom);
-    last_oom.requested = size; last_oom.device = p->device;
+  if (size > KT_MAX_ALLOC) {   /* beyond any device, and beyond what packed can count: refuse at once */
+    pthread_mutex_lock(&p->arena_lock);
+    p->n_ooms++;
+    fill_oom(p, &last_oom, size);
+    pthread_mutex_unlock(&p->arena_lock);
+    oom_subtract_credits(p);
     return KT_ERR_OOM;
   }
   kt_heap *h;

@@ -125,6 +125,39 @@ def native():
             "or set KITSUNE_LIBRARY to the library's path.")
 
 
+_bridge = None
+
+
+def bridge():
+    """Returns the loaded C++ bridge (build/libkitsune_torch.so), loading it once.
+
+    It links against torch's libraries, so torch is imported first."""
+    global _bridge
+    if _bridge is not None:
+        return _bridge
+    import torch  # noqa: F401  (loads libc10/libtorch_cuda the bridge resolves against)
+    lib = native()
+    with _lock:
+        if _bridge is not None:
+            return _bridge
+        env = os.environ.get("KITSUNE_BRIDGE")
+        path = env or os.path.join(os.path.dirname(library_path()), "libkitsune_torch.so")
+        if not os.path.exists(path):
+            raise KitsuneNotBuiltError(
+                f"the Kitsune-PyTorch bridge is not built: {path} is missing. Fix: run `make bridge` "
+                "(or `make`) in the Kitsune repository with torch installed, or set KITSUNE_BRIDGE.")
+        try:
+            b = ctypes.CDLL(path)
+        except OSError as e:
+            raise KitsuneNotBuiltError(f"the Kitsune-PyTorch bridge at {path} could not be loaded ({e}); "
+                                       "rebuild it against the installed torch with `make bridge`") from e
+        b.kt_bridge_install.restype, b.kt_bridge_install.argtypes = ctypes.c_int, [ctypes.c_char_p, ctypes.c_size_t]
+        b.kt_bridge_installed.restype, b.kt_bridge_installed.argtypes = ctypes.c_int, []
+        del lib
+        _bridge = b
+        return b
+
+
 def library_path():
     """The path native() loaded, or None before a successful load."""
     return getattr(_lib, "_name", None)

@@ -1,8 +1,10 @@
 """Kitsune's memory pool from Python.
 
+``install()`` makes Kitsune PyTorch's CUDA allocator (one call, before CUDA
+initialises); ``torch.cuda.memory_stats()`` and friends then report Kitsune's
+numbers and out-of-memory raises ``torch.OutOfMemoryError`` with a diagnosis.
 ``Pool`` drives the C pool directly, over the CUDA backend or the host fake backend
 (which hands out addresses it never touches, so the pool logic runs anywhere).
-Installing Kitsune as PyTorch's allocator builds on this in the PyTorch-allocator issue.
 """
 import contextlib
 import ctypes
@@ -13,6 +15,35 @@ from ._native import check, native
 _STATS = ("allocated_bytes", "active_bytes", "reserved_bytes", "requested_bytes", "allocations", "segments")
 _COUNTERS = ("num_allocs", "num_frees", "num_alloc_retries", "num_ooms", "num_backend_reserves",
              "num_backend_releases", "num_large_allocs", "num_pending_frees")
+
+
+def install():
+    """Makes Kitsune PyTorch's CUDA allocator, for every device, for the process.
+
+    Call it first, before anything initialises CUDA (a CUDA tensor,
+    ``torch.cuda.current_device()``, ``torch.cuda.init()``); ``torch.cuda.is_available()``
+    is fine. Calling it again is a no-op. Raises RuntimeError with the reason and the
+    fix when it cannot install (no GPU, CUDA already initialised, bridge not built)."""
+    import torch
+    if installed():
+        return
+    if not torch.cuda.is_available():
+        raise RuntimeError("kitsune.allocator.install(): no CUDA device is visible "
+                           "(torch.cuda.is_available() is False); Kitsune's allocator needs an NVIDIA GPU")
+    if torch.cuda.is_initialized():
+        raise RuntimeError("kitsune.allocator.install() must run before CUDA initialises, and CUDA is "
+                           "already initialised in this process. Call it first thing: before any CUDA "
+                           "tensor, torch.cuda.current_device(), torch.cuda.init() or a model's .cuda()")
+    b = _native.bridge()
+    err = ctypes.create_string_buffer(1024)
+    if b.kt_bridge_install(err, len(err)) != 0:
+        raise RuntimeError(f"kitsune.allocator.install() failed: {err.value.decode()}")
+
+
+def installed():
+    """True when Kitsune is PyTorch's CUDA allocator in this process."""
+    b = _native._bridge
+    return bool(b is not None and b.kt_bridge_installed())
 
 
 class Pool:

@@ -44,6 +44,7 @@ extern "C" {
 #define KT_NUM_CLASSES      72                  /* see sizeclass.c for the derivation */
 #define KT_MAX_STREAMS      1024                /* distinct streams per pool */
 #define KT_MAX_USES         8                   /* kt_record_stream streams tracked per block */
+#define KT_MAX_ALLOC        ((size_t)1 << 40)   /* larger requests are refused (KT_ERR_OOM) at once */
 
 
 typedef struct kt_pool kt_pool_t;

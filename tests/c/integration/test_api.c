@@ -288,3 +288,20 @@ Test(api, reset_accumulated_restarts_cumulative_values_only) {
   cr_assert_eq(st.num_allocs, 1);
   cr_assert_eq(st.class_allocs[kt_size_class(4096)], 1);
 }
+
+Test(api, absurd_sizes_are_refused_with_a_full_diagnosis) {
+  void *a, *p;
+  cr_assert_eq(kt_alloc(pool, 5 * MiB, NULL, &a), KT_OK);
+  kt_fake_counts before, after;
+  kt_fake_get_counts(be, &before);
+  cr_assert_eq(kt_alloc(pool, KT_MAX_ALLOC + 1, NULL, &p), KT_ERR_OOM);
+  cr_assert_eq(kt_alloc(pool, SIZE_MAX, NULL, &p), KT_ERR_OOM);
+  kt_fake_get_counts(be, &after);
+  cr_assert_eq(after.reserves + after.failed_reserves, before.reserves + before.failed_reserves, "backend not asked");
+  cr_assert_eq(kt_last_oom()->requested, SIZE_MAX);
+  cr_assert_eq(kt_last_oom()->live, 5 * MiB);
+  kt_stats st;
+  kt_get_stats(pool, &st);
+  cr_assert_eq(st.num_ooms, 2);
+  cr_assert_eq(st.allocated_bytes.current, 5 * MiB);
+}

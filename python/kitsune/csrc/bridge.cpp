@@ -1,0 +1,295 @@
+// python/kitsune/csrc/bridge.cpp — Kitsune's C pool as PyTorch's CUDA allocator.
+//
+// The only C++ in Kitsune: PyTorch's allocator interface is a C++ class. This file
+// converts types and errors and calls the C core; the logic lives in allocator/.
+//   - one kt pool per device (CUDA backend), created by init();
+//   - a DataPtr's context is the block pointer with the device in its low 9 bits
+//     (blocks are 512-byte aligned), so a free needs no lookup table or lock;
+//   - stats map onto torch.cuda.memory_stats() keys (the "all" aggregate);
+//   - a failed allocation throws c10::OutOfMemoryError (torch.OutOfMemoryError)
+//     with the pool's diagnosis.
+// Entry points for Python (ctypes): kt_bridge_install, kt_bridge_installed.
+#include <c10/core/Allocator.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+
+#include <cstdio>
+#include <mutex>
+#include <vector>
+
+extern "C" {
+#include "kitsune/alloc.h"
+}
+
+namespace {
+
+namespace cca = c10::cuda::CUDACachingAllocator;
+using c10::CachingDeviceAllocator::DeviceStats;
+using c10::CachingDeviceAllocator::Stat;
+using c10::CachingDeviceAllocator::StatType;
+
+constexpr uintptr_t kDeviceMask = KT_QUANTUM - 1;  // low bits of a block pointer
+
+class KitsuneAllocator;
+KitsuneAllocator* g_allocator = nullptr;
+void kitsune_delete(void* ctx);
+
+Stat to_stat(const kt_stat& s) {
+  Stat out;
+  out.current = s.current;
+  out.peak = s.peak;
+  out.allocated = s.allocated;
+  out.freed = s.freed;
+  return out;
+}
+
+[[noreturn]] void raise_status(kt_status st, const char* what, size_t size, int device) {
+  if (st == KT_ERR_OOM) {
+    char msg[1024];
+    kt_format_oom(kt_last_oom(), msg, sizeof msg);
+    TORCH_CHECK_WITH(OutOfMemoryError, false, msg);
+  }
+  TORCH_CHECK(false, "Kitsune: ", what, " of ", size, " bytes on device ", device, " failed: ", kt_status_str(st));
+}
+
+class KitsuneAllocator final : public cca::CUDAAllocator {
+ public:
+  ~KitsuneAllocator() override = default;  // pools live until the process ends
+
+  // ---- allocation ---------------------------------------------------------
+  c10::DataPtr allocate(size_t n) override {
+    c10::DeviceIndex dev = c10::cuda::current_device();
+    cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
+    void* p = alloc_on(dev, n, stream);
+    return {p, reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(p) | static_cast<uintptr_t>(dev)),
+            &kitsune_delete, c10::Device(c10::DeviceType::CUDA, dev)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &kitsune_delete; }
+
+  void* raw_alloc(size_t n) override {
+    c10::DeviceIndex dev = c10::cuda::current_device();
+    return alloc_on(dev, n, c10::cuda::getCurrentCUDAStream(dev).stream());
+  }
+  void* raw_alloc_with_stream(size_t n, cudaStream_t stream) override {
+    return alloc_on(c10::cuda::current_device(), n, stream);
+  }
+  void raw_delete(void* ptr) override { free_any(ptr, c10::cuda::current_device()); }
+
+  void free_ctx(void* ctx) {
+    uintptr_t v = reinterpret_cast<uintptr_t>(ctx);
+    free_any(reinterpret_cast<void*>(v & ~kDeviceMask), static_cast<int>(v & kDeviceMask));
+  }
+
+  // ---- lifecycle -----------------------------------------------------------
+  void init(int device_count) override {
+    std::lock_guard<std::mutex> g(mu_);
+    while (static_cast<int>(pools_.size()) < device_count) {
+      kt_pool_options o;
+      kt_pool_options_default(&o);
+      o.device = static_cast<int>(pools_.size());
+      kt_pool_t* p = nullptr;
+      kt_status st = kt_pool_create(&o, kt_cuda_backend(), &p);
+      TORCH_CHECK(st == KT_OK, "Kitsune: creating the pool for device ", o.device, " failed: ", kt_status_str(st));
+      pools_.push_back(p);
+    }
+    initialized_ = true;
+  }
+  bool initialized() override { return initialized_; }
+  void enable(bool) override {}
+  bool isEnabled() const override { return true; }
+  std::string name() override { return "kitsune"; }
+
+  // ---- cache, limits, streams -------------------------------------------------
+  void emptyCache(c10::cuda::MempoolId_t mempool_id) override {
+    TORCH_CHECK(mempool_id.first == 0 && mempool_id.second == 0,
+                "Kitsune: empty_cache of a private memory pool is not supported yet");
+    for (kt_pool_t* p : pools_) kt_empty_cache(p);
+  }
+  void cacheInfo(c10::DeviceIndex device, size_t* largest) override {
+    kt_stats st;
+    kt_get_stats(pool(device), &st);
+    size_t free_b = 0, total = 0;
+    {
+      c10::cuda::CUDAGuard guard(device);
+      C10_CUDA_CHECK(cudaMemGetInfo(&free_b, &total));
+    }
+    *largest = std::max(st.largest_free_block, free_b);  // what a workspace could get now
+  }
+  double getMemoryFraction(c10::DeviceIndex device) override {
+    size_t limit = kt_get_memory_limit(pool(device));
+    if (!limit) return 1.0;
+    size_t free_b = 0, total = 0;
+    c10::cuda::CUDAGuard guard(device);
+    C10_CUDA_CHECK(cudaMemGetInfo(&free_b, &total));
+    return static_cast<double>(limit) / static_cast<double>(total);
+  }
+  void setMemoryFraction(double fraction, c10::DeviceIndex device) override {
+    TORCH_CHECK(fraction > 0.0 && fraction <= 1.0, "Kitsune: memory fraction ", fraction,
+                " is outside (0, 1]");
+    kt_status st = kt_set_memory_fraction(pool(device), fraction);
+    TORCH_CHECK(st == KT_OK, "Kitsune: set_memory_fraction(", fraction, ") failed: ", kt_status_str(st));
+  }
+  void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override {
+    if (ptr.get_deleter() != &kitsune_delete || !ptr.get()) return;  // not one of ours
+    kt_status st = kt_record_stream(pool(ptr.device().index()), ptr.get(), stream.stream());
+    TORCH_CHECK(st == KT_OK, "Kitsune: record_stream failed: ", kt_status_str(st));
+  }
+  void* getBaseAllocation(void* ptr, size_t* size) override {
+    kt_block_info bi;
+    if (kt_block_query(pool(c10::cuda::current_device()), ptr, &bi) == KT_OK) *size = bi.size;
+    return ptr;
+  }
+
+  // ---- stats -------------------------------------------------------------------
+  DeviceStats getDeviceStats(c10::DeviceIndex device) override {
+    kt_stats st;
+    kt_get_stats(pool(device), &st);
+    DeviceStats out;
+    const auto all = static_cast<size_t>(StatType::AGGREGATE);
+    out.allocation[all] = to_stat(st.allocations);
+    out.segment[all] = to_stat(st.segments);
+    out.active[all] = to_stat(st.allocations);
+    out.allocated_bytes[all] = to_stat(st.allocated_bytes);
+    out.reserved_bytes[all] = to_stat(st.reserved_bytes);
+    out.active_bytes[all] = to_stat(st.active_bytes);
+    out.requested_bytes[all] = to_stat(st.requested_bytes);
+    out.num_alloc_retries = static_cast<int64_t>(st.num_alloc_retries);
+    out.num_ooms = static_cast<int64_t>(st.num_ooms);
+    out.num_device_alloc = static_cast<int64_t>(st.num_backend_reserves);
+    out.num_device_free = static_cast<int64_t>(st.num_backend_releases);
+    return out;
+  }
+  void resetAccumulatedStats(c10::DeviceIndex device) override { kt_reset_accumulated_stats(pool(device)); }
+  void resetPeakStats(c10::DeviceIndex device) override { kt_reset_peak_stats(pool(device)); }
+  std::vector<cca::StreamSegmentSize> getExpandableSegmentSizes(c10::DeviceIndex) override { return {}; }
+  cca::SnapshotInfo snapshot(c10::cuda::MempoolId_t, bool) override { return {}; }
+
+  // ---- not supported yet: clear errors, never silent misbehaviour ---------------
+  void beginAllocateToPool(c10::DeviceIndex, c10::cuda::MempoolId_t, std::function<bool(cudaStream_t)>) override {
+    TORCH_CHECK(false, "Kitsune: CUDA graph capture and torch.cuda.MemPool are not supported by "
+                       "kitsune.allocator yet (private pools are planned); run captures without install()");
+  }
+  void endAllocateToPool(c10::DeviceIndex, c10::cuda::MempoolId_t) override {}
+  void releasePool(c10::DeviceIndex, c10::cuda::MempoolId_t) override {}
+  cca::ShareableHandle shareIpcHandle(void*) override {
+    TORCH_CHECK(false, "Kitsune: CUDA IPC handles are not supported by kitsune.allocator");
+  }
+  std::shared_ptr<void> getIpcDevPtr(std::string) override {
+    TORCH_CHECK(false, "Kitsune: CUDA IPC handles are not supported by kitsune.allocator");
+  }
+  void recordHistory(bool enabled, cca::CreateContextFn, size_t, cca::RecordContext, bool,
+                     const std::vector<std::string>&) override {
+    TORCH_CHECK(!enabled, "Kitsune: torch.cuda.memory._record_memory_history is not supported; "
+                          "record a trace with kitsune.allocator.trace(path) instead");
+  }
+  void attachOutOfMemoryObserver(cca::OutOfMemoryObserver observer) override {
+    std::lock_guard<std::mutex> g(mu_);
+    oom_observers_.push_back(std::move(observer));
+  }
+  void attachAllocatorTraceTracker(cca::AllocatorTraceTracker) override {}
+  void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override {
+    c10::cuda::CUDAGuard guard(dev);
+    cudaError_t err = cudaDeviceEnablePeerAccess(dev_to_access, 0);
+    if (err == cudaErrorPeerAccessAlreadyEnabled) {
+      (void)cudaGetLastError();
+      return;
+    }
+    C10_CUDA_CHECK(err);
+  }
+  cudaError_t memcpyAsync(void* dst, int dst_dev, const void* src, int src_dev, size_t count,
+                          cudaStream_t stream, bool p2p_enabled) override {
+    if (p2p_enabled || dst_dev == src_dev) return cudaMemcpyAsync(dst, src, count, cudaMemcpyDeviceToDevice, stream);
+    return cudaMemcpyPeerAsync(dst, dst_dev, src, src_dev, count, stream);
+  }
+  std::shared_ptr<cca::AllocatorState> getCheckpointState(c10::DeviceIndex, c10::cuda::MempoolId_t) override {
+    TORCH_CHECK(false, "Kitsune: allocator checkpoints are not supported by kitsune.allocator");
+  }
+  cca::CheckpointDelta setCheckpointPoolState(c10::DeviceIndex, std::shared_ptr<cca::AllocatorState>) override {
+    TORCH_CHECK(false, "Kitsune: allocator checkpoints are not supported by kitsune.allocator");
+  }
+  void copy_data(void* dest, const void* src, std::size_t count) const final {
+    C10_CUDA_CHECK(cudaMemcpy(dest, src, count, cudaMemcpyDeviceToDevice));
+  }
+
+ private:
+  kt_pool_t* pool(c10::DeviceIndex device) {
+    TORCH_CHECK(device >= 0 && device < static_cast<int>(pools_.size()), "Kitsune: device ", device,
+                " has no pool (", pools_.size(), " devices initialised)");
+    return pools_[device];
+  }
+
+  void* alloc_on(c10::DeviceIndex dev, size_t n, cudaStream_t stream) {
+    void* p = nullptr;
+    kt_status st = kt_alloc(pool(dev), n, stream, &p);
+    if (C10_UNLIKELY(st != KT_OK)) {
+      if (st == KT_ERR_OOM) notify_oom(dev, n);
+      raise_status(st, "allocation", n, dev);
+    }
+    return p;
+  }
+
+  void free_any(void* ptr, int device) {
+    if (!ptr) return;
+    kt_status st = kt_free(pools_[device], ptr, 0, nullptr);
+    // a deleter cannot throw; an unknown pointer here is a caller bug we must not hide
+    if (C10_UNLIKELY(st != KT_OK))
+      TORCH_WARN("Kitsune: free of ", ptr, " on device ", device, " failed: ", kt_status_str(st));
+  }
+
+  void notify_oom(c10::DeviceIndex dev, size_t n) {
+    const kt_oom_info* o = kt_last_oom();
+    std::vector<cca::OutOfMemoryObserver> obs;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      obs = oom_observers_;
+    }
+    for (auto& f : obs) f(dev, n, o->device_total, o->device_free);
+  }
+
+  std::mutex mu_;
+  std::vector<kt_pool_t*> pools_;
+  std::vector<cca::OutOfMemoryObserver> oom_observers_;
+  bool initialized_ = false;
+};
+
+void kitsune_delete(void* ctx) {
+  if (ctx) g_allocator->free_ctx(ctx);
+}
+
+std::shared_ptr<KitsuneAllocator> g_owner;  // keeps the installed allocator alive
+
+}  // namespace
+
+extern "C" {
+
+// Installs Kitsune as the CUDA allocator. Must run before CUDA initialises.
+// Returns 0, or 1 with a message in err.
+__attribute__((visibility("default"))) int kt_bridge_install(char* err, size_t len) {
+  try {
+    if (g_allocator) return 0;
+    int n = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess || n == 0) {
+      (void)cudaGetLastError();
+      std::snprintf(err, len, "no CUDA device is visible (%s)", e == cudaSuccess ? "0 devices" : cudaGetErrorString(e));
+      return 1;
+    }
+    auto a = std::make_shared<KitsuneAllocator>();
+    a->init(n);
+    torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(a);
+    g_owner = a;
+    g_allocator = a.get();
+    return 0;
+  } catch (const std::exception& ex) {
+    std::snprintf(err, len, "%s", ex.what());
+    return 1;
+  }
+}
+
+__attribute__((visibility("default"))) int kt_bridge_installed(void) { return g_allocator != nullptr; }
+
+}  // extern "C"

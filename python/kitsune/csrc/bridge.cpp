@@ -102,6 +102,7 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
   void enable(bool) override {}
   bool isEnabled() const override { return true; }
   std::string name() override { return "kitsune"; }
+  kt_pool_t* device_pool(c10::DeviceIndex device) { return pool(device); }
 
   // ---- cache, limits, streams -------------------------------------------------
   void emptyCache(c10::cuda::MempoolId_t mempool_id) override {
@@ -291,5 +292,36 @@ __attribute__((visibility("default"))) int kt_bridge_install(char* err, size_t l
 }
 
 __attribute__((visibility("default"))) int kt_bridge_installed(void) { return g_allocator != nullptr; }
+
+}  // extern "C"
+
+// ---- diagnostics: where an allocation's time goes, measured in C++ (no Python) ----
+#include <chrono>
+
+extern "C" {
+
+// ns per allocate()+delete of n bytes through torch's current CUDA allocator
+// (Kitsune's when installed, else PyTorch's), on the current device and stream.
+__attribute__((visibility("default"))) double kt_bridge_time_torch_allocate(size_t n, int iters) {
+  c10::Allocator* a = c10::cuda::CUDACachingAllocator::get();
+  for (int i = 0; i < 1000; i++) a->allocate(n);
+  auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < iters; i++) a->allocate(n);   // the DataPtr dies at once: a free
+  auto t1 = std::chrono::steady_clock::now();
+  return std::chrono::duration<double, std::nano>(t1 - t0).count() / iters;
+}
+
+// ns per kt_alloc+kt_free pair on the installed allocator's device-0 pool, current stream.
+__attribute__((visibility("default"))) double kt_bridge_time_kt_pair(size_t n, int iters) {
+  if (!g_allocator) return -1;
+  cudaStream_t s = c10::cuda::getCurrentCUDAStream(0).stream();
+  kt_pool_t* pool = g_allocator->device_pool(0);
+  void* p = nullptr;
+  for (int i = 0; i < 1000; i++) { kt_alloc(pool, n, s, &p); kt_free(pool, p, n, s); }
+  auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < iters; i++) { kt_alloc(pool, n, s, &p); kt_free(pool, p, n, s); }
+  auto t1 = std::chrono::steady_clock::now();
+  return std::chrono::duration<double, std::nano>(t1 - t0).count() / iters;
+}
 
 }  // extern "C"

@@ -1,11 +1,14 @@
 """torch.empty + del, ns per pair, for each allocator in its own process.
 
-    python bench/alloc_torch.py [--out DIR] [--iters N]
+    python bench/alloc_torch.py [--out DIR] [--iters N] [--rounds R]
 
 Allocators: PyTorch's native caching allocator, backend:cudaMallocAsync,
 expandable_segments:True, and Kitsune (kitsune.allocator.install()). Each process
-warms up, then times N pairs per size (median of 5 repeats, time.perf_counter_ns).
-Prints a table with ratios to native; writes alloc_torch.json and alloc_torch.png.
+warms up, then times N pairs per size (median of 5 repeats, time.perf_counter_ns),
+from Python (what a user sees) and, through the bridge, from C++ (allocate() + free
+through torch's allocator interface, no interpreter). The allocators run in turn,
+R rounds, each in a fresh process; the table gives the median over rounds and the
+spread (max-min). Writes alloc_torch.json and alloc_torch.png.
 """
 import argparse
 import datetime
@@ -45,38 +48,59 @@ def child(iters):
             runs.append((time.perf_counter_ns() - t0) / iters)
         out[n] = statistics.median(runs)
     torch.cuda.synchronize()
-    print(json.dumps(out))
+    import ctypes
+    import kitsune._native as kn
+    b = kn.bridge()
+    b.kt_bridge_time_torch_allocate.restype = ctypes.c_double
+    b.kt_bridge_time_torch_allocate.argtypes = [ctypes.c_size_t, ctypes.c_int]
+    cpp = {n: b.kt_bridge_time_torch_allocate(n, iters) for n in SIZES}
+    print(json.dumps({"python": out, "cpp": cpp}))
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--iters", type=int, default=100000)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--child", action="store_true")
     a = ap.parse_args()
     if a.child:
         return child(a.iters)
     import torch
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    results = {}
-    for name, extra in CONFIGS.items():
-        env = dict(os.environ, PYTHONPATH=os.path.join(repo, "python"), **extra)
-        print(f"[{name}] running {a.iters} pairs x {len(SIZES)} sizes ...", flush=True)
-        r = subprocess.run([sys.executable, __file__, "--child", "--iters", str(a.iters)], env=env,
-                           capture_output=True, text=True)
-        if r.returncode != 0:
-            raise SystemExit(f"{name} failed:\n{r.stderr}")
-        results[name] = {int(k): v for k, v in json.loads(r.stdout.strip().splitlines()[-1]).items()}
+    runs = {name: [] for name in CONFIGS}
+    for rnd in range(a.rounds):
+        for name, extra in CONFIGS.items():
+            env = dict(os.environ, PYTHONPATH=os.path.join(repo, "python"), **extra)
+            print(f"[round {rnd + 1}/{a.rounds}] {name}: {a.iters} pairs x {len(SIZES)} sizes", flush=True)
+            r = subprocess.run([sys.executable, __file__, "--child", "--iters", str(a.iters)], env=env,
+                               capture_output=True, text=True)
+            if r.returncode != 0:
+                raise SystemExit(f"{name} failed:\n{r.stderr}")
+            d = json.loads(r.stdout.strip().splitlines()[-1])
+            runs[name].append({k: {int(s): v for s, v in d[k].items()} for k in ("python", "cpp")})
+
+    def med(name, kind, s):
+        return statistics.median(x[kind][s] for x in runs[name])
+
+    def spread(name, kind, s):
+        v = [x[kind][s] for x in runs[name]]
+        return max(v) - min(v)
+
+    results = {kind: {n: {s: med(n, kind, s) for s in SIZES} for n in CONFIGS} for kind in ("python", "cpp")}
     device = torch.cuda.get_device_name(0)
-    print(f"\ntorch.empty + del, ns per pair (median of 5 x {a.iters}); {device}, torch {torch.__version__}")
-    print(f"{'size':>10}" + "".join(f"{n:>22}" for n in CONFIGS) + f"{'kitsune/native':>16}")
-    for s in SIZES:
-        print(f"{s:>10}" + "".join(f"{results[n][s]:>22.1f}" for n in CONFIGS)
-              + f"{results['kitsune'][s] / results['native'][s]:>16.3f}")
+    for kind, title in (("python", "torch.empty + del from Python"),
+                        ("cpp", "allocate() + free through torch's allocator interface, from C++")):
+        print(f"\n{title}: ns per pair, median over {a.rounds} rounds (spread); {device}, torch {torch.__version__}")
+        print(f"{'size':>10}" + "".join(f"{n:>26}" for n in CONFIGS) + f"{'kitsune/native':>16}")
+        for s in SIZES:
+            print(f"{s:>10}" + "".join(f"{results[kind][n][s]:>17.1f} ({spread(n, kind, s):>6.1f})" for n in CONFIGS)
+                  + f"{results[kind]['kitsune'][s] / results[kind]['native'][s]:>16.3f}")
     os.makedirs(a.out, exist_ok=True)
     doc = {"benchmark": "alloc_torch", "device": device, "torch": torch.__version__,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "commit": os.environ.get("KT_COMMIT", "?"), "iters": a.iters, "ns_per_pair": results}
+           "commit": os.environ.get("KT_COMMIT", "?"), "iters": a.iters, "rounds": a.rounds,
+           "ns_per_pair_median": results, "runs": runs}
     with open(os.path.join(a.out, "alloc_torch.json"), "w") as f:
         json.dump(doc, f, indent=1)
     try:
@@ -86,9 +110,9 @@ def main():
         fig, ax = plt.subplots(figsize=(8, 4))
         w = 0.2
         for i, name in enumerate(CONFIGS):
-            ax.bar([j + i * w for j in range(len(SIZES))], [results[name][s] for s in SIZES], w, label=name)
+            ax.bar([j + i * w for j in range(len(SIZES))], [results["python"][name][s] for s in SIZES], w, label=name)
         ax.set_xticks([j + 1.5 * w for j in range(len(SIZES))], ["4 KiB", "1 MiB", "64 MiB"])
-        ax.set_ylabel("ns per torch.empty + del")
+        ax.set_ylabel("ns per torch.empty + del (Python)")
         ax.set_title(f"{device}, torch {torch.__version__}")
         ax.legend()
         fig.tight_layout()

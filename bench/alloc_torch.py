@@ -12,6 +12,7 @@ spread (max-min). Writes alloc_torch.json and alloc_torch.png.
 """
 import argparse
 import datetime
+import shutil
 import json
 import os
 import statistics
@@ -60,8 +61,9 @@ def child(iters):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--iters", type=int, default=100000)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=20000)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--cpu", type=int, default=2, help="CPU every child is pinned to (taskset)")
     ap.add_argument("--child", action="store_true")
     a = ap.parse_args()
     if a.child:
@@ -73,7 +75,8 @@ def main():
         for name, extra in CONFIGS.items():
             env = dict(os.environ, PYTHONPATH=os.path.join(repo, "python"), **extra)
             print(f"[round {rnd + 1}/{a.rounds}] {name}: {a.iters} pairs x {len(SIZES)} sizes", flush=True)
-            r = subprocess.run([sys.executable, __file__, "--child", "--iters", str(a.iters)], env=env,
+            pin = ["taskset", "-c", str(a.cpu)] if shutil.which("taskset") else []
+            r = subprocess.run(pin + [sys.executable, __file__, "--child", "--iters", str(a.iters)], env=env,
                                capture_output=True, text=True)
             if r.returncode != 0:
                 raise SystemExit(f"{name} failed:\n{r.stderr}")
@@ -88,6 +91,9 @@ def main():
         return max(v) - min(v)
 
     results = {kind: {n: {s: med(n, kind, s) for s in SIZES} for n in CONFIGS} for kind in ("python", "cpp")}
+    # Kitsune over native, round by round (each pair ran minutes apart at most), then the median
+    paired = {kind: {s: statistics.median(k[kind][s] / n_[kind][s] for k, n_ in zip(runs["kitsune"], runs["native"]))
+                     for s in SIZES} for kind in ("python", "cpp")}
     device = torch.cuda.get_device_name(0)
     for kind, title in (("python", "torch.empty + del from Python"),
                         ("cpp", "allocate() + free through torch's allocator interface, from C++")):
@@ -95,12 +101,14 @@ def main():
         print(f"{'size':>10}" + "".join(f"{n:>26}" for n in CONFIGS) + f"{'kitsune/native':>16}")
         for s in SIZES:
             print(f"{s:>10}" + "".join(f"{results[kind][n][s]:>17.1f} ({spread(n, kind, s):>6.1f})" for n in CONFIGS)
-                  + f"{results[kind]['kitsune'][s] / results[kind]['native'][s]:>16.3f}")
+                  + f"{paired[kind][s]:>16.3f}")
+    print("(kitsune/native: median over rounds of the ratio within a round)")
     os.makedirs(a.out, exist_ok=True)
     doc = {"benchmark": "alloc_torch", "device": device, "torch": torch.__version__,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "commit": os.environ.get("KT_COMMIT", "?"), "iters": a.iters, "rounds": a.rounds,
-           "ns_per_pair_median": results, "runs": runs}
+           "pinned_cpu": a.cpu, "ns_per_pair_median": results, "kitsune_over_native_paired": paired,
+           "runs": runs}
     with open(os.path.join(a.out, "alloc_torch.json"), "w") as f:
         json.dump(doc, f, indent=1)
     try:

@@ -34,7 +34,15 @@ static kt_status c_reserve(void *ctx, int device, size_t size, void **out) {
   (void)ctx;
   kt_status st;
   int prev = enter(device, &st);
-  if (st == KT_OK) st = map(cudaMalloc(out, size));
+  if (st == KT_OK) {
+    /* A cudaMalloc while this thread captures a CUDA graph in global mode would
+     * invalidate the capture; relaxed mode allows it (PyTorch's allocator does the
+     * same). Outside a capture this changes nothing. */
+    enum cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    cudaThreadExchangeStreamCaptureMode(&mode);
+    st = map(cudaMalloc(out, size));
+    cudaThreadExchangeStreamCaptureMode(&mode);
+  }
   leave(device, prev);
   return st;
 }

@@ -160,19 +160,69 @@ def test_record_stream_prevents_early_reuse_over_10k_iterations():
 
 @pytest.mark.gpu
 @gpu
-def test_graph_capture_fails_with_a_clear_message():
+def test_cuda_graph_training_step_matches_eager_and_keeps_its_memory():
     out = run("""
-        import torch, kitsune.allocator as ka
+        import json, torch, kitsune.allocator as ka
         ka.install()
-        x = torch.ones(16, device="cuda")
-        g = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(g):
-                y = x * 2
-        except RuntimeError as e:
-            print("ERR", "not supported by kitsune.allocator yet" in str(e))
+        F = torch.nn.functional
+
+        def make():
+            torch.manual_seed(0)
+            m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)).cuda()
+            return m, torch.optim.SGD(m.parameters(), lr=0.1)
+
+        g = torch.Generator(device="cuda").manual_seed(1)
+        data = [(torch.randn(32, 64, device="cuda", generator=g), torch.randint(0, 10, (32,), device="cuda", generator=g))
+                for _ in range(8)]
+        m, opt = make()
+        ref = []
+        for i in range(20):
+            x, y = data[i % 8]
+            opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(m(x), y)
+            loss.backward()
+            opt.step()
+            ref.append(loss.item())
+
+        m, opt = make()
+        sx, sy = torch.zeros(32, 64, device="cuda"), torch.zeros(32, dtype=torch.long, device="cuda")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):                    # warm up: forward and backward, no step
+            for _ in range(3):
+                opt.zero_grad(set_to_none=True)
+                F.cross_entropy(m(sx), sy).backward()
+        torch.cuda.current_stream().wait_stream(side)
+        opt.zero_grad(set_to_none=True)
+        before = torch.cuda.memory_stats()["segment.all.current"]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):                    # the whole step as one graph
+            sloss = F.cross_entropy(m(sx), sy)
+            sloss.backward()
+            opt.step()
+        got = []
+        for i in range(20):
+            x, y = data[i % 8]
+            sx.copy_(x)
+            sy.copy_(y)
+            graph.replay()
+            junk = torch.full((1 << 20,), 7.0, device="cuda")   # eager memory, between replays
+            got.append(sloss.item())
+            del junk
+        during = torch.cuda.memory_stats()["segment.all.current"]
+        del graph, sloss
+        for p in m.parameters():
+            p.grad = None
+        torch.cuda.synchronize()
+        after = torch.cuda.memory_stats()["segment.all.current"]
+        print(json.dumps({"ref": ref, "got": got, "segments": [before, during, after]}))
     """)
-    assert "ERR True" in out
+    r = json.loads(out.strip().splitlines()[-1])
+    assert len(r["got"]) == 20
+    assert all(abs(a - b) <= 1e-6 * max(1.0, abs(b)) for a, b in zip(r["got"], r["ref"])), (r["got"], r["ref"])
+    before, during, after = r["segments"]
+    assert during > before, "the graph's private pool holds segments while it lives"
+    assert after < during, "releasing the graph gives its private pool back"
 
 
 @pytest.mark.gpu

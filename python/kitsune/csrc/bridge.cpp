@@ -7,7 +7,8 @@
 //     (blocks are 512-byte aligned), so a free needs no lookup table or lock;
 //   - stats map onto torch.cuda.memory_stats() keys (the "all" aggregate);
 //   - a failed allocation throws c10::OutOfMemoryError (torch.OutOfMemoryError)
-//     with the pool's diagnosis.
+//     with the pool's diagnosis;
+//   - CUDA graphs and MemPools get private pools (one kt pool per MempoolId).
 // Entry points for Python (ctypes): kt_bridge_install, kt_bridge_installed.
 #include <c10/core/Allocator.h>
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -17,7 +18,9 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 
+#include <atomic>
 #include <cstdio>
+#include <functional>
 #include <mutex>
 #include <vector>
 
@@ -106,9 +109,13 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
 
   // ---- cache, limits, streams -------------------------------------------------
   void emptyCache(c10::cuda::MempoolId_t mempool_id) override {
-    TORCH_CHECK(mempool_id.first == 0 && mempool_id.second == 0,
-                "Kitsune: empty_cache of a private memory pool is not supported yet");
-    for (kt_pool_t* p : pools_) kt_empty_cache(p);
+    if (mempool_id.first == 0 && mempool_id.second == 0) {
+      for (kt_pool_t* p : pools_) kt_empty_cache(p);
+      return;
+    }
+    std::lock_guard<std::mutex> g(mu_);
+    for (auto& p : private_)
+      if (p.id == mempool_id) kt_empty_cache(p.pool);
   }
   void cacheInfo(c10::DeviceIndex device, size_t* largest) override {
     kt_stats st;
@@ -149,6 +156,7 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
   DeviceStats getDeviceStats(c10::DeviceIndex device) override {
     kt_stats st;
     kt_get_stats(pool(device), &st);
+    add_private_stats(device, &st);
     DeviceStats out;
     const auto all = static_cast<size_t>(StatType::AGGREGATE);
     out.allocation[all] = to_stat(st.allocations);
@@ -164,18 +172,84 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
     out.num_device_free = static_cast<int64_t>(st.num_backend_releases);
     return out;
   }
-  void resetAccumulatedStats(c10::DeviceIndex device) override { kt_reset_accumulated_stats(pool(device)); }
-  void resetPeakStats(c10::DeviceIndex device) override { kt_reset_peak_stats(pool(device)); }
+  void resetAccumulatedStats(c10::DeviceIndex device) override {
+    kt_reset_accumulated_stats(pool(device));
+    std::lock_guard<std::mutex> g(mu_);
+    for (auto& p : private_)
+      if (p.device == device) kt_reset_accumulated_stats(p.pool);
+  }
+  void resetPeakStats(c10::DeviceIndex device) override {
+    kt_reset_peak_stats(pool(device));
+    std::lock_guard<std::mutex> g(mu_);
+    for (auto& p : private_)
+      if (p.device == device) kt_reset_peak_stats(p.pool);
+  }
+
+  // The device's numbers include its private pools (graphs' memory is the device's).
+  // Peaks add up per pool, so with private pools the device peak is an upper bound.
+  void add_private_stats(c10::DeviceIndex device, kt_stats* st) {
+    std::lock_guard<std::mutex> g(mu_);
+    for (auto& p : private_) {
+      if (p.device != device) continue;
+      kt_stats x;
+      kt_get_stats(p.pool, &x);
+      kt_stat* a[] = {&st->allocated_bytes, &st->active_bytes, &st->reserved_bytes, &st->requested_bytes,
+                      &st->allocations, &st->segments};
+      const kt_stat* b[] = {&x.allocated_bytes, &x.active_bytes, &x.reserved_bytes, &x.requested_bytes,
+                            &x.allocations, &x.segments};
+      for (size_t i = 0; i < sizeof a / sizeof *a; i++) {
+        a[i]->current += b[i]->current;
+        a[i]->peak += b[i]->peak;
+        a[i]->allocated += b[i]->allocated;
+        a[i]->freed += b[i]->freed;
+      }
+      st->num_alloc_retries += x.num_alloc_retries;
+      st->num_ooms += x.num_ooms;
+      st->num_backend_reserves += x.num_backend_reserves;
+      st->num_backend_releases += x.num_backend_releases;
+    }
+  }
   std::vector<cca::StreamSegmentSize> getExpandableSegmentSizes(c10::DeviceIndex) override { return {}; }
   cca::SnapshotInfo snapshot(c10::cuda::MempoolId_t, bool) override { return {}; }
 
   // ---- not supported yet: clear errors, never silent misbehaviour ---------------
-  void beginAllocateToPool(c10::DeviceIndex, c10::cuda::MempoolId_t, std::function<bool(cudaStream_t)>) override {
-    TORCH_CHECK(false, "Kitsune: CUDA graph capture and torch.cuda.MemPool are not supported by "
-                       "kitsune.allocator yet (private pools are planned); run captures without install()");
+  void beginAllocateToPool(c10::DeviceIndex dev, c10::cuda::MempoolId_t id,
+                           std::function<bool(cudaStream_t)> filter) override {
+    std::lock_guard<std::mutex> g(mu_);
+    Private* p = find_private(dev, id);
+    if (!p) {
+      kt_pool_options o;
+      kt_pool_options_default(&o);
+      o.device = dev;
+      kt_pool_t* kp = nullptr;
+      kt_status st = kt_pool_create(&o, kt_cuda_backend(), &kp);
+      TORCH_CHECK(st == KT_OK, "Kitsune: creating a private pool on device ", dev, " failed: ", kt_status_str(st));
+      private_.push_back(Private{dev, id, kp, nullptr, false});
+      p = &private_.back();
+      has_private_.store(true, std::memory_order_relaxed);
+    }
+    TORCH_CHECK(!p->filter, "Kitsune: memory pool (", id.first, ", ", id.second, ") is already being allocated to");
+    p->filter = std::move(filter);
+    p->released = false;
+    capturing_.fetch_add(1, std::memory_order_relaxed);
   }
-  void endAllocateToPool(c10::DeviceIndex, c10::cuda::MempoolId_t) override {}
-  void releasePool(c10::DeviceIndex, c10::cuda::MempoolId_t) override {}
+  void endAllocateToPool(c10::DeviceIndex dev, c10::cuda::MempoolId_t id) override {
+    std::lock_guard<std::mutex> g(mu_);
+    Private* p = find_private(dev, id);
+    if (!p || !p->filter) return;
+    p->filter = nullptr;
+    capturing_.fetch_sub(1, std::memory_order_relaxed);
+  }
+  void releasePool(c10::DeviceIndex dev, c10::cuda::MempoolId_t id) override {
+    std::lock_guard<std::mutex> g(mu_);
+    for (size_t i = 0; i < private_.size(); i++) {
+      if (private_[i].device != dev || private_[i].id != id) continue;
+      private_[i].released = true;
+      kt_empty_cache(private_[i].pool);
+      maybe_destroy_locked(i);
+      return;
+    }
+  }
   cca::ShareableHandle shareIpcHandle(void*) override {
     TORCH_CHECK(false, "Kitsune: CUDA IPC handles are not supported by kitsune.allocator");
   }
@@ -225,7 +299,9 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
 
   void* alloc_on(c10::DeviceIndex dev, size_t n, cudaStream_t stream) {
     void* p = nullptr;
-    kt_status st = kt_alloc(pool(dev), n, stream, &p);
+    kt_pool_t* target = pool(dev);
+    if (C10_UNLIKELY(capturing_.load(std::memory_order_relaxed))) target = capture_target(dev, stream, target);
+    kt_status st = kt_alloc(target, n, stream, &p);
     if (C10_UNLIKELY(st != KT_OK)) {
       if (st == KT_ERR_OOM) notify_oom(dev, n);
       raise_status(st, "allocation", n, dev);
@@ -236,9 +312,60 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
   void free_any(void* ptr, int device) {
     if (!ptr) return;
     kt_status st = kt_free(pools_[device], ptr, 0, nullptr);
+    if (C10_UNLIKELY(st == KT_ERR_INVALID) && has_private_.load(std::memory_order_relaxed))
+      st = free_private(ptr, device);
     // a deleter cannot throw; an unknown pointer here is a caller bug we must not hide
     if (C10_UNLIKELY(st != KT_OK))
       TORCH_WARN("Kitsune: free of ", ptr, " on device ", device, " failed: ", kt_status_str(st));
+  }
+
+  // ---- private pools (CUDA graphs, MemPool): one kt pool per MempoolId ----------
+  // While a capture is under way, allocations from streams its filter accepts go to
+  // the capture's private pool; blocks freed there are reused only by that pool, so
+  // memory a graph uses is never handed to eager code. releasePool destroys the pool
+  // once its last block is freed.
+  struct Private {
+    c10::DeviceIndex device;
+    c10::cuda::MempoolId_t id;
+    kt_pool_t* pool;
+    std::function<bool(cudaStream_t)> filter;  // set while allocating to this pool
+    bool released = false;
+  };
+
+  Private* find_private(c10::DeviceIndex dev, c10::cuda::MempoolId_t id) {
+    for (auto& p : private_)
+      if (p.device == dev && p.id == id) return &p;
+    return nullptr;
+  }
+
+  kt_pool_t* capture_target(c10::DeviceIndex dev, cudaStream_t stream, kt_pool_t* fallback) {
+    std::lock_guard<std::mutex> g(mu_);
+    for (auto& p : private_)
+      if (p.device == dev && p.filter && p.filter(stream)) return p.pool;
+    return fallback;
+  }
+
+  kt_status free_private(void* ptr, int device) {
+    std::lock_guard<std::mutex> g(mu_);
+    for (size_t i = 0; i < private_.size(); i++) {
+      Private& p = private_[i];
+      if (p.device != device || kt_free(p.pool, ptr, 0, nullptr) != KT_OK) continue;
+      maybe_destroy_locked(i);
+      return KT_OK;
+    }
+    return KT_ERR_INVALID;
+  }
+
+  // Destroys private pool i if it was released and holds no live block.
+  void maybe_destroy_locked(size_t i) {
+    Private& p = private_[i];
+    if (!p.released || p.filter) return;
+    kt_stats st;
+    kt_get_stats(p.pool, &st);
+    if (st.allocations.current != 0) return;
+    kt_pool_destroy(p.pool);
+    private_.erase(private_.begin() + static_cast<std::ptrdiff_t>(i));
+    has_private_.store(!private_.empty(), std::memory_order_relaxed);
   }
 
   void notify_oom(c10::DeviceIndex dev, size_t n) {
@@ -253,6 +380,9 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
 
   std::mutex mu_;
   std::vector<kt_pool_t*> pools_;
+  std::vector<Private> private_;             // under mu_
+  std::atomic<int> capturing_{0};             // private pools being allocated to
+  std::atomic<bool> has_private_{false};
   std::vector<cca::OutOfMemoryObserver> oom_observers_;
   bool initialized_ = false;
 };

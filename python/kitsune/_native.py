@@ -153,6 +153,7 @@ def bridge():
                                        "rebuild it against the installed torch with `make bridge`") from e
         b.kt_bridge_install.restype, b.kt_bridge_install.argtypes = ctypes.c_int, [ctypes.c_char_p, ctypes.c_size_t]
         b.kt_bridge_installed.restype, b.kt_bridge_installed.argtypes = ctypes.c_int, []
+        b.kt_bridge_trace.restype, b.kt_bridge_trace.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_char_p]
         del lib
         _bridge = b
         return b

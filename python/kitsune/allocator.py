@@ -46,6 +46,22 @@ def installed():
     return bool(b is not None and b.kt_bridge_installed())
 
 
+@contextlib.contextmanager
+def trace(path, device=0):
+    """Records every allocation event of the installed allocator on ``device`` as CSV
+    (thread,time_ns,action,ptr,size,stream) while the block runs. Replay the file with
+    ``build/bench/alloc_replay PATH`` to measure it against the allocator offline."""
+    if not installed():
+        raise RuntimeError("kitsune.allocator.trace() records the installed allocator: call "
+                           "kitsune.allocator.install() first (or use Pool.trace for a Pool)")
+    b = _native.bridge()
+    check(b.kt_bridge_trace(device, str(path).encode()), f"trace({str(path)!r}, device={device})")
+    try:
+        yield path
+    finally:
+        check(b.kt_bridge_trace(device, None), "trace stop")
+
+
 class Pool:
     """A Kitsune pool. backend: "cuda" or "fake". Streams are cudaStream_t values (ints)."""
 

@@ -240,3 +240,66 @@ def test_training_losses_identical_to_native_allocator(workload):
     assert kit["kitsune"] and not native["kitsune"]
     assert len(kit["losses"]) == 200
     assert kit["losses"] == native["losses"], "losses differ between allocators"
+
+
+@pytest.mark.gpu
+@gpu
+def test_trace_of_a_training_step_replays(tmp_path):
+    path = tmp_path / "step.csv"
+    out = run(f"""
+        import torch, kitsune.allocator as ka
+        ka.install()
+        m = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)).cuda()
+        x = torch.randn(64, 256, device="cuda")
+        with ka.trace({str(path)!r}):
+            for _ in range(3):
+                m(x).square().mean().backward()
+        torch.cuda.synchronize()
+        print("done")
+    """)
+    assert "done" in out
+    lines = path.read_text().splitlines()
+    actions = [l.split(",")[2] for l in lines[1:]]
+    assert lines[0] == "thread,time_ns,action,ptr,size,stream"
+    assert actions.count("alloc") >= 10 and actions.count("free") >= 5
+    r = subprocess.run([os.path.join(REPO, "build", "bench", "alloc_replay"), str(path), "--backend", "cuda"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert f"{len(lines) - 1} events" in r.stdout
+
+
+@pytest.mark.gpu
+@gpu
+def test_nvtx_records_kitsune_ranges_heaps_and_regions_during_training(tmp_path):
+    rec = tmp_path / "nvtx.txt"
+    lib = os.path.join(REPO, "build", "libnvtx_record.so")
+    assert os.path.exists(lib), "build/libnvtx_record.so missing: run make"
+    e = env()
+    e.update(NVTX_INJECTION64_PATH=lib, KT_NVTX_RECORD=str(rec))
+    code = textwrap.dedent("""
+        import torch, kitsune.allocator as ka
+        ka.install()
+        m = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 10)).cuda()
+        opt = torch.optim.AdamW(m.parameters())
+        for _ in range(3):
+            loss = torch.nn.functional.cross_entropy(m(torch.randn(128, 512, device="cuda")),
+                                                     torch.randint(0, 10, (128,), device="cuda"))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        print("done")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=300)
+    assert r.returncode == 0 and "done" in r.stdout, r.stdout + r.stderr
+    lines = rec.read_text().splitlines()
+    count = lambda prefix: sum(l.startswith(prefix) for l in lines)
+    assert count("domain kitsune") == 1
+    assert count("push kitsune kitsune:segment_reserve") >= 1
+    assert count("push kitsune kitsune:empty_cache") >= 1
+    assert count("push kitsune") == count("pop kitsune")
+    assert count("heap_register kitsune") >= 1
+    regions, unregs = count("region_register kitsune"), count("region_unregister kitsune")
+    assert regions >= 20, f"{regions} block regions for a 3-step training loop"
+    assert unregs >= regions // 2

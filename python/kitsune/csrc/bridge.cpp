@@ -423,6 +423,18 @@ __attribute__((visibility("default"))) int kt_bridge_install(char* err, size_t l
 
 __attribute__((visibility("default"))) int kt_bridge_installed(void) { return g_allocator != nullptr; }
 
+// Starts (path != NULL) or stops (path == NULL) the allocation trace of the
+// installed allocator's pool for device. Returns a kt_status.
+__attribute__((visibility("default"))) int kt_bridge_trace(int device, const char* path) {
+  if (!g_allocator) return KT_ERR_UNAVAILABLE;
+  try {
+    kt_pool_t* p = g_allocator->device_pool(static_cast<c10::DeviceIndex>(device));
+    return path ? kt_trace_start(p, path) : kt_trace_stop(p);
+  } catch (const std::exception&) {
+    return KT_ERR_INVALID;
+  }
+}
+
 }  // extern "C"
 
 // ---- diagnostics: where an allocation's time goes, measured in C++ (no Python) ----

@@ -79,6 +79,11 @@ $(BUILD)/bench/%: bench/%.c $(BUILD)/libkitsune.a
 	@mkdir -p $(dir $@)
 	$(CC) $(CPPFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libkitsune.a $(CUDA_LIBS) -lm
 
+# A planted out-of-bounds write inside a pool block, for compute-sanitizer (gpu-test)
+$(BUILD)/tests/oob_write: tests/gpu/oob_write.cu $(BUILD)/libkitsune.a
+	@mkdir -p $(dir $@)
+	$(NVCC) -O2 -arch=sm_90 -Iallocator/include $(NVTX_DEF) -o $@ $< $(BUILD)/libkitsune.a -lcudart_static -ldl -lrt -lpthread
+
 # NVTX injection library that records calls (tests/c/nvtx_record.c)
 $(BUILD)/libnvtx_record.so: tests/c/nvtx_record.c
 	@mkdir -p $(dir $@)
@@ -113,8 +118,9 @@ demo: $(BUILD)/libkitsune.so $(BENCH_BINS)
 bench: $(BENCH_BINS)
 	@bash tools/bench.sh $(BUILD)
 
-gpu-test: $(TEST_BINS) $(BUILD)/libkitsune.so $(BUILD)/libnvtx_record.so $(BUILD)/bench/alloc_replay bridge
+gpu-test: $(TEST_BINS) $(BUILD)/libkitsune.so $(BUILD)/libnvtx_record.so $(BUILD)/bench/alloc_replay bridge $(BUILD)/tests/oob_write
 	@KT_TEST_BACKEND=cuda KT_REQUIRE_GPU=1 bash tools/run_c_tests.sh $(BUILD)/tests conformance stress
+	@bash tools/sanitizer_oob.sh $(BUILD)
 	@bash tools/run_c_tests.sh $(BUILD)/tests $(TIERS)
 	@KITSUNE_REQUIRE_GPU=1 KITSUNE_LIBRARY=$(CURDIR)/$(BUILD)/libkitsune.so PYTHONPATH=$(CURDIR)/python \
 	  $(PYTHON) -m pytest -q -rs tests/python

@@ -2,10 +2,10 @@
  *
  * Ranges mark the slow paths (segment reserve/release, empty_cache, OOM retry).
  * Each segment is registered as an NVTX memory heap (a sub-allocator's heap) and,
- * when a tool is attached (NVTX_INJECTION64_PATH set when the pool is created),
- * every block is registered as a region of it on alloc and unregistered on free,
- * so tools that read NVTX (Nsight, compute-sanitizer) see sub-allocations. Without
- * a tool the per-block calls are skipped entirely; the rest cost a pointer check.
+ * when a tool is attached, every block is registered as a region of it on alloc and unregistered on free,
+ * so tools that read NVTX (Nsight, compute-sanitizer) see sub-allocations. A tool
+ * is attached when nvtxDomainCreateA returns a domain (NVTX's no-op implementation
+ * returns NULL); without one the per-block calls are skipped entirely.
  */
 #include <stdlib.h>
 
@@ -22,8 +22,7 @@ static void domain_make(void) { domain = nvtxDomainCreateA("kitsune"); }
 void kt__nvtx_init(kt_pool_t *p) {
   pthread_once(&domain_once, domain_make);
   p->nvtx_domain = domain;
-  const char *inj = getenv("NVTX_INJECTION64_PATH");
-  p->nvtx_regions = inj && *inj;
+  p->nvtx_regions = domain != NULL;   /* without a tool attached NVTX returns no domain */
 }
 
 void kt__nvtx_push(kt_pool_t *p, const char *name) {

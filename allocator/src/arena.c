@@ -156,6 +156,10 @@ static kt_status grow(kt_pool_t *p, size_t size, kt_extent **out, kt_oom_info *o
   s->base = (uintptr_t)base; s->size = seg; s->first = e;
   s->next = p->segments; if (p->segments) p->segments->prev = s; p->segments = s;
   s->nvtx_heap = kt__nvtx_heap_register(p, s->base, seg);
+  if (s->nvtx_heap && !p->nvtx_regions) {     /* a tool reads NVTX memory: register blocks too */
+    p->nvtx_regions = 1;
+    atomic_fetch_or(&p->hooks, KT_HOOK_NVTX);
+  }
   e->addr = s->base; e->size = seg; e->seg = s; e->kind = KT_EXT_FREE;
   kt__bins_insert(&p->untagged, e);
   p->reserved += (int64_t)seg; p->reserved_total += (int64_t)seg;

@@ -3,9 +3,12 @@
  * Ranges mark the slow paths (segment reserve/release, empty_cache, OOM retry).
  * Each segment is registered as an NVTX memory heap (a sub-allocator's heap) and,
  * when a tool is attached, every block is registered as a region of it on alloc and unregistered on free,
- * so tools that read NVTX (Nsight, compute-sanitizer) see sub-allocations. A tool
- * is attached when nvtxDomainCreateA returns a domain (NVTX's no-op implementation
- * returns NULL); without one the per-block calls are skipped entirely.
+ * so tools that read NVTX (Nsight, compute-sanitizer) see sub-allocations. Blocks are
+ * registered exactly when a tool returned a heap handle for their segment: a tool
+ * that treats a sub-allocator heap as inaccessible except for its regions (as
+ * compute-sanitizer does) must see every block; without a tool the per-block calls
+ * are skipped entirely. Some tools (compute-sanitizer) create no domains: then the
+ * default domain is used.
  */
 #include <stdlib.h>
 
@@ -21,8 +24,8 @@ static void domain_make(void) { domain = nvtxDomainCreateA("kitsune"); }
 
 void kt__nvtx_init(kt_pool_t *p) {
   pthread_once(&domain_once, domain_make);
-  p->nvtx_domain = domain;
-  p->nvtx_regions = domain != NULL;   /* without a tool attached NVTX returns no domain */
+  p->nvtx_domain = domain;   /* NULL (the default domain) when no tool handles domains */
+  p->nvtx_regions = 0;       /* turned on by the first segment a tool registers as a heap */
 }
 
 void kt__nvtx_push(kt_pool_t *p, const char *name) {

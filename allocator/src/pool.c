@@ -121,7 +121,6 @@ kt_status kt_pool_create(const kt_pool_options *opt, const kt_backend *be, kt_po
   pthread_mutex_init(&p->pending_lock, NULL);
   pthread_mutex_init(&p->trace_lock, NULL);
   kt__nvtx_init(p);
-  if (p->nvtx_regions) atomic_fetch_or(&p->hooks, KT_HOOK_NVTX);
   *out = p;
   return KT_OK;
 }
@@ -228,7 +227,8 @@ static void *block_nvtx_heap(kt_block *b) {
 
 static KT_NOINLINE void on_alloc(kt_pool_t *p, kt_block *b) {
   int h = atomic_load_explicit(&p->hooks, memory_order_relaxed);
-  if (h & KT_HOOK_NVTX) kt__nvtx_region(p, block_nvtx_heap(b), b->addr, kt__block_size(b), 1);
+  void *heap = (h & KT_HOOK_NVTX) ? block_nvtx_heap(b) : NULL;
+  if (heap) kt__nvtx_region(p, heap, b->addr, kt__block_size(b), 1);
   if (h & KT_HOOK_TRACE) kt__trace(p, "alloc", b->addr, b->requested, b->heap->stream);
 }
 

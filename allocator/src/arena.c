@@ -171,10 +171,31 @@ static kt_status grow(kt_pool_t *p, size_t size, kt_extent **out, kt_oom_info *o
   return KT_OK;
 }
 
+/* Bytes in segments whose extents are all free (what kt__arena_collect_idle takes). */
+static size_t idle_bytes(kt_pool_t *p) {
+  size_t n = 0;
+  for (kt_segment *s = p->segments; s; s = s->next) {
+    kt_extent *e = s->first;
+    while (e && e->kind == KT_EXT_FREE) e = e->anext;
+    if (!e) n += s->size;
+  }
+  return n;
+}
+
 kt_status kt__arena_take(kt_pool_t *p, kt_heap *tag, size_t size, size_t align, int kind,
                          kt_extent **out, kt_oom_info *oom) {
   kt_extent *e = tag ? best_fit(&tag->bins, size, align) : NULL;
   if (!e) e = best_fit(&p->untagged, size, align);
+  if (!e && p->release_on_grow && idle_bytes(p) >= size) {
+    /* Nothing fits but whole idle segments add up to the request: give them back
+     * before reserving more (their cudaFree synchronizes). */
+    kt_segment *idle = kt__arena_collect_idle(p);
+    while (idle) {
+      kt_segment *sg = idle;
+      idle = sg->next;
+      kt__segment_release(p, sg);
+    }
+  }
   if (!e) {
     kt_status st = grow(p, size, &e, oom);
     if (st != KT_OK) return st;

@@ -217,6 +217,7 @@ struct kt_pool {
   int device;
   int track;                           /* lifetimes */
   uint64_t slack_units;                /* peak_slack / 512 */
+  int release_on_grow;                 /* options: release idle segments before growing */
   _Atomic int hooks;                   /* trace on | nvtx regions on */
   _Atomic uintptr_t *_Atomic radix[1u << KT_RADIX_ROOT_BITS];
   kt_heap_slot heaps[KT_HEAP_TABLE];

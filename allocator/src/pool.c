@@ -115,6 +115,7 @@ kt_status kt_pool_create(const kt_pool_options *opt, const kt_backend *be, kt_po
   p->device = opt->device;
   p->track = opt->track_lifetimes;
   p->slack_units = KT_UNITS(opt->peak_slack);
+  p->release_on_grow = opt->release_on_grow;
   p->limit = opt->memory_limit;
   pthread_mutex_init(&p->arena_lock, NULL);
   pthread_mutex_init(&p->heap_lock, NULL);

@@ -59,6 +59,10 @@ typedef struct kt_pool_options {
    * threads a peak may overstate the true one by at most peak_slack for each other
    * thread cache. 0 makes peaks exact always, at one shared atomic per call. */
   size_t peak_slack;
+  /* 1: before reserving a new segment, give idle segments back to the backend when
+   * together they are at least the request (less memory held on shape-varying
+   * workloads, at the cost of a synchronizing release). Default 0. */
+  int release_on_grow;
 } kt_pool_options;
 
 #define KT_DEFAULT_PEAK_SLACK ((size_t)2 << 20)

@@ -20,6 +20,7 @@
 
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <mutex>
 #include <vector>
@@ -94,6 +95,8 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
       kt_pool_options o;
       kt_pool_options_default(&o);
       o.device = static_cast<int>(pools_.size());
+      const char* rog = std::getenv("KITSUNE_RELEASE_ON_GROW");
+      if (rog && *rog) o.release_on_grow = std::atoi(rog) != 0;
       kt_pool_t* p = nullptr;
       kt_status st = kt_pool_create(&o, kt_cuda_backend(), &p);
       TORCH_CHECK(st == KT_OK, "Kitsune: creating the pool for device ", o.device, " failed: ", kt_status_str(st));

@@ -173,3 +173,31 @@ Test(arena, stats_identities_over_random_operations) {
   cr_assert_eq(fc.reserves, fc.releases);
   assert_stats_identities(pool);
 }
+
+Test(arena, release_on_grow_gives_idle_segments_back_first) {
+  kt_pool_options o;
+  kt_pool_options_default(&o);
+  o.release_on_grow = 1;
+  kt_pool_t *q;
+  cr_assert_eq(kt_pool_create(&o, be, &q), KT_OK);
+  void *a, *b, *c;
+  cr_assert_eq(kt_alloc(q, 12 * MiB, NULL, &a), KT_OK);
+  cr_assert_eq(kt_alloc(q, 12 * MiB, NULL, &b), KT_OK);
+  cr_assert_eq(kt_free(q, a, 0, NULL), KT_OK);
+  cr_assert_eq(kt_free(q, b, 0, NULL), KT_OK);     /* two idle 12 MiB segments */
+  cr_assert_eq(kt_alloc(q, 20 * MiB, NULL, &c), KT_OK);   /* fits neither: they go first */
+  kt_stats st;
+  kt_get_stats(q, &st);
+  cr_assert_eq(st.reserved_bytes.current, 20 * MiB);
+  cr_assert_eq(st.num_backend_releases, 2);
+  cr_assert_eq(kt_pool_validate(q), KT_OK);
+  kt_pool_destroy(q);
+  /* default: the idle segments stay cached */
+  cr_assert_eq(kt_alloc(pool, 12 * MiB, NULL, &a), KT_OK);
+  cr_assert_eq(kt_alloc(pool, 12 * MiB, NULL, &b), KT_OK);
+  cr_assert_eq(kt_free(pool, a, 0, NULL), KT_OK);
+  cr_assert_eq(kt_free(pool, b, 0, NULL), KT_OK);
+  cr_assert_eq(kt_alloc(pool, 20 * MiB, NULL, &c), KT_OK);
+  kt_get_stats(pool, &st);
+  cr_assert_eq(st.reserved_bytes.current, 44 * MiB);
+}

@@ -27,7 +27,7 @@ CONFIGS = {
     "cudaMallocAsync": {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"},
     "expandable_segments": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
     "kitsune": {"KT_BENCH_KITSUNE": "1"},
-    "kitsune_release_on_grow": {"KT_BENCH_KITSUNE": "1", "KITSUNE_RELEASE_ON_GROW": "1"},
+    "kitsune_keep_segments": {"KT_BENCH_KITSUNE": "1", "KITSUNE_RELEASE_ON_GROW": "0"},
 }
 
 

@@ -99,6 +99,7 @@ void kt_pool_options_default(kt_pool_options *o) {
   memset(o, 0, sizeof *o);
   o->track_lifetimes = 1;
   o->peak_slack = KT_DEFAULT_PEAK_SLACK;
+  o->release_on_grow = 1;
 }
 
 kt_status kt_pool_create(const kt_pool_options *opt, const kt_backend *be, kt_pool_t **out) {

@@ -177,7 +177,7 @@ Test(arena, stats_identities_over_random_operations) {
 Test(arena, release_on_grow_gives_idle_segments_back_first) {
   kt_pool_options o;
   kt_pool_options_default(&o);
-  o.release_on_grow = 1;
+  cr_assert_eq(o.release_on_grow, 1, "on by default");
   kt_pool_t *q;
   cr_assert_eq(kt_pool_create(&o, be, &q), KT_OK);
   void *a, *b, *c;
@@ -192,12 +192,15 @@ Test(arena, release_on_grow_gives_idle_segments_back_first) {
   cr_assert_eq(st.num_backend_releases, 2);
   cr_assert_eq(kt_pool_validate(q), KT_OK);
   kt_pool_destroy(q);
-  /* default: the idle segments stay cached */
-  cr_assert_eq(kt_alloc(pool, 12 * MiB, NULL, &a), KT_OK);
-  cr_assert_eq(kt_alloc(pool, 12 * MiB, NULL, &b), KT_OK);
-  cr_assert_eq(kt_free(pool, a, 0, NULL), KT_OK);
-  cr_assert_eq(kt_free(pool, b, 0, NULL), KT_OK);
-  cr_assert_eq(kt_alloc(pool, 20 * MiB, NULL, &c), KT_OK);
-  kt_get_stats(pool, &st);
+  /* release_on_grow = 0: the idle segments stay cached */
+  o.release_on_grow = 0;
+  cr_assert_eq(kt_pool_create(&o, be, &q), KT_OK);
+  cr_assert_eq(kt_alloc(q, 12 * MiB, NULL, &a), KT_OK);
+  cr_assert_eq(kt_alloc(q, 12 * MiB, NULL, &b), KT_OK);
+  cr_assert_eq(kt_free(q, a, 0, NULL), KT_OK);
+  cr_assert_eq(kt_free(q, b, 0, NULL), KT_OK);
+  cr_assert_eq(kt_alloc(q, 20 * MiB, NULL, &c), KT_OK);
+  kt_get_stats(q, &st);
   cr_assert_eq(st.reserved_bytes.current, 44 * MiB);
+  kt_pool_destroy(q);
 }

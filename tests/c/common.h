@@ -82,6 +82,17 @@ static inline void test_release(void) {
   }
 }
 
+/* A pool that keeps idle segments cached (release_on_grow = 0): for tests that
+ * check which address a stream gets back or when an OOM retry happens. */
+static inline kt_pool_t *test_pool_keep(const kt_backend *be) {
+  kt_pool_options o;
+  kt_pool_options_default(&o);
+  o.release_on_grow = 0;
+  kt_pool_t *p = NULL;
+  cr_assert_eq(kt_pool_create(&o, be, &p), KT_OK);
+  return p;
+}
+
 static inline kt_pool_t *test_pool(const kt_backend *be, size_t limit) {
   kt_pool_options o;
   kt_pool_options_default(&o);

@@ -38,6 +38,8 @@ Test(conformance, sizes_from_one_byte_to_large_are_usable) {
 }
 
 Test(conformance, same_stream_reuses_other_stream_does_not) {
+  kt_pool_destroy(pool);
+  pool = test_pool_keep(be);   /* a released segment may come back at the same address */
   void *a, *b, *c;
   for (size_t size = 1000; size <= 16 * MiB; size *= 4) {
     cr_assert_eq(kt_alloc(pool, size, test_stream(1), &a), KT_OK);

@@ -290,9 +290,9 @@ kt_status kt__radix_set(kt_pool_t *p, uintptr_t addr, uintptr_t val);
 void kt__radix_free(kt_pool_t *p);
 
 /* ---- time: allocation stamps at clock-tick resolution ----------------------
- * CLOCK_MONOTONIC_COARSE reads the kernel's last tick from the vDSO: 7.4 ns on the
+ * CLOCK_MONOTONIC_COARSE reads the kernel's last tick from the vDSO: 6.5-7.4 ns on the
  * H100 host where rdtsc costs 19 ns and CLOCK_MONOTONIC 33 ns
- * (bench/results/probe_costs_cuda.txt), at 1-4 ms resolution, which is what
+ * (bench/results/probe_costs_cuda*.txt), at 1-4 ms resolution, which is what
  * lifetime reports need. */
 static inline uint64_t kt__coarse_ns(void) {
   struct timespec ts;

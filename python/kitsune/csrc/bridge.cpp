@@ -81,7 +81,14 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
   void* raw_alloc_with_stream(size_t n, cudaStream_t stream) override {
     return alloc_on(c10::cuda::current_device(), n, stream);
   }
-  void raw_delete(void* ptr) override { free_any(ptr, c10::cuda::current_device()); }
+  void raw_delete(void* ptr) override {   // no context here: the current device first, then the others
+    if (!ptr) return;
+    int cur = c10::cuda::current_device();
+    if (kt_free(pools_[cur], ptr, 0, nullptr) == KT_OK) return;
+    for (int d = 0; d < static_cast<int>(pools_.size()); d++)
+      if (d != cur && kt_free(pools_[d], ptr, 0, nullptr) == KT_OK) return;
+    free_any(ptr, cur);   // private pools, or the warning
+  }
 
   void free_ctx(void* ctx) {
     uintptr_t v = reinterpret_cast<uintptr_t>(ctx);

@@ -233,7 +233,7 @@ struct kt_pool {
   size_t limit;
   int64_t reserved, reserved_peak, reserved_total, released_total;
   int64_t nsegments, nsegments_peak, nsegments_total;
-  uint64_t n_reserves, n_releases, n_large, n_retries, n_ooms;
+  uint64_t n_reserves, n_releases, n_retries, n_ooms;
   int64_t large_req_alloc, large_req_freed, large_bytes_alloc, large_bytes_freed;
   uint64_t large_nalloc, large_nfree;
   kt_slab *retired[KT_NUM_CLASSES];    /* slab descriptors kept for reuse */

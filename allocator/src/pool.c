@@ -455,18 +455,19 @@ static KT_NOINLINE kt_status free_pending(kt_pool_t *p, kt_block *b) {
       break;
     }
   }
+  /* moves the bytes from allocated to pending in one add: active stays the same */
+  uint64_t units = KT_UNITS(kt__block_size(b)), to_pending = (units << 32) - units;
   if (!ok) {  /* too many streams or no events: wait for everything instead */
     for (int j = 0; j < i; j++) event_put(p, u->ev[j]);
     pthread_mutex_unlock(&p->pending_lock);
     kt_status st = p->be->synchronize(p->be->ctx, p->device);
     if (st != KT_OK) return st;  /* block stays PENDING and off-list: leaked, reported */
     u->n = 0;
-    atomic_fetch_add_explicit(&p->packed, (KT_UNITS(kt__block_size(b)) << 32) - KT_UNITS(kt__block_size(b)), memory_order_relaxed);
+    atomic_fetch_add_explicit(&p->packed, to_pending, memory_order_relaxed);
     finish_free(p, b);
     return KT_OK;
   }
-  /* move the bytes from allocated to pending in one add: active stays the same */
-  atomic_fetch_add_explicit(&p->packed, (KT_UNITS(kt__block_size(b)) << 32) - KT_UNITS(kt__block_size(b)), memory_order_relaxed);
+  atomic_fetch_add_explicit(&p->packed, to_pending, memory_order_relaxed);
   b->next = p->pending; p->pending = b;
   p->n_pending_frees++;
   atomic_fetch_add_explicit(&p->npending, 1, memory_order_release);
@@ -772,7 +773,7 @@ static KT_NOINLINE kt_status alloc_large(kt_pool_t *p, size_t size, kt_stream_t 
   b->addr = e->addr; b->requested = size; b->heap = h; b->cls = -1;
   b->alloc_ns = p->track ? kt__coarse_ns() : 0;
   b->state = KT_BLOCK_LIVE;
-  p->n_large++; p->large_nalloc++;
+  p->large_nalloc++;
   p->large_bytes_alloc += (int64_t)rounded; p->large_req_alloc += (int64_t)size;
   pthread_mutex_unlock(&p->arena_lock);
   kt__count_alloc(p, rounded);
@@ -1048,7 +1049,7 @@ kt_status kt_get_stats(kt_pool_t *p, kt_stats *o) {
   o->num_allocs = (uint64_t)na; o->num_frees = (uint64_t)nf;
   o->num_alloc_retries = p->n_retries; o->num_ooms = p->n_ooms;
   o->num_backend_reserves = p->n_reserves; o->num_backend_releases = p->n_releases;
-  o->num_large_allocs = p->n_large;
+  o->num_large_allocs = p->large_nalloc;
   for (int c = 0; c < KT_NUM_CLASSES; c++) {
     o->class_allocs[c] = kt__get(&sum.class_alloc[c]);
     o->class_live[c] = kt__get(&sum.class_alloc[c]) - kt__get(&sum.class_free[c]);

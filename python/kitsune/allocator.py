@@ -164,8 +164,3 @@ class Pool:
         finally:
             check(self._lib.kt_trace_stop(self._pool), "trace stop")
 
-
-def size_class(size):
-    """(class index, class size) for a request; (-1, rounded) above the large threshold."""
-    c = native().kt_size_class(size)
-    return (c, native().kt_class_size(c)) if c >= 0 else (-1, (size + 511) // 512 * 512)

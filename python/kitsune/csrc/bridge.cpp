@@ -81,14 +81,7 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
   void* raw_alloc_with_stream(size_t n, cudaStream_t stream) override {
     return alloc_on(c10::cuda::current_device(), n, stream);
   }
-  void raw_delete(void* ptr) override {   // no context here: the current device first, then the others
-    if (!ptr) return;
-    int cur = c10::cuda::current_device();
-    if (kt_free(pools_[cur], ptr, 0, nullptr) == KT_OK) return;
-    for (int d = 0; d < static_cast<int>(pools_.size()); d++)
-      if (d != cur && kt_free(pools_[d], ptr, 0, nullptr) == KT_OK) return;
-    free_any(ptr, cur);   // private pools, or the warning
-  }
+  void raw_delete(void* ptr) override { free_any(ptr, c10::cuda::current_device()); }  // device: a guess
 
   void free_ctx(void* ctx) {
     uintptr_t v = reinterpret_cast<uintptr_t>(ctx);
@@ -319,14 +312,22 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
     return p;
   }
 
+  // Frees ptr from device's pool; if it is not there (a private pool, or raw_delete's
+  // device guess was wrong), from device's private pools, then the other devices' pools.
   void free_any(void* ptr, int device) {
     if (!ptr) return;
     kt_status st = kt_free(pools_[device], ptr, 0, nullptr);
-    if (C10_UNLIKELY(st == KT_ERR_INVALID) && has_private_.load(std::memory_order_relaxed))
-      st = free_private(ptr, device);
+    if (C10_UNLIKELY(st == KT_ERR_INVALID)) st = free_elsewhere(ptr, device);
     // a deleter cannot throw; an unknown pointer here is a caller bug we must not hide
     if (C10_UNLIKELY(st != KT_OK))
       TORCH_WARN("Kitsune: free of ", ptr, " on device ", device, " failed: ", kt_status_str(st));
+  }
+
+  kt_status free_elsewhere(void* ptr, int device) {
+    if (has_private_.load(std::memory_order_relaxed) && free_private(ptr, device) == KT_OK) return KT_OK;
+    for (int d = 0; d < static_cast<int>(pools_.size()); d++)
+      if (d != device && kt_free(pools_[d], ptr, 0, nullptr) == KT_OK) return KT_OK;
+    return KT_ERR_INVALID;
   }
 
   // ---- private pools (CUDA graphs, MemPool): one kt pool per MempoolId ----------

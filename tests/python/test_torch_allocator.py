@@ -89,6 +89,11 @@ def test_memory_stats_api_reports_kitsune_numbers():
         r["peak_reset"] = torch.cuda.max_memory_allocated()
         torch.cuda.empty_cache()
         r["reserved_after_empty"] = torch.cuda.memory_reserved()
+        r["max_reserved"] = torch.cuda.max_memory_reserved()
+        torch.cuda.reset_accumulated_memory_stats()
+        z = torch.empty(4096, dtype=torch.uint8, device="cuda")
+        r["acc_after_reset"] = torch.cuda.memory_stats()["allocated_bytes.all.allocated"]
+        del z
         print(json.dumps(r))
     """)
     r = json.loads(out.strip().splitlines()[-1])
@@ -97,6 +102,8 @@ def test_memory_stats_api_reports_kitsune_numbers():
     assert r["reserved"] >= r["allocated"] and r["summary"]
     assert r["after_free"] == 0 and r["peak"] == 4096 + (3 << 20) and r["peak_reset"] == 0
     assert r["reserved_after_empty"] == 0
+    assert r["max_reserved"] >= 4096 + (3 << 20)
+    assert r["acc_after_reset"] == 4096
 
 
 @pytest.mark.gpu
@@ -112,10 +119,18 @@ def test_out_of_memory_is_torch_oom_with_diagnosis_and_recoverable():
             print("OOM", str(e).splitlines()[0])
         z = torch.ones(1 << 20, device="cuda")
         print("after", int(z.sum().item()))
+        seen = []
+        torch._C._cuda_attach_out_of_memory_observer(lambda *a: seen.append(a[1]))
+        torch.cuda.set_per_process_memory_fraction(0.05)
+        try:
+            torch.empty(8 << 30, dtype=torch.uint8, device="cuda")
+        except torch.OutOfMemoryError as e:
+            print("LIMIT", "limit" in str(e), "observer", seen == [8 << 30])
     """)
     assert "OOM Kitsune: out of memory on device 0: tried to allocate 64.00 TiB" in out
     assert "live 1.00 GiB" in out and "Hint" in out
     assert "after 1048576" in out
+    assert "LIMIT True observer True" in out
 
 
 @pytest.mark.gpu

@@ -20,8 +20,12 @@ DEPS_INC := $(if $(wildcard $(DEPS_ROOT)/usr/include),-I$(DEPS_ROOT)/usr/include
 comma := ,
 DEPS_LIB := $(if $(wildcard $(DEPS_ROOT)/usr/lib/x86_64-linux-gnu),-L$(DEPS_ROOT)/usr/lib/x86_64-linux-gnu -Wl$(comma)--disable-new-dtags$(comma)-rpath$(comma)$(DEPS_ROOT)/usr/lib/x86_64-linux-gnu)
 
+# Private jemalloc for the pinned host pool (tools/jemalloc.sh says why not Debian's)
+JE_DIR := $(CURDIR)/.deps/jemalloc
+JE_LIB := $(JE_DIR)/lib/libjemalloc_pic.a
+
 NVTX_DEF := $(if $(wildcard $(CUDA_HOME)/include/nvtx3/nvToolsExt.h),-DKT_HAVE_NVTX)
-CPPFLAGS := -Iallocator/include -Iallocator/src -I$(CUDA_HOME)/include $(NVTX_DEF) -D_GNU_SOURCE
+CPPFLAGS := -Iallocator/include -Iallocator/src -I$(JE_DIR)/include -I$(CUDA_HOME)/include $(NVTX_DEF) -D_GNU_SOURCE
 CFLAGS ?= -O2 -g
 CFLAGS += -std=c11 -fPIC -Wall -Wextra -Wno-unused-parameter -pthread
 # TLS descriptors: the thread-cache lookup stays a few instructions even in a
@@ -52,37 +56,40 @@ all: $(BUILD)/libkitsune.so $(BUILD)/libkitsune.a $(TEST_BINS) $(BENCH_BINS) $(B
 bridge: $(BUILD)/libkitsune.so
 	@bash tools/build_bridge.sh $(BUILD)
 
-$(BUILD)/obj/%.o: %.c $(LIB_HDR)
+$(JE_LIB):
+	@bash tools/jemalloc.sh
+
+$(BUILD)/obj/%.o: %.c $(LIB_HDR) | $(JE_LIB)
 	@mkdir -p $(dir $@)
 	$(CC) $(CPPFLAGS) $(CFLAGS) -c $< -o $@
 
-$(BUILD)/asan/%.o: %.c $(LIB_HDR)
+$(BUILD)/asan/%.o: %.c $(LIB_HDR) | $(JE_LIB)
 	@mkdir -p $(dir $@)
 	$(CC) $(CPPFLAGS) -std=c11 -fPIC -Wall -Wextra -Wno-unused-parameter -pthread $(ASAN_FLAGS) -c $< -o $@
 
 # Only kt_* is exported; the static CUDA runtime stays private to the library.
-$(BUILD)/libkitsune.so: $(OBJ) allocator/exports.map
-	$(CC) -shared -o $@ $(OBJ) -Wl,--version-script=allocator/exports.map -Wl,--exclude-libs,ALL $(CUDA_LIBS)
+$(BUILD)/libkitsune.so: $(OBJ) allocator/exports.map $(JE_LIB)
+	$(CC) -shared -o $@ $(OBJ) $(JE_LIB) -Wl,--version-script=allocator/exports.map -Wl,--exclude-libs,ALL $(CUDA_LIBS)
 
 $(BUILD)/libkitsune.a: $(OBJ)
 	@rm -f $@; ar rcs $@ $(OBJ)
 
 $(BUILD)/tests/%: tests/c/%/*.c tests/c/common.h $(BUILD)/libkitsune.a
 	@mkdir -p $(dir $@)
-	$(CC) $(CPPFLAGS) $(DEPS_INC) -Itests/c $(CFLAGS) -o $@ $(wildcard tests/c/$*/*.c) $(BUILD)/libkitsune.a $(CUDA_LIBS) $(TEST_LIBS)
+	$(CC) $(CPPFLAGS) $(DEPS_INC) -Itests/c $(CFLAGS) -o $@ $(wildcard tests/c/$*/*.c) $(BUILD)/libkitsune.a $(JE_LIB) $(CUDA_LIBS) $(TEST_LIBS)
 
 $(BUILD)/asan-tests/%: tests/c/%/*.c tests/c/common.h $(ASAN_OBJ)
 	@mkdir -p $(dir $@)
-	$(CC) $(CPPFLAGS) $(DEPS_INC) -Itests/c -std=c11 -pthread $(ASAN_FLAGS) -o $@ $(wildcard tests/c/$*/*.c) $(ASAN_OBJ) $(CUDA_LIBS) $(TEST_LIBS)
+	$(CC) $(CPPFLAGS) $(DEPS_INC) -Itests/c -std=c11 -pthread $(ASAN_FLAGS) -o $@ $(wildcard tests/c/$*/*.c) $(ASAN_OBJ) $(JE_LIB) $(CUDA_LIBS) $(TEST_LIBS)
 
 $(BUILD)/bench/%: bench/%.c $(BUILD)/libkitsune.a
 	@mkdir -p $(dir $@)
-	$(CC) $(CPPFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libkitsune.a $(CUDA_LIBS) -lm
+	$(CC) $(CPPFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libkitsune.a $(JE_LIB) $(CUDA_LIBS) -lm
 
 # A planted out-of-bounds write inside a pool block, for compute-sanitizer (gpu-test)
 $(BUILD)/tests/oob_write: tests/gpu/oob_write.cu $(BUILD)/libkitsune.a
 	@mkdir -p $(dir $@)
-	$(NVCC) -O2 -arch=sm_90 -Iallocator/include $(NVTX_DEF) -o $@ $< $(BUILD)/libkitsune.a -lcudart_static -ldl -lrt -lpthread
+	$(NVCC) -O2 -arch=sm_90 -Iallocator/include $(NVTX_DEF) -o $@ $< $(BUILD)/libkitsune.a $(JE_LIB) -lcudart_static -ldl -lrt -lpthread
 
 # NVTX injection library that records calls (tests/c/nvtx_record.c)
 $(BUILD)/libnvtx_record.so: tests/c/nvtx_record.c

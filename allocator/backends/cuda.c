@@ -105,10 +105,22 @@ static kt_status c_mem_info(void *ctx, int device, size_t *free_b, size_t *total
   return st;
 }
 
+/* Portable: the pages are pinned for every device's context, not only the current one. */
+static kt_status c_host_alloc(void *ctx, size_t size, void **out) {
+  (void)ctx;
+  return map(cudaHostAlloc(out, size, cudaHostAllocPortable));
+}
+
+static kt_status c_host_free(void *ctx, void *ptr, size_t size) {
+  (void)ctx; (void)size;
+  return map(cudaFreeHost(ptr));
+}
+
 static const kt_backend cuda_backend = {
     .name = "cuda", .ctx = NULL, .reserve = c_reserve, .release = c_release,
     .event_create = c_event_create, .event_destroy = c_event_destroy, .event_record = c_event_record,
-    .event_query = c_event_query, .synchronize = c_synchronize, .mem_info = c_mem_info};
+    .event_query = c_event_query, .synchronize = c_synchronize, .mem_info = c_mem_info,
+    .host_alloc = c_host_alloc, .host_free = c_host_free};
 
 const kt_backend *kt_cuda_backend(void) { return &cuda_backend; }
 

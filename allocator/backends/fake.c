@@ -16,7 +16,7 @@ typedef struct fake {
   kt_backend vt;
   pthread_mutex_t mu;
   size_t capacity;
-  int fail_next, hold;
+  int fail_next, fail_next_host, hold;
   uint64_t issued, completed;   /* event tickets */
   range *r;                     /* sorted by base */
   size_t n, cap;
@@ -145,6 +145,30 @@ static kt_status f_mem_info(void *ctx, int device, size_t *free_b, size_t *total
   return KT_OK;
 }
 
+static kt_status f_host_alloc(void *ctx, size_t size, void **out) {
+  fake *f = ctx;
+  pthread_mutex_lock(&f->mu);
+  int fail = f->fail_next_host > 0;
+  if (fail) { f->fail_next_host--; f->c.failed_host_allocs++; }
+  pthread_mutex_unlock(&f->mu);
+  if (fail || posix_memalign(out, 4096, size ? size : 1) != 0) return KT_ERR_OOM;
+  pthread_mutex_lock(&f->mu);
+  f->c.host_allocs++;
+  f->c.host_bytes += size;
+  pthread_mutex_unlock(&f->mu);
+  return KT_OK;
+}
+
+static kt_status f_host_free(void *ctx, void *ptr, size_t size) {
+  fake *f = ctx;
+  free(ptr);
+  pthread_mutex_lock(&f->mu);
+  f->c.host_frees++;
+  f->c.host_bytes -= size;
+  pthread_mutex_unlock(&f->mu);
+  return KT_OK;
+}
+
 kt_backend *kt_fake_backend_create(size_t capacity) {
   fake *f = calloc(1, sizeof *f);
   if (!f) return NULL;
@@ -153,7 +177,8 @@ kt_backend *kt_fake_backend_create(size_t capacity) {
   f->vt = (kt_backend){
       .name = "fake", .ctx = f, .reserve = f_reserve, .release = f_release,
       .event_create = f_event_create, .event_destroy = f_event_destroy, .event_record = f_event_record,
-      .event_query = f_event_query, .synchronize = f_synchronize, .mem_info = f_mem_info};
+      .event_query = f_event_query, .synchronize = f_synchronize, .mem_info = f_mem_info,
+      .host_alloc = f_host_alloc, .host_free = f_host_free};
   return &f->vt;
 }
 
@@ -183,6 +208,13 @@ void kt_fake_fail_next_reserves(kt_backend *b, int n) {
   fake *f = b->ctx;
   pthread_mutex_lock(&f->mu);
   f->fail_next = n;
+  pthread_mutex_unlock(&f->mu);
+}
+
+void kt_fake_fail_next_host_allocs(kt_backend *b, int n) {
+  fake *f = b->ctx;
+  pthread_mutex_lock(&f->mu);
+  f->fail_next_host = n;
   pthread_mutex_unlock(&f->mu);
 }
 

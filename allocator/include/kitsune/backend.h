@@ -44,10 +44,17 @@ typedef struct kt_backend {
   kt_status (*synchronize)(void *ctx, int device);
   /* Device memory; may be NULL (then fractions and OOM device numbers are unavailable). */
   kt_status (*mem_info)(void *ctx, int device, size_t *free_bytes, size_t *total_bytes);
+  /* Page-locked host memory for the pinned pool (kitsune/pinned.h); may be NULL.
+   * host_alloc returns memory aligned to at least 4 KiB that any device may copy
+   * from asynchronously (cudaHostAlloc, portable), or KT_ERR_OOM when pinning
+   * fails. host_free gets exactly what host_alloc returned. */
+  kt_status (*host_alloc)(void *ctx, size_t size, void **out);
+  kt_status (*host_free)(void *ctx, void *ptr, size_t size);
 } kt_backend;
 
 /* ---- host fake backend ---------------------------------------------------- */
-/* Addresses start at 2^36 and are never dereferenced. capacity 0 = unlimited. */
+/* Device addresses start at 2^36 and are never dereferenced. capacity 0 = unlimited.
+ * Host memory (host_alloc) is real, ordinary memory from the C library. */
 kt_backend *kt_fake_backend_create(size_t capacity);
 void kt_fake_backend_destroy(kt_backend *b);
 
@@ -56,12 +63,16 @@ typedef struct kt_fake_counts {
   uint64_t event_creates, event_destroys, event_records, event_queries, syncs;
   size_t reserved_bytes;     /* held now */
   uint64_t live_events;
+  uint64_t host_allocs, host_frees, failed_host_allocs;
+  size_t host_bytes;         /* host memory held now */
 } kt_fake_counts;
 
 void kt_fake_get_counts(const kt_backend *b, kt_fake_counts *out);
 void kt_fake_set_capacity(kt_backend *b, size_t capacity);
 /* The next n reserves fail with KT_ERR_OOM whatever the capacity. */
 void kt_fake_fail_next_reserves(kt_backend *b, int n);
+/* The next n host_allocs fail with KT_ERR_OOM (as a refused pin would). */
+void kt_fake_fail_next_host_allocs(kt_backend *b, int n);
 /* While held, recorded events stay incomplete until kt_fake_complete_events. */
 void kt_fake_hold_events(kt_backend *b, int hold);
 void kt_fake_complete_events(kt_backend *b);

@@ -1,0 +1,413 @@
+/* allocator/src/pinned.c — the pinned host pool: a jemalloc arena over pinned chunks.
+ *
+ * jemalloc (a private build, see tools/jemalloc.sh) does the placing: size classes,
+ * extent reuse, split and coalesce. This file gives it memory through extent hooks
+ * and keeps the books jemalloc cannot keep for us:
+ *
+ *   chunk      one backend host_alloc; a sorted array, looked up by address.
+ *   live table ptr -> requested size of every live block (open addressing, linear
+ *              probing, backward-shift delete). It makes free safe against foreign
+ *              pointers and double frees, which jemalloc would turn into silent
+ *              corruption, and gives the requested-bytes stat. Pinned allocations
+ *              are per batch, not per kernel, so one mutex around both is cheap.
+ *
+ * Hook policy (every extent lies inside one chunk):
+ *   alloc   a fresh chunk of exactly the extent's size (never at a given address)
+ *   merge   only two extents of the same chunk
+ *   split   always
+ *   dalloc  succeeds only for a whole chunk (it is given back); a piece is refused,
+ *           so jemalloc keeps it, still pinned, for reuse
+ *   destroy (arena destruction) counts bytes per chunk and gives a chunk back once
+ *           all of it has come home
+ *   commit/decommit/purge: not provided - pinned pages are never decommitted.
+ *
+ * jemalloc options (kt_je_malloc_conf, read once when it initialises):
+ *   retain:false           grow by exactly what a request needs; jemalloc's
+ *                          exponential "retained" growth would pin up to 2x
+ *   dirty/muzzy_decay_ms:-1 cached extents stay until kt_pinned_trim
+ *   (built --disable-cache-oblivious: no extra page per large block)
+ *   oversize_threshold:0   large blocks stay in our arena, no eager purge
+ * Metadata never lives in pinned memory (arenas_create_ext, metadata_use_hooks=0).
+ */
+#include <errno.h>
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <jemalloc/jemalloc.h>
+
+#include "kitsune/pinned.h"
+
+const char *kt_je_malloc_conf =
+    "retain:false,dirty_decay_ms:-1,muzzy_decay_ms:-1,oversize_threshold:0";
+
+/* jemalloc 5.3.0's arena_config_t (include/jemalloc/internal/arena_types.h), the
+ * argument of "experimental.arenas_create_ext"; tools/jemalloc.sh pins the version. */
+typedef struct je_arena_config {
+  extent_hooks_t *extent_hooks;
+  bool metadata_use_hooks;
+} je_arena_config;
+
+typedef struct chunk {
+  uintptr_t base;
+  size_t size;
+  size_t home;   /* bytes handed back by jemalloc's destroy hook */
+} chunk;
+
+struct kt_pinned_pool {
+  extent_hooks_t hooks;      /* first: a hook finds its pool from the hooks pointer */
+  const kt_backend *b;
+  unsigned arena;
+  int flags;                 /* MALLOCX_ARENA(arena) | MALLOCX_TCACHE_NONE */
+  pthread_mutex_t mu;        /* guards everything below */
+  chunk *chunks;             /* sorted by base */
+  size_t nchunks, capchunks;
+  uintptr_t *keys;           /* live table; 0 = empty slot */
+  size_t *vals;              /* requested size */
+  size_t tcap, tcount;       /* tcap a power of two, tcount <= tcap / 2 */
+  kt_pinned_stats st;
+};
+
+static kt_pinned_pool_t *pool_of(extent_hooks_t *h) { return (kt_pinned_pool_t *)h; }
+
+static void stat_add(kt_stat *s, int64_t d) {
+  s->current += d;
+  if (d > 0) s->allocated += d; else s->freed -= d;
+  if (s->current > s->peak) s->peak = s->current;
+}
+
+/* ---- chunk table (mu held) ------------------------------------------------ */
+/* Index of the chunk containing addr, or -1. */
+static long chunk_find(const kt_pinned_pool_t *p, uintptr_t addr) {
+  size_t lo = 0, hi = p->nchunks;
+  while (lo < hi) {
+    size_t mid = (lo + hi) / 2;
+    if (p->chunks[mid].base + p->chunks[mid].size <= addr) lo = mid + 1;
+    else hi = mid;
+  }
+  if (lo < p->nchunks && p->chunks[lo].base <= addr) return (long)lo;
+  return -1;
+}
+
+static int chunk_insert(kt_pinned_pool_t *p, uintptr_t base, size_t size) {
+  if (p->nchunks == p->capchunks) {
+    size_t cap = p->capchunks ? 2 * p->capchunks : 64;
+    chunk *n = realloc(p->chunks, cap * sizeof *n);
+    if (!n) return -1;
+    p->chunks = n;
+    p->capchunks = cap;
+  }
+  size_t i = 0;
+  while (i < p->nchunks && p->chunks[i].base < base) i++;
+  memmove(&p->chunks[i + 1], &p->chunks[i], (p->nchunks - i) * sizeof *p->chunks);
+  p->chunks[i] = (chunk){base, size, 0};
+  p->nchunks++;
+  stat_add(&p->st.mapped_bytes, (int64_t)size);
+  stat_add(&p->st.chunks, 1);
+  return 0;
+}
+
+static void chunk_remove(kt_pinned_pool_t *p, size_t i) {
+  stat_add(&p->st.mapped_bytes, -(int64_t)p->chunks[i].size);
+  stat_add(&p->st.chunks, -1);
+  memmove(&p->chunks[i], &p->chunks[i + 1], (p->nchunks - i - 1) * sizeof *p->chunks);
+  p->nchunks--;
+}
+
+/* ---- extent hooks ---------------------------------------------------------- */
+static void *h_alloc(extent_hooks_t *h, void *new_addr, size_t size, size_t alignment, bool *zero,
+                     bool *commit, unsigned arena_ind) {
+  (void)arena_ind;
+  kt_pinned_pool_t *p = pool_of(h);
+  if (new_addr) return NULL;   /* growing in place is not something pinning can do */
+  void *mem = NULL;
+  if (p->b->host_alloc(p->b->ctx, size, &mem) != KT_OK || !mem) {
+    pthread_mutex_lock(&p->mu);
+    p->st.num_failed_pins++;
+    pthread_mutex_unlock(&p->mu);
+    return NULL;
+  }
+  if ((uintptr_t)mem & (alignment - 1)) {   /* jemalloc asks for page alignment; be safe */
+    p->b->host_free(p->b->ctx, mem, size);
+    return NULL;
+  }
+  pthread_mutex_lock(&p->mu);
+  int bad = chunk_insert(p, (uintptr_t)mem, size);
+  pthread_mutex_unlock(&p->mu);
+  if (bad) {
+    p->b->host_free(p->b->ctx, mem, size);
+    return NULL;
+  }
+  if (*zero) memset(mem, 0, size);
+  *commit = true;
+  return mem;
+}
+
+static bool h_dalloc(extent_hooks_t *h, void *addr, size_t size, bool committed, unsigned arena_ind) {
+  (void)committed; (void)arena_ind;
+  kt_pinned_pool_t *p = pool_of(h);
+  pthread_mutex_lock(&p->mu);
+  long i = chunk_find(p, (uintptr_t)addr);
+  bool whole = i >= 0 && p->chunks[i].base == (uintptr_t)addr && p->chunks[i].size == size &&
+               p->chunks[i].home == 0;
+  if (whole) chunk_remove(p, (size_t)i);
+  pthread_mutex_unlock(&p->mu);
+  if (!whole) return true;   /* a piece: jemalloc keeps it (pinned) for reuse */
+  p->b->host_free(p->b->ctx, addr, size);
+  return false;
+}
+
+static void h_destroy(extent_hooks_t *h, void *addr, size_t size, bool committed, unsigned arena_ind) {
+  (void)committed; (void)arena_ind;
+  kt_pinned_pool_t *p = pool_of(h);
+  pthread_mutex_lock(&p->mu);
+  long i = chunk_find(p, (uintptr_t)addr);
+  uintptr_t base = 0;
+  size_t csize = 0;
+  if (i >= 0) {
+    p->chunks[i].home += size;
+    if (p->chunks[i].home >= p->chunks[i].size) {
+      base = p->chunks[i].base;
+      csize = p->chunks[i].size;
+      chunk_remove(p, (size_t)i);
+    }
+  }
+  pthread_mutex_unlock(&p->mu);
+  if (base) p->b->host_free(p->b->ctx, (void *)base, csize);
+}
+
+static bool h_split(extent_hooks_t *h, void *addr, size_t size, size_t size_a, size_t size_b,
+                    bool committed, unsigned arena_ind) {
+  (void)h; (void)addr; (void)size; (void)size_a; (void)size_b; (void)committed; (void)arena_ind;
+  return false;
+}
+
+static bool h_merge(extent_hooks_t *h, void *addr_a, size_t size_a, void *addr_b, size_t size_b,
+                    bool committed, unsigned arena_ind) {
+  (void)size_a; (void)size_b; (void)committed; (void)arena_ind;
+  kt_pinned_pool_t *p = pool_of(h);
+  pthread_mutex_lock(&p->mu);
+  long a = chunk_find(p, (uintptr_t)addr_a), b = chunk_find(p, (uintptr_t)addr_b);
+  pthread_mutex_unlock(&p->mu);
+  return a < 0 || a != b;   /* false = merged */
+}
+
+/* ---- live table (mu held) -------------------------------------------------- */
+static size_t slot_of(uintptr_t key, size_t cap) {
+  uint64_t x = (uint64_t)key * 0x9E3779B97F4A7C15ull;
+  return (size_t)(x >> 20) & (cap - 1);
+}
+
+static int live_grow(kt_pinned_pool_t *p) {
+  size_t cap = p->tcap ? 2 * p->tcap : 256;
+  uintptr_t *k = calloc(cap, sizeof *k);
+  size_t *v = calloc(cap, sizeof *v);
+  if (!k || !v) { free(k); free(v); return -1; }
+  for (size_t i = 0; i < p->tcap; i++) {
+    if (!p->keys[i]) continue;
+    size_t j = slot_of(p->keys[i], cap);
+    while (k[j]) j = (j + 1) & (cap - 1);
+    k[j] = p->keys[i];
+    v[j] = p->vals[i];
+  }
+  free(p->keys);
+  free(p->vals);
+  p->keys = k;
+  p->vals = v;
+  p->tcap = cap;
+  return 0;
+}
+
+/* Slot holding key, or -1. */
+static long live_find(const kt_pinned_pool_t *p, uintptr_t key) {
+  if (!p->tcap) return -1;
+  for (size_t j = slot_of(key, p->tcap);; j = (j + 1) & (p->tcap - 1)) {
+    if (p->keys[j] == key) return (long)j;
+    if (!p->keys[j]) return -1;
+  }
+}
+
+static void live_put(kt_pinned_pool_t *p, uintptr_t key, size_t val) {
+  size_t j = slot_of(key, p->tcap);
+  while (p->keys[j]) j = (j + 1) & (p->tcap - 1);
+  p->keys[j] = key;
+  p->vals[j] = val;
+  p->tcount++;
+}
+
+/* Backward-shift deletion keeps every probe chain unbroken without tombstones. */
+static void live_del(kt_pinned_pool_t *p, size_t j) {
+  size_t mask = p->tcap - 1;
+  p->keys[j] = 0;
+  p->tcount--;
+  for (size_t i = (j + 1) & mask; p->keys[i]; i = (i + 1) & mask) {
+    size_t home = slot_of(p->keys[i], p->tcap);
+    /* Move i into the hole j when its home is not cyclically in (j, i]. */
+    if (((i - home) & mask) >= ((i - j) & mask)) {
+      p->keys[j] = p->keys[i];
+      p->vals[j] = p->vals[i];
+      p->keys[i] = 0;
+      j = i;
+    }
+  }
+}
+
+/* ---- public API ------------------------------------------------------------ */
+kt_status kt_pinned_create(const kt_backend *backend, kt_pinned_pool_t **out) {
+  if (!out) return KT_ERR_INVALID;
+  *out = NULL;
+  if (!backend) return KT_ERR_INVALID;
+  if (!backend->host_alloc || !backend->host_free) return KT_ERR_UNAVAILABLE;
+  kt_pinned_pool_t *p = calloc(1, sizeof *p);
+  if (!p) return KT_ERR_HOST_OOM;
+  p->hooks = (extent_hooks_t){.alloc = h_alloc, .dalloc = h_dalloc, .destroy = h_destroy,
+                              .split = h_split, .merge = h_merge};
+  p->b = backend;
+  pthread_mutex_init(&p->mu, NULL);
+  je_arena_config cfg = {.extent_hooks = &p->hooks, .metadata_use_hooks = false};
+  size_t len = sizeof p->arena;
+  int err = kt_je_mallctl("experimental.arenas_create_ext", &p->arena, &len, &cfg, sizeof cfg);
+  if (err) {
+    pthread_mutex_destroy(&p->mu);
+    free(p);
+    return err == ENOMEM || err == EAGAIN ? KT_ERR_HOST_OOM : KT_ERR_BACKEND;
+  }
+  p->flags = MALLOCX_ARENA(p->arena) | MALLOCX_TCACHE_NONE;
+  *out = p;
+  return KT_OK;
+}
+
+void kt_pinned_destroy(kt_pinned_pool_t *p) {
+  if (!p) return;
+  char name[64];
+  snprintf(name, sizeof name, "arena.%u.destroy", p->arena);
+  kt_je_mallctl(name, NULL, NULL, NULL, 0);
+  /* Whatever jemalloc did not hand back (it should have handed back all). */
+  for (size_t i = 0; i < p->nchunks; i++)
+    p->b->host_free(p->b->ctx, (void *)p->chunks[i].base, p->chunks[i].size);
+  pthread_mutex_destroy(&p->mu);
+  free(p->chunks);
+  free(p->keys);
+  free(p->vals);
+  free(p);
+}
+
+kt_status kt_pinned_alloc(kt_pinned_pool_t *p, size_t size, void **out) {
+  if (!p || !out) return KT_ERR_INVALID;
+  *out = NULL;
+  if (size == 0) return KT_OK;
+  if (size > KT_PINNED_MAX_ALLOC) return KT_ERR_OOM;
+  pthread_mutex_lock(&p->mu);   /* room in the live table first: nothing to undo later */
+  int bad = 2 * (p->tcount + 1) > p->tcap && live_grow(p);
+  uint64_t failed_before = p->st.num_failed_pins;
+  pthread_mutex_unlock(&p->mu);
+  if (bad) return KT_ERR_HOST_OOM;
+  void *mem = kt_je_mallocx(size, p->flags);
+  if (!mem) {
+    pthread_mutex_lock(&p->mu);
+    int refused = p->st.num_failed_pins != failed_before;
+    pthread_mutex_unlock(&p->mu);
+    /* A refused pin is out of (pinnable) memory; otherwise jemalloc's metadata failed. */
+    return refused ? KT_ERR_OOM : KT_ERR_HOST_OOM;
+  }
+  size_t usable = kt_je_sallocx(mem, 0);
+  pthread_mutex_lock(&p->mu);
+  if (2 * (p->tcount + 1) > p->tcap && live_grow(p)) {   /* another thread filled it */
+    pthread_mutex_unlock(&p->mu);
+    kt_je_dallocx(mem, p->flags);
+    return KT_ERR_HOST_OOM;
+  }
+  live_put(p, (uintptr_t)mem, size);
+  stat_add(&p->st.requested_bytes, (int64_t)size);
+  stat_add(&p->st.allocated_bytes, (int64_t)usable);
+  stat_add(&p->st.allocations, 1);
+  p->st.num_allocs++;
+  pthread_mutex_unlock(&p->mu);
+  *out = mem;
+  return KT_OK;
+}
+
+kt_status kt_pinned_free(kt_pinned_pool_t *p, void *ptr) {
+  if (!p) return KT_ERR_INVALID;
+  if (!ptr) return KT_OK;
+  pthread_mutex_lock(&p->mu);
+  long j = live_find(p, (uintptr_t)ptr);
+  if (j < 0) {
+    pthread_mutex_unlock(&p->mu);
+    return KT_ERR_INVALID;
+  }
+  size_t size = p->vals[j];
+  live_del(p, (size_t)j);
+  size_t usable = kt_je_sallocx(ptr, 0);
+  stat_add(&p->st.requested_bytes, -(int64_t)size);
+  stat_add(&p->st.allocated_bytes, -(int64_t)usable);
+  stat_add(&p->st.allocations, -1);
+  p->st.num_frees++;
+  pthread_mutex_unlock(&p->mu);
+  kt_je_dallocx(ptr, p->flags);
+  return KT_OK;
+}
+
+kt_status kt_pinned_block_size(kt_pinned_pool_t *p, const void *ptr, size_t *size) {
+  if (!p || !size) return KT_ERR_INVALID;
+  pthread_mutex_lock(&p->mu);
+  long j = live_find(p, (uintptr_t)ptr);
+  if (j >= 0) *size = p->vals[j];
+  pthread_mutex_unlock(&p->mu);
+  return j >= 0 ? KT_OK : KT_ERR_INVALID;
+}
+
+kt_status kt_pinned_trim(kt_pinned_pool_t *p) {
+  if (!p) return KT_ERR_INVALID;
+  char name[64];
+  snprintf(name, sizeof name, "arena.%u.purge", p->arena);
+  return kt_je_mallctl(name, NULL, NULL, NULL, 0) ? KT_ERR_BACKEND : KT_OK;
+}
+
+kt_status kt_pinned_get_stats(kt_pinned_pool_t *p, kt_pinned_stats *out) {
+  if (!p || !out) return KT_ERR_INVALID;
+  pthread_mutex_lock(&p->mu);
+  *out = p->st;
+  pthread_mutex_unlock(&p->mu);
+  return KT_OK;
+}
+
+void kt_pinned_reset_peak_stats(kt_pinned_pool_t *p) {
+  if (!p) return;
+  pthread_mutex_lock(&p->mu);
+  kt_stat *s[] = {&p->st.requested_bytes, &p->st.allocated_bytes, &p->st.mapped_bytes,
+                  &p->st.allocations, &p->st.chunks};
+  for (size_t i = 0; i < sizeof s / sizeof *s; i++) s[i]->peak = s[i]->current;
+  pthread_mutex_unlock(&p->mu);
+}
+
+kt_status kt_pinned_validate(kt_pinned_pool_t *p) {
+  if (!p) return KT_ERR_INVALID;
+  kt_status st = KT_OK;
+  pthread_mutex_lock(&p->mu);
+  int64_t mapped = 0, requested = 0, usable = 0;
+  size_t n = 0;
+  for (size_t i = 0; i < p->nchunks; i++) {
+    mapped += (int64_t)p->chunks[i].size;
+    if (i && p->chunks[i - 1].base + p->chunks[i - 1].size > p->chunks[i].base) st = KT_ERR_INVALID;
+  }
+  for (size_t j = 0; j < p->tcap; j++) {
+    if (!p->keys[j]) continue;
+    n++;
+    requested += (int64_t)p->vals[j];
+    size_t u = kt_je_sallocx((void *)p->keys[j], 0);
+    usable += (int64_t)u;
+    long c = chunk_find(p, p->keys[j]);   /* every block lies inside one chunk */
+    if (u < p->vals[j] || c < 0 || p->keys[j] + u > p->chunks[c].base + p->chunks[c].size) st = KT_ERR_INVALID;
+    if (live_find(p, p->keys[j]) != (long)j) st = KT_ERR_INVALID;   /* reachable by probing */
+  }
+  const kt_pinned_stats *s = &p->st;
+  if (n != p->tcount || (int64_t)n != s->allocations.current || requested != s->requested_bytes.current ||
+      usable != s->allocated_bytes.current || mapped != s->mapped_bytes.current ||
+      (int64_t)p->nchunks != s->chunks.current || mapped < usable)
+    st = KT_ERR_INVALID;
+  pthread_mutex_unlock(&p->mu);
+  return st;
+}

@@ -5,11 +5,14 @@
  * and keeps the books jemalloc cannot keep for us:
  *
  *   chunk      one backend host_alloc; a sorted array, looked up by address.
- *   live table ptr -> requested size of every live block (open addressing, linear
- *              probing, backward-shift delete). It makes free safe against foreign
- *              pointers and double frees, which jemalloc would turn into silent
- *              corruption, and gives the requested-bytes stat. Pinned allocations
- *              are per batch, not per kernel, so one mutex around both is cheap.
+ *   live table ptr -> requested size and recorded streams of every live block
+ *              (open addressing, linear probing, backward-shift delete). It makes
+ *              free safe against foreign pointers and double frees, which jemalloc
+ *              would turn into silent corruption, and gives the requested-bytes
+ *              stat. Pinned allocations are per batch, not per kernel, so one
+ *              mutex around everything is cheap.
+ *   pending    freed blocks whose recorded streams have not finished; polled (event
+ *              query) on every alloc and trim, released to jemalloc when done.
  *
  * Hook policy (every extent lies inside one chunk):
  *   alloc   a fresh chunk of exactly the extent's size (never at a given address)
@@ -56,6 +59,21 @@ typedef struct chunk {
   size_t home;   /* bytes handed back by jemalloc's destroy hook */
 } chunk;
 
+typedef struct live_ent {
+  size_t size;              /* requested */
+  int nuses;
+  int dev[KT_PINNED_MAX_USES];
+  kt_stream_t stream[KT_PINNED_MAX_USES];
+} live_ent;
+
+typedef struct pend {
+  void *ptr;
+  size_t size;
+  int nev;
+  int dev[KT_PINNED_MAX_USES];
+  kt_event_t ev[KT_PINNED_MAX_USES];
+} pend;
+
 struct kt_pinned_pool {
   extent_hooks_t hooks;      /* first: a hook finds its pool from the hooks pointer */
   const kt_backend *b;
@@ -65,8 +83,10 @@ struct kt_pinned_pool {
   chunk *chunks;             /* sorted by base */
   size_t nchunks, capchunks;
   uintptr_t *keys;           /* live table; 0 = empty slot */
-  size_t *vals;              /* requested size */
+  live_ent *vals;
   size_t tcap, tcount;       /* tcap a power of two, tcount <= tcap / 2 */
+  pend *pending;
+  size_t npending, cappending;
   kt_pinned_stats st;
 };
 
@@ -203,7 +223,7 @@ static size_t slot_of(uintptr_t key, size_t cap) {
 static int live_grow(kt_pinned_pool_t *p) {
   size_t cap = p->tcap ? 2 * p->tcap : 256;
   uintptr_t *k = calloc(cap, sizeof *k);
-  size_t *v = calloc(cap, sizeof *v);
+  live_ent *v = calloc(cap, sizeof *v);
   if (!k || !v) { free(k); free(v); return -1; }
   for (size_t i = 0; i < p->tcap; i++) {
     if (!p->keys[i]) continue;
@@ -229,11 +249,11 @@ static long live_find(const kt_pinned_pool_t *p, uintptr_t key) {
   }
 }
 
-static void live_put(kt_pinned_pool_t *p, uintptr_t key, size_t val) {
+static void live_put(kt_pinned_pool_t *p, uintptr_t key, size_t size) {
   size_t j = slot_of(key, p->tcap);
   while (p->keys[j]) j = (j + 1) & (p->tcap - 1);
   p->keys[j] = key;
-  p->vals[j] = val;
+  p->vals[j] = (live_ent){.size = size};
   p->tcount++;
 }
 
@@ -251,6 +271,52 @@ static void live_del(kt_pinned_pool_t *p, size_t j) {
       p->keys[i] = 0;
       j = i;
     }
+  }
+}
+
+/* ---- releasing blocks ------------------------------------------------------ */
+/* Books a block's return and gives it to jemalloc. */
+static void release_block(kt_pinned_pool_t *p, void *ptr, size_t size) {
+  size_t usable = kt_je_sallocx(ptr, 0);
+  pthread_mutex_lock(&p->mu);
+  stat_add(&p->st.requested_bytes, -(int64_t)size);
+  stat_add(&p->st.allocated_bytes, -(int64_t)usable);
+  stat_add(&p->st.allocations, -1);
+  pthread_mutex_unlock(&p->mu);
+  kt_je_dallocx(ptr, p->flags);
+}
+
+static void drop_events(kt_pinned_pool_t *p, pend *q) {
+  for (int i = 0; i < q->nev; i++) p->b->event_destroy(p->b->ctx, q->dev[i], q->ev[i]);
+  q->nev = 0;
+}
+
+/* Releases pending blocks whose events have all completed. */
+static void poll_pending(kt_pinned_pool_t *p) {
+  for (;;) {
+    pend done = {0};
+    int found = 0;
+    pthread_mutex_lock(&p->mu);
+    for (size_t i = 0; i < p->npending && !found; i++) {
+      pend *q = &p->pending[i];
+      int all = 1;
+      for (int e = 0; e < q->nev && all; e++) {
+        int ok = 0;
+        /* A failed query counts as done: the event cannot tell us more, and
+         * keeping the block forever would leak it. */
+        if (p->b->event_query(p->b->ctx, q->dev[e], q->ev[e], &ok) == KT_OK && !ok) all = 0;
+      }
+      if (all) {
+        done = *q;
+        p->pending[i] = p->pending[--p->npending];
+        p->st.pending_now--;
+        found = 1;
+      }
+    }
+    pthread_mutex_unlock(&p->mu);
+    if (!found) return;
+    drop_events(p, &done);
+    release_block(p, done.ptr, done.size);
   }
 }
 
@@ -281,6 +347,7 @@ kt_status kt_pinned_create(const kt_backend *backend, kt_pinned_pool_t **out) {
 
 void kt_pinned_destroy(kt_pinned_pool_t *p) {
   if (!p) return;
+  for (size_t i = 0; i < p->npending; i++) drop_events(p, &p->pending[i]);
   char name[64];
   snprintf(name, sizeof name, "arena.%u.destroy", p->arena);
   kt_je_mallctl(name, NULL, NULL, NULL, 0);
@@ -291,6 +358,7 @@ void kt_pinned_destroy(kt_pinned_pool_t *p) {
   free(p->chunks);
   free(p->keys);
   free(p->vals);
+  free(p->pending);
   free(p);
 }
 
@@ -299,6 +367,7 @@ kt_status kt_pinned_alloc(kt_pinned_pool_t *p, size_t size, void **out) {
   *out = NULL;
   if (size == 0) return KT_OK;
   if (size > KT_PINNED_MAX_ALLOC) return KT_ERR_OOM;
+  if (p->npending) poll_pending(p);   /* racy read: a miss only delays a reuse */
   pthread_mutex_lock(&p->mu);   /* room in the live table first: nothing to undo later */
   int bad = 2 * (p->tcount + 1) > p->tcap && live_grow(p);
   uint64_t failed_before = p->st.num_failed_pins;
@@ -338,29 +407,76 @@ kt_status kt_pinned_free(kt_pinned_pool_t *p, void *ptr) {
     pthread_mutex_unlock(&p->mu);
     return KT_ERR_INVALID;
   }
-  size_t size = p->vals[j];
+  live_ent e = p->vals[j];
   live_del(p, (size_t)j);
-  size_t usable = kt_je_sallocx(ptr, 0);
-  stat_add(&p->st.requested_bytes, -(int64_t)size);
-  stat_add(&p->st.allocated_bytes, -(int64_t)usable);
-  stat_add(&p->st.allocations, -1);
   p->st.num_frees++;
   pthread_mutex_unlock(&p->mu);
-  kt_je_dallocx(ptr, p->flags);
+  if (e.nuses == 0) {
+    release_block(p, ptr, e.size);
+    return KT_OK;
+  }
+  /* Park the block behind an event on every stream that used it. */
+  pend q = {.ptr = ptr, .size = e.size};
+  kt_status st = KT_OK;
+  for (int i = 0; i < e.nuses && st == KT_OK; i++) {
+    st = p->b->event_create(p->b->ctx, e.dev[i], &q.ev[q.nev]);
+    if (st != KT_OK) break;
+    q.dev[q.nev++] = e.dev[i];
+    st = p->b->event_record(p->b->ctx, e.dev[i], q.ev[q.nev - 1], e.stream[i]);
+  }
+  pthread_mutex_lock(&p->mu);
+  if (st == KT_OK && p->npending == p->cappending) {
+    size_t cap = p->cappending ? 2 * p->cappending : 16;
+    pend *n = realloc(p->pending, cap * sizeof *n);
+    if (n) { p->pending = n; p->cappending = cap; } else st = KT_ERR_HOST_OOM;
+  }
+  if (st == KT_OK) {
+    p->pending[p->npending++] = q;
+    p->st.num_pending_frees++;
+    p->st.pending_now++;
+  }
+  pthread_mutex_unlock(&p->mu);
+  if (st != KT_OK) {   /* no event to wait on: wait for the devices instead, then release */
+    drop_events(p, &q);
+    for (int i = 0; i < e.nuses; i++) p->b->synchronize(p->b->ctx, e.dev[i]);
+    release_block(p, ptr, e.size);
+  }
   return KT_OK;
+}
+
+kt_status kt_pinned_record_stream(kt_pinned_pool_t *p, void *ptr, int device, kt_stream_t stream) {
+  if (!p || !ptr) return KT_ERR_INVALID;
+  kt_status st = KT_OK;
+  pthread_mutex_lock(&p->mu);
+  long j = live_find(p, (uintptr_t)ptr);
+  if (j < 0) {
+    st = KT_ERR_INVALID;
+  } else {
+    live_ent *e = &p->vals[j];
+    int seen = 0;
+    for (int i = 0; i < e->nuses; i++) seen |= e->dev[i] == device && e->stream[i] == stream;
+    if (!seen && e->nuses == KT_PINNED_MAX_USES) st = KT_ERR_LIMIT;
+    else if (!seen) {
+      e->dev[e->nuses] = device;
+      e->stream[e->nuses++] = stream;
+    }
+  }
+  pthread_mutex_unlock(&p->mu);
+  return st;
 }
 
 kt_status kt_pinned_block_size(kt_pinned_pool_t *p, const void *ptr, size_t *size) {
   if (!p || !size) return KT_ERR_INVALID;
   pthread_mutex_lock(&p->mu);
   long j = live_find(p, (uintptr_t)ptr);
-  if (j >= 0) *size = p->vals[j];
+  if (j >= 0) *size = p->vals[j].size;
   pthread_mutex_unlock(&p->mu);
   return j >= 0 ? KT_OK : KT_ERR_INVALID;
 }
 
 kt_status kt_pinned_trim(kt_pinned_pool_t *p) {
   if (!p) return KT_ERR_INVALID;
+  poll_pending(p);
   char name[64];
   snprintf(name, sizeof name, "arena.%u.purge", p->arena);
   return kt_je_mallctl(name, NULL, NULL, NULL, 0) ? KT_ERR_BACKEND : KT_OK;
@@ -383,6 +499,15 @@ void kt_pinned_reset_peak_stats(kt_pinned_pool_t *p) {
   pthread_mutex_unlock(&p->mu);
 }
 
+/* Adds the block's sizes to the sums; 0 when it does not lie inside one chunk. */
+static int block_ok(const kt_pinned_pool_t *p, uintptr_t ptr, size_t size, int64_t *requested, int64_t *usable) {
+  size_t u = kt_je_sallocx((void *)ptr, 0);
+  *requested += (int64_t)size;
+  *usable += (int64_t)u;
+  long c = chunk_find(p, ptr);
+  return u >= size && c >= 0 && ptr + u <= p->chunks[c].base + p->chunks[c].size;
+}
+
 kt_status kt_pinned_validate(kt_pinned_pool_t *p) {
   if (!p) return KT_ERR_INVALID;
   kt_status st = KT_OK;
@@ -396,15 +521,15 @@ kt_status kt_pinned_validate(kt_pinned_pool_t *p) {
   for (size_t j = 0; j < p->tcap; j++) {
     if (!p->keys[j]) continue;
     n++;
-    requested += (int64_t)p->vals[j];
-    size_t u = kt_je_sallocx((void *)p->keys[j], 0);
-    usable += (int64_t)u;
-    long c = chunk_find(p, p->keys[j]);   /* every block lies inside one chunk */
-    if (u < p->vals[j] || c < 0 || p->keys[j] + u > p->chunks[c].base + p->chunks[c].size) st = KT_ERR_INVALID;
+    if (!block_ok(p, p->keys[j], p->vals[j].size, &requested, &usable)) st = KT_ERR_INVALID;
     if (live_find(p, p->keys[j]) != (long)j) st = KT_ERR_INVALID;   /* reachable by probing */
   }
+  for (size_t i = 0; i < p->npending; i++) {
+    if (live_find(p, (uintptr_t)p->pending[i].ptr) >= 0) st = KT_ERR_INVALID;   /* both live and pending */
+    if (!block_ok(p, (uintptr_t)p->pending[i].ptr, p->pending[i].size, &requested, &usable)) st = KT_ERR_INVALID;
+  }
   const kt_pinned_stats *s = &p->st;
-  if (n != p->tcount || (int64_t)n != s->allocations.current || requested != s->requested_bytes.current ||
+  if (n != p->tcount || p->npending != s->pending_now || (int64_t)(n + p->npending) != s->allocations.current || requested != s->requested_bytes.current ||
       usable != s->allocated_bytes.current || mapped != s->mapped_bytes.current ||
       (int64_t)p->nchunks != s->chunks.current || mapped < usable)
     st = KT_ERR_INVALID;

@@ -9,10 +9,13 @@
  * ordinary memory on the host fake), so requests get jemalloc's size classes
  * (four per doubling) and its extent reuse, split and coalesce.
  *
- * Contract:
- *  - kt_pinned_free returns the buffer to the pool at once, and the pool may hand
- *    it out again at once: the caller must know that no copy still reads or writes
- *    it (e.g. by waiting on an event recorded after the copy).
+ * Contract (the same as the device pool's record_stream):
+ *  - kt_pinned_record_stream(pool, p, device, S) declares that work enqueued on
+ *    stream S of device (a copy from or to p) may still use the block. At
+ *    kt_pinned_free an event is recorded on each such stream and the block is not
+ *    handed out again until all of them have completed.
+ *  - A block freed with no recorded stream is reused at once: the caller must know
+ *    that no copy still reads or writes it.
  *  - Chunks are never merged across two backend allocations, so every extent
  *    jemalloc hands out lies inside one pinned chunk.
  *  - Chunks go back to the backend when they are wholly idle and
@@ -38,6 +41,8 @@ extern "C" {
 
 typedef struct kt_pinned_pool kt_pinned_pool_t;
 
+#define KT_PINNED_MAX_USES 4   /* streams recorded per block; more -> KT_ERR_LIMIT */
+
 /* Requests above this are refused with KT_ERR_OOM before anything is pinned. */
 #define KT_PINNED_MAX_ALLOC ((size_t)1 << 40)
 
@@ -46,7 +51,8 @@ typedef struct kt_pinned_stats {
    *   requested_bytes.current == sum of sizes passed to kt_pinned_alloc, live blocks
    *   allocated_bytes.current == sum of jemalloc usable sizes of live blocks (>= requested)
    *   mapped_bytes.current    == sum of pinned chunks held from the backend
-   *   mapped >= allocated >= requested, and x.current == x.allocated - x.freed. */
+   *   mapped >= allocated >= requested, and x.current == x.allocated - x.freed.
+   * A freed block waiting for its recorded streams counts until it is released. */
   kt_stat requested_bytes;
   kt_stat allocated_bytes;
   kt_stat mapped_bytes;
@@ -54,6 +60,8 @@ typedef struct kt_pinned_stats {
   kt_stat chunks;               /* live backend allocations */
   uint64_t num_allocs, num_frees;
   uint64_t num_failed_pins;     /* backend host_alloc refusals */
+  uint64_t num_pending_frees;   /* frees that waited for recorded streams */
+  uint64_t pending_now;         /* freed blocks still waiting */
 } kt_pinned_stats;
 
 /* The backend must have host_alloc/host_free (KT_ERR_UNAVAILABLE otherwise) and
@@ -67,6 +75,9 @@ void kt_pinned_destroy(kt_pinned_pool_t *pool);
 kt_status kt_pinned_alloc(kt_pinned_pool_t *pool, size_t size, void **out);
 /* ptr must be a live block of this pool (NULL is accepted and ignored). */
 kt_status kt_pinned_free(kt_pinned_pool_t *pool, void *ptr);
+/* Declares that work on stream (of device) uses the live block at ptr; see the
+ * contract above. Recording the same stream twice is one use. */
+kt_status kt_pinned_record_stream(kt_pinned_pool_t *pool, void *ptr, int device, kt_stream_t stream);
 /* The size passed to kt_pinned_alloc for the live block at ptr. */
 kt_status kt_pinned_block_size(kt_pinned_pool_t *pool, const void *ptr, size_t *size);
 /* Gives wholly idle chunks back to the backend. */

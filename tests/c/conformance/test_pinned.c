@@ -41,7 +41,7 @@ static void assert_identities(void) {
   }
   cr_assert_geq(s.allocated_bytes.current, s.requested_bytes.current);
   cr_assert_geq(s.mapped_bytes.current, s.allocated_bytes.current);
-  cr_assert_eq(s.num_allocs - s.num_frees, (uint64_t)s.allocations.current);
+  cr_assert_eq(s.num_allocs - s.num_frees + s.pending_now, (uint64_t)s.allocations.current);
   cr_assert_eq(kt_pinned_validate(pp), KT_OK);
 }
 
@@ -197,6 +197,53 @@ Test(pinned, random_churn_keeps_blocks_disjoint_and_books_exact) {
     }
   assert_identities();
   cr_assert_eq(stats().allocations.current, 0);
+}
+
+Test(pinned, a_block_used_on_a_stream_waits_for_it_before_reuse) {
+  size_t n = 6 * MiB;
+  void *a, *b, *c;
+  kt_stream_t s = test_stream(1);
+  cr_assert_eq(kt_pinned_alloc(pp, n, &a), KT_OK);
+  fill(a, n, 0x11);
+  cr_assert_eq(kt_pinned_record_stream(pp, a, 0, s), KT_OK);
+  cr_assert_eq(kt_pinned_record_stream(pp, a, 0, s), KT_OK, "the same stream twice is one use");
+  test_hold(s);   /* work on s now "runs" until test_release */
+  cr_assert_eq(kt_pinned_free(pp, a), KT_OK);
+  kt_pinned_stats st = stats();
+  cr_assert_eq(st.pending_now, 1);
+  cr_assert_eq(st.num_pending_frees, 1);
+  cr_assert_eq(st.allocations.current, 1, "a waiting block still counts");
+  assert_identities();
+  cr_assert_eq(kt_pinned_alloc(pp, n, &b), KT_OK);
+  cr_assert_neq(a, b, "a block was handed out while a stream that used it still ran");
+  check(a, n, 0x11);   /* nobody wrote over it */
+  test_release();
+  cr_assert_eq(kt_pinned_alloc(pp, n, &c), KT_OK);
+  cr_assert_eq(c, a, "the block should come back once the stream finished");
+  cr_assert_eq(stats().pending_now, 0);
+  cr_assert_eq(kt_pinned_free(pp, b), KT_OK);
+  cr_assert_eq(kt_pinned_free(pp, c), KT_OK);
+  assert_identities();
+}
+
+Test(pinned, record_stream_limits_and_bad_pointers) {
+  void *a;
+  cr_assert_eq(kt_pinned_alloc(pp, 100, &a), KT_OK);
+  for (int i = 1; i <= KT_PINNED_MAX_USES; i++) cr_assert_eq(kt_pinned_record_stream(pp, a, 0, test_stream(i)), KT_OK);
+  cr_assert_eq(kt_pinned_record_stream(pp, a, 0, test_stream(KT_PINNED_MAX_USES + 1)), KT_ERR_LIMIT);
+  int local;
+  cr_assert_eq(kt_pinned_record_stream(pp, &local, 0, test_stream(1)), KT_ERR_INVALID);
+  cr_assert_eq(kt_pinned_free(pp, a), KT_OK);
+  cr_assert_eq(kt_pinned_trim(pp), KT_OK);   /* polls: the fake's events complete at once */
+  kt_pinned_stats st = stats();
+  cr_assert_eq(st.pending_now, 0);
+  cr_assert_eq(st.allocations.current, 0);
+  if (!test_uses_cuda()) {
+    kt_fake_counts c;
+    kt_fake_get_counts(test_fake, &c);
+    cr_assert_eq(c.live_events, 0, "events of released blocks are destroyed");
+  }
+  assert_identities();
 }
 
 /* Only on CUDA: the memory is page-locked, and an async copy round trip through the

@@ -1,5 +1,6 @@
 /* Stress of the pinned host pool: threads allocate, fill, check and free blocks of
- * random sizes; half the frees happen on another thread (a shared handoff ring).
+ * random sizes; half the frees happen on another thread (a shared handoff ring), and
+ * a quarter of the blocks are recorded on a stream first (the pending path).
  * Any overlap between live blocks shows as a clobbered pattern. At the end the
  * pool's validator checks the chunk table, the live table and the stats. */
 #include <pthread.h>
@@ -40,6 +41,9 @@ static int intact(const blk *b) {
 
 static void release(blk *b) {
   if (!intact(b)) { fprintf(stderr, "pinned block %p (%zu B) clobbered\n", b->p, b->n); atomic_fetch_add(&failures, 1); }
+  /* a quarter of the blocks were "used" on a stream: they go through the pending list */
+  if (b->v % 4 == 1 && kt_pinned_record_stream(pp, b->p, 0, test_stream(1 + b->v % 3)) != KT_OK)
+    atomic_fetch_add(&failures, 1);
   if (kt_pinned_free(pp, b->p) != KT_OK) atomic_fetch_add(&failures, 1);
   b->p = NULL;
 }
@@ -76,6 +80,7 @@ Test(pinned_stress, threads_with_cross_thread_frees) {
   const char *e = getenv("KT_STRESS_OPS");
   long total = e ? atol(e) : 400000;
   ops_per_thread = total / THREADS;
+  for (int i = 1; i <= 3; i++) test_stream(i);   /* created here, not raced for by workers */
   pthread_t t[THREADS];
   for (int i = 0; i < THREADS; i++) pthread_create(&t[i], NULL, worker, (void *)(uintptr_t)i);
   for (int i = 0; i < THREADS; i++) pthread_join(t[i], NULL);
@@ -84,6 +89,10 @@ Test(pinned_stress, threads_with_cross_thread_frees) {
   cr_assert_eq(atomic_load(&failures), 0);
   kt_pinned_stats s;
   cr_assert_eq(kt_pinned_get_stats(pp, &s), KT_OK);
+  cr_assert_eq(kt_pinned_trim(pp), KT_OK);   /* releases whatever still waits */
+  cr_assert_eq(kt_pinned_get_stats(pp, &s), KT_OK);
+  cr_assert_gt(s.num_pending_frees, 0);
+  cr_assert_eq(s.pending_now, 0);
   cr_assert_eq(s.allocations.current, 0);
   cr_assert_eq(s.requested_bytes.current, 0);
   cr_assert_eq(s.num_allocs, s.num_frees);

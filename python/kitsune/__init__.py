@@ -7,11 +7,19 @@ says what was searched and how to fix it (see :func:`kitsune.native`).
 from ._native import KitsuneError, KitsuneNotBuiltError, KitsuneOutOfMemoryError, native
 
 __version__ = "0.1.0"
-__all__ = ["native", "KitsuneError", "KitsuneNotBuiltError", "KitsuneOutOfMemoryError", "allocator", "__version__"]
+__all__ = ["native", "KitsuneError", "KitsuneNotBuiltError", "KitsuneOutOfMemoryError", "allocator", "pinned",
+           "prefetch", "__version__"]
+
+
+def prefetch(loader, device="cuda", depth=2):
+    """Wraps ``loader`` so each batch arrives on ``device``, staged in pinned memory
+    and copied on a side stream while earlier batches train. See kitsune.data."""
+    from .data import prefetch as _prefetch
+    return _prefetch(loader, device, depth)
 
 
 def __getattr__(name):
-    if name == "allocator":   # imported lazily: nothing native loads on `import kitsune`
+    if name in ("allocator", "pinned", "data"):   # lazily: nothing native loads on `import kitsune`
         import importlib
-        return importlib.import_module(".allocator", __name__)
+        return importlib.import_module("." + name, __name__)
     raise AttributeError(f"module 'kitsune' has no attribute {name!r}")

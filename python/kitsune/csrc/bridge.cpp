@@ -10,6 +10,8 @@
 //     with the pool's diagnosis;
 //   - CUDA graphs and MemPools get private pools (one kt pool per MempoolId).
 // Entry points for Python (ctypes): kt_bridge_install, kt_bridge_installed.
+// It also owns the process's pinned host pool (kitsune/pinned.h) and registers
+// torch.ops.kitsune.pinned_empty, which returns CPU tensors backed by it.
 #include <c10/core/Allocator.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -17,9 +19,14 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/from_blob.h>
+#include <c10/util/safe_numerics.h>
+#include <torch/library.h>
 
 #include <atomic>
 #include <cstdio>
+#include <cstring>
 #include <cstdlib>
 #include <functional>
 #include <mutex>
@@ -27,6 +34,7 @@
 
 extern "C" {
 #include "kitsune/alloc.h"
+#include "kitsune/pinned.h"
 }
 
 namespace {
@@ -475,6 +483,93 @@ __attribute__((visibility("default"))) double kt_bridge_time_kt_pair(size_t n, i
   for (int i = 0; i < iters; i++) { kt_alloc(pool, n, s, &p); kt_free(pool, p, n, s); }
   auto t1 = std::chrono::steady_clock::now();
   return std::chrono::duration<double, std::nano>(t1 - t0).count() / iters;
+}
+
+}  // extern "C"
+
+// ---- the pinned host pool: torch.ops.kitsune.pinned_empty + ctypes entry points ----
+namespace {
+
+std::mutex g_pinned_mu;
+kt_pinned_pool_t* g_pinned = nullptr;
+kt_backend* g_pinned_fake = nullptr;   // host fake backend, for tests without a GPU
+
+// The process's pinned pool, created on first use over the CUDA backend.
+kt_pinned_pool_t* pinned_pool() {
+  std::lock_guard<std::mutex> g(g_pinned_mu);
+  if (g_pinned) return g_pinned;
+  TORCH_CHECK(kt_cuda_device_count() > 0,
+              "kitsune.pinned: page-locked memory needs a CUDA device, and none is visible");
+  kt_status st = kt_pinned_create(kt_cuda_backend(), &g_pinned);
+  TORCH_CHECK(st == KT_OK, "kitsune.pinned: creating the pinned pool failed: ", kt_status_str(st));
+  return g_pinned;
+}
+
+void pinned_delete(void* ptr) {
+  if (ptr) kt_pinned_free(g_pinned, ptr);   // only the pool's own blocks get here
+}
+
+at::Tensor pinned_empty(c10::IntArrayRef size, c10::ScalarType dtype) {
+  uint64_t numel = 1;
+  for (int64_t d : size) {
+    TORCH_CHECK(d >= 0, "kitsune.pinned.empty: negative dimension ", d, " in size ", size);
+    TORCH_CHECK(!c10::mul_overflows(numel, static_cast<uint64_t>(d), &numel),
+                "kitsune.pinned.empty: size ", size, " overflows");
+  }
+  uint64_t nbytes = 0;
+  TORCH_CHECK(!c10::mul_overflows(numel, static_cast<uint64_t>(c10::elementSize(dtype)), &nbytes) &&
+                  nbytes <= KT_PINNED_MAX_ALLOC,
+              "kitsune.pinned.empty: size ", size, " of ", dtype, " is more than the pool's limit of ",
+              KT_PINNED_MAX_ALLOC, " bytes");
+  kt_pinned_pool_t* pool = pinned_pool();
+  void* p = nullptr;
+  kt_status st = kt_pinned_alloc(pool, nbytes, &p);
+  TORCH_CHECK_WITH(OutOfMemoryError, st != KT_ERR_OOM, "kitsune.pinned.empty: could not pin ", nbytes,
+                   " bytes of host memory (cudaHostAlloc refused; page-locked memory is limited by "
+                   "RAM and `ulimit -l`). Free pinned tensors or call kitsune.pinned.trim()");
+  TORCH_CHECK(st == KT_OK, "kitsune.pinned.empty of ", nbytes, " bytes failed: ", kt_status_str(st));
+  return at::for_blob(p, size)
+      .deleter(pinned_delete)
+      .options(at::TensorOptions().dtype(dtype).device(at::kCPU))
+      .make_tensor();
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kitsune, m) {
+  // A CPU tensor in page-locked memory from Kitsune's pinned pool (no tensor
+  // inputs, so a catch-all kernel).
+  m.def("pinned_empty(int[] size, ScalarType dtype) -> Tensor", &pinned_empty);
+}
+
+extern "C" {
+
+// Makes the pinned pool use the host fake backend (ordinary memory), for tests on
+// machines without a GPU. Returns 0, or 1 when a pool already exists.
+__attribute__((visibility("default"))) int kt_bridge_pinned_use_host_memory(void) {
+  std::lock_guard<std::mutex> g(g_pinned_mu);
+  if (g_pinned) return 1;
+  g_pinned_fake = kt_fake_backend_create(0);
+  if (!g_pinned_fake || kt_pinned_create(g_pinned_fake, &g_pinned) != KT_OK) return 1;
+  return 0;
+}
+
+// KT_ERR_UNAVAILABLE (and zeros) before the pool exists.
+__attribute__((visibility("default"))) int kt_bridge_pinned_stats(kt_pinned_stats* out) {
+  std::memset(out, 0, sizeof *out);
+  return g_pinned ? kt_pinned_get_stats(g_pinned, out) : KT_ERR_UNAVAILABLE;
+}
+
+__attribute__((visibility("default"))) int kt_bridge_pinned_trim(void) {
+  return g_pinned ? kt_pinned_trim(g_pinned) : KT_OK;
+}
+
+__attribute__((visibility("default"))) void kt_bridge_pinned_reset_peak(void) {
+  if (g_pinned) kt_pinned_reset_peak_stats(g_pinned);
+}
+
+__attribute__((visibility("default"))) int kt_bridge_pinned_record_stream(void* ptr, int device, void* stream) {
+  return g_pinned ? kt_pinned_record_stream(g_pinned, ptr, device, stream) : KT_ERR_INVALID;
 }
 
 }  // extern "C"

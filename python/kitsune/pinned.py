@@ -18,7 +18,7 @@ from . import _native
 from ._native import check
 
 _STATS = ("requested_bytes", "allocated_bytes", "mapped_bytes", "allocations", "chunks")
-_COUNTERS = ("num_allocs", "num_frees", "num_failed_pins", "num_pending_frees", "pending_now")
+_COUNTERS = ("num_allocs", "num_frees", "num_failed_pins", "num_pending_frees", "pending_now", "num_release_on_grow")
 
 
 class _Stats(ctypes.Structure):

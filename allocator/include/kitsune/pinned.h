@@ -62,6 +62,7 @@ typedef struct kt_pinned_stats {
   uint64_t num_failed_pins;     /* backend host_alloc refusals */
   uint64_t num_pending_frees;   /* frees that waited for recorded streams */
   uint64_t pending_now;         /* freed blocks still waiting */
+  uint64_t num_release_on_grow; /* trims done before growing (see release_on_grow) */
 } kt_pinned_stats;
 
 /* The backend must have host_alloc/host_free (KT_ERR_UNAVAILABLE otherwise) and
@@ -82,6 +83,15 @@ kt_status kt_pinned_record_stream(kt_pinned_pool_t *pool, void *ptr, int device,
 kt_status kt_pinned_block_size(kt_pinned_pool_t *pool, const void *ptr, size_t *size);
 /* Gives wholly idle chunks back to the backend. */
 kt_status kt_pinned_trim(kt_pinned_pool_t *pool);
+/* 1 (default): when a request needs a new chunk while idle pinned bytes come to at
+ * least half of it, idle
+ * chunks are given back first (a trim), so that what is pinned follows what is
+ * used rather than the worst mix of sizes seen. With steady batch shapes nothing
+ * changes (a freed block serves the next batch); when sizes keep changing, each
+ * new size costs a cudaFreeHost and a cudaHostAlloc (bench/data/pinned_footprint.py
+ * measures both modes). 0: cached chunks stay until kt_pinned_trim, as PyTorch's
+ * host allocator keeps them. */
+void kt_pinned_set_release_on_grow(kt_pinned_pool_t *pool, int on);
 
 kt_status kt_pinned_get_stats(kt_pinned_pool_t *pool, kt_pinned_stats *out);
 /* Peak := current for every stat. */

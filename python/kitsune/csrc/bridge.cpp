@@ -502,6 +502,8 @@ kt_pinned_pool_t* pinned_pool() {
               "kitsune.pinned: page-locked memory needs a CUDA device, and none is visible");
   kt_status st = kt_pinned_create(kt_cuda_backend(), &g_pinned);
   TORCH_CHECK(st == KT_OK, "kitsune.pinned: creating the pinned pool failed: ", kt_status_str(st));
+  const char* rog = std::getenv("KITSUNE_PINNED_RELEASE_ON_GROW");
+  if (rog && *rog) kt_pinned_set_release_on_grow(g_pinned, std::atoi(rog));
   return g_pinned;
 }
 
@@ -551,6 +553,8 @@ __attribute__((visibility("default"))) int kt_bridge_pinned_use_host_memory(void
   if (g_pinned) return 1;
   g_pinned_fake = kt_fake_backend_create(0);
   if (!g_pinned_fake || kt_pinned_create(g_pinned_fake, &g_pinned) != KT_OK) return 1;
+  const char* rog = std::getenv("KITSUNE_PINNED_RELEASE_ON_GROW");
+  if (rog && *rog) kt_pinned_set_release_on_grow(g_pinned, std::atoi(rog));
   return 0;
 }
 

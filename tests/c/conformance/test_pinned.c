@@ -92,10 +92,19 @@ Test(pinned, a_freed_block_is_reused_without_pinning_again) {
   cr_assert_eq(a, b);
   cr_assert_eq(s2.mapped_bytes.current, s1.mapped_bytes.current);
   cr_assert_eq(s2.chunks.allocated, s1.chunks.allocated, "a second pin for a cached size");
-  /* A smaller request is carved from the cached extent too. */
+  /* Another size class: the idle 24 MiB chunk is given back before pinning anew. */
   cr_assert_eq(kt_pinned_free(pp, b), KT_OK);
   cr_assert_eq(kt_pinned_alloc(pp, 10 * MiB, &a), KT_OK);
-  cr_assert_eq(stats().chunks.allocated, s1.chunks.allocated);
+  kt_pinned_stats s3 = stats();
+  cr_assert_eq(s3.num_release_on_grow, 1);
+  cr_assert_eq(s3.mapped_bytes.current, s3.allocated_bytes.current, "the idle chunk stayed pinned");
+  cr_assert_eq(kt_pinned_free(pp, a), KT_OK);
+  /* With release_on_grow off, idle chunks stay cached. */
+  kt_pinned_set_release_on_grow(pp, 0);
+  cr_assert_eq(kt_pinned_alloc(pp, 24 * MiB, &a), KT_OK);
+  kt_pinned_stats s4 = stats();
+  cr_assert_eq(s4.num_release_on_grow, 1);
+  cr_assert_eq(s4.mapped_bytes.current, s3.mapped_bytes.current + s1.mapped_bytes.current);
   cr_assert_eq(kt_pinned_free(pp, a), KT_OK);
   assert_identities();
 }

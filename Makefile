@@ -5,6 +5,7 @@
 #   make test-asan  the C suites under AddressSanitizer + UBSan
 #   make demo       the main job (GPU if present, else host backend)
 #   make bench      C allocator benchmarks -> bench/results/
+#   make bench-data pinned pool footprint + prefetch training (GPU) -> bench/results/
 #   make gpu-test   build + the suites on the CUDA backend (on a GPU machine)
 #   make clean
 
@@ -49,7 +50,7 @@ TEST_LIBS := $(DEPS_LIB) -lcriterion
 
 .SECONDARY:
 
-.PHONY: bridge all deps test test-c test-python test-asan demo bench gpu-test gpu-deps clean
+.PHONY: bridge all deps test test-c test-python test-asan demo bench bench-data gpu-test gpu-deps clean
 all: $(BUILD)/libkitsune.so $(BUILD)/libkitsune.a $(TEST_BINS) $(BENCH_BINS) $(BUILD)/libnvtx_record.so bridge
 
 # The C++ bridge to PyTorch (needs torch; skipped with a message without it)
@@ -124,6 +125,13 @@ demo: $(BUILD)/libkitsune.so $(BENCH_BINS)
 
 bench: $(BENCH_BINS)
 	@bash tools/bench.sh $(BUILD)
+
+# The data path on the GPU: pinned footprint (torch vs Kitsune) and prefetch training
+bench-data: $(BUILD)/libkitsune.so bridge
+	@KITSUNE_LIBRARY=$(CURDIR)/$(BUILD)/libkitsune.so PYTHONPATH=$(CURDIR)/python \
+	  $(PYTHON) bench/data/pinned_footprint.py --out $${BENCH_OUT:-bench/results}
+	@KITSUNE_LIBRARY=$(CURDIR)/$(BUILD)/libkitsune.so PYTHONPATH=$(CURDIR)/python \
+	  $(PYTHON) bench/data/prefetch_train.py --out $${BENCH_OUT:-bench/results}
 
 gpu-test: $(TEST_BINS) $(BUILD)/libkitsune.so $(BUILD)/libnvtx_record.so $(BUILD)/bench/alloc_replay bridge $(BUILD)/tests/oob_write
 	@KT_TEST_BACKEND=cuda KT_REQUIRE_GPU=1 bash tools/run_c_tests.sh $(BUILD)/tests conformance stress

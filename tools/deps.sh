@@ -8,6 +8,10 @@ have_hdr() { [ -f "/usr/include/$1" ] || [ -f ".deps/root/usr/include/$1" ]; }
 have_hdr criterion/criterion.h || apt_pkgs+=(libcriterion-dev)
 have_hdr jemalloc/jemalloc.h || apt_pkgs+=(libjemalloc-dev)
 command -v gcc >/dev/null || apt_pkgs+=(gcc)
+command -v make >/dev/null || apt_pkgs+=(make)
+# the private jemalloc of the pinned pool is built from source (tools/jemalloc.sh)
+command -v curl >/dev/null || apt_pkgs+=(curl ca-certificates)
+command -v bzip2 >/dev/null || apt_pkgs+=(bzip2)
 if [ ${#apt_pkgs[@]} -gt 0 ]; then
   sudo=""; [ "$(id -u)" -eq 0 ] || sudo=sudo
   echo "deps: apt-get install ${apt_pkgs[*]}"
@@ -20,6 +24,7 @@ if [ ! -f "$cuda_home/include/cuda_runtime_api.h" ] || [ ! -f "$cuda_home/lib64/
   echo "      install it (e.g. NVIDIA's cuda-toolkit package) and put nvcc on PATH." >&2
   exit 1
 fi
+bash tools/jemalloc.sh
 py=${PYTHON:-python3}
 $py -c "import pytest" 2>/dev/null || { echo "deps: pip install pytest"; $py -m pip install -q pytest; }
 # torch: the version the GPU machine runs, so the bridge is built and tested against it

@@ -11,4 +11,5 @@ if ls .deps/debs/libcriterion-dev_*.deb >/dev/null 2>&1; then echo "gpu-deps: al
   (cd .deps/debs && apt-get download "${pkgs[@]}")
 fi
 for d in .deps/debs/*.deb; do dpkg -x "$d" .deps/root; done
+bash tools/jemalloc.sh   # the pinned pool's private jemalloc, built here (no network there)
 echo "gpu-deps: unpacked into .deps/root ($(du -sh .deps | cut -f1)); carry .deps"

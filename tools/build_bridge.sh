@@ -22,8 +22,13 @@ if [ -f "$out" ] && [ -z "$(find python/kitsune/csrc/bridge.cpp allocator/includ
   exit 0   # up to date
 fi
 cuda_home=$(command -v nvcc >/dev/null && dirname "$(dirname "$(command -v nvcc)")" || echo /usr/local/cuda)
-echo "bridge: building against torch $tver ($troot)"
-${CXX:-g++} -std=c++17 -O2 -g -fPIC -shared -fvisibility=hidden -Wall -Wno-unused-parameter \
+# The bridge runs on the libstdc++ the Python process has loaded (the system one,
+# which torch's wheel uses), so it is built by the system g++, not by $CXX: a newer
+# toolchain's inline libstdc++ code crashed on the older runtime (GPU machine, where
+# CXX=/opt/gcc/bin/g++). KITSUNE_CXX overrides.
+cxx=${KITSUNE_CXX:-g++}
+echo "bridge: building against torch $tver ($troot) with $($cxx --version | head -1)"
+$cxx -std=c++17 -O2 -g -fPIC -shared -fvisibility=hidden -Wall -Wno-unused-parameter \
   -D_GLIBCXX_USE_CXX11_ABI="$abi" -Iallocator/include -I"$troot/include" \
   -I"$troot/include/torch/csrc/api/include" -I"$cuda_home/include" \
   python/kitsune/csrc/bridge.cpp -o "$out" \

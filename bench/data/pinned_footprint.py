@@ -42,6 +42,8 @@ def child(allocator, steps, host_memory):
     import random
     import torch
     rng = random.Random(1234)
+    if not host_memory:
+        torch.cuda.init()   # host_memory_stats() is empty until torch's CUDA is initialised
     kp = None
     if allocator.startswith("kitsune"):
         import kitsune

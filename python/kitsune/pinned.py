@@ -26,6 +26,7 @@ class _Stats(ctypes.Structure):
 
 
 _declared = False
+_host_memory = False
 
 
 def _bridge():
@@ -50,6 +51,10 @@ def empty(shape, dtype=None):
     RuntimeError when no CUDA device is visible."""
     import torch
     _bridge()   # loads the bridge, which registers torch.ops.kitsune.pinned_empty
+    if not _host_memory and not torch.cuda.is_initialized():
+        # Tensor.is_pinned() answers False until torch has initialised CUDA (as
+        # pin_memory=True would); so kitsune.allocator.install() must come first.
+        torch.cuda.init()
     if isinstance(shape, int):
         shape = (shape,)
     return torch.ops.kitsune.pinned_empty(list(shape), dtype or torch.get_default_dtype())
@@ -102,5 +107,7 @@ def trim():
 def _use_host_memory():
     """Tests only: back the pool with ordinary memory (the host fake backend), so
     the pool's Python path runs on machines without a GPU. Must precede any use."""
+    global _host_memory
     if _bridge().kt_bridge_pinned_use_host_memory() != 0:
         raise RuntimeError("kitsune.pinned: the pool already exists; _use_host_memory() must come first")
+    _host_memory = True

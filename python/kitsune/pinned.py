@@ -51,6 +51,9 @@ def empty(shape, dtype=None):
     RuntimeError when no CUDA device is visible."""
     import torch
     _bridge()   # loads the bridge, which registers torch.ops.kitsune.pinned_empty
+    if not _host_memory and not torch.cuda.is_available():
+        raise RuntimeError("kitsune.pinned: page-locked memory needs a CUDA device, and none is visible "
+                           "(torch.cuda.is_available() is False)")
     if not _host_memory and not torch.cuda.is_initialized():
         # Tensor.is_pinned() answers False until torch has initialised CUDA (as
         # pin_memory=True would); so kitsune.allocator.install() must come first.

@@ -16,7 +16,7 @@ typedef struct fake {
   kt_backend vt;
   pthread_mutex_t mu;
   size_t capacity;
-  int fail_next, fail_next_host, hold;
+  int fail_next, fail_next_host, misalign_host, hold;
   uint64_t issued, completed;   /* event tickets */
   range *r;                     /* sorted by base */
   size_t n, cap;
@@ -145,13 +145,26 @@ static kt_status f_mem_info(void *ctx, int device, size_t *free_b, size_t *total
   return KT_OK;
 }
 
+/* Misaligned mode hands out base + 256 (as cudaHostAlloc may for odd sizes); the
+ * word before the block remembers the base, a magic word marks it. */
+#define FAKE_MISALIGN 256
+#define FAKE_MAGIC 0x6b6974737566616bull
+
 static kt_status f_host_alloc(void *ctx, size_t size, void **out) {
   fake *f = ctx;
   pthread_mutex_lock(&f->mu);
-  int fail = f->fail_next_host > 0;
+  int fail = f->fail_next_host > 0, mis = f->misalign_host;
   if (fail) { f->fail_next_host--; f->c.failed_host_allocs++; }
   pthread_mutex_unlock(&f->mu);
-  if (fail || posix_memalign(out, 4096, size ? size : 1) != 0) return KT_ERR_OOM;
+  void *base = NULL;
+  if (fail || posix_memalign(&base, 4096, (size ? size : 1) + (mis ? FAKE_MISALIGN : 0)) != 0) return KT_ERR_OOM;
+  *out = base;
+  if (mis) {
+    uint64_t *w = (uint64_t *)((char *)base + FAKE_MISALIGN);
+    w[-1] = (uint64_t)(uintptr_t)base;
+    w[-2] = FAKE_MAGIC;
+    *out = w;
+  }
   pthread_mutex_lock(&f->mu);
   f->c.host_allocs++;
   f->c.host_bytes += size;
@@ -161,7 +174,9 @@ static kt_status f_host_alloc(void *ctx, size_t size, void **out) {
 
 static kt_status f_host_free(void *ctx, void *ptr, size_t size) {
   fake *f = ctx;
-  free(ptr);
+  uint64_t *w = ptr;
+  if (((uintptr_t)ptr & 4095) == FAKE_MISALIGN && w[-2] == FAKE_MAGIC) free((void *)(uintptr_t)w[-1]);
+  else free(ptr);
   pthread_mutex_lock(&f->mu);
   f->c.host_frees++;
   f->c.host_bytes -= size;
@@ -215,6 +230,13 @@ void kt_fake_fail_next_host_allocs(kt_backend *b, int n) {
   fake *f = b->ctx;
   pthread_mutex_lock(&f->mu);
   f->fail_next_host = n;
+  pthread_mutex_unlock(&f->mu);
+}
+
+void kt_fake_misalign_host(kt_backend *b, int on) {
+  fake *f = b->ctx;
+  pthread_mutex_lock(&f->mu);
+  f->misalign_host = on;
   pthread_mutex_unlock(&f->mu);
 }
 

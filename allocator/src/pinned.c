@@ -64,9 +64,11 @@ typedef struct je_arena_config {
 } je_arena_config;
 
 typedef struct chunk {
-  uintptr_t base;
+  uintptr_t base;   /* the extent jemalloc got: [base, base + size) */
   size_t size;
-  size_t home;   /* bytes handed back by jemalloc's destroy hook */
+  size_t home;      /* bytes handed back by jemalloc's destroy hook */
+  void *raw;        /* what host_alloc returned (base, unless realigned) */
+  size_t raw_size;
 } chunk;
 
 typedef struct live_ent {
@@ -128,7 +130,7 @@ static long chunk_find(const kt_pinned_pool_t *p, uintptr_t addr) {
   return -1;
 }
 
-static int chunk_insert(kt_pinned_pool_t *p, uintptr_t base, size_t size) {
+static int chunk_insert(kt_pinned_pool_t *p, uintptr_t base, size_t size, void *raw, size_t raw_size) {
   if (p->nchunks == p->capchunks) {
     size_t cap = p->capchunks ? 2 * p->capchunks : 64;
     chunk *n = realloc(p->chunks, cap * sizeof *n);
@@ -139,15 +141,15 @@ static int chunk_insert(kt_pinned_pool_t *p, uintptr_t base, size_t size) {
   size_t i = 0;
   while (i < p->nchunks && p->chunks[i].base < base) i++;
   memmove(&p->chunks[i + 1], &p->chunks[i], (p->nchunks - i) * sizeof *p->chunks);
-  p->chunks[i] = (chunk){base, size, 0};
+  p->chunks[i] = (chunk){base, size, 0, raw, raw_size};
   p->nchunks++;
-  stat_add(&p->st.mapped_bytes, (int64_t)size);
+  stat_add(&p->st.mapped_bytes, (int64_t)raw_size);
   stat_add(&p->st.chunks, 1);
   return 0;
 }
 
 static void chunk_remove(kt_pinned_pool_t *p, size_t i) {
-  stat_add(&p->st.mapped_bytes, -(int64_t)p->chunks[i].size);
+  stat_add(&p->st.mapped_bytes, -(int64_t)p->chunks[i].raw_size);
   stat_add(&p->st.chunks, -1);
   memmove(&p->chunks[i], &p->chunks[i + 1], (p->nchunks - i - 1) * sizeof *p->chunks);
   p->nchunks--;
@@ -168,22 +170,29 @@ static void *h_alloc(extent_hooks_t *h, void *new_addr, size_t size, size_t alig
       return NULL;
     }
   }
-  void *mem = NULL;
-  if (p->b->host_alloc(p->b->ctx, size, &mem) != KT_OK || !mem) {
+  void *raw = NULL;
+  size_t raw_size = size;
+  kt_status st = p->b->host_alloc(p->b->ctx, raw_size, &raw);
+  if (st == KT_OK && ((uintptr_t)raw & (alignment - 1))) {
+    /* cudaHostAlloc may place a block off page boundaries (seen on the H100 box);
+     * ask again for enough to align inside. */
+    p->b->host_free(p->b->ctx, raw, raw_size);
+    raw = NULL;
+    raw_size = size + alignment;
+    st = p->b->host_alloc(p->b->ctx, raw_size, &raw);
+  }
+  if (st != KT_OK || !raw) {
     pthread_mutex_lock(&p->mu);
     p->st.num_failed_pins++;
     pthread_mutex_unlock(&p->mu);
     return NULL;
   }
-  if ((uintptr_t)mem & (alignment - 1)) {   /* jemalloc asks for page alignment; be safe */
-    p->b->host_free(p->b->ctx, mem, size);
-    return NULL;
-  }
+  void *mem = (void *)(((uintptr_t)raw + alignment - 1) & ~(uintptr_t)(alignment - 1));
   pthread_mutex_lock(&p->mu);
-  int bad = chunk_insert(p, (uintptr_t)mem, size);
+  int bad = chunk_insert(p, (uintptr_t)mem, size, raw, raw_size);
   pthread_mutex_unlock(&p->mu);
   if (bad) {
-    p->b->host_free(p->b->ctx, mem, size);
+    p->b->host_free(p->b->ctx, raw, raw_size);
     return NULL;
   }
   if (*zero) memset(mem, 0, size);
@@ -198,10 +207,11 @@ static bool h_dalloc(extent_hooks_t *h, void *addr, size_t size, bool committed,
   long i = chunk_find(p, (uintptr_t)addr);
   bool whole = i >= 0 && p->chunks[i].base == (uintptr_t)addr && p->chunks[i].size == size &&
                p->chunks[i].home == 0;
+  chunk c = whole ? p->chunks[i] : (chunk){0};
   if (whole) chunk_remove(p, (size_t)i);
   pthread_mutex_unlock(&p->mu);
   if (!whole) return true;   /* a piece: jemalloc keeps it (pinned) for reuse */
-  p->b->host_free(p->b->ctx, addr, size);
+  p->b->host_free(p->b->ctx, c.raw, c.raw_size);
   return false;
 }
 
@@ -210,18 +220,16 @@ static void h_destroy(extent_hooks_t *h, void *addr, size_t size, bool committed
   kt_pinned_pool_t *p = pool_of(h);
   pthread_mutex_lock(&p->mu);
   long i = chunk_find(p, (uintptr_t)addr);
-  uintptr_t base = 0;
-  size_t csize = 0;
+  chunk c = {0};
   if (i >= 0) {
     p->chunks[i].home += size;
     if (p->chunks[i].home >= p->chunks[i].size) {
-      base = p->chunks[i].base;
-      csize = p->chunks[i].size;
+      c = p->chunks[i];
       chunk_remove(p, (size_t)i);
     }
   }
   pthread_mutex_unlock(&p->mu);
-  if (base) p->b->host_free(p->b->ctx, (void *)base, csize);
+  if (c.raw) p->b->host_free(p->b->ctx, c.raw, c.raw_size);
 }
 
 static bool h_split(extent_hooks_t *h, void *addr, size_t size, size_t size_a, size_t size_b,
@@ -379,8 +387,7 @@ void kt_pinned_destroy(kt_pinned_pool_t *p) {
   snprintf(name, sizeof name, "arena.%u.destroy", p->arena);
   kt_je_mallctl(name, NULL, NULL, NULL, 0);
   /* Whatever jemalloc did not hand back (it should have handed back all). */
-  for (size_t i = 0; i < p->nchunks; i++)
-    p->b->host_free(p->b->ctx, (void *)p->chunks[i].base, p->chunks[i].size);
+  for (size_t i = 0; i < p->nchunks; i++) p->b->host_free(p->b->ctx, p->chunks[i].raw, p->chunks[i].raw_size);
   pthread_mutex_destroy(&p->mu);
   free(p->chunks);
   free(p->keys);
@@ -558,7 +565,10 @@ kt_status kt_pinned_validate(kt_pinned_pool_t *p) {
   int64_t mapped = 0, requested = 0, usable = 0;
   size_t n = 0;
   for (size_t i = 0; i < p->nchunks; i++) {
-    mapped += (int64_t)p->chunks[i].size;
+    mapped += (int64_t)p->chunks[i].raw_size;
+    if (p->chunks[i].base < (uintptr_t)p->chunks[i].raw ||
+        p->chunks[i].base + p->chunks[i].size > (uintptr_t)p->chunks[i].raw + p->chunks[i].raw_size)
+      st = KT_ERR_INVALID;
     if (i && p->chunks[i - 1].base + p->chunks[i - 1].size > p->chunks[i].base) st = KT_ERR_INVALID;
   }
   for (size_t j = 0; j < p->tcap; j++) {

@@ -73,6 +73,9 @@ void kt_fake_set_capacity(kt_backend *b, size_t capacity);
 void kt_fake_fail_next_reserves(kt_backend *b, int n);
 /* The next n host_allocs fail with KT_ERR_OOM (as a refused pin would). */
 void kt_fake_fail_next_host_allocs(kt_backend *b, int n);
+/* While on, host_alloc returns addresses 256 bytes past a page boundary (as
+ * cudaHostAlloc does for some sizes). */
+void kt_fake_misalign_host(kt_backend *b, int on);
 /* While held, recorded events stay incomplete until kt_fake_complete_events. */
 void kt_fake_hold_events(kt_backend *b, int hold);
 void kt_fake_complete_events(kt_backend *b);

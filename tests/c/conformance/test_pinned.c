@@ -152,6 +152,27 @@ Test(pinned, a_refused_pin_is_out_of_memory_and_the_pool_recovers) {
   assert_identities();
 }
 
+Test(pinned, chunks_off_page_boundaries_are_realigned) {
+  if (test_uses_cuda()) cr_skip_test("misaligned chunks are a fake-backend feature");
+  kt_fake_misalign_host(test_fake, 1);
+  void *p[4];
+  size_t n[4] = {100, 5000, 640 * KiB, 3 * MiB + 17};
+  for (int i = 0; i < 4; i++) {
+    cr_assert_eq(kt_pinned_alloc(pp, n[i], &p[i]), KT_OK, "size %zu", n[i]);
+    if (n[i] >= 4096) cr_assert_eq((uintptr_t)p[i] % 4096, 0, "size %zu at %p", n[i], p[i]);
+    fill(p[i], n[i], (unsigned char)(i + 1));
+  }
+  for (int i = 0; i < 4; i++) check(p[i], n[i], (unsigned char)(i + 1));
+  assert_identities();
+  for (int i = 0; i < 4; i++) cr_assert_eq(kt_pinned_free(pp, p[i]), KT_OK);
+  kt_pinned_destroy(pp);
+  pp = NULL;
+  kt_fake_counts c;
+  kt_fake_get_counts(test_fake, &c);
+  cr_assert_eq(c.host_bytes, 0);
+  cr_assert_eq(c.host_allocs, c.host_frees);
+}
+
 Test(pinned, trim_returns_idle_chunks_and_destroy_returns_all) {
   void *p[6];
   for (int i = 0; i < 6; i++) {

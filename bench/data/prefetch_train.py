@@ -15,8 +15,10 @@ Measured: ms/step (wall time over timed steps / steps, median of 3 blocks),
 copy_ms (one batch host-to-device from pinned memory, CUDA events, median of 20),
 and per mode the copy time hidden = 1 - (step - resident step) / copy_ms.
 Unless --width is given, the width is the smallest of 16, 32, 64, 128 whose
-resident step is at least the copy time (the regime where a prefetcher can hide
-the copy completely). Writes prefetch_train.json.
+resident step is at least the copy time and 1.25x the loader's own time per batch
+(DataLoader with pin_memory=True iterated alone): below that the loop waits for the
+host side whatever happens to the copy, and step times measure the loader, not the
+overlap. Writes prefetch_train.json.
 """
 import argparse
 import datetime
@@ -100,6 +102,15 @@ def child(mode, batch, width, steps, workers):
             times.append(a.elapsed_time(b))
         res["copy_ms"] = statistics.median(times[5:])
         res["batch_bytes"] = x.numel() * x.element_size() + batch * 8
+        loader = torch.utils.data.DataLoader(Batches(batch, 80), batch_size=None, num_workers=workers,
+                                             pin_memory=True, prefetch_factor=4)
+        it = iter(loader)
+        for _ in range(10):
+            next(it)
+        t0 = time.perf_counter()
+        for _ in range(70):
+            next(it)
+        res["loader_ms"] = 1e3 * (time.perf_counter() - t0) / 70
         res["resident_ms_by_width"] = {}
         for w in ([width] if width else [16, 32, 64, 128]):
             data = [(torch.randn(batch, 3, 32, 32, device="cuda"),
@@ -133,7 +144,7 @@ def child(mode, batch, width, steps, workers):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--batch", type=int, default=2048)
     ap.add_argument("--width", type=int, default=0)
     ap.add_argument("--workers", type=int, default=6)
@@ -159,13 +170,15 @@ def main():
     probe = run("probe", a.width)
     copy = probe["copy_ms"]
     by_w = {int(k): v for k, v in probe["resident_ms_by_width"].items()}
-    width = a.width or next((w for w in sorted(by_w) if by_w[w] >= copy), max(by_w))
+    need = max(copy, 1.25 * probe["loader_ms"])
+    width = a.width or next((w for w in sorted(by_w) if by_w[w] >= need), max(by_w))
     print(f"batch {a.batch} ({probe['batch_bytes'] / 1e6:.1f} MB): copy {copy:.3f} ms from pinned memory; "
-          f"resident step by width {by_w}; width {width}", flush=True)
+          f"loader alone {probe['loader_ms']:.3f} ms/batch; resident step by width "
+          f"{ {w: round(t, 3) for w, t in by_w.items()} }; width {width}", flush=True)
     res = {"bench": "prefetch_train", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
            "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
            "commit": os.environ.get("KT_COMMIT", "?"), "batch": a.batch, "width": width, "steps": a.steps,
-           "workers": a.workers, "copy_ms": copy, "batch_bytes": probe["batch_bytes"],
+           "workers": a.workers, "copy_ms": copy, "loader_ms": probe["loader_ms"], "batch_bytes": probe["batch_bytes"],
            "resident_ms_by_width": by_w, "modes": {}}
     for mode in ("resident", "standard", "kitsune"):
         r = run(mode, width)

@@ -62,6 +62,82 @@ def trace(path, device=0):
         check(b.kt_bridge_trace(device, None), "trace stop")
 
 
+_use_pools = {}   # device -> torch.cuda.MemPool whose segments come from Kitsune
+
+
+def _stats_dict(lib, st):
+    """kt_stats as a flat dict with PyTorch's key names (``allocated_bytes.all.current`` ...)."""
+    out = {}
+    for name in _STATS:
+        s = getattr(st, name)
+        key = "allocation" if name == "allocations" else "segment" if name == "segments" else name
+        for field in ("current", "peak", "allocated", "freed"):
+            out[f"{key}.all.{field}"] = getattr(s, field)
+    for name in _COUNTERS:
+        out[name] = getattr(st, name)
+    out["num_device_alloc"] = st.num_backend_reserves
+    out["num_device_free"] = st.num_backend_releases
+    out["memory_limit"] = st.memory_limit
+    out["largest_free_block"] = st.largest_free_block
+    out["size_classes"] = {lib.kt_class_size(c): (st.class_allocs[c], st.class_live[c])
+                           for c in range(_native.NUM_CLASSES) if st.class_allocs[c]}
+    return out
+
+
+def mempool(device=None):
+    """The ``torch.cuda.MemPool`` that :func:`use` routes to on ``device`` (default:
+    the current device), created once. With Kitsune installed it is a plain MemPool
+    (Kitsune serves it as a private pool). Otherwise PyTorch's caching allocator keeps
+    placing blocks, and every segment it reserves for the pool comes from a Kitsune
+    pool (see :func:`use_stats`)."""
+    import torch
+    if not torch.cuda.is_available():
+        raise RuntimeError("kitsune.allocator.use(): no CUDA device is visible (torch.cuda.is_available() is False)")
+    if device is None:
+        device = torch.cuda.current_device()
+    elif not isinstance(device, int):
+        device = torch.device(device).index or 0
+    if device not in _use_pools:
+        if installed():
+            _use_pools[device] = torch.cuda.MemPool()
+        else:
+            b = _native.bridge()
+            alloc = torch.cuda.memory.CUDAPluggableAllocator(b._name, "kt_bridge_seg_alloc", "kt_bridge_seg_free")
+            _use_pools[device] = (torch.cuda.MemPool(alloc.allocator()), alloc)
+    pool = _use_pools[device]
+    return pool[0] if isinstance(pool, tuple) else pool
+
+
+@contextlib.contextmanager
+def use(device=None):
+    """Routes this thread's CUDA allocations inside the block to Kitsune, without
+    a global :func:`install` (for code that cannot swap PyTorch's allocator)::
+
+        with kitsune.allocator.use():
+            y = model(x)
+
+    The memory comes from :func:`mempool`; tensors made inside may outlive the
+    block. Like ``torch.cuda.use_mem_pool``, only the calling thread is routed
+    (autograd's backward threads are not)."""
+    import torch
+    pool = mempool(device)
+    with torch.cuda.use_mem_pool(pool, device):
+        yield pool
+
+
+def use_stats(device=0):
+    """Stats of the Kitsune pool that serves :func:`use`'s segments on ``device``
+    (same keys as ``Pool.stats``); all zero before the first segment."""
+    b = _native.bridge()
+    b.kt_bridge_seg_stats.restype, b.kt_bridge_seg_stats.argtypes = ctypes.c_int, [ctypes.c_int,
+                                                                                     ctypes.POINTER(_native.Stats)]
+    st = _native.Stats()
+    rc = b.kt_bridge_seg_stats(device, ctypes.byref(st))
+    if rc not in (_native.OK, _native.ERR_UNAVAILABLE):
+        check(rc, "use_stats")
+    return _stats_dict(native(), st)
+
+
 class Pool:
     """A Kitsune pool. backend: "cuda" or "fake". Streams are cudaStream_t values (ints)."""
 
@@ -139,21 +215,7 @@ class Pool:
         """A flat dict with PyTorch's key names (``allocated_bytes.all.current`` ...)."""
         st = _native.Stats()
         check(self._lib.kt_get_stats(self._pool, ctypes.byref(st)), "stats")
-        out = {}
-        for name in _STATS:
-            s = getattr(st, name)
-            key = "allocation" if name == "allocations" else "segment" if name == "segments" else name
-            for field in ("current", "peak", "allocated", "freed"):
-                out[f"{key}.all.{field}"] = getattr(s, field)
-        for name in _COUNTERS:
-            out[name] = getattr(st, name)
-        out["num_device_alloc"] = st.num_backend_reserves
-        out["num_device_free"] = st.num_backend_releases
-        out["memory_limit"] = st.memory_limit
-        out["largest_free_block"] = st.largest_free_block
-        out["size_classes"] = {self._lib.kt_class_size(c): (st.class_allocs[c], st.class_live[c])
-                               for c in range(_native.NUM_CLASSES) if st.class_allocs[c]}
-        return out
+        return _stats_dict(self._lib, st)
 
     @contextlib.contextmanager
     def trace(self, path):

@@ -318,3 +318,75 @@ def test_nvtx_records_kitsune_ranges_heaps_and_regions_during_training(tmp_path)
     regions, unregs = count("region_register kitsune"), count("region_unregister kitsune")
     assert regions >= 20, f"{regions} block regions for a 3-step training loop"
     assert unregs >= regions // 2
+
+
+@pytest.mark.gpu
+@gpu
+def test_use_routes_a_block_to_kitsune_without_install():
+    out = run("""
+        import torch, kitsune.allocator as ka
+        before = torch.ones(1 << 20, device="cuda")          # native: CUDA is already initialised
+        assert not ka.installed()
+        assert ka.use_stats()["segment.all.current"] == 0
+        with ka.use() as pool:
+            x = torch.randn(2048, 2048, device="cuda")
+            y = x @ x
+        z = torch.ones(1 << 20, device="cuda")                  # after the block: native again
+        s = ka.use_stats()
+        assert s["segment.all.current"] >= 1, s
+        assert s["allocated_bytes.all.current"] >= 2 * 2048 * 2048 * 4, s
+        assert torch.allclose(y.double(), x.double() @ x.double(), rtol=1e-2, atol=1e-2)
+        seg = {p["address"] for p in torch.cuda.memory_snapshot() if tuple(p.get("segment_pool_id", (0, 0))) == pool.id}
+        print("use segments", s["segment.all.current"], "snapshot", len(seg))
+        del x, y
+        print("ok")
+    """)
+    assert "ok" in out, out
+
+
+@pytest.mark.gpu
+@gpu
+def test_use_with_install_is_a_private_pool():
+    out = run("""
+        import torch, kitsune.allocator as ka
+        ka.install()
+        with ka.use():
+            x = torch.randn(1024, 1024, device="cuda")
+        assert torch.cuda.memory_allocated() >= x.numel() * 4
+        assert torch.isfinite(x).all()
+        print("ok")
+    """)
+    assert "ok" in out, out
+
+
+@pytest.mark.gpu
+@gpu
+def test_torch_compile_reduce_overhead_trains_with_kitsune():
+    """torch.compile(mode="reduce-overhead") captures CUDA graphs (cudagraph trees) in
+    private pools: with Kitsune installed, forward and training steps must match eager."""
+    out = run("""
+        import torch, kitsune.allocator as ka
+        ka.install()
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 8)).cuda()
+        ref = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 8)).cuda()
+        ref.load_state_dict(m.state_dict())
+        f = torch.compile(m, mode="reduce-overhead")
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+        g = torch.Generator(device="cuda").manual_seed(1)
+        worst = 0.0
+        for step in range(12):
+            x = torch.randn(32, 64, device="cuda", generator=g)
+            loss = f(x).square().mean()
+            loss.backward(); opt.step(); opt.zero_grad()
+            loss_ref = ref(x).square().mean()
+            loss_ref.backward(); opt_ref.step(); opt_ref.zero_grad()
+            worst = max(worst, abs(loss.item() - loss_ref.item()) / abs(loss_ref.item()))
+        print("worst relative loss difference", worst)
+        assert worst < 1e-3, worst
+        s = torch.cuda.memory_stats()
+        print("private pools used", s.get("segment.all.peak", 0) > 0)
+        print("ok")
+    """)
+    assert "ok" in out, out

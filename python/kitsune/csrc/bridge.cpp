@@ -577,3 +577,57 @@ __attribute__((visibility("default"))) int kt_bridge_pinned_record_stream(void* 
 }
 
 }  // extern "C"
+
+// ---- segments for a torch.cuda.MemPool (kitsune.allocator.use()) ----------------
+// Without a global install, PyTorch's own caching allocator keeps managing blocks
+// and asks a MemPool's allocator only for segments; these two functions, in the
+// pluggable-allocator ABI, serve those segments from one Kitsune pool per device.
+// PyTorch releases a segment only once no work uses it, so one stream (the NULL
+// handle) stands for all.
+namespace {
+std::mutex g_seg_mu;
+std::vector<kt_pool_t*> g_seg_pools;
+
+kt_pool_t* seg_pool(int device, bool create) {
+  std::lock_guard<std::mutex> g(g_seg_mu);
+  if (device < 0) return nullptr;
+  if (static_cast<size_t>(device) >= g_seg_pools.size()) {
+    if (!create) return nullptr;
+    g_seg_pools.resize(device + 1, nullptr);
+  }
+  if (!g_seg_pools[device] && create) {
+    kt_pool_options o;
+    kt_pool_options_default(&o);
+    o.device = device;
+    if (kt_pool_create(&o, kt_cuda_backend(), &g_seg_pools[device]) != KT_OK) g_seg_pools[device] = nullptr;
+  }
+  return g_seg_pools[device];
+}
+}  // namespace
+
+extern "C" {
+
+__attribute__((visibility("default"))) void* kt_bridge_seg_alloc(size_t size, int device, cudaStream_t) {
+  kt_pool_t* p = seg_pool(device, true);
+  void* out = nullptr;
+  if (!p || kt_alloc(p, size, nullptr, &out) != KT_OK) return nullptr;   // PyTorch reports the OOM
+  return out;
+}
+
+__attribute__((visibility("default"))) void kt_bridge_seg_free(void* ptr, size_t size, int device, cudaStream_t) {
+  kt_pool_t* p = seg_pool(device, false);
+  if (p && ptr) kt_free(p, ptr, size, nullptr);
+}
+
+// KT_ERR_UNAVAILABLE before the device's segment pool exists.
+__attribute__((visibility("default"))) int kt_bridge_seg_stats(int device, kt_stats* out) {
+  kt_pool_t* p = seg_pool(device, false);
+  return p ? kt_get_stats(p, out) : KT_ERR_UNAVAILABLE;
+}
+
+__attribute__((visibility("default"))) int kt_bridge_seg_empty_cache(int device) {
+  kt_pool_t* p = seg_pool(device, false);
+  return p ? kt_empty_cache(p) : KT_OK;
+}
+
+}  // extern "C"

@@ -227,22 +227,25 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
   void beginAllocateToPool(c10::DeviceIndex dev, c10::cuda::MempoolId_t id,
                            std::function<bool(cudaStream_t)> filter) override {
     std::lock_guard<std::mutex> g(mu_);
-    Private* p = find_private(dev, id);
-    if (!p) {
-      kt_pool_options o;
-      kt_pool_options_default(&o);
-      o.device = dev;
-      kt_pool_t* kp = nullptr;
-      kt_status st = kt_pool_create(&o, kt_cuda_backend(), &kp);
-      TORCH_CHECK(st == KT_OK, "Kitsune: creating a private pool on device ", dev, " failed: ", kt_status_str(st));
-      private_.push_back(Private{dev, id, kp, nullptr, false});
-      p = &private_.back();
-      has_private_.store(true, std::memory_order_relaxed);
-    }
+    Private* p = incref_private_locked(dev, id);
     TORCH_CHECK(!p->filter, "Kitsune: memory pool (", id.first, ", ", id.second, ") is already being allocated to");
     p->filter = std::move(filter);
-    p->released = false;
     capturing_.fetch_add(1, std::memory_order_relaxed);
+  }
+  // torch.cuda.MemPool(): the pool exists (and counts one use) before anything is
+  // allocated to it.
+  void createOrIncrefPool(c10::DeviceIndex dev, c10::cuda::MempoolId_t id,
+                          std::shared_ptr<cca::CUDAAllocator> allocator) override {
+    TORCH_CHECK(!allocator || allocator.get() == this,
+                "Kitsune: with Kitsune installed, a torch.cuda.MemPool cannot use another allocator; "
+                "create it without one (kitsune.allocator.use() does)");
+    std::lock_guard<std::mutex> g(mu_);
+    incref_private_locked(dev, id);
+  }
+  int getPoolUseCount(c10::DeviceIndex dev, c10::cuda::MempoolId_t id) override {
+    std::lock_guard<std::mutex> g(mu_);
+    Private* p = find_private(dev, id);
+    return p ? p->use_count : 0;
   }
   void endAllocateToPool(c10::DeviceIndex dev, c10::cuda::MempoolId_t id) override {
     std::lock_guard<std::mutex> g(mu_);
@@ -251,10 +254,13 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
     p->filter = nullptr;
     capturing_.fetch_sub(1, std::memory_order_relaxed);
   }
+  // One use fewer; the last release frees the pool's cache, and the pool goes
+  // once its last block is freed.
   void releasePool(c10::DeviceIndex dev, c10::cuda::MempoolId_t id) override {
     std::lock_guard<std::mutex> g(mu_);
     for (size_t i = 0; i < private_.size(); i++) {
       if (private_[i].device != dev || private_[i].id != id) continue;
+      if (--private_[i].use_count > 0) return;
       private_[i].released = true;
       kt_empty_cache(private_[i].pool);
       maybe_destroy_locked(i);
@@ -349,7 +355,27 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
     kt_pool_t* pool;
     std::function<bool(cudaStream_t)> filter;  // set while allocating to this pool
     bool released = false;
+    int use_count = 0;   // createOrIncrefPool / beginAllocateToPool minus releasePool
   };
+
+  // The private pool for (dev, id), created if needed, with one more use.
+  Private* incref_private_locked(c10::DeviceIndex dev, c10::cuda::MempoolId_t id) {
+    Private* p = find_private(dev, id);
+    if (!p) {
+      kt_pool_options o;
+      kt_pool_options_default(&o);
+      o.device = dev;
+      kt_pool_t* kp = nullptr;
+      kt_status st = kt_pool_create(&o, kt_cuda_backend(), &kp);
+      TORCH_CHECK(st == KT_OK, "Kitsune: creating a private pool on device ", dev, " failed: ", kt_status_str(st));
+      private_.push_back(Private{dev, id, kp, nullptr, false, 0});
+      p = &private_.back();
+      has_private_.store(true, std::memory_order_relaxed);
+    }
+    p->released = false;
+    p->use_count++;
+    return p;
+  }
 
   Private* find_private(c10::DeviceIndex dev, c10::cuda::MempoolId_t id) {
     for (auto& p : private_)

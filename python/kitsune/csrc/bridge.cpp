@@ -30,6 +30,7 @@
 #include <cstdlib>
 #include <functional>
 #include <mutex>
+#include <unordered_set>
 #include <vector>
 
 extern "C" {
@@ -241,6 +242,22 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
                 "create it without one (kitsune.allocator.use() does)");
     std::lock_guard<std::mutex> g(mu_);
     incref_private_locked(dev, id);
+  }
+  // Inductor's CUDA graph trees check that a graph pool holds exactly the tensors
+  // they expect: every expected pointer is a live block of the pool, and the pool
+  // has no other live block.
+  bool checkPoolLiveAllocations(c10::DeviceIndex dev, c10::cuda::MempoolId_t id,
+                                const std::unordered_set<void*>& expected) override {
+    std::lock_guard<std::mutex> g(mu_);
+    Private* p = find_private(dev, id);
+    if (!p) return expected.empty();
+    kt_stats st;
+    if (kt_get_stats(p->pool, &st) != KT_OK || st.allocations.current != static_cast<int64_t>(expected.size()))
+      return false;
+    kt_block_info info;
+    for (void* ptr : expected)
+      if (kt_block_query(p->pool, ptr, &info) != KT_OK) return false;
+    return true;
   }
   int getPoolUseCount(c10::DeviceIndex dev, c10::cuda::MempoolId_t id) override {
     std::lock_guard<std::mutex> g(mu_);

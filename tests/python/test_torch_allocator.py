@@ -359,23 +359,19 @@ def test_use_with_install_is_a_private_pool():
     assert "ok" in out, out
 
 
-@pytest.mark.gpu
-@gpu
-def test_torch_compile_reduce_overhead_trains_with_kitsune():
-    """torch.compile(mode="reduce-overhead") captures CUDA graphs (cudagraph trees) in
-    private pools: with Kitsune installed, forward and training steps must match eager."""
-    out = run("""
-        import torch, kitsune.allocator as ka
-        ka.install()
-        torch.manual_seed(0)
-        m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 8)).cuda()
-        ref = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 8)).cuda()
-        ref.load_state_dict(m.state_dict())
-        f = torch.compile(m, mode="reduce-overhead")
-        opt = torch.optim.SGD(m.parameters(), lr=0.1)
-        opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
-        g = torch.Generator(device="cuda").manual_seed(1)
-        worst = 0.0
+REDUCE_OVERHEAD_TRAINING = """
+    import torch, kitsune.allocator as ka
+    ka.install()
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 8)).cuda()
+    ref = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 8)).cuda()
+    ref.load_state_dict(m.state_dict())
+    f = torch.compile(m, mode="reduce-overhead")
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    worst = 0.0
+    try:
         for step in range(12):
             x = torch.randn(32, 64, device="cuda", generator=g)
             loss = f(x).square().mean()
@@ -383,10 +379,23 @@ def test_torch_compile_reduce_overhead_trains_with_kitsune():
             loss_ref = ref(x).square().mean()
             loss_ref.backward(); opt_ref.step(); opt_ref.zero_grad()
             worst = max(worst, abs(loss.item() - loss_ref.item()) / abs(loss_ref.item()))
-        print("worst relative loss difference", worst)
-        assert worst < 1e-3, worst
-        s = torch.cuda.memory_stats()
-        print("private pools used", s.get("segment.all.peak", 0) > 0)
-        print("ok")
-    """)
+    except Exception as e:
+        print("ERR", str(e).splitlines()[-1])
+        raise SystemExit(0)
+    print("worst relative loss difference", worst)
+    assert worst < 1e-3, worst
+    print("ok")
+"""
+
+
+@pytest.mark.gpu
+@gpu
+def test_torch_compile_reduce_overhead_with_kitsune():
+    """torch.compile(mode="reduce-overhead") with Kitsune installed: with CUDA graph
+    trees (the default) it fails with a message saying why and what to set; with
+    plain CUDA graphs (cudagraph_trees = False) training matches eager."""
+    out = run(REDUCE_OVERHEAD_TRAINING)
+    assert "ERR" in out and "cudagraph_trees = False" in out, out
+    out = run(REDUCE_OVERHEAD_TRAINING.replace(
+        "ka.install()", "ka.install()\n    import torch._inductor.config as ic\n    ic.triton.cudagraph_trees = False"))
     assert "ok" in out, out

@@ -314,11 +314,18 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
     if (p2p_enabled || dst_dev == src_dev) return cudaMemcpyAsync(dst, src, count, cudaMemcpyDeviceToDevice, stream);
     return cudaMemcpyPeerAsync(dst, dst_dev, src, src_dev, count, stream);
   }
+  // Checkpoints (the layout of a graph pool, saved and restored) are what
+  // torch.compile(mode="reduce-overhead") uses through Inductor's CUDA graph trees.
+  static constexpr const char* kNoCheckpoints =
+      "Kitsune: allocator checkpoints are not supported by kitsune.allocator. "
+      "torch.compile(mode=\"reduce-overhead\") needs them for CUDA graph trees; with Kitsune "
+      "installed, set torch._inductor.config.triton.cudagraph_trees = False (plain CUDA graphs, "
+      "which Kitsune serves from private pools)";
   std::shared_ptr<cca::AllocatorState> getCheckpointState(c10::DeviceIndex, c10::cuda::MempoolId_t) override {
-    TORCH_CHECK(false, "Kitsune: allocator checkpoints are not supported by kitsune.allocator");
+    TORCH_CHECK(false, kNoCheckpoints);
   }
   cca::CheckpointDelta setCheckpointPoolState(c10::DeviceIndex, std::shared_ptr<cca::AllocatorState>) override {
-    TORCH_CHECK(false, "Kitsune: allocator checkpoints are not supported by kitsune.allocator");
+    TORCH_CHECK(false, kNoCheckpoints);
   }
   void copy_data(void* dest, const void* src, std::size_t count) const final {
     C10_CUDA_CHECK(cudaMemcpy(dest, src, count, cudaMemcpyDeviceToDevice));

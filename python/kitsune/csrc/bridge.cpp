@@ -259,6 +259,15 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
       if (kt_block_query(p->pool, ptr, &info) != KT_OK) return false;
     return true;
   }
+  // MemPool(use_on_oom=True) would let eager allocations fall back on the pool;
+  // Kitsune keeps private pools private. A MemPool's destructor sets it to false.
+  void setUseOnOOM(c10::DeviceIndex, c10::cuda::MempoolId_t, bool use_on_oom) override {
+    TORCH_CHECK(!use_on_oom, "Kitsune: torch.cuda.MemPool(use_on_oom=True) is not supported with Kitsune "
+                             "installed (memory in a private pool is never handed to other allocations)");
+  }
+  void setNoSplit(c10::DeviceIndex, c10::cuda::MempoolId_t) override {
+    TORCH_CHECK(false, "Kitsune: torch.cuda.MemPool(no_split=True) is not supported with Kitsune installed");
+  }
   int getPoolUseCount(c10::DeviceIndex dev, c10::cuda::MempoolId_t id) override {
     std::lock_guard<std::mutex> g(mu_);
     Private* p = find_private(dev, id);

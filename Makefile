@@ -6,6 +6,7 @@
 #   make demo       the main job (GPU if present, else host backend)
 #   make bench      C allocator benchmarks -> bench/results/
 #   make bench-data pinned pool footprint + prefetch training (GPU) -> bench/results/
+#   make bench-kernels fused kernels' bandwidth (GPU) -> bench/results/
 #   make gpu-test   build + the suites on the CUDA backend (on a GPU machine)
 #   make clean
 
@@ -26,7 +27,7 @@ JE_DIR := $(CURDIR)/.deps/jemalloc
 JE_LIB := $(JE_DIR)/lib/libjemalloc_pic.a
 
 NVTX_DEF := $(if $(wildcard $(CUDA_HOME)/include/nvtx3/nvToolsExt.h),-DKT_HAVE_NVTX)
-CPPFLAGS := -Iallocator/include -Iallocator/src -I$(JE_DIR)/include -I$(CUDA_HOME)/include $(NVTX_DEF) -D_GNU_SOURCE
+CPPFLAGS := -Iallocator/include -Ifusion/include -Iallocator/src -I$(JE_DIR)/include -I$(CUDA_HOME)/include $(NVTX_DEF) -D_GNU_SOURCE
 CFLAGS ?= -O2 -g
 CFLAGS += -std=c11 -fPIC -Wall -Wextra -Wno-unused-parameter -pthread
 # TLS descriptors: the thread-cache lookup stays a few instructions even in a
@@ -38,6 +39,11 @@ CUDA_LIBS := -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt -lpthread
 ASAN_FLAGS := -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined -DKT_DEBUG
 
 LIB_SRC := $(wildcard allocator/src/*.c) $(wildcard allocator/backends/*.c)
+# Fused kernels: SASS for sm_80 and sm_90, PTX for newer GPUs; linked into libkitsune.so
+FUSION_CU := $(wildcard fusion/kernels/*.cu)
+FUSION_OBJ := $(patsubst %.cu,$(BUILD)/obj/%.o,$(FUSION_CU))
+NVCC_FLAGS := -std=c++17 -O3 -Xcompiler -fPIC -Ifusion/include -Iallocator/include \
+  -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
 LIB_HDR := $(wildcard allocator/include/kitsune/*.h) $(wildcard allocator/src/*.h)
 OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(LIB_SRC))
 ASAN_OBJ := $(patsubst %.c,$(BUILD)/asan/%.o,$(LIB_SRC))
@@ -50,7 +56,7 @@ TEST_LIBS := $(DEPS_LIB) -lcriterion
 
 .SECONDARY:
 
-.PHONY: bridge all deps test test-c test-python test-asan demo bench bench-data gpu-test gpu-deps clean
+.PHONY: bridge all deps test test-c test-python test-asan demo bench bench-data bench-kernels gpu-test gpu-deps clean
 all: $(BUILD)/libkitsune.so $(BUILD)/libkitsune.a $(TEST_BINS) $(BENCH_BINS) $(BUILD)/libnvtx_record.so bridge
 
 # The C++ bridge to PyTorch (needs torch; skipped with a message without it)
@@ -68,9 +74,13 @@ $(BUILD)/asan/%.o: %.c $(LIB_HDR) | $(JE_LIB)
 	@mkdir -p $(dir $@)
 	$(CC) $(CPPFLAGS) -std=c11 -fPIC -Wall -Wextra -Wno-unused-parameter -pthread $(ASAN_FLAGS) -c $< -o $@
 
+$(BUILD)/obj/fusion/kernels/%.o: fusion/kernels/%.cu fusion/kernels/elementwise.cuh fusion/include/kitsune/fusion.h
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCC_FLAGS) -c $< -o $@
+
 # Only kt_* is exported; the static CUDA runtime stays private to the library.
-$(BUILD)/libkitsune.so: $(OBJ) allocator/exports.map $(JE_LIB)
-	$(CC) -shared -o $@ $(OBJ) $(JE_LIB) -Wl,--version-script=allocator/exports.map -Wl,--exclude-libs,ALL $(CUDA_LIBS)
+$(BUILD)/libkitsune.so: $(OBJ) $(FUSION_OBJ) allocator/exports.map $(JE_LIB)
+	$(CC) -shared -o $@ $(OBJ) $(FUSION_OBJ) $(JE_LIB) -Wl,--version-script=allocator/exports.map -Wl,--exclude-libs,ALL $(CUDA_LIBS) -lstdc++
 
 $(BUILD)/libkitsune.a: $(OBJ)
 	@rm -f $@; ar rcs $@ $(OBJ)
@@ -125,6 +135,11 @@ demo: $(BUILD)/libkitsune.so $(BENCH_BINS)
 
 bench: $(BENCH_BINS)
 	@bash tools/bench.sh $(BUILD)
+
+# Fused kernels on the GPU: GB/s against copy, eager and torch.compile
+bench-kernels: $(BUILD)/libkitsune.so bridge
+	@KITSUNE_LIBRARY=$(CURDIR)/$(BUILD)/libkitsune.so PYTHONPATH=$(CURDIR)/python \
+	  $(PYTHON) bench/kernels/elementwise.py --out $${BENCH_OUT:-bench/results}
 
 # The data path on the GPU: pinned footprint (torch vs Kitsune) and prefetch training
 bench-data: $(BUILD)/libkitsune.so bridge

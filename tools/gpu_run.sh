@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: facts, clean build, then the parts named in GPU_RUN_PARTS
 # (default "test bench demo": make gpu-test, make bench, make demo; "data" adds
-# make bench-data). Everything is logged to $OUT/run.log; JSON results and the
+# make bench-data, "kernels" make bench-kernels). Everything is logged to $OUT/run.log; JSON results and the
 # recorded trace also land in $OUT (the device tool brings back at most 8 files).
 # Carry .deps (make gpu-deps).
 set -uo pipefail
@@ -24,6 +24,9 @@ if [[ $parts == *" bench "* ]]; then
 fi
 if [[ $parts == *" data "* ]]; then
   echo "== bench-data =="; time BENCH_OUT="$OUT" make bench-data
+fi
+if [[ $parts == *" kernels "* ]]; then
+  echo "== bench-kernels =="; time BENCH_OUT="$OUT" make bench-kernels
 fi
 if [[ $parts == *" demo "* ]]; then
   echo "== demo =="; make demo

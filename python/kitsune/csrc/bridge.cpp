@@ -20,7 +20,16 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ATen.h>
+#include <ATen/ExpandUtils.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/from_blob.h>
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/relu.h>
+#include <ATen/ops/silu.h>
+#include <ATen/ops/tanh.h>
+#include <ATen/ops/where.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/util/safe_numerics.h>
 #include <torch/library.h>
 
@@ -35,6 +44,7 @@
 
 extern "C" {
 #include "kitsune/alloc.h"
+#include "kitsune/fusion.h"
 #include "kitsune/pinned.h"
 }
 
@@ -597,10 +607,228 @@ at::Tensor pinned_empty(c10::IntArrayRef size, c10::ScalarType dtype) {
 
 }  // namespace
 
+// ---- fused ops: torch.ops.kitsune.* (schemas here; fakes and autograd in ops.py) ----
+namespace {
+// CUDA: the C launchers of fusion/kernels on torch's current stream. CPU: the
+// reference semantics in ATen. Inputs broadcast like PyTorch's binary ops and
+// are made contiguous (a broadcast or strided operand is copied first).
+using at::Tensor;
+
+kt_dtype dtype_of(const Tensor& t, const char* op) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return KT_F32;
+    case at::kHalf: return KT_F16;
+    case at::kBFloat16: return KT_BF16;
+    default:
+      TORCH_CHECK(false, "kitsune.", op, ": dtype ", t.scalar_type(),
+                  " is not supported (float32, float16 and bfloat16 are)");
+  }
+}
+
+void check_same(const Tensor& a, const Tensor& b, const char* op, const char* na, const char* nb) {
+  TORCH_CHECK(a.device() == b.device(), "kitsune.", op, ": ", na, " is on ", a.device(), " but ", nb, " is on ",
+              b.device());
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), "kitsune.", op, ": ", na, " is ", a.scalar_type(), " but ", nb,
+              " is ", b.scalar_type(), " (cast one of them)");
+}
+
+void check_launch(kt_status st, const char* op) {
+  TORCH_CHECK(st == KT_OK, "kitsune.", op, ": the CUDA kernel launch failed: ", kt_status_str(st));
+}
+
+void* stream_of(const Tensor& t) { return at::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
+
+// Operands broadcast to one shape, contiguous.
+std::vector<Tensor> broadcast_dense(std::initializer_list<Tensor> ts) {
+  std::vector<Tensor> v(ts);
+  c10::DimVector shape(v[0].sizes().begin(), v[0].sizes().end());
+  for (size_t i = 1; i < v.size(); i++) shape = at::infer_size_dimvector(shape, v[i].sizes());
+  for (auto& t : v) t = t.expand(shape).contiguous();
+  return v;
+}
+
+Tensor add_relu_cuda(const Tensor& a, const Tensor& b) {
+  check_same(a, b, "add_relu", "a", "b");
+  auto v = broadcast_dense({a, b});
+  c10::cuda::CUDAGuard g(a.device());
+  Tensor out = at::empty_like(v[0]);
+  check_launch(kt_add_relu(dtype_of(a, "add_relu"), v[0].data_ptr(), v[1].data_ptr(), out.data_ptr(), out.numel(),
+                           stream_of(out)), "add_relu");
+  return out;
+}
+Tensor add_relu_cpu(const Tensor& a, const Tensor& b) {
+  check_same(a, b, "add_relu", "a", "b");
+  return at::relu(a + b);
+}
+Tensor add_relu_backward_cuda(const Tensor& grad, const Tensor& out) {
+  check_same(grad, out, "add_relu_backward", "grad", "out");
+  auto v = broadcast_dense({grad, out});
+  c10::cuda::CUDAGuard g(grad.device());
+  Tensor gi = at::empty_like(v[0]);
+  check_launch(kt_add_relu_backward(dtype_of(grad, "add_relu_backward"), v[0].data_ptr(), v[1].data_ptr(),
+                                    gi.data_ptr(), gi.numel(), stream_of(gi)), "add_relu_backward");
+  return gi;
+}
+Tensor add_relu_backward_cpu(const Tensor& grad, const Tensor& out) {
+  return at::where(out > 0, grad, at::zeros_like(grad));
+}
+
+Tensor mul_tanh_cuda(const Tensor& a, const Tensor& b) {
+  check_same(a, b, "mul_tanh", "a", "b");
+  auto v = broadcast_dense({a, b});
+  c10::cuda::CUDAGuard g(a.device());
+  Tensor out = at::empty_like(v[0]);
+  check_launch(kt_mul_tanh(dtype_of(a, "mul_tanh"), v[0].data_ptr(), v[1].data_ptr(), out.data_ptr(), out.numel(),
+                           stream_of(out)), "mul_tanh");
+  return out;
+}
+Tensor mul_tanh_cpu(const Tensor& a, const Tensor& b) {
+  check_same(a, b, "mul_tanh", "a", "b");
+  return at::tanh(a * b);
+}
+// Gradients at the broadcast shape; autograd (ops.py) sums them to each input's shape.
+std::tuple<Tensor, Tensor> mul_tanh_backward_cuda(const Tensor& grad, const Tensor& a, const Tensor& b) {
+  check_same(a, b, "mul_tanh_backward", "a", "b");
+  check_same(grad, a, "mul_tanh_backward", "grad", "a");
+  auto v = broadcast_dense({grad, a, b});
+  c10::cuda::CUDAGuard g(a.device());
+  Tensor ga = at::empty_like(v[0]), gb = at::empty_like(v[0]);
+  check_launch(kt_mul_tanh_backward(dtype_of(a, "mul_tanh_backward"), v[0].data_ptr(), v[1].data_ptr(),
+                                    v[2].data_ptr(), ga.data_ptr(), gb.data_ptr(), ga.numel(), stream_of(ga)),
+               "mul_tanh_backward");
+  return {ga, gb};
+}
+std::tuple<Tensor, Tensor> mul_tanh_backward_cpu(const Tensor& grad, const Tensor& a, const Tensor& b) {
+  Tensor t = at::tanh(a.to(at::kFloat) * b.to(at::kFloat));
+  Tensor d = grad.to(at::kFloat) * (1 - t * t);
+  return {(d * b).to(a.scalar_type()), (d * a).to(a.scalar_type())};
+}
+
+int approx_code(c10::string_view approximate, const char* op) {
+  TORCH_CHECK(approximate == "none" || approximate == "tanh", "kitsune.", op, ": approximate must be 'none' or 'tanh', got '",
+              approximate, "'");
+  return approximate == "tanh" ? 1 : 0;
+}
+void check_bias(const Tensor& x, const Tensor& bias, const char* op) {
+  check_same(x, bias, op, "x", "bias");
+  TORCH_CHECK(x.dim() >= 1 && bias.dim() == 1 && bias.size(0) == x.size(-1), "kitsune.", op,
+              ": bias must be 1-D with x.size(-1) = ", (x.dim() ? x.size(-1) : 0), " elements; got bias of shape ",
+              bias.sizes(), " for x of shape ", x.sizes());
+}
+Tensor bias_gelu_cuda(const Tensor& x, const Tensor& bias, c10::string_view approximate) {
+  check_bias(x, bias, "bias_gelu");
+  int ap = approx_code(approximate, "bias_gelu");
+  Tensor xc = x.contiguous(), bc = bias.contiguous();
+  c10::cuda::CUDAGuard g(x.device());
+  Tensor out = at::empty_like(xc);
+  if (out.numel() == 0) return out;
+  check_launch(kt_bias_gelu(dtype_of(x, "bias_gelu"), xc.data_ptr(), bc.data_ptr(), out.data_ptr(), out.numel(),
+                            bc.numel(), ap, stream_of(out)), "bias_gelu");
+  return out;
+}
+Tensor bias_gelu_cpu(const Tensor& x, const Tensor& bias, c10::string_view approximate) {
+  check_bias(x, bias, "bias_gelu");
+  approx_code(approximate, "bias_gelu");
+  return at::gelu(x + bias, approximate);
+}
+std::tuple<Tensor, Tensor> bias_gelu_backward_cuda(const Tensor& grad, const Tensor& x, const Tensor& bias,
+                                                   c10::string_view approximate) {
+  check_bias(x, bias, "bias_gelu_backward");
+  check_same(grad, x, "bias_gelu_backward", "grad", "x");
+  int ap = approx_code(approximate, "bias_gelu_backward");
+  Tensor gc = grad.expand(x.sizes()).contiguous(), xc = x.contiguous(), bc = bias.contiguous();
+  c10::cuda::CUDAGuard g(x.device());
+  Tensor gx = at::empty_like(xc);
+  if (gx.numel() == 0) return {gx, at::zeros_like(bias)};
+  check_launch(kt_bias_gelu_backward(dtype_of(x, "bias_gelu_backward"), gc.data_ptr(), xc.data_ptr(), bc.data_ptr(),
+                                     gx.data_ptr(), gx.numel(), bc.numel(), ap, stream_of(gx)),
+               "bias_gelu_backward");
+  Tensor gb = gx.reshape({-1, bias.size(0)}).sum(0, /*keepdim=*/false, at::kFloat).to(bias.scalar_type());
+  return {gx, gb};
+}
+std::tuple<Tensor, Tensor> bias_gelu_backward_cpu(const Tensor& grad, const Tensor& x, const Tensor& bias,
+                                                  c10::string_view approximate) {
+  check_bias(x, bias, "bias_gelu_backward");
+  int ap = approx_code(approximate, "bias_gelu_backward");
+  Tensor v = x.to(at::kFloat) + bias.to(at::kFloat);
+  Tensor d;
+  if (ap) {
+    const double k0 = 0.7978845608028654, k1 = 0.044715;
+    Tensor t = at::tanh(k0 * (v + k1 * v * v * v));
+    d = 0.5 * (1 + t) + 0.5 * v * (1 - t * t) * k0 * (1 + 3 * k1 * v * v);
+  } else {
+    d = 0.5 * (1 + at::erf(v * 0.7071067811865476)) + v * 0.3989422804014327 * at::exp(-0.5 * v * v);
+  }
+  Tensor gx = grad.to(at::kFloat) * d;
+  Tensor gb = gx.reshape({-1, bias.size(0)}).sum(0);
+  return {gx.to(x.scalar_type()), gb.to(bias.scalar_type())};
+}
+
+Tensor swiglu_cuda(const Tensor& gate, const Tensor& up) {
+  check_same(gate, up, "swiglu", "gate", "up");
+  auto v = broadcast_dense({gate, up});
+  c10::cuda::CUDAGuard g(gate.device());
+  Tensor out = at::empty_like(v[0]);
+  check_launch(kt_swiglu(dtype_of(gate, "swiglu"), v[0].data_ptr(), v[1].data_ptr(), out.data_ptr(), out.numel(),
+                         stream_of(out)), "swiglu");
+  return out;
+}
+Tensor swiglu_cpu(const Tensor& gate, const Tensor& up) {
+  check_same(gate, up, "swiglu", "gate", "up");
+  return at::silu(gate) * up;
+}
+std::tuple<Tensor, Tensor> swiglu_backward_cuda(const Tensor& grad, const Tensor& gate, const Tensor& up) {
+  check_same(gate, up, "swiglu_backward", "gate", "up");
+  check_same(grad, gate, "swiglu_backward", "grad", "gate");
+  auto v = broadcast_dense({grad, gate, up});
+  c10::cuda::CUDAGuard g(gate.device());
+  Tensor gg = at::empty_like(v[0]), gu = at::empty_like(v[0]);
+  check_launch(kt_swiglu_backward(dtype_of(gate, "swiglu_backward"), v[0].data_ptr(), v[1].data_ptr(),
+                                  v[2].data_ptr(), gg.data_ptr(), gu.data_ptr(), gg.numel(), stream_of(gg)),
+               "swiglu_backward");
+  return {gg, gu};
+}
+std::tuple<Tensor, Tensor> swiglu_backward_cpu(const Tensor& grad, const Tensor& gate, const Tensor& up) {
+  Tensor g = gate.to(at::kFloat), s = at::sigmoid(g), gr = grad.to(at::kFloat);
+  return {(gr * up.to(at::kFloat) * s * (1 + g * (1 - s))).to(gate.scalar_type()), (gr * g * s).to(up.scalar_type())};
+}
+
+}  // namespace
+
 TORCH_LIBRARY(kitsune, m) {
   // A CPU tensor in page-locked memory from Kitsune's pinned pool (no tensor
   // inputs, so a catch-all kernel).
   m.def("pinned_empty(int[] size, ScalarType dtype) -> Tensor", &pinned_empty);
+  m.def("add_relu(Tensor a, Tensor b) -> Tensor");
+  m.def("add_relu_backward(Tensor grad, Tensor out) -> Tensor");
+  m.def("mul_tanh(Tensor a, Tensor b) -> Tensor");
+  m.def("mul_tanh_backward(Tensor grad, Tensor a, Tensor b) -> (Tensor, Tensor)");
+  m.def("bias_gelu(Tensor x, Tensor bias, str approximate='none') -> Tensor");
+  m.def("bias_gelu_backward(Tensor grad, Tensor x, Tensor bias, str approximate='none') -> (Tensor, Tensor)");
+  m.def("swiglu(Tensor gate, Tensor up) -> Tensor");
+  m.def("swiglu_backward(Tensor grad, Tensor gate, Tensor up) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(kitsune, CUDA, m) {
+  m.impl("add_relu", &add_relu_cuda);
+  m.impl("add_relu_backward", &add_relu_backward_cuda);
+  m.impl("mul_tanh", &mul_tanh_cuda);
+  m.impl("mul_tanh_backward", &mul_tanh_backward_cuda);
+  m.impl("bias_gelu", &bias_gelu_cuda);
+  m.impl("bias_gelu_backward", &bias_gelu_backward_cuda);
+  m.impl("swiglu", &swiglu_cuda);
+  m.impl("swiglu_backward", &swiglu_backward_cuda);
+}
+
+TORCH_LIBRARY_IMPL(kitsune, CPU, m) {
+  m.impl("add_relu", &add_relu_cpu);
+  m.impl("add_relu_backward", &add_relu_backward_cpu);
+  m.impl("mul_tanh", &mul_tanh_cpu);
+  m.impl("mul_tanh_backward", &mul_tanh_backward_cpu);
+  m.impl("bias_gelu", &bias_gelu_cpu);
+  m.impl("bias_gelu_backward", &bias_gelu_backward_cpu);
+  m.impl("swiglu", &swiglu_cpu);
+  m.impl("swiglu_backward", &swiglu_backward_cpu);
 }
 
 extern "C" {

@@ -1,0 +1,114 @@
+// fusion/kernels/elementwise.cuh — the one elementwise kernel every pointwise
+// fusion instantiates, and its launcher.
+//
+// A fusion is a functor that maps NI fp32 inputs to NO fp32 outputs for one
+// element; `col` is the element's index modulo `ncols` (the column of a row-major
+// [rows, ncols] view, for per-column operands like a bias; 0 when ncols is 0).
+// The kernel is a grid-stride loop over 16-byte vectors (8 bf16/fp16 or 4 fp32
+// elements per load and store) when every pointer is 16-byte aligned, then a
+// scalar loop over the rest, so any size and any alignment work. Arithmetic is
+// fp32; each output is rounded to the storage type once.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "kitsune/fusion.h"
+
+namespace kt {
+
+__device__ __forceinline__ float to_f(float v) { return v; }
+__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T> __device__ __forceinline__ T from_f(float v);
+template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+template <int NI, int NO> struct Ptrs {
+  const void *in[NI];
+  void *out[NO];
+};
+
+template <typename T, int NI, int NO, typename F>
+__global__ void __launch_bounds__(256) ew_kernel(Ptrs<NI, NO> p, int64_t n, int64_t ncols, bool vec, F f) {
+  constexpr int V = 16 / sizeof(T);
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  const int64_t tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const int64_t nvec = vec ? n / V : 0;
+  for (int64_t v = tid; v < nvec; v += stride) {
+    T in[NI][V], out[NO][V];
+#pragma unroll
+    for (int k = 0; k < NI; k++) *reinterpret_cast<uint4 *>(in[k]) = reinterpret_cast<const uint4 *>(p.in[k])[v];
+    int64_t col = ncols ? (v * V) % ncols : 0;
+#pragma unroll
+    for (int j = 0; j < V; j++) {
+      float x[NI], y[NO];
+#pragma unroll
+      for (int k = 0; k < NI; k++) x[k] = to_f(in[k][j]);
+      f(x, y, col);
+#pragma unroll
+      for (int o = 0; o < NO; o++) out[o][j] = from_f<T>(y[o]);
+      if (ncols && ++col == ncols) col = 0;
+    }
+#pragma unroll
+    for (int o = 0; o < NO; o++) reinterpret_cast<uint4 *>(p.out[o])[v] = *reinterpret_cast<uint4 *>(out[o]);
+  }
+  for (int64_t i = nvec * V + tid; i < n; i += stride) {
+    float x[NI], y[NO];
+#pragma unroll
+    for (int k = 0; k < NI; k++) x[k] = to_f(static_cast<const T *>(p.in[k])[i]);
+    f(x, y, ncols ? i % ncols : 0);
+#pragma unroll
+    for (int o = 0; o < NO; o++) static_cast<T *>(p.out[o])[i] = from_f<T>(y[o]);
+  }
+}
+
+inline kt_status status_of(cudaError_t e) {
+  if (e == cudaSuccess) return KT_OK;
+  cudaGetLastError();
+  if (e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver) return KT_ERR_UNAVAILABLE;
+  return KT_ERR_BACKEND;
+}
+
+// Fixes the block size (256), checks preconditions, launches on `stream`, checks
+// the launch. F<T> is the functor for storage type T.
+template <template <typename> class F, int NI, int NO, typename... A>
+kt_status launch(kt_dtype t, const void *const (&in)[NI], void *const (&out)[NO], int64_t n,
+                 int64_t ncols, void *stream, A... args) {
+  if (n < 0 || ncols < 0) return KT_ERR_INVALID;
+  if (n == 0) return KT_OK;
+  Ptrs<NI, NO> p;
+  uintptr_t bits = 0;
+  for (int k = 0; k < NI; k++) {
+    if (!in[k]) return KT_ERR_INVALID;
+    p.in[k] = in[k];
+    bits |= (uintptr_t)in[k];
+  }
+  for (int o = 0; o < NO; o++) {
+    if (!out[o]) return KT_ERR_INVALID;
+    p.out[o] = out[o];
+    bits |= (uintptr_t)out[o];
+  }
+  const bool vec = (bits & 15) == 0;
+  auto go = [&](auto tag) -> kt_status {
+    using T = decltype(tag);
+    constexpr int V = 16 / sizeof(T);
+    int64_t work = vec ? n / V + n % V : n;
+    int64_t blocks = (work + 255) / 256;
+    if (blocks > (int64_t)1 << 30) blocks = (int64_t)1 << 30;
+    ew_kernel<T, NI, NO><<<(unsigned)blocks, 256, 0, (cudaStream_t)stream>>>(p, n, ncols, vec, F<T>{args...});
+    return status_of(cudaGetLastError());
+  };
+  switch (t) {
+    case KT_F32: return go(float{});
+    case KT_F16: return go(__half{});
+    case KT_BF16: return go(__nv_bfloat16{});
+  }
+  return KT_ERR_INVALID;
+}
+
+}  // namespace kt

@@ -30,19 +30,13 @@ __host__ __device__ inline float gelu_grad_ref(float v, int approximate) {
 }
 
 // ---- kernels ----
-template <typename T> struct BiasGelu {   // x = (x) ; bias by column
-  const void *bias;
+template <typename T> struct BiasGelu {   // x = (x, bias)
   int approximate;
-  __device__ void operator()(const float *x, float *y, int64_t col) const {
-    y[0] = gelu_ref(x[0] + kt::to_f(static_cast<const T *>(bias)[col]), approximate);
-  }
+  __device__ void operator()(const float *x, float *y) const { y[0] = gelu_ref(x[0] + x[1], approximate); }
 };
-template <typename T> struct BiasGeluBackward {   // x = (grad, x)
-  const void *bias;
+template <typename T> struct BiasGeluBackward {   // x = (grad, x, bias)
   int approximate;
-  __device__ void operator()(const float *x, float *y, int64_t col) const {
-    y[0] = x[0] * gelu_grad_ref(x[1] + kt::to_f(static_cast<const T *>(bias)[col]), approximate);
-  }
+  __device__ void operator()(const float *x, float *y) const { y[0] = x[0] * gelu_grad_ref(x[1] + x[2], approximate); }
 };
 
 }  // namespace
@@ -53,7 +47,7 @@ extern "C" kt_status kt_bias_gelu(kt_dtype t, const void *x, const void *bias, v
   if (!bias || nbias <= 0 || (n % nbias) != 0 || (approximate != 0 && approximate != 1)) return KT_ERR_INVALID;
   const void *in[1] = {x};
   void *o[1] = {out};
-  return kt::launch<BiasGelu, 1, 1>(t, in, o, n, nbias, stream, bias, approximate);
+  return kt::launch<BiasGelu, 1, 1>(t, in, o, n, bias, nbias, stream, approximate);
 }
 
 extern "C" kt_status kt_bias_gelu_backward(kt_dtype t, const void *grad, const void *x, const void *bias,
@@ -61,5 +55,5 @@ extern "C" kt_status kt_bias_gelu_backward(kt_dtype t, const void *grad, const v
   if (!bias || nbias <= 0 || (n % nbias) != 0 || (approximate != 0 && approximate != 1)) return KT_ERR_INVALID;
   const void *in[2] = {grad, x};
   void *o[1] = {grad_x};
-  return kt::launch<BiasGeluBackward, 2, 1>(t, in, o, n, nbias, stream, bias, approximate);
+  return kt::launch<BiasGeluBackward, 2, 1>(t, in, o, n, bias, nbias, stream, approximate);
 }

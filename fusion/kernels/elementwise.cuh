@@ -2,12 +2,13 @@
 // fusion instantiates, and its launcher.
 //
 // A fusion is a functor that maps NI fp32 inputs to NO fp32 outputs for one
-// element; `col` is the element's index modulo `ncols` (the column of a row-major
-// [rows, ncols] view, for per-column operands like a bias; 0 when ncols is 0).
-// The kernel is a grid-stride loop over 16-byte vectors (8 bf16/fp16 or 4 fp32
-// elements per load and store) when every pointer is 16-byte aligned, then a
-// scalar loop over the rest, so any size and any alignment work. Arithmetic is
-// fp32; each output is rounded to the storage type once.
+// element. An optional per-column operand (a bias: `col` has ncols elements and
+// element i of a row-major [rows, ncols] view uses col[i % ncols]) arrives as one
+// more input, x[NI]. The kernel is a grid-stride loop over 16-byte vectors (8
+// bf16/fp16 or 4 fp32 elements per load and store; the column operand is loaded
+// as a vector too) when every pointer is 16-byte aligned and ncols is a multiple
+// of the vector width, then a scalar loop over the rest, so any size and any
+// alignment work. Arithmetic is fp32; each output is rounded once.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -31,37 +32,44 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float
 template <int NI, int NO> struct Ptrs {
   const void *in[NI];
   void *out[NO];
+  const void *col;   // per-column operand or NULL
 };
 
 template <typename T, int NI, int NO, typename F>
 __global__ void __launch_bounds__(256) ew_kernel(Ptrs<NI, NO> p, int64_t n, int64_t ncols, bool vec, F f) {
   constexpr int V = 16 / sizeof(T);
+  constexpr int NX = NI + 1;   // room for the column operand
   const int64_t stride = (int64_t)gridDim.x * blockDim.x;
   const int64_t tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   const int64_t nvec = vec ? n / V : 0;
+  const bool small = n < ((int64_t)1 << 31);   // 32-bit modulo is much cheaper on the GPU
   for (int64_t v = tid; v < nvec; v += stride) {
-    T in[NI][V], out[NO][V];
+    T in[NX][V], out[NO][V];
 #pragma unroll
     for (int k = 0; k < NI; k++) *reinterpret_cast<uint4 *>(in[k]) = reinterpret_cast<const uint4 *>(p.in[k])[v];
-    int64_t col = ncols ? (v * V) % ncols : 0;
+    if (p.col) {   // ncols is a multiple of V, so the V columns are contiguous
+      int64_t c = small ? (int64_t)((uint32_t)(v * V) % (uint32_t)ncols) : (v * V) % ncols;
+      *reinterpret_cast<uint4 *>(in[NI]) = *reinterpret_cast<const uint4 *>(static_cast<const T *>(p.col) + c);
+    }
 #pragma unroll
     for (int j = 0; j < V; j++) {
-      float x[NI], y[NO];
+      float x[NX], y[NO];
 #pragma unroll
       for (int k = 0; k < NI; k++) x[k] = to_f(in[k][j]);
-      f(x, y, col);
+      x[NI] = p.col ? to_f(in[NI][j]) : 0.f;
+      f(x, y);
 #pragma unroll
       for (int o = 0; o < NO; o++) out[o][j] = from_f<T>(y[o]);
-      if (ncols && ++col == ncols) col = 0;
     }
 #pragma unroll
     for (int o = 0; o < NO; o++) reinterpret_cast<uint4 *>(p.out[o])[v] = *reinterpret_cast<uint4 *>(out[o]);
   }
   for (int64_t i = nvec * V + tid; i < n; i += stride) {
-    float x[NI], y[NO];
+    float x[NX], y[NO];
 #pragma unroll
     for (int k = 0; k < NI; k++) x[k] = to_f(static_cast<const T *>(p.in[k])[i]);
-    f(x, y, ncols ? i % ncols : 0);
+    x[NI] = p.col ? to_f(static_cast<const T *>(p.col)[i % ncols]) : 0.f;
+    f(x, y);
 #pragma unroll
     for (int o = 0; o < NO; o++) static_cast<T *>(p.out[o])[i] = from_f<T>(y[o]);
   }
@@ -75,13 +83,15 @@ inline kt_status status_of(cudaError_t e) {
 }
 
 // Fixes the block size (256), checks preconditions, launches on `stream`, checks
-// the launch. F<T> is the functor for storage type T.
+// the launch. F<T> is the functor for storage type T; col/ncols the optional
+// per-column operand (NULL/0 for none).
 template <template <typename> class F, int NI, int NO, typename... A>
-kt_status launch(kt_dtype t, const void *const (&in)[NI], void *const (&out)[NO], int64_t n,
+kt_status launch(kt_dtype t, const void *const (&in)[NI], void *const (&out)[NO], int64_t n, const void *col,
                  int64_t ncols, void *stream, A... args) {
-  if (n < 0 || ncols < 0) return KT_ERR_INVALID;
+  if (n < 0 || ncols < 0 || (col && (ncols == 0 || n % ncols))) return KT_ERR_INVALID;
   if (n == 0) return KT_OK;
   Ptrs<NI, NO> p;
+  p.col = col;
   uintptr_t bits = 0;
   for (int k = 0; k < NI; k++) {
     if (!in[k]) return KT_ERR_INVALID;
@@ -93,10 +103,11 @@ kt_status launch(kt_dtype t, const void *const (&in)[NI], void *const (&out)[NO]
     p.out[o] = out[o];
     bits |= (uintptr_t)out[o];
   }
-  const bool vec = (bits & 15) == 0;
+  bits |= (uintptr_t)col;
   auto go = [&](auto tag) -> kt_status {
     using T = decltype(tag);
     constexpr int V = 16 / sizeof(T);
+    const bool vec = (bits & 15) == 0 && (!col || ncols % V == 0);
     int64_t work = vec ? n / V + n % V : n;
     int64_t blocks = (work + 255) / 256;
     if (blocks > (int64_t)1 << 30) blocks = (int64_t)1 << 30;

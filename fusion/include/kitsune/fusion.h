@@ -7,7 +7,7 @@
  * Tensors are dense and contiguous; n counts elements. Arithmetic is done in fp32
  * whatever the storage type, and every output element is rounded once.
  * The kernels are compiled for sm_80 and sm_90 with PTX for newer GPUs
- * (fusion/kernels/*.cu, one concept per file).
+ * (fusion/kernels/, one concept per .cu file).
  */
 #ifndef KITSUNE_FUSION_H
 #define KITSUNE_FUSION_H

@@ -43,41 +43,26 @@ __global__ void __launch_bounds__(256) ew_kernel(Ptrs<NI, NO> p, int64_t n, int6
   const int64_t tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   const int64_t nvec = vec ? n / V : 0;
   const bool small = n < ((int64_t)1 << 31);   // 32-bit modulo is much cheaper on the GPU
-  // U vectors per thread and iteration, all loads issued before any math: fp32
-  // carries half the elements per vector, and one vector in flight per thread
-  // left it a few percent short of what Inductor's kernel reaches.
-  constexpr int U = sizeof(T) == 4 ? 2 : 1;
-  for (int64_t v0 = tid; v0 < nvec; v0 += stride * U) {
-    T in[U][NX][V], out[U][NO][V];
+  for (int64_t v = tid; v < nvec; v += stride) {
+    T in[NX][V], out[NO][V];
 #pragma unroll
-    for (int u = 0; u < U; u++) {
-      const int64_t v = v0 + u * stride;
-      if (v >= nvec) break;
-#pragma unroll
-      for (int k = 0; k < NI; k++)
-        *reinterpret_cast<uint4 *>(in[u][k]) = reinterpret_cast<const uint4 *>(p.in[k])[v];
-      if (p.col) {   // ncols is a multiple of V, so the V columns are contiguous
-        int64_t c = small ? (int64_t)((uint32_t)(v * V) % (uint32_t)ncols) : (v * V) % ncols;
-        *reinterpret_cast<uint4 *>(in[u][NI]) = *reinterpret_cast<const uint4 *>(static_cast<const T *>(p.col) + c);
-      }
+    for (int k = 0; k < NI; k++) *reinterpret_cast<uint4 *>(in[k]) = reinterpret_cast<const uint4 *>(p.in[k])[v];
+    if (p.col) {   // ncols is a multiple of V, so the V columns are contiguous
+      int64_t c = small ? (int64_t)((uint32_t)(v * V) % (uint32_t)ncols) : (v * V) % ncols;
+      *reinterpret_cast<uint4 *>(in[NI]) = *reinterpret_cast<const uint4 *>(static_cast<const T *>(p.col) + c);
     }
 #pragma unroll
-    for (int u = 0; u < U; u++) {
-      const int64_t v = v0 + u * stride;
-      if (v >= nvec) break;
+    for (int j = 0; j < V; j++) {
+      float x[NX], y[NO];
 #pragma unroll
-      for (int j = 0; j < V; j++) {
-        float x[NX], y[NO];
+      for (int k = 0; k < NI; k++) x[k] = to_f(in[k][j]);
+      x[NI] = p.col ? to_f(in[NI][j]) : 0.f;
+      f(x, y);
 #pragma unroll
-        for (int k = 0; k < NI; k++) x[k] = to_f(in[u][k][j]);
-        x[NI] = p.col ? to_f(in[u][NI][j]) : 0.f;
-        f(x, y);
-#pragma unroll
-        for (int o = 0; o < NO; o++) out[u][o][j] = from_f<T>(y[o]);
-      }
-#pragma unroll
-      for (int o = 0; o < NO; o++) reinterpret_cast<uint4 *>(p.out[o])[v] = *reinterpret_cast<uint4 *>(out[u][o]);
+      for (int o = 0; o < NO; o++) out[o][j] = from_f<T>(y[o]);
     }
+#pragma unroll
+    for (int o = 0; o < NO; o++) reinterpret_cast<uint4 *>(p.out[o])[v] = *reinterpret_cast<uint4 *>(out[o]);
   }
   for (int64_t i = nvec * V + tid; i < n; i += stride) {
     float x[NX], y[NO];
@@ -123,8 +108,7 @@ kt_status launch(kt_dtype t, const void *const (&in)[NI], void *const (&out)[NO]
     using T = decltype(tag);
     constexpr int V = 16 / sizeof(T);
     const bool vec = (bits & 15) == 0 && (!col || ncols % V == 0);
-    constexpr int U = sizeof(T) == 4 ? 2 : 1;   // vectors per thread (see ew_kernel)
-    int64_t work = vec ? (n / V + U - 1) / U + n % V : n;
+    int64_t work = vec ? n / V + n % V : n;
     int64_t blocks = (work + 255) / 256;
     if (blocks > (int64_t)1 << 30) blocks = (int64_t)1 << 30;
     ew_kernel<T, NI, NO><<<(unsigned)blocks, 256, 0, (cudaStream_t)stream>>>(p, n, ncols, vec, F<T>{args...});

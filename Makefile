@@ -13,7 +13,7 @@
 SHELL := /bin/bash
 CC ?= gcc
 PYTHON ?= python3
-NVCC := $(shell command -v nvcc 2>/dev/null)
+NVCC := $(or $(shell command -v nvcc 2>/dev/null),$(wildcard /usr/local/cuda/bin/nvcc))
 CUDA_HOME ?= $(if $(NVCC),$(patsubst %/bin/nvcc,%,$(NVCC)),/usr/local/cuda)
 BUILD ?= build
 # Criterion/jemalloc unpacked with dpkg -x for machines that cannot apt-get (GPU box)

@@ -19,8 +19,8 @@ if [ ${#apt_pkgs[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${apt_pkgs[@]}" >/dev/null
 fi
 cuda_home=$(command -v nvcc >/dev/null && dirname "$(dirname "$(command -v nvcc)")" || echo /usr/local/cuda)
-if [ ! -f "$cuda_home/include/cuda_runtime_api.h" ] || [ ! -f "$cuda_home/lib64/libcudart_static.a" ]; then
-  echo "deps: the CUDA toolkit (headers + libcudart_static) is needed to build; none found at $cuda_home." >&2
+if [ ! -f "$cuda_home/include/cuda_runtime_api.h" ] || [ ! -f "$cuda_home/lib64/libcudart_static.a" ] || [ ! -x "$cuda_home/bin/nvcc" ]; then
+  echo "deps: the CUDA toolkit (nvcc, headers, libcudart_static) is needed to build; not all found at $cuda_home." >&2
   echo "      install it (e.g. NVIDIA's cuda-toolkit package) and put nvcc on PATH." >&2
   exit 1
 fi

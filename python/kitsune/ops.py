@@ -46,10 +46,12 @@ def _(a, b):
     return _broadcast_like(a, b)
 
 
-@torch.library.register_fake("kitsune::mul_tanh_backward")
-def _(grad, a, b):
+def _two_grads(grad, a, b):
     shape = torch.broadcast_shapes(grad.shape, a.shape, b.shape)
     return (torch.empty(shape, dtype=a.dtype, device=a.device), torch.empty(shape, dtype=a.dtype, device=a.device))
+
+
+torch.library.register_fake("kitsune::mul_tanh_backward")(_two_grads)
 
 
 @torch.library.register_fake("kitsune::bias_gelu")
@@ -70,11 +72,7 @@ def _(gate, up):
     return _broadcast_like(gate, up)
 
 
-@torch.library.register_fake("kitsune::swiglu_backward")
-def _(grad, gate, up):
-    shape = torch.broadcast_shapes(grad.shape, gate.shape, up.shape)
-    return (torch.empty(shape, dtype=gate.dtype, device=gate.device),
-            torch.empty(shape, dtype=gate.dtype, device=gate.device))
+torch.library.register_fake("kitsune::swiglu_backward")(_two_grads)
 
 
 # ---- autograd: backward ops; broadcast gradients are summed to each input's shape ----

@@ -647,56 +647,57 @@ std::vector<Tensor> broadcast_dense(std::initializer_list<Tensor> ts) {
   return v;
 }
 
-Tensor add_relu_cuda(const Tensor& a, const Tensor& b) {
-  check_same(a, b, "add_relu", "a", "b");
+// The launcher shapes every binary op shares.
+using BinaryLauncher = kt_status (*)(kt_dtype, const void*, const void*, void*, int64_t, void*);
+using BinaryBackwardLauncher = kt_status (*)(kt_dtype, const void*, const void*, const void*, void*, void*, int64_t,
+                                             void*);
+
+// out = op(a, b) on the broadcast shape.
+Tensor binary_cuda(const Tensor& a, const Tensor& b, const char* op, BinaryLauncher launch) {
+  check_same(a, b, op, "a", "b");
   auto v = broadcast_dense({a, b});
   c10::cuda::CUDAGuard g(a.device());
   Tensor out = at::empty_like(v[0]);
-  check_launch(kt_add_relu(dtype_of(a, "add_relu"), v[0].data_ptr(), v[1].data_ptr(), out.data_ptr(), out.numel(),
-                           stream_of(out)), "add_relu");
+  check_launch(launch(dtype_of(a, op), v[0].data_ptr(), v[1].data_ptr(), out.data_ptr(), out.numel(), stream_of(out)),
+               op);
   return out;
 }
+
+// (grad_a, grad_b) of a binary op, at the broadcast shape; autograd (ops.py) sums
+// them to each input's shape.
+std::tuple<Tensor, Tensor> binary_backward_cuda(const Tensor& grad, const Tensor& a, const Tensor& b, const char* op,
+                                                BinaryBackwardLauncher launch) {
+  check_same(a, b, op, "a", "b");
+  check_same(grad, a, op, "grad", "a");
+  auto v = broadcast_dense({grad, a, b});
+  c10::cuda::CUDAGuard g(a.device());
+  Tensor ga = at::empty_like(v[0]), gb = at::empty_like(v[0]);
+  check_launch(launch(dtype_of(a, op), v[0].data_ptr(), v[1].data_ptr(), v[2].data_ptr(), ga.data_ptr(),
+                      gb.data_ptr(), ga.numel(), stream_of(ga)),
+               op);
+  return {ga, gb};
+}
+
+Tensor add_relu_cuda(const Tensor& a, const Tensor& b) { return binary_cuda(a, b, "add_relu", kt_add_relu); }
 Tensor add_relu_cpu(const Tensor& a, const Tensor& b) {
   check_same(a, b, "add_relu", "a", "b");
   return at::relu(a + b);
 }
+// Takes (grad, out): binary_cuda's checks and broadcast fit it as they are.
 Tensor add_relu_backward_cuda(const Tensor& grad, const Tensor& out) {
-  check_same(grad, out, "add_relu_backward", "grad", "out");
-  auto v = broadcast_dense({grad, out});
-  c10::cuda::CUDAGuard g(grad.device());
-  Tensor gi = at::empty_like(v[0]);
-  check_launch(kt_add_relu_backward(dtype_of(grad, "add_relu_backward"), v[0].data_ptr(), v[1].data_ptr(),
-                                    gi.data_ptr(), gi.numel(), stream_of(gi)), "add_relu_backward");
-  return gi;
+  return binary_cuda(grad, out, "add_relu_backward", kt_add_relu_backward);
 }
 Tensor add_relu_backward_cpu(const Tensor& grad, const Tensor& out) {
   return at::where(out > 0, grad, at::zeros_like(grad));
 }
 
-Tensor mul_tanh_cuda(const Tensor& a, const Tensor& b) {
-  check_same(a, b, "mul_tanh", "a", "b");
-  auto v = broadcast_dense({a, b});
-  c10::cuda::CUDAGuard g(a.device());
-  Tensor out = at::empty_like(v[0]);
-  check_launch(kt_mul_tanh(dtype_of(a, "mul_tanh"), v[0].data_ptr(), v[1].data_ptr(), out.data_ptr(), out.numel(),
-                           stream_of(out)), "mul_tanh");
-  return out;
-}
+Tensor mul_tanh_cuda(const Tensor& a, const Tensor& b) { return binary_cuda(a, b, "mul_tanh", kt_mul_tanh); }
 Tensor mul_tanh_cpu(const Tensor& a, const Tensor& b) {
   check_same(a, b, "mul_tanh", "a", "b");
   return at::tanh(a * b);
 }
-// Gradients at the broadcast shape; autograd (ops.py) sums them to each input's shape.
 std::tuple<Tensor, Tensor> mul_tanh_backward_cuda(const Tensor& grad, const Tensor& a, const Tensor& b) {
-  check_same(a, b, "mul_tanh_backward", "a", "b");
-  check_same(grad, a, "mul_tanh_backward", "grad", "a");
-  auto v = broadcast_dense({grad, a, b});
-  c10::cuda::CUDAGuard g(a.device());
-  Tensor ga = at::empty_like(v[0]), gb = at::empty_like(v[0]);
-  check_launch(kt_mul_tanh_backward(dtype_of(a, "mul_tanh_backward"), v[0].data_ptr(), v[1].data_ptr(),
-                                    v[2].data_ptr(), ga.data_ptr(), gb.data_ptr(), ga.numel(), stream_of(ga)),
-               "mul_tanh_backward");
-  return {ga, gb};
+  return binary_backward_cuda(grad, a, b, "mul_tanh_backward", kt_mul_tanh_backward);
 }
 std::tuple<Tensor, Tensor> mul_tanh_backward_cpu(const Tensor& grad, const Tensor& a, const Tensor& b) {
   Tensor t = at::tanh(a.to(at::kFloat) * b.to(at::kFloat));
@@ -764,29 +765,13 @@ std::tuple<Tensor, Tensor> bias_gelu_backward_cpu(const Tensor& grad, const Tens
   return {gx.to(x.scalar_type()), gb.to(bias.scalar_type())};
 }
 
-Tensor swiglu_cuda(const Tensor& gate, const Tensor& up) {
-  check_same(gate, up, "swiglu", "gate", "up");
-  auto v = broadcast_dense({gate, up});
-  c10::cuda::CUDAGuard g(gate.device());
-  Tensor out = at::empty_like(v[0]);
-  check_launch(kt_swiglu(dtype_of(gate, "swiglu"), v[0].data_ptr(), v[1].data_ptr(), out.data_ptr(), out.numel(),
-                         stream_of(out)), "swiglu");
-  return out;
-}
+Tensor swiglu_cuda(const Tensor& gate, const Tensor& up) { return binary_cuda(gate, up, "swiglu", kt_swiglu); }
 Tensor swiglu_cpu(const Tensor& gate, const Tensor& up) {
   check_same(gate, up, "swiglu", "gate", "up");
   return at::silu(gate) * up;
 }
 std::tuple<Tensor, Tensor> swiglu_backward_cuda(const Tensor& grad, const Tensor& gate, const Tensor& up) {
-  check_same(gate, up, "swiglu_backward", "gate", "up");
-  check_same(grad, gate, "swiglu_backward", "grad", "gate");
-  auto v = broadcast_dense({grad, gate, up});
-  c10::cuda::CUDAGuard g(gate.device());
-  Tensor gg = at::empty_like(v[0]), gu = at::empty_like(v[0]);
-  check_launch(kt_swiglu_backward(dtype_of(gate, "swiglu_backward"), v[0].data_ptr(), v[1].data_ptr(),
-                                  v[2].data_ptr(), gg.data_ptr(), gu.data_ptr(), gg.numel(), stream_of(gg)),
-               "swiglu_backward");
-  return {gg, gu};
+  return binary_backward_cuda(grad, gate, up, "swiglu_backward", kt_swiglu_backward);
 }
 std::tuple<Tensor, Tensor> swiglu_backward_cpu(const Tensor& grad, const Tensor& gate, const Tensor& up) {
   Tensor g = gate.to(at::kFloat), s = at::sigmoid(g), gr = grad.to(at::kFloat);

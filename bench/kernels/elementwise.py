@@ -1,4 +1,4 @@
-"""Fused elementwise ops: achieved bandwidth against copy, eager and torch.compile.
+"""Fused elementwise and normalisation ops: achieved bandwidth against copy, eager and torch.compile.
 
     python bench/kernels/elementwise.py [--out DIR] [--quick]
 
@@ -10,7 +10,7 @@ buffer written) before each:
   eager     the reference expression in PyTorch ops
   compile   torch.compile(reference expression, dynamic=True): Inductor's fused kernel
 GB/s counts the bytes an ideal fused kernel moves: every input read once and every
-output written once (the bias of bias_gelu is not counted). Outputs are checked
+output written once (the bias of bias_gelu and the weight of rms_norm are not counted). Outputs are checked
 against the eager result before any timing. Writes kernels_elementwise.json.
 """
 import argparse
@@ -29,6 +29,7 @@ OPS = {   # name: (kitsune, reference, inputs like x, moved bytes as multiples o
     "mul_tanh": (ko.mul_tanh, lambda a, b: torch.tanh(a * b), 3),
     "bias_gelu": (ko.bias_gelu, lambda x, b: F.gelu(x + b), 2),
     "swiglu": (ko.swiglu, lambda g, u: F.silu(g) * u, 3),
+    "rms_norm": (ko.rms_norm, lambda x, w: F.rms_norm(x, (x.shape[-1],), w, 1e-6), 2),
 }
 
 
@@ -60,9 +61,10 @@ def main():
     for name, (kfn, ref, moved) in OPS.items():
         for dtype, size_mb in cases:
             n = (size_mb << 20) // torch.tensor([], dtype=dtype).element_size()
-            if name == "bias_gelu":
-                x = torch.randn(n // 1024, 1024, device=dev, dtype=dtype)
-                y = torch.randn(1024, device=dev, dtype=dtype)
+            if name in ("bias_gelu", "rms_norm"):   # rows of 1024 (bias_gelu) or 4096 (rms_norm)
+                cols = 4096 if name == "rms_norm" else 1024
+                x = torch.randn(n // cols, cols, device=dev, dtype=dtype)
+                y = torch.randn(cols, device=dev, dtype=dtype)
             else:
                 x = torch.randn(n, device=dev, dtype=dtype)
                 y = torch.randn(n, device=dev, dtype=dtype)

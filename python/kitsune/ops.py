@@ -15,6 +15,7 @@ Ops (reference semantics):
   mul_tanh(a, b)               tanh(a * b)
   bias_gelu(x, bias, approximate="none")   gelu(x + bias), bias along the last dim
   swiglu(gate, up)             silu(gate) * up
+  rms_norm(x, weight, eps=1e-6)   x * rsqrt(mean(x^2, -1) + eps) * weight
 Binary ops broadcast like ``a + b``. dtypes: float32, float16, bfloat16.
 """
 import torch
@@ -75,6 +76,19 @@ def _(gate, up):
 torch.library.register_fake("kitsune::swiglu_backward")(_two_grads)
 
 
+@torch.library.register_fake("kitsune::rms_norm")
+def _(x, weight, eps=1e-6):
+    torch._check(weight.dim() == 1 and x.dim() >= 1 and weight.shape[0] == x.shape[-1],
+                 lambda: f"kitsune.rms_norm: weight must be 1-D with x.size(-1) elements; got {tuple(weight.shape)} "
+                         f"for x of shape {tuple(x.shape)}")
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("kitsune::rms_norm_backward")
+def _(grad, x, weight, eps=1e-6):
+    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight)
+
+
 # ---- autograd: backward ops; broadcast gradients are summed to each input's shape ----
 def _sum_to(g, like):
     return g if g.shape == like.shape else g.sum_to_size(like.shape)
@@ -121,6 +135,19 @@ def _swiglu_bwd(ctx, grad):
     return _sum_to(gg, gate), _sum_to(gu, up)
 
 
+def _rms_norm_setup(ctx, inputs, output):
+    x, weight, eps = inputs
+    ctx.eps = eps
+    ctx.save_for_backward(x, weight)
+
+
+def _rms_norm_bwd(ctx, grad):
+    x, weight = ctx.saved_tensors
+    gx, gw = _lib.rms_norm_backward(grad, x, weight, ctx.eps)
+    return gx, gw, None
+
+
+torch.library.register_autograd("kitsune::rms_norm", _rms_norm_bwd, setup_context=_rms_norm_setup)
 torch.library.register_autograd("kitsune::add_relu", _add_relu_bwd, setup_context=_add_relu_setup)
 torch.library.register_autograd("kitsune::mul_tanh", _mul_tanh_bwd, setup_context=_save_inputs)
 torch.library.register_autograd("kitsune::bias_gelu", _bias_gelu_bwd, setup_context=_bias_gelu_setup)
@@ -146,3 +173,8 @@ def bias_gelu(x, bias, approximate="none"):
 def swiglu(gate, up):
     """silu(gate) * up, fused."""
     return _lib.swiglu(gate, up)
+
+
+def rms_norm(x, weight, eps=1e-6):
+    """x * rsqrt(mean(x^2, -1) + eps) * weight (RMSNorm over the last dimension), fused."""
+    return _lib.rms_norm(x, weight, eps)

@@ -19,6 +19,7 @@ OPS = {
     "bias_gelu": (lambda x, b: ko.bias_gelu(x, b), lambda x, b: F.gelu(x + b)),
     "bias_gelu_tanh": (lambda x, b: ko.bias_gelu(x, b, "tanh"), lambda x, b: F.gelu(x + b, approximate="tanh")),
     "swiglu": (lambda g, u: ko.swiglu(g, u), lambda g, u: F.silu(g) * u),
+    "rms_norm": (lambda x, w: ko.rms_norm(x, w), lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w),
 }
 # (shape of first, shape of second); bias ops take the last dim as the second
 SHAPES = [((1,), (1,)), ((3,), (3,)), ((1023,), (1023,)), ((4, 1000), (1000,)), ((257, 4097), (257, 4097)),
@@ -26,7 +27,7 @@ SHAPES = [((1,), (1,)), ((3,), (3,)), ((1023,), (1023,)), ((4, 1000), (1000,)), 
 
 
 def _inputs(name, sa, sb, dtype, device, gen):
-    if name.startswith("bias_gelu"):
+    if name.startswith(("bias_gelu", "rms_norm")):   # a per-column operand
         sb = (sa[-1],)
     a = torch.randn(sa, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype)
     b = torch.randn(sb, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype)
@@ -75,6 +76,10 @@ def test_bad_inputs_name_the_problem():
         ko.bias_gelu(a, torch.randn(8), "fast")
     with pytest.raises(RuntimeError):
         ko.swiglu(a, torch.randn(5))   # shapes that do not broadcast
+    with pytest.raises(RuntimeError, match="weight must be 1-D with x.size"):
+        ko.rms_norm(a, torch.randn(4))
+    with pytest.raises(RuntimeError, match="eps must be >= 0"):
+        ko.rms_norm(a, torch.randn(8), -1.0)
 
 
 # ---- GPU ---------------------------------------------------------------------
@@ -119,5 +124,6 @@ def test_gpu_matches_fp64_reference(name, dtype):
         ta, tb = torch.autograd.grad(ref(a, b), (a, b), go)
         for got, want, theirs, which in ((ga, ra, ta, "a"), (gb, rb, tb, "b")):
             e, te = _err(got, want), _err(theirs, want)
-            scale = max(1.0, want.abs().max().item()) if which == "b" and name.startswith("bias") else 1.0
+            # a per-column gradient is a sum over rows: its error grows with its size
+            scale = max(1.0, want.abs().max().item()) if which == "b" and name.startswith(("bias", "rms")) else 1.0
             assert e <= 2 * te + TOL_ABS[dtype] * scale, f"{name} {dtype} {sa} grad {which}: {e} vs torch {te}"

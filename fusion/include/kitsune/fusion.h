@@ -47,6 +47,16 @@ kt_status kt_swiglu(kt_dtype t, const void *gate, const void *up, void *out, int
 kt_status kt_swiglu_backward(kt_dtype t, const void *grad, const void *gate, const void *up, void *grad_gate,
                              void *grad_up, int64_t n, void *stream);
 
+/* Row-wise, over `rows` rows of n contiguous elements:
+ * y = x * rsqrt(mean(x^2) + eps) * weight (weight has n elements). */
+kt_status kt_rms_norm(kt_dtype t, const void *x, const void *weight, void *y, int64_t rows, int64_t n, float eps,
+                      void *stream);
+/* grad_x = r * weight * grad - x * r^3 / n * sum(grad * weight * x), r = rsqrt(mean(x^2) + eps),
+ * recomputed per row; rstd (rows fp32 values, may be NULL) receives r for the weight's gradient
+ * sum over rows of grad * x * r. */
+kt_status kt_rms_norm_backward(kt_dtype t, const void *grad, const void *x, const void *weight, void *grad_x,
+                               float *rstd, int64_t rows, int64_t n, float eps, void *stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -678,6 +678,9 @@ std::tuple<Tensor, Tensor> binary_backward_cuda(const Tensor& grad, const Tensor
   return {ga, gb};
 }
 
+// The CPU references compute in fp32, or fp64 for fp64 inputs (which gradcheck uses).
+at::ScalarType opmath(const Tensor& t) { return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
+
 Tensor add_relu_cuda(const Tensor& a, const Tensor& b) { return binary_cuda(a, b, "add_relu", kt_add_relu); }
 Tensor add_relu_cpu(const Tensor& a, const Tensor& b) {
   check_same(a, b, "add_relu", "a", "b");
@@ -700,8 +703,8 @@ std::tuple<Tensor, Tensor> mul_tanh_backward_cuda(const Tensor& grad, const Tens
   return binary_backward_cuda(grad, a, b, "mul_tanh_backward", kt_mul_tanh_backward);
 }
 std::tuple<Tensor, Tensor> mul_tanh_backward_cpu(const Tensor& grad, const Tensor& a, const Tensor& b) {
-  Tensor t = at::tanh(a.to(at::kFloat) * b.to(at::kFloat));
-  Tensor d = grad.to(at::kFloat) * (1 - t * t);
+  Tensor t = at::tanh(a.to(opmath(a)) * b.to(opmath(a)));
+  Tensor d = grad.to(opmath(grad)) * (1 - t * t);
   return {(d * b).to(a.scalar_type()), (d * a).to(a.scalar_type())};
 }
 
@@ -751,7 +754,7 @@ std::tuple<Tensor, Tensor> bias_gelu_backward_cpu(const Tensor& grad, const Tens
                                                   c10::string_view approximate) {
   check_bias(x, bias, "bias_gelu_backward");
   int ap = approx_code(approximate, "bias_gelu_backward");
-  Tensor v = x.to(at::kFloat) + bias.to(at::kFloat);
+  Tensor v = x.to(opmath(x)) + bias.to(opmath(x));
   Tensor d;
   if (ap) {
     const double k0 = 0.7978845608028654, k1 = 0.044715;
@@ -760,7 +763,7 @@ std::tuple<Tensor, Tensor> bias_gelu_backward_cpu(const Tensor& grad, const Tens
   } else {
     d = 0.5 * (1 + at::erf(v * 0.7071067811865476)) + v * 0.3989422804014327 * at::exp(-0.5 * v * v);
   }
-  Tensor gx = grad.to(at::kFloat) * d;
+  Tensor gx = grad.to(opmath(grad)) * d;
   Tensor gb = gx.reshape({-1, bias.size(0)}).sum(0);
   return {gx.to(x.scalar_type()), gb.to(bias.scalar_type())};
 }
@@ -774,8 +777,60 @@ std::tuple<Tensor, Tensor> swiglu_backward_cuda(const Tensor& grad, const Tensor
   return binary_backward_cuda(grad, gate, up, "swiglu_backward", kt_swiglu_backward);
 }
 std::tuple<Tensor, Tensor> swiglu_backward_cpu(const Tensor& grad, const Tensor& gate, const Tensor& up) {
-  Tensor g = gate.to(at::kFloat), s = at::sigmoid(g), gr = grad.to(at::kFloat);
-  return {(gr * up.to(at::kFloat) * s * (1 + g * (1 - s))).to(gate.scalar_type()), (gr * g * s).to(up.scalar_type())};
+  Tensor g = gate.to(opmath(gate)), s = at::sigmoid(g), gr = grad.to(opmath(grad));
+  return {(gr * up.to(opmath(up)) * s * (1 + g * (1 - s))).to(gate.scalar_type()), (gr * g * s).to(up.scalar_type())};
+}
+
+void check_weight(const Tensor& x, const Tensor& w, const char* op) {
+  check_same(x, w, op, "x", "weight");
+  TORCH_CHECK(x.dim() >= 1 && w.dim() == 1 && w.size(0) == x.size(-1), "kitsune.", op,
+              ": weight must be 1-D with x.size(-1) = ", (x.dim() ? x.size(-1) : 0), " elements; got weight of shape ",
+              w.sizes(), " for x of shape ", x.sizes());
+}
+Tensor rms_norm_cuda(const Tensor& x, const Tensor& w, double eps) {
+  check_weight(x, w, "rms_norm");
+  TORCH_CHECK(eps >= 0, "kitsune.rms_norm: eps must be >= 0, got ", eps);
+  Tensor xc = x.contiguous(), wc = w.contiguous();
+  c10::cuda::CUDAGuard g(x.device());
+  Tensor y = at::empty_like(xc);
+  int64_t n = x.size(-1), rows = n ? xc.numel() / n : 0;
+  if (rows == 0 || n == 0) return y;
+  check_launch(kt_rms_norm(dtype_of(x, "rms_norm"), xc.data_ptr(), wc.data_ptr(), y.data_ptr(), rows, n, (float)eps,
+                           stream_of(y)), "rms_norm");
+  return y;
+}
+Tensor rms_norm_cpu(const Tensor& x, const Tensor& w, double eps) {
+  check_weight(x, w, "rms_norm");
+  TORCH_CHECK(eps >= 0, "kitsune.rms_norm: eps must be >= 0, got ", eps);
+  Tensor xf = x.to(opmath(x));
+  return (xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps) * w.to(opmath(x))).to(x.scalar_type());
+}
+std::tuple<Tensor, Tensor> rms_norm_backward_cuda(const Tensor& grad, const Tensor& x, const Tensor& w, double eps) {
+  check_weight(x, w, "rms_norm_backward");
+  check_same(grad, x, "rms_norm_backward", "grad", "x");
+  Tensor gc = grad.expand(x.sizes()).contiguous(), xc = x.contiguous(), wc = w.contiguous();
+  c10::cuda::CUDAGuard g(x.device());
+  Tensor gx = at::empty_like(xc);
+  int64_t n = x.size(-1), rows = n ? xc.numel() / n : 0;
+  if (rows == 0 || n == 0) return {gx, at::zeros_like(w)};
+  Tensor rstd = at::empty({rows}, x.options().dtype(at::kFloat));
+  check_launch(kt_rms_norm_backward(dtype_of(x, "rms_norm_backward"), gc.data_ptr(), xc.data_ptr(), wc.data_ptr(),
+                                    gx.data_ptr(), rstd.data_ptr<float>(), rows, n, (float)eps, stream_of(gx)),
+               "rms_norm_backward");
+  Tensor gw = (gc.reshape({rows, n}).to(at::kFloat) * xc.reshape({rows, n}).to(at::kFloat) * rstd.unsqueeze(1))
+                  .sum(0)
+                  .to(w.scalar_type());
+  return {gx, gw};
+}
+std::tuple<Tensor, Tensor> rms_norm_backward_cpu(const Tensor& grad, const Tensor& x, const Tensor& w, double eps) {
+  check_weight(x, w, "rms_norm_backward");
+  Tensor xf = x.to(opmath(x)), gf = grad.to(opmath(x)).expand(x.sizes()), wf = w.to(opmath(x));
+  int64_t n = x.size(-1);
+  Tensor r = at::rsqrt(xf.pow(2).mean(-1, true) + eps);
+  Tensor dot = (gf * wf * xf).sum(-1, true);
+  Tensor gx = r * wf * gf - xf * r.pow(3) / n * dot;
+  Tensor gw = (gf * xf * r).reshape({-1, n}).sum(0);
+  return {gx.to(x.scalar_type()), gw.to(w.scalar_type())};
 }
 
 }  // namespace
@@ -792,6 +847,8 @@ TORCH_LIBRARY(kitsune, m) {
   m.def("bias_gelu_backward(Tensor grad, Tensor x, Tensor bias, str approximate='none') -> (Tensor, Tensor)");
   m.def("swiglu(Tensor gate, Tensor up) -> Tensor");
   m.def("swiglu_backward(Tensor grad, Tensor gate, Tensor up) -> (Tensor, Tensor)");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps=1e-6) -> Tensor");
+  m.def("rms_norm_backward(Tensor grad, Tensor x, Tensor weight, float eps=1e-6) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(kitsune, CUDA, m) {
@@ -803,6 +860,8 @@ TORCH_LIBRARY_IMPL(kitsune, CUDA, m) {
   m.impl("bias_gelu_backward", &bias_gelu_backward_cuda);
   m.impl("swiglu", &swiglu_cuda);
   m.impl("swiglu_backward", &swiglu_backward_cuda);
+  m.impl("rms_norm", &rms_norm_cuda);
+  m.impl("rms_norm_backward", &rms_norm_backward_cuda);
 }
 
 TORCH_LIBRARY_IMPL(kitsune, CPU, m) {
@@ -814,6 +873,8 @@ TORCH_LIBRARY_IMPL(kitsune, CPU, m) {
   m.impl("bias_gelu_backward", &bias_gelu_backward_cpu);
   m.impl("swiglu", &swiglu_cpu);
   m.impl("swiglu_backward", &swiglu_backward_cpu);
+  m.impl("rms_norm", &rms_norm_cpu);
+  m.impl("rms_norm_backward", &rms_norm_backward_cpu);
 }
 
 extern "C" {

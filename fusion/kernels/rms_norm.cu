@@ -1,0 +1,181 @@
+// fusion/kernels/rms_norm.cu — RMSNorm (LLaMA): y = x * rsqrt(mean(x^2) + eps) * w
+// over the last dimension, and its backward.
+//
+// One block per row. The forward reads the row twice (sum of squares, then the
+// scaled write); the second read hits L1/L2 for rows up to tens of KB, so DRAM
+// traffic is one read and one write. The backward needs no saved state: one pass
+// forms sum(x^2) and sum(g * w * x) together, the second writes
+//   grad_x = r * w * g - x * r^3 / n * sum(g * w * x),   r = rsqrt(mean(x^2) + eps)
+// and r per row goes out for the weight's gradient (a reduction over rows).
+// Statistics are fp32; rows whose pointers are 16-byte aligned with n a multiple
+// of the vector width use 16-byte loads.
+#include "elementwise.cuh"
+
+namespace {
+
+// ---- reference (per row, fp32) ----
+// r = 1 / sqrt(sum(x^2) / n + eps); y_i = x_i * r * w_i
+
+// ---- kernels ----
+__device__ __forceinline__ float2 warp_sum2(float2 v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    v.x += __shfl_xor_sync(0xffffffffu, v.x, o);
+    v.y += __shfl_xor_sync(0xffffffffu, v.y, o);
+  }
+  return v;
+}
+
+// Sum over the block; every thread gets the result.
+__device__ float2 block_sum2(float2 v) {
+  __shared__ float2 part[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
+  v = warp_sum2(v);
+  __syncthreads();   // part[] may still be read from a previous call
+  if (lane == 0) part[warp] = v;
+  __syncthreads();
+  v = lane < nwarps ? part[lane] : make_float2(0.f, 0.f);
+  return warp_sum2(v);
+}
+
+// Calls f(i, x[V]) for every V-element chunk of a row owned by this thread.
+template <typename T, bool VEC> struct Row {
+  static constexpr int V = VEC ? 16 / sizeof(T) : 1;
+  template <typename F> __device__ static void each(const T *row, int64_t n, F f) {
+    for (int64_t c = threadIdx.x; c < n / V; c += blockDim.x) {
+      T v[V];
+      if constexpr (VEC) *reinterpret_cast<uint4 *>(v) = reinterpret_cast<const uint4 *>(row)[c];
+      else v[0] = row[c];
+      f(c * V, v);
+    }
+  }
+};
+
+template <typename T, bool VEC>
+__global__ void rms_norm_fwd(const T *x, const T *w, T *y, int64_t n, float eps) {
+  using R = Row<T, VEC>;
+  constexpr int V = R::V;
+  const T *xr = x + blockIdx.x * n;
+  T *yr = y + blockIdx.x * n;
+  float ss = 0.f;
+  R::each(xr, n, [&](int64_t, const T *v) {
+#pragma unroll
+    for (int j = 0; j < V; j++) { float f = kt::to_f(v[j]); ss += f * f; }
+  });
+  const float r = rsqrtf(block_sum2(make_float2(ss, 0.f)).x / (float)n + eps);
+  R::each(xr, n, [&](int64_t i, const T *v) {
+    T wv[V], out[V];
+    if constexpr (VEC) *reinterpret_cast<uint4 *>(wv) = *reinterpret_cast<const uint4 *>(w + i);
+    else wv[0] = w[i];
+#pragma unroll
+    for (int j = 0; j < V; j++) out[j] = kt::from_f<T>(kt::to_f(v[j]) * r * kt::to_f(wv[j]));
+    if constexpr (VEC) *reinterpret_cast<uint4 *>(yr + i) = *reinterpret_cast<uint4 *>(out);
+    else yr[i] = out[0];
+  });
+}
+
+template <typename T, bool VEC>
+__global__ void rms_norm_bwd(const T *g, const T *x, const T *w, T *gx, float *rstd, int64_t n, float eps) {
+  using R = Row<T, VEC>;
+  constexpr int V = R::V;
+  const int64_t off = blockIdx.x * n;
+  const T *xr = x + off, *gr = g + off;
+  T *gxr = gx + off;
+  auto load = [](const T *p, int64_t i, T *v) {
+    if constexpr (VEC) *reinterpret_cast<uint4 *>(v) = *reinterpret_cast<const uint4 *>(p + i);
+    else v[0] = p[i];
+  };
+  float ss = 0.f, dot = 0.f;
+  R::each(xr, n, [&](int64_t i, const T *v) {
+    T gv[V], wv[V];
+    load(gr, i, gv);
+    load(w, i, wv);
+#pragma unroll
+    for (int j = 0; j < V; j++) {
+      float f = kt::to_f(v[j]);
+      ss += f * f;
+      dot += kt::to_f(gv[j]) * kt::to_f(wv[j]) * f;
+    }
+  });
+  const float2 s = block_sum2(make_float2(ss, dot));
+  const float r = rsqrtf(s.x / (float)n + eps);
+  const float c = s.y * r * r * r / (float)n;
+  if (rstd && threadIdx.x == 0) rstd[blockIdx.x] = r;
+  R::each(xr, n, [&](int64_t i, const T *v) {
+    T gv[V], wv[V], out[V];
+    load(gr, i, gv);
+    load(w, i, wv);
+#pragma unroll
+    for (int j = 0; j < V; j++)
+      out[j] = kt::from_f<T>(r * kt::to_f(wv[j]) * kt::to_f(gv[j]) - kt::to_f(v[j]) * c);
+    if constexpr (VEC) *reinterpret_cast<uint4 *>(gxr + i) = *reinterpret_cast<uint4 *>(out);
+    else gxr[i] = out[0];
+  });
+}
+
+// 32..256 threads: enough to cover a row's vectors once where possible.
+template <typename T> int threads_for(int64_t n, bool vec) {
+  int64_t chunks = vec ? n / (16 / sizeof(T)) : n;
+  int64_t t = ((chunks + 31) / 32) * 32;
+  return (int)(t < 32 ? 32 : t > 256 ? 256 : t);
+}
+
+template <typename T> bool vec_ok(int64_t n, std::initializer_list<const void *> ptrs) {
+  if (n % (16 / sizeof(T))) return false;
+  for (const void *p : ptrs)
+    if ((uintptr_t)p & 15) return false;
+  return true;
+}
+
+template <typename T>
+kt_status fwd(const void *x, const void *w, void *y, int64_t rows, int64_t n, float eps, cudaStream_t s) {
+  bool vec = vec_ok<T>(n, {x, w, y});
+  int th = threads_for<T>(n, vec);
+  if (vec) rms_norm_fwd<T, true><<<(unsigned)rows, th, 0, s>>>((const T *)x, (const T *)w, (T *)y, n, eps);
+  else rms_norm_fwd<T, false><<<(unsigned)rows, th, 0, s>>>((const T *)x, (const T *)w, (T *)y, n, eps);
+  return kt::status_of(cudaGetLastError());
+}
+
+template <typename T>
+kt_status bwd(const void *g, const void *x, const void *w, void *gx, float *rstd, int64_t rows, int64_t n, float eps,
+              cudaStream_t s) {
+  bool vec = vec_ok<T>(n, {g, x, w, gx});
+  int th = threads_for<T>(n, vec);
+  if (vec)
+    rms_norm_bwd<T, true><<<(unsigned)rows, th, 0, s>>>((const T *)g, (const T *)x, (const T *)w, (T *)gx, rstd, n, eps);
+  else
+    rms_norm_bwd<T, false><<<(unsigned)rows, th, 0, s>>>((const T *)g, (const T *)x, (const T *)w, (T *)gx, rstd, n,
+                                                         eps);
+  return kt::status_of(cudaGetLastError());
+}
+
+bool bad(int64_t rows, int64_t n, float eps) { return rows < 0 || rows > 0x7fffffff || n <= 0 || !(eps >= 0.f); }
+
+}  // namespace
+
+// ---- launchers ----
+extern "C" kt_status kt_rms_norm(kt_dtype t, const void *x, const void *w, void *y, int64_t rows, int64_t n, float eps,
+                                 void *stream) {
+  if (bad(rows, n, eps) || !x || !w || !y) return KT_ERR_INVALID;
+  if (rows == 0) return KT_OK;
+  cudaStream_t s = (cudaStream_t)stream;
+  switch (t) {
+    case KT_F32: return fwd<float>(x, w, y, rows, n, eps, s);
+    case KT_F16: return fwd<__half>(x, w, y, rows, n, eps, s);
+    case KT_BF16: return fwd<__nv_bfloat16>(x, w, y, rows, n, eps, s);
+  }
+  return KT_ERR_INVALID;
+}
+
+extern "C" kt_status kt_rms_norm_backward(kt_dtype t, const void *grad, const void *x, const void *w, void *grad_x,
+                                          float *rstd, int64_t rows, int64_t n, float eps, void *stream) {
+  if (bad(rows, n, eps) || !grad || !x || !w || !grad_x) return KT_ERR_INVALID;
+  if (rows == 0) return KT_OK;
+  cudaStream_t s = (cudaStream_t)stream;
+  switch (t) {
+    case KT_F32: return bwd<float>(grad, x, w, grad_x, rstd, rows, n, eps, s);
+    case KT_F16: return bwd<__half>(grad, x, w, grad_x, rstd, rows, n, eps, s);
+    case KT_BF16: return bwd<__nv_bfloat16>(grad, x, w, grad_x, rstd, rows, n, eps, s);
+  }
+  return KT_ERR_INVALID;
+}

@@ -1,9 +1,9 @@
 // fusion/kernels/rms_norm.cu — RMSNorm (LLaMA): y = x * rsqrt(mean(x^2) + eps) * w
 // over the last dimension, and its backward.
 //
-// One block per row. The forward keeps the row in registers when it fits (up to
-// 32 KB: 8 vectors a thread), so x is read once; longer rows are read twice, the
-// second time mostly from L1/L2. The backward needs no saved state: one pass
+// One block per row. For fp32 the forward keeps the row in registers when it fits
+// (up to 32 KB: 8 vectors a thread), so x is read once; otherwise it is read twice,
+// the second time mostly from L1/L2. The backward needs no saved state: one pass
 // forms sum(x^2) and sum(g * w * x) together, the second writes
 //   grad_x = r * w * g - x * r^3 / n * sum(g * w * x),   r = rsqrt(mean(x^2) + eps)
 // and r per row goes out for the weight's gradient (a reduction over rows).
@@ -59,7 +59,9 @@ __global__ void rms_norm_fwd(const T *x, const T *w, T *y, int64_t n, float eps)
   const T *xr = x + blockIdx.x * n;
   T *yr = y + blockIdx.x * n;
   const int64_t nv = n / V;
-  if constexpr (VEC) if (nv <= (int64_t)MAXC * blockDim.x) {   // the row is read once, into registers
+  // fp32 only: for 16-bit rows the re-reading loop below measured faster (94-98% of
+  // copy against 62-68% this way, bf16 rows of 4096 on the H100).
+  if constexpr (VEC && sizeof(T) == 4) if (nv <= (int64_t)MAXC * blockDim.x) {   // the row is read once
     T v[MAXC][V];
     float ss = 0.f;
 #pragma unroll

@@ -8,7 +8,7 @@ from ._native import KitsuneError, KitsuneNotBuiltError, KitsuneOutOfMemoryError
 
 __version__ = "0.1.0"
 __all__ = ["native", "KitsuneError", "KitsuneNotBuiltError", "KitsuneOutOfMemoryError", "allocator", "pinned",
-           "prefetch", "__version__"]
+           "prefetch", "optimize", "explain", "ops", "__version__"]
 
 
 def prefetch(loader, device="cuda", depth=2):
@@ -18,8 +18,20 @@ def prefetch(loader, device="cuda", depth=2):
     return _prefetch(loader, device, depth)
 
 
+def optimize(model, inplace=False, report=None):
+    """``model`` with matched patterns replaced by Kitsune's fused ops (see kitsune.fx)."""
+    from .fx import optimize as _optimize
+    return _optimize(model, inplace, report)
+
+
+def explain(model):
+    """What :func:`optimize` would fuse and leave in ``model``, with reasons (kitsune.fx)."""
+    from .fx import explain as _explain
+    return _explain(model)
+
+
 def __getattr__(name):
-    if name in ("allocator", "pinned", "data"):   # lazily: nothing native loads on `import kitsune`
+    if name in ("allocator", "pinned", "data", "ops", "fx"):   # lazily: nothing native loads on `import kitsune`
         import importlib
         return importlib.import_module("." + name, __name__)
     raise AttributeError(f"module 'kitsune' has no attribute {name!r}")

@@ -110,6 +110,22 @@ static inline kt_pool_t *test_pool(const kt_backend *be, size_t limit) {
   static void name##_teardown(void) { kt_pool_destroy(pool); kt_fake_backend_destroy(be); }  \
   TestSuite(name, .init = name##_setup, .fini = name##_teardown, ##__VA_ARGS__)
 
+/* A suite whose tests each get a fresh pinned pool (`pp`) over the backend under test
+ * (`hb`: the host fake, or cudaHostAlloc with KT_TEST_BACKEND=cuda). Needs kitsune/pinned.h. */
+#define PINNED_POOL_SUITE(name, ...)                                                          \
+  static const kt_backend *hb;                                                              \
+  static kt_pinned_pool_t *pp;                                                              \
+  static void name##_setup(void) {                                                          \
+    hb = test_backend(0);                                                                   \
+    cr_assert_eq(kt_pinned_create(hb, &pp), KT_OK);                                         \
+  }                                                                                         \
+  static void name##_teardown(void) {                                                       \
+    if (pp) kt_pinned_destroy(pp);                                                          \
+    pp = NULL;                                                                              \
+    test_backend_done();                                                                    \
+  }                                                                                         \
+  TestSuite(name, .init = name##_setup, .fini = name##_teardown, ##__VA_ARGS__)
+
 /* xorshift64*: deterministic per seed */
 static inline uint64_t test_rand(uint64_t *s) {
   *s ^= *s >> 12; *s ^= *s << 25; *s ^= *s >> 27;

@@ -6,18 +6,7 @@
 #include "common.h"
 #include "kitsune/pinned.h"
 
-static const kt_backend *hb;
-static kt_pinned_pool_t *pp;
-static void setup(void) {
-  hb = test_backend(0);
-  cr_assert_eq(kt_pinned_create(hb, &pp), KT_OK);
-}
-static void teardown(void) {
-  if (pp) kt_pinned_destroy(pp);
-  pp = NULL;
-  test_backend_done();
-}
-TestSuite(pinned, .init = setup, .fini = teardown, .timeout = 120);
+PINNED_POOL_SUITE(pinned, .timeout = 120);
 
 static void fill(void *p, size_t n, unsigned char v) { memset(p, v, n); }
 static void check(const void *p, size_t n, unsigned char v) {

@@ -13,24 +13,13 @@ enum { THREADS = 8, SLOTS = 32, RING = 256 };
 
 typedef struct blk { void *p; size_t n; unsigned char v; } blk;
 
-static const kt_backend *hb;
-static kt_pinned_pool_t *pp;
 static pthread_mutex_t ring_mu = PTHREAD_MUTEX_INITIALIZER;
 static blk ring[RING];
 static int ring_n;
 static atomic_int failures;
 static long ops_per_thread;
 
-static void setup(void) {
-  hb = test_backend(0);
-  cr_assert_eq(kt_pinned_create(hb, &pp), KT_OK);
-}
-static void teardown(void) {
-  if (pp) kt_pinned_destroy(pp);
-  pp = NULL;
-  test_backend_done();
-}
-TestSuite(pinned_stress, .init = setup, .fini = teardown, .timeout = 300);
+PINNED_POOL_SUITE(pinned_stress, .timeout = 300);
 
 static int intact(const blk *b) {
   const unsigned char *c = b->p;

@@ -1,6 +1,7 @@
 """kitsune.optimize / kitsune.explain: rewrite a model's FX graph to Kitsune's fused ops.
 
-The eager path. ``optimize(model)`` traces the model with torch.fx (a submodule
+The eager path, and ``torch.compile(model, backend="kitsune")`` (importing
+kitsune.fx registers the backend; see :func:`kitsune_backend`). ``optimize(model)`` traces the model with torch.fx (a submodule
 that cannot be traced is left as it is and its children are tried one by one),
 rewrites every pattern below whatever its spelling, and returns a module with the
 same outputs (within the ops' tolerance). ``explain(model)`` runs the same
@@ -10,7 +11,7 @@ left, with the reason.
 Patterns (each intermediate must have no other user, so nothing observable is lost):
   relu(a + b)              -> kitsune.add_relu(a, b)
   tanh(a * b)              -> kitsune.mul_tanh(a, b)
-  gelu(linear(x))          -> kitsune.bias_gelu(linear(x, W), bias)   (Linear with a bias)
+  gelu(linear(x))          -> kitsune.bias_gelu(linear(x, W), bias)   (nn.Linear or F.linear with a bias)
   gelu(x + bias)           -> kitsune.bias_gelu(x, bias)              (bias a 1-D parameter)
   silu(g) * u, u * silu(g) -> kitsune.swiglu(g, u)
   nn.RMSNorm / F.rms_norm  -> kitsune.rms_norm(x, weight, eps)        (with a weight and an eps)
@@ -127,10 +128,26 @@ def _rewrite(gm, report, prefix, apply):
                 op = "mul" if kind == "tanh" else "add"
                 bin_ = _binary(inner, op)
                 lin = _module(gm, inner) if kind == "gelu" else None
-                if bin_ is None and not isinstance(lin, nn.Linear):
+                flin = kind == "gelu" and inner.op == "call_function" and inner.target is F.linear
+                if bin_ is None and not isinstance(lin, nn.Linear) and not flin:
                     continue
                 if len(inner.users) != 1:
                     report.left.append((where, f"{kind}: its input {inner.name} is also used elsewhere"))
+                    continue
+                if flin:   # F.linear(x, W, b), e.g. in a torch.compile (Dynamo) graph
+                    args = list(inner.args) + [None] * 3
+                    bias = inner.kwargs.get("bias", args[2])
+                    if bias is None:
+                        report.left.append((where, "gelu(linear(x)): the Linear has no bias to fuse"))
+                        continue
+                    report.fused.append((where, f"gelu(linear) -> bias_gelu ({inner.name})"))
+                    if apply:
+                        with g.inserting_before(node):
+                            mm = g.call_function(F.linear, (inner.args[0], inner.kwargs.get("weight", args[1])))
+                            new = g.call_function(ko.bias_gelu, (mm, bias, approximate))
+                        node.replace_all_uses_with(new)
+                        g.erase_node(node)
+                        g.erase_node(inner)
                     continue
                 if isinstance(lin, nn.Linear):
                     if lin.bias is None:
@@ -191,7 +208,7 @@ def _rewrite(gm, report, prefix, apply):
             continue
         # ---- RMSNorm ----
         m = _module(gm, node)
-        is_fn = node.op == "call_function" and node.target is F.rms_norm
+        is_fn = node.op == "call_function" and node.target in (F.rms_norm, torch.rms_norm)
         if isinstance(m, nn.RMSNorm) or is_fn:
             if m is not None:
                 shape, weight, eps = tuple(m.normalized_shape), m.weight, m.eps
@@ -253,3 +270,28 @@ def explain(model):
     report = Report()
     _walk(model, report, "", apply=False)
     return report
+
+
+# ---- torch.compile(model, backend="kitsune") -------------------------------------
+last_compile_report = None   # the Report of the last graph the backend compiled
+
+
+def kitsune_backend(gm, example_inputs):
+    """A torch.compile backend: rewrites the Dynamo graph with the patterns above,
+    then hands it to Inductor, which traces the fused ops through their fake
+    kernels and autograd (forward and backward) and compiles the rest as usual."""
+    global last_compile_report
+    from torch._inductor.compile_fx import compile_fx
+    report = Report()
+    _rewrite(gm, report, "", apply=True)
+    last_compile_report = report
+    return compile_fx(gm, example_inputs)
+
+
+def _register_backend():
+    from torch._dynamo import list_backends, register_backend
+    if "kitsune" not in list_backends(exclude_tags=()):
+        register_backend(name="kitsune")(kitsune_backend)
+
+
+_register_backend()

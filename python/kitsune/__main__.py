@@ -18,6 +18,12 @@ def report():
         import torch
         cuda = torch.version.cuda or "none"
         print(f"  torch {torch.__version__} (CUDA {cuda}), cuda available: {torch.cuda.is_available()}")
+        try:
+            _native.bridge()
+            ops = sorted(n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("kitsune::"))
+            print(f"  torch bridge: loaded; torch.ops.kitsune: {', '.join(ops)}")
+        except _native.KitsuneError as e:
+            print(f"  torch bridge: not loaded ({str(e).split('. ')[0]})")
     except ImportError:
         print("  torch: not installed (needed from the PyTorch-allocator issue on)")
     for var in ("KITSUNE_LIBRARY", "NVTX_INJECTION64_PATH"):

@@ -211,3 +211,22 @@ def test_torch_compile_backend_rewrites_and_matches():
     g1, = torch.autograd.grad(out.sum(), x)
     g2, = torch.autograd.grad(ref.sum(), x)
     torch.testing.assert_close(g1, g2, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocks_on_the_gpu_eager_and_compiled(dtype):
+    """The rewritten GPT-2 and LLaMA blocks on the GPU (the fused CUDA kernels), eager
+    and through torch.compile(backend="kitsune"), against the original blocks."""
+    import kitsune.fx as kfx
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for make in (GPT2Block, LlamaBlock):
+        torch.manual_seed(3)
+        m = make().cuda().to(dtype)
+        x = torch.randn(4, 16, 32, device="cuda", dtype=dtype)
+        ref = m(x).float()
+        torch.testing.assert_close(kitsune.optimize(m)(x).float(), ref, rtol=tol, atol=tol)
+        out = torch.compile(m, backend="kitsune")(x).float()
+        assert kfx.last_compile_report.fused, kfx.last_compile_report
+        torch.testing.assert_close(out, ref, rtol=tol, atol=tol)

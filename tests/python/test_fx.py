@@ -4,6 +4,8 @@ graph runs the ops' CPU reference kernels here; the GPU kernels are checked
 against the same references in test_ops.py.)"""
 import pytest
 
+from test_torch_allocator import gpu
+
 torch = pytest.importorskip("torch")
 import kitsune  # noqa: E402
 import kitsune.ops as ko  # noqa: E402
@@ -214,7 +216,7 @@ def test_torch_compile_backend_rewrites_and_matches():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_blocks_on_the_gpu_eager_and_compiled(dtype):
     """The rewritten GPT-2 and LLaMA blocks on the GPU (the fused CUDA kernels), eager

@@ -61,6 +61,22 @@ class KitsuneAllocator;
 KitsuneAllocator* g_allocator = nullptr;
 void kitsune_delete(void* ctx);
 
+// KITSUNE_* run-time option as an int; dflt when unset or empty.
+int env_int(const char* name, int dflt) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::atoi(v) : dflt;
+}
+
+// A Kitsune pool on the CUDA backend for `device` with the process's options: every
+// pool the bridge makes (per device, private, MemPool segments) comes from here.
+kt_status create_device_pool(int device, kt_pool_t** out) {
+  kt_pool_options o;
+  kt_pool_options_default(&o);
+  o.device = device;
+  o.release_on_grow = env_int("KITSUNE_RELEASE_ON_GROW", o.release_on_grow) != 0;
+  return kt_pool_create(&o, kt_cuda_backend(), out);
+}
+
 Stat to_stat(const kt_stat& s) {
   Stat out;
   out.current = s.current;
@@ -111,14 +127,10 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
   void init(int device_count) override {
     std::lock_guard<std::mutex> g(mu_);
     while (static_cast<int>(pools_.size()) < device_count) {
-      kt_pool_options o;
-      kt_pool_options_default(&o);
-      o.device = static_cast<int>(pools_.size());
-      const char* rog = std::getenv("KITSUNE_RELEASE_ON_GROW");
-      if (rog && *rog) o.release_on_grow = std::atoi(rog) != 0;
+      int dev = static_cast<int>(pools_.size());
       kt_pool_t* p = nullptr;
-      kt_status st = kt_pool_create(&o, kt_cuda_backend(), &p);
-      TORCH_CHECK(st == KT_OK, "Kitsune: creating the pool for device ", o.device, " failed: ", kt_status_str(st));
+      kt_status st = create_device_pool(dev, &p);
+      TORCH_CHECK(st == KT_OK, "Kitsune: creating the pool for device ", dev, " failed: ", kt_status_str(st));
       pools_.push_back(p);
     }
     initialized_ = true;
@@ -405,11 +417,8 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
   Private* incref_private_locked(c10::DeviceIndex dev, c10::cuda::MempoolId_t id) {
     Private* p = find_private(dev, id);
     if (!p) {
-      kt_pool_options o;
-      kt_pool_options_default(&o);
-      o.device = dev;
       kt_pool_t* kp = nullptr;
-      kt_status st = kt_pool_create(&o, kt_cuda_backend(), &kp);
+      kt_status st = create_device_pool(dev, &kp);
       TORCH_CHECK(st == KT_OK, "Kitsune: creating a private pool on device ", dev, " failed: ", kt_status_str(st));
       private_.push_back(Private{dev, id, kp, nullptr, false, 0});
       p = &private_.back();
@@ -563,16 +572,21 @@ std::mutex g_pinned_mu;
 kt_pinned_pool_t* g_pinned = nullptr;
 kt_backend* g_pinned_fake = nullptr;   // host fake backend, for tests without a GPU
 
+// Creates g_pinned over `backend` with the process's options (g_pinned_mu held).
+kt_status create_pinned_locked(const kt_backend* backend) {
+  kt_status st = kt_pinned_create(backend, &g_pinned);
+  if (st == KT_OK) kt_pinned_set_release_on_grow(g_pinned, env_int("KITSUNE_PINNED_RELEASE_ON_GROW", 1));
+  return st;
+}
+
 // The process's pinned pool, created on first use over the CUDA backend.
 kt_pinned_pool_t* pinned_pool() {
   std::lock_guard<std::mutex> g(g_pinned_mu);
   if (g_pinned) return g_pinned;
   TORCH_CHECK(kt_cuda_device_count() > 0,
               "kitsune.pinned: page-locked memory needs a CUDA device, and none is visible");
-  kt_status st = kt_pinned_create(kt_cuda_backend(), &g_pinned);
+  kt_status st = create_pinned_locked(kt_cuda_backend());
   TORCH_CHECK(st == KT_OK, "kitsune.pinned: creating the pinned pool failed: ", kt_status_str(st));
-  const char* rog = std::getenv("KITSUNE_PINNED_RELEASE_ON_GROW");
-  if (rog && *rog) kt_pinned_set_release_on_grow(g_pinned, std::atoi(rog));
   return g_pinned;
 }
 
@@ -638,9 +652,16 @@ void check_launch(kt_status st, const char* op) {
 
 void* stream_of(const Tensor& t) { return at::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
 
-// Operands broadcast to one shape, contiguous.
+// Operands broadcast to one shape, contiguous. The common case (same shapes,
+// contiguous) returns the inputs as they are: no view, no copy on the launch path.
 std::vector<Tensor> broadcast_dense(std::initializer_list<Tensor> ts) {
   std::vector<Tensor> v(ts);
+  bool same = true;
+  for (const auto& t : v) same = same && t.sizes() == v[0].sizes();
+  if (same) {
+    for (auto& t : v) t = t.contiguous();   // a no-op for contiguous tensors
+    return v;
+  }
   c10::DimVector shape(v[0].sizes().begin(), v[0].sizes().end());
   for (size_t i = 1; i < v.size(); i++) shape = at::infer_size_dimvector(shape, v[i].sizes());
   for (auto& t : v) t = t.expand(shape).contiguous();
@@ -885,10 +906,7 @@ __attribute__((visibility("default"))) int kt_bridge_pinned_use_host_memory(void
   std::lock_guard<std::mutex> g(g_pinned_mu);
   if (g_pinned) return 1;
   g_pinned_fake = kt_fake_backend_create(0);
-  if (!g_pinned_fake || kt_pinned_create(g_pinned_fake, &g_pinned) != KT_OK) return 1;
-  const char* rog = std::getenv("KITSUNE_PINNED_RELEASE_ON_GROW");
-  if (rog && *rog) kt_pinned_set_release_on_grow(g_pinned, std::atoi(rog));
-  return 0;
+  return !g_pinned_fake || create_pinned_locked(g_pinned_fake) != KT_OK;
 }
 
 // KT_ERR_UNAVAILABLE (and zeros) before the pool exists.
@@ -928,12 +946,8 @@ kt_pool_t* seg_pool(int device, bool create) {
     if (!create) return nullptr;
     g_seg_pools.resize(device + 1, nullptr);
   }
-  if (!g_seg_pools[device] && create) {
-    kt_pool_options o;
-    kt_pool_options_default(&o);
-    o.device = device;
-    if (kt_pool_create(&o, kt_cuda_backend(), &g_seg_pools[device]) != KT_OK) g_seg_pools[device] = nullptr;
-  }
+  if (!g_seg_pools[device] && create && create_device_pool(device, &g_seg_pools[device]) != KT_OK)
+    g_seg_pools[device] = nullptr;
   return g_seg_pools[device];
 }
 }  // namespace
@@ -956,11 +970,6 @@ __attribute__((visibility("default"))) void kt_bridge_seg_free(void* ptr, size_t
 __attribute__((visibility("default"))) int kt_bridge_seg_stats(int device, kt_stats* out) {
   kt_pool_t* p = seg_pool(device, false);
   return p ? kt_get_stats(p, out) : KT_ERR_UNAVAILABLE;
-}
-
-__attribute__((visibility("default"))) int kt_bridge_seg_empty_cache(int device) {
-  kt_pool_t* p = seg_pool(device, false);
-  return p ? kt_empty_cache(p) : KT_OK;
 }
 
 }  // extern "C"

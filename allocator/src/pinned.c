@@ -35,10 +35,10 @@
  *   lg_extent_max_active_fit:0  a cached extent serves only its own size class.
  *                          Carving big idle extents for smaller requests left
  *                          chunks shared by live blocks, never wholly idle: on a
- *                          random mix of batch sizes that pinned 1.5-1.8x the live
- *                          bytes, against 1.15x this way (host-memory runs of
- *                          bench/data/pinned_footprint.py; the price is more pinning
- *                          calls when sizes keep changing - see that benchmark).
+ *                          random mix of batch sizes jemalloc's default (6), with
+ *                          chunks kept, pinned 1.658x the requested bytes against
+ *                          1.146x this way (bench/results/pinned_footprint.json, H100;
+ *                          the price is more pinning calls when sizes keep changing).
  * KT_JE_MALLOC_CONF in the environment overrides these (jemalloc reads it).
  * Metadata never lives in pinned memory (arenas_create_ext, metadata_use_hooks=0).
  */
@@ -105,9 +105,10 @@ struct kt_pinned_pool {
 
 /* Set by kt_pinned_alloc around its mallocx, read by h_alloc on the same thread:
  * while `refuse` is set, a new chunk is refused when the idle pinned bytes come to
- * at least half of it,
- * and `refused` tells kt_pinned_alloc to trim and try again (once). */
-static _Thread_local struct { const kt_pinned_pool_t *pool; int refuse, refused; } t_grow;
+ * at least half of it, and `refused` tells kt_pinned_alloc to trim and try again
+ * (once); `pin_failed` tells it the backend refused to pin (out of memory, not a
+ * host metadata failure). */
+static _Thread_local struct { const kt_pinned_pool_t *pool; int refuse, refused, pin_failed; } t_grow;
 
 static kt_pinned_pool_t *pool_of(extent_hooks_t *h) { return (kt_pinned_pool_t *)h; }
 
@@ -185,6 +186,7 @@ static void *h_alloc(extent_hooks_t *h, void *new_addr, size_t size, size_t alig
     pthread_mutex_lock(&p->mu);
     p->st.num_failed_pins++;
     pthread_mutex_unlock(&p->mu);
+    if (t_grow.pool == p) t_grow.pin_failed = 1;
     return NULL;
   }
   void *mem = (void *)(((uintptr_t)raw + alignment - 1) & ~(uintptr_t)(alignment - 1));
@@ -402,14 +404,9 @@ kt_status kt_pinned_alloc(kt_pinned_pool_t *p, size_t size, void **out) {
   if (size == 0) return KT_OK;
   if (size > KT_PINNED_MAX_ALLOC) return KT_ERR_OOM;
   if (p->npending) poll_pending(p);   /* racy read: a miss only delays a reuse */
-  pthread_mutex_lock(&p->mu);   /* room in the live table first: nothing to undo later */
-  int bad = 2 * (p->tcount + 1) > p->tcap && live_grow(p);
-  uint64_t failed_before = p->st.num_failed_pins;
-  pthread_mutex_unlock(&p->mu);
-  if (bad) return KT_ERR_HOST_OOM;
   t_grow.pool = p;
   t_grow.refuse = p->release_on_grow;
-  t_grow.refused = 0;
+  t_grow.refused = t_grow.pin_failed = 0;
   void *mem = kt_je_mallocx(size, p->flags);
   if (!mem && t_grow.refused) {   /* growing while idle bytes are pinned: give them back first */
     t_grow.refuse = 0;
@@ -420,16 +417,11 @@ kt_status kt_pinned_alloc(kt_pinned_pool_t *p, size_t size, void **out) {
     mem = kt_je_mallocx(size, p->flags);
   }
   t_grow.pool = NULL;
-  if (!mem) {
-    pthread_mutex_lock(&p->mu);
-    int refused = p->st.num_failed_pins != failed_before;
-    pthread_mutex_unlock(&p->mu);
-    /* A refused pin is out of (pinnable) memory; otherwise jemalloc's metadata failed. */
-    return refused ? KT_ERR_OOM : KT_ERR_HOST_OOM;
-  }
+  /* A refused pin is out of (pinnable) memory; otherwise jemalloc's metadata failed. */
+  if (!mem) return t_grow.pin_failed ? KT_ERR_OOM : KT_ERR_HOST_OOM;
   size_t usable = kt_je_sallocx(mem, 0);
   pthread_mutex_lock(&p->mu);
-  if (2 * (p->tcount + 1) > p->tcap && live_grow(p)) {   /* another thread filled it */
+  if (2 * (p->tcount + 1) > p->tcap && live_grow(p)) {   /* no room to remember the block: undo */
     pthread_mutex_unlock(&p->mu);
     kt_je_dallocx(mem, p->flags);
     return KT_ERR_HOST_OOM;

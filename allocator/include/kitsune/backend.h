@@ -45,9 +45,11 @@ typedef struct kt_backend {
   /* Device memory; may be NULL (then fractions and OOM device numbers are unavailable). */
   kt_status (*mem_info)(void *ctx, int device, size_t *free_bytes, size_t *total_bytes);
   /* Page-locked host memory for the pinned pool (kitsune/pinned.h); may be NULL.
-   * host_alloc returns memory aligned to at least 4 KiB that any device may copy
-   * from asynchronously (cudaHostAlloc, portable), or KT_ERR_OOM when pinning
-   * fails. host_free gets exactly what host_alloc returned. */
+   * host_alloc returns memory any device may copy from asynchronously
+   * (cudaHostAlloc, portable), or KT_ERR_OOM when pinning fails. No alignment is
+   * promised beyond 16 bytes: cudaHostAlloc places some sizes off page boundaries
+   * (seen on the H100 machine), so the pool aligns what it needs itself.
+   * host_free gets exactly what host_alloc returned. */
   kt_status (*host_alloc)(void *ctx, size_t size, void **out);
   kt_status (*host_free)(void *ctx, void *ptr, size_t size);
 } kt_backend;

@@ -109,10 +109,6 @@ def _param(gm, node):
     return None
 
 
-def _where(node):
-    return node.meta.get("kitsune_where", node.name)
-
-
 def _rewrite(gm, report, prefix, apply):
     from . import ops as ko   # loads the bridge (the ops' CPU and CUDA kernels)
     g = gm.graph

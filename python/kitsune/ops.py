@@ -94,10 +94,6 @@ def _sum_to(g, like):
     return g if g.shape == like.shape else g.sum_to_size(like.shape)
 
 
-def _save_inputs(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
-
-
 def _add_relu_setup(ctx, inputs, output):
     a, b = inputs
     ctx.shapes = (a.shape, b.shape)
@@ -107,51 +103,45 @@ def _add_relu_setup(ctx, inputs, output):
 def _add_relu_bwd(ctx, grad):
     (out,) = ctx.saved_tensors
     g = _lib.add_relu_backward(grad, out)
-    sa, sb = ctx.shapes
-    return (g if g.shape == sa else g.sum_to_size(sa)), (g if g.shape == sb else g.sum_to_size(sb))
+    return tuple(g if g.shape == s else g.sum_to_size(s) for s in ctx.shapes)
 
 
-def _mul_tanh_bwd(ctx, grad):
-    a, b = ctx.saved_tensors
-    ga, gb = _lib.mul_tanh_backward(grad, a, b)
-    return _sum_to(ga, a), _sum_to(gb, b)
+def _binary(backward):
+    """(setup, backward) for an op f(a, b) whose backward op takes (grad, a, b) and
+    returns both gradients at the broadcast shape (mul_tanh, swiglu)."""
+    def setup(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    def bwd(ctx, grad):
+        a, b = ctx.saved_tensors
+        ga, gb = backward(grad, a, b)
+        return _sum_to(ga, a), _sum_to(gb, b)
+    return bwd, setup
 
 
-def _bias_gelu_setup(ctx, inputs, output):
-    x, bias, approximate = inputs
-    ctx.approximate = approximate
-    ctx.save_for_backward(x, bias)
+def _with_param(backward):
+    """(setup, backward) for an op f(x, p, option) - bias_gelu(x, bias, approximate),
+    rms_norm(x, weight, eps) - whose backward op takes (grad, x, p, option) and
+    returns (grad_x, grad_p)."""
+    def setup(ctx, inputs, output):
+        x, p, ctx.option = inputs
+        ctx.save_for_backward(x, p)
+
+    def bwd(ctx, grad):
+        x, p = ctx.saved_tensors
+        gx, gp = backward(grad, x, p, ctx.option)
+        return gx, gp, None
+    return bwd, setup
 
 
-def _bias_gelu_bwd(ctx, grad):
-    x, bias = ctx.saved_tensors
-    gx, gb = _lib.bias_gelu_backward(grad, x, bias, ctx.approximate)
-    return gx, gb, None
-
-
-def _swiglu_bwd(ctx, grad):
-    gate, up = ctx.saved_tensors
-    gg, gu = _lib.swiglu_backward(grad, gate, up)
-    return _sum_to(gg, gate), _sum_to(gu, up)
-
-
-def _rms_norm_setup(ctx, inputs, output):
-    x, weight, eps = inputs
-    ctx.eps = eps
-    ctx.save_for_backward(x, weight)
-
-
-def _rms_norm_bwd(ctx, grad):
-    x, weight = ctx.saved_tensors
-    gx, gw = _lib.rms_norm_backward(grad, x, weight, ctx.eps)
-    return gx, gw, None
-
-
-torch.library.register_autograd("kitsune::rms_norm", _rms_norm_bwd, setup_context=_rms_norm_setup)
-torch.library.register_autograd("kitsune::add_relu", _add_relu_bwd, setup_context=_add_relu_setup)
-torch.library.register_autograd("kitsune::mul_tanh", _mul_tanh_bwd, setup_context=_save_inputs)
-torch.library.register_autograd("kitsune::bias_gelu", _bias_gelu_bwd, setup_context=_bias_gelu_setup)
-torch.library.register_autograd("kitsune::swiglu", _swiglu_bwd, setup_context=_save_inputs)
+for _name, (_bwd, _setup) in {
+    "add_relu": (_add_relu_bwd, _add_relu_setup),
+    "mul_tanh": _binary(_lib.mul_tanh_backward),
+    "swiglu": _binary(_lib.swiglu_backward),
+    "bias_gelu": _with_param(_lib.bias_gelu_backward),
+    "rms_norm": _with_param(_lib.rms_norm_backward),
+}.items():
+    torch.library.register_autograd(f"kitsune::{_name}", _bwd, setup_context=_setup)
 
 
 # ---- the Python API ------------------------------------------------------------

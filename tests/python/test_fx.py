@@ -110,6 +110,14 @@ def test_untraceable_modules_fall_back_to_their_children():
     torch.testing.assert_close(opt(-x), m(-x))
 
 
+def _causal_attention(qkv, h):
+    """Multi-head causal self-attention of a fused q|k|v projection (b, t, 3d)."""
+    b, t, d = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
+    q, k, v = qkv.split(d, dim=2)   # unpacked here: torch.fx cannot iterate a Proxy
+    q, k, v = (z.view(b, t, h, d // h).transpose(1, 2) for z in (q, k, v))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+
+
 class GPT2Block(nn.Module):
     def __init__(self, d=32, h=4):
         super().__init__()
@@ -119,11 +127,7 @@ class GPT2Block(nn.Module):
         self.gelu, self.h = nn.GELU(approximate="tanh"), h
 
     def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.h, d // self.h).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
-        x = x + self.proj(y)
+        x = x + self.proj(_causal_attention(self.qkv(self.ln1(x)), self.h))
         return x + self.out(self.gelu(self.fc(self.ln2(x))))
 
 
@@ -136,11 +140,7 @@ class LlamaBlock(nn.Module):
         self.h = h
 
     def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.n1(x)).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.h, d // self.h).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
-        x = x + self.o(y)
+        x = x + self.o(_causal_attention(self.qkv(self.n1(x)), self.h))
         hdn = self.n2(x)
         return x + self.w2(F.silu(self.w1(hdn)) * self.w3(hdn))
 

@@ -42,7 +42,7 @@ LIB_SRC := $(wildcard allocator/src/*.c) $(wildcard allocator/backends/*.c)
 # Fused kernels: SASS for sm_80 and sm_90, PTX for newer GPUs; linked into libkitsune.so
 FUSION_CU := $(wildcard fusion/kernels/*.cu)
 FUSION_OBJ := $(patsubst %.cu,$(BUILD)/obj/%.o,$(FUSION_CU))
-NVCC_FLAGS := -std=c++17 -O3 --extended-lambda -Xcompiler -fPIC -Ifusion/include -Iallocator/include \
+NVCC_FLAGS := -std=c++17 -O3 -Xcompiler -fPIC -Ifusion/include -Iallocator/include \
   -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
 LIB_HDR := $(wildcard allocator/include/kitsune/*.h) $(wildcard allocator/src/*.h)
 OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(LIB_SRC))

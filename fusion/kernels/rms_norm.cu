@@ -9,7 +9,7 @@
 // and r per row goes out for the weight's gradient (a reduction over rows).
 // Statistics are fp32; rows whose pointers are 16-byte aligned with n a multiple
 // of the vector width use 16-byte loads.
-#include "elementwise.cuh"
+#include "rows.cuh"
 
 namespace {
 
@@ -17,39 +17,7 @@ namespace {
 // r = 1 / sqrt(sum(x^2) / n + eps); y_i = x_i * r * w_i
 
 // ---- kernels ----
-__device__ __forceinline__ float2 warp_sum2(float2 v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    v.x += __shfl_xor_sync(0xffffffffu, v.x, o);
-    v.y += __shfl_xor_sync(0xffffffffu, v.y, o);
-  }
-  return v;
-}
-
-// Sum over the block; every thread gets the result.
-__device__ float2 block_sum2(float2 v) {
-  __shared__ float2 part[32];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
-  v = warp_sum2(v);
-  __syncthreads();   // part[] may still be read from a previous call
-  if (lane == 0) part[warp] = v;
-  __syncthreads();
-  v = lane < nwarps ? part[lane] : make_float2(0.f, 0.f);
-  return warp_sum2(v);
-}
-
-// Calls f(i, x[V]) for every V-element chunk of a row owned by this thread.
-template <typename T, bool VEC> struct Row {
-  static constexpr int V = VEC ? 16 / sizeof(T) : 1;
-  template <typename F> __device__ static void each(const T *row, int64_t n, F f) {
-    for (int64_t c = threadIdx.x; c < n / V; c += blockDim.x) {
-      T v[V];
-      if constexpr (VEC) *reinterpret_cast<uint4 *>(v) = reinterpret_cast<const uint4 *>(row)[c];
-      else v[0] = row[c];
-      f(c * V, v);
-    }
-  }
-};
+using kt::Row;
 
 template <typename T, bool VEC>
 __global__ void rms_norm_fwd(const T *x, const T *w, T *y, int64_t n, float eps) {
@@ -74,7 +42,7 @@ __global__ void rms_norm_fwd(const T *x, const T *w, T *y, int64_t n, float eps)
         for (int j = 0; j < V; j++) { float f = kt::to_f(v[k][j]); ss += f * f; }
       }
     }
-    const float r = rsqrtf(block_sum2(make_float2(ss, 0.f)).x / (float)n + eps);
+    const float r = rsqrtf(kt::block_sum<1>({{ss}}).v[0] / (float)n + eps);
 #pragma unroll
     for (int k = 0; k < MAXC; k++) {
       const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
@@ -93,7 +61,7 @@ __global__ void rms_norm_fwd(const T *x, const T *w, T *y, int64_t n, float eps)
 #pragma unroll
     for (int j = 0; j < V; j++) { float f = kt::to_f(v[j]); ss += f * f; }
   });
-  const float r = rsqrtf(block_sum2(make_float2(ss, 0.f)).x / (float)n + eps);
+  const float r = rsqrtf(kt::block_sum<1>({{ss}}).v[0] / (float)n + eps);
   R::each(xr, n, [&](int64_t i, const T *v) {
     T wv[V], out[V];
     if constexpr (VEC) *reinterpret_cast<uint4 *>(wv) = *reinterpret_cast<const uint4 *>(w + i);
@@ -112,10 +80,7 @@ __global__ void rms_norm_bwd(const T *g, const T *x, const T *w, T *gx, float *r
   const int64_t off = blockIdx.x * n;
   const T *xr = x + off, *gr = g + off;
   T *gxr = gx + off;
-  auto load = [](const T *p, int64_t i, T *v) {
-    if constexpr (VEC) *reinterpret_cast<uint4 *>(v) = *reinterpret_cast<const uint4 *>(p + i);
-    else v[0] = p[i];
-  };
+  auto load = kt::load_v<T, VEC>;
   float ss = 0.f, dot = 0.f;
   R::each(xr, n, [&](int64_t i, const T *v) {
     T gv[V], wv[V];
@@ -128,9 +93,9 @@ __global__ void rms_norm_bwd(const T *g, const T *x, const T *w, T *gx, float *r
       dot += kt::to_f(gv[j]) * kt::to_f(wv[j]) * f;
     }
   });
-  const float2 s = block_sum2(make_float2(ss, dot));
-  const float r = rsqrtf(s.x / (float)n + eps);
-  const float c = s.y * r * r * r / (float)n;
+  const kt::Fv<2> s = kt::block_sum<2>({{ss, dot}});
+  const float r = rsqrtf(s.v[0] / (float)n + eps);
+  const float c = s.v[1] * r * r * r / (float)n;
   if (rstd && threadIdx.x == 0) rstd[blockIdx.x] = r;
   R::each(xr, n, [&](int64_t i, const T *v) {
     T gv[V], wv[V], out[V];
@@ -144,24 +109,10 @@ __global__ void rms_norm_bwd(const T *g, const T *x, const T *w, T *gx, float *r
   });
 }
 
-// 32..256 threads: enough to cover a row's vectors once where possible.
-template <typename T> int threads_for(int64_t n, bool vec) {
-  int64_t chunks = vec ? n / (16 / sizeof(T)) : n;
-  int64_t t = ((chunks + 31) / 32) * 32;
-  return (int)(t < 32 ? 32 : t > 256 ? 256 : t);
-}
-
-template <typename T> bool vec_ok(int64_t n, std::initializer_list<const void *> ptrs) {
-  if (n % (16 / sizeof(T))) return false;
-  for (const void *p : ptrs)
-    if ((uintptr_t)p & 15) return false;
-  return true;
-}
-
 template <typename T>
 kt_status fwd(const void *x, const void *w, void *y, int64_t rows, int64_t n, float eps, cudaStream_t s) {
-  bool vec = vec_ok<T>(n, {x, w, y});
-  int th = threads_for<T>(n, vec);
+  bool vec = kt::row_vec_ok<T>(n, {x, w, y});
+  int th = kt::row_threads<T>(n, vec);
   if (vec) rms_norm_fwd<T, true><<<(unsigned)rows, th, 0, s>>>((const T *)x, (const T *)w, (T *)y, n, eps);
   else rms_norm_fwd<T, false><<<(unsigned)rows, th, 0, s>>>((const T *)x, (const T *)w, (T *)y, n, eps);
   return kt::status_of(cudaGetLastError());
@@ -170,8 +121,8 @@ kt_status fwd(const void *x, const void *w, void *y, int64_t rows, int64_t n, fl
 template <typename T>
 kt_status bwd(const void *g, const void *x, const void *w, void *gx, float *rstd, int64_t rows, int64_t n, float eps,
               cudaStream_t s) {
-  bool vec = vec_ok<T>(n, {g, x, w, gx});
-  int th = threads_for<T>(n, vec);
+  bool vec = kt::row_vec_ok<T>(n, {g, x, w, gx});
+  int th = kt::row_threads<T>(n, vec);
   if (vec)
     rms_norm_bwd<T, true><<<(unsigned)rows, th, 0, s>>>((const T *)g, (const T *)x, (const T *)w, (T *)gx, rstd, n, eps);
   else

@@ -16,6 +16,19 @@ Ops (reference semantics):
   bias_gelu(x, bias, approximate="none")   gelu(x + bias), bias along the last dim
   swiglu(gate, up)             silu(gate) * up
   rms_norm(x, weight, eps=1e-6)   x * rsqrt(mean(x^2, -1) + eps) * weight
+  layer_norm_relu(x, normalized_shape, weight=None, bias=None, eps=1e-5)
+                               relu(layer_norm(x, normalized_shape, weight, bias, eps))
+  add_layer_norm(x, residual, weight=None, bias=None, eps=1e-5)
+                               (x + residual, layer_norm(x + residual)) over the last dim
+  cross_entropy(logits, target, ignore_index=-100, label_smoothing=0.0)
+                               F.cross_entropy (mean), the softmax never stored
+  linear_cross_entropy(x, weight, target, bias=None, ignore_index=-100,
+                       label_smoothing=0.0, chunk_size=0)
+                               F.cross_entropy(F.linear(x, weight, bias), target) in row
+                               chunks: the full logits tensor never exists
+  sum_squared(x, dim=None, keepdim=False)   sum(x * x)
+  mean_abs(x, dim=None, keepdim=False)      mean(|x|)
+  attention_score(q, k, scale=None)         (q @ k^T) * scale, scale = 1/sqrt(d) by default
 Binary ops broadcast like ``a + b``. dtypes: float32, float16, bfloat16.
 """
 import torch
@@ -89,6 +102,72 @@ def _(grad, x, weight, eps=1e-6):
     return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight)
 
 
+@torch.library.register_fake("kitsune::layer_norm_relu")
+def _(x, normalized_shape, weight=None, bias=None, eps=1e-5):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _param_grads(like, weight, bias):
+    def g(p):
+        return torch.empty_like(p) if p is not None else like.new_empty((0,))
+    return g(weight), g(bias)
+
+
+@torch.library.register_fake("kitsune::layer_norm_relu_backward")
+def _(grad, x, normalized_shape, weight, bias, eps):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format), *_param_grads(x, weight, bias))
+
+
+@torch.library.register_fake("kitsune::add_layer_norm")
+def _(x, residual, weight=None, bias=None, eps=1e-5):
+    torch._check(x.shape == residual.shape, lambda: f"kitsune.add_layer_norm: x and residual must have one shape; "
+                                                     f"got {tuple(x.shape)} and {tuple(residual.shape)}")
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(x, memory_format=torch.contiguous_format))
+
+
+@torch.library.register_fake("kitsune::add_layer_norm_backward")
+def _(grad, grad_sum, sum, weight, bias, eps):
+    return (torch.empty_like(sum, memory_format=torch.contiguous_format), *_param_grads(sum, weight, bias))
+
+
+@torch.library.register_fake("kitsune::cross_entropy")
+def _(logits, target, ignore_index=-100, label_smoothing=0.0):
+    return logits.new_empty(())
+
+
+@torch.library.register_fake("kitsune::cross_entropy_backward")
+def _(grad, logits, target, ignore_index=-100, label_smoothing=0.0):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("kitsune::linear_cross_entropy")
+def _(x, weight, target, bias=None, ignore_index=-100, label_smoothing=0.0, chunk_size=0):
+    return x.new_empty(())
+
+
+@torch.library.register_fake("kitsune::linear_cross_entropy_grads")
+def _(x, weight, target, bias=None, ignore_index=-100, label_smoothing=0.0, chunk_size=0):
+    return (x.new_empty(()), torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight),
+            torch.empty_like(bias) if bias is not None else x.new_empty((0,)))
+
+
+def _reduced_shape(x, dim, keepdim):
+    nd = max(x.dim(), 1)
+    dims = set(range(nd)) if not dim else {d % nd for d in dim}
+    return [1 if d in dims else x.shape[d] for d in range(x.dim()) if keepdim or d not in dims]
+
+
+@torch.library.register_fake("kitsune::sum_squared")
+def _(x, dim=None, keepdim=False):
+    return x.new_empty(_reduced_shape(x, dim, keepdim))
+
+
+@torch.library.register_fake("kitsune::mean_abs")
+def _(x, dim=None, keepdim=False):
+    return x.new_empty(_reduced_shape(x, dim, keepdim))
+
+
 # ---- autograd: backward ops; broadcast gradients are summed to each input's shape ----
 def _sum_to(g, like):
     return g if g.shape == like.shape else g.sum_to_size(like.shape)
@@ -134,12 +213,95 @@ def _with_param(backward):
     return bwd, setup
 
 
+def _none_if_empty(g, p):
+    return g if p is not None else None
+
+
+def _ln_relu_setup(ctx, inputs, output):
+    x, ctx.shape, weight, bias, ctx.eps = inputs
+    ctx.save_for_backward(x, weight, bias)
+
+
+def _ln_relu_bwd(ctx, grad):
+    x, weight, bias = ctx.saved_tensors
+    gx, gw, gb = _lib.layer_norm_relu_backward(grad, x, ctx.shape, weight, bias, ctx.eps)
+    return gx, None, _none_if_empty(gw, weight), _none_if_empty(gb, bias), None
+
+
+def _add_ln_setup(ctx, inputs, output):
+    _, _, weight, bias, ctx.eps = inputs
+    ctx.save_for_backward(output[0], weight, bias)
+
+
+def _add_ln_bwd(ctx, grad_sum, grad):
+    h, weight, bias = ctx.saved_tensors
+    if grad is None:
+        grad = torch.zeros_like(h)
+    gh, gw, gb = _lib.add_layer_norm_backward(grad, grad_sum, h, weight, bias, ctx.eps)
+    return gh, gh, _none_if_empty(gw, weight), _none_if_empty(gb, bias), None
+
+
+def _ce_setup(ctx, inputs, output):
+    logits, target, ctx.ignore_index, ctx.label_smoothing = inputs
+    ctx.save_for_backward(logits, target)
+
+
+def _ce_bwd(ctx, grad):
+    logits, target = ctx.saved_tensors
+    return _lib.cross_entropy_backward(grad, logits, target, ctx.ignore_index, ctx.label_smoothing), None, None, None
+
+
+def _lce_setup(ctx, inputs, output):
+    x, weight, target, bias, *ctx.options = inputs
+    ctx.save_for_backward(x, weight, target, bias)
+
+
+def _lce_bwd(ctx, grad):
+    # The op called directly recomputes the chunks here; kitsune.ops.linear_cross_entropy
+    # computes the gradients in the forward instead (no second pass over the logits).
+    x, weight, target, bias = ctx.saved_tensors
+    _, gx, gw, gb = _lib.linear_cross_entropy_grads(x, weight, target, bias, *ctx.options)
+    return gx * grad, gw * grad, None, (gb * grad if bias is not None else None), None, None, None
+
+
+def _unreduce(grad, x, dim, keepdim):
+    """grad of a reduction over `dim`, reshaped so it broadcasts against x."""
+    if keepdim or x.dim() == 0:
+        return grad
+    nd = x.dim()
+    dims = set(range(nd)) if not dim else {d % nd for d in dim}
+    return grad.reshape([1 if d in dims else x.shape[d] for d in range(nd)])
+
+
+def _reduce_setup(ctx, inputs, output):
+    x, ctx.dim, ctx.keepdim = inputs
+    ctx.save_for_backward(x)
+
+
+def _sum_squared_bwd(ctx, grad):
+    (x,) = ctx.saved_tensors
+    return 2 * x * _unreduce(grad, x, ctx.dim, ctx.keepdim), None, None
+
+
+def _mean_abs_bwd(ctx, grad):
+    (x,) = ctx.saved_tensors
+    g = _unreduce(grad, x, ctx.dim, ctx.keepdim)
+    n = x.numel() // max(g.numel(), 1) if x.numel() else 1
+    return torch.sign(x) * g / n, None, None
+
+
 for _name, (_bwd, _setup) in {
     "add_relu": (_add_relu_bwd, _add_relu_setup),
     "mul_tanh": _binary(_lib.mul_tanh_backward),
     "swiglu": _binary(_lib.swiglu_backward),
     "bias_gelu": _with_param(_lib.bias_gelu_backward),
     "rms_norm": _with_param(_lib.rms_norm_backward),
+    "layer_norm_relu": (_ln_relu_bwd, _ln_relu_setup),
+    "add_layer_norm": (_add_ln_bwd, _add_ln_setup),
+    "cross_entropy": (_ce_bwd, _ce_setup),
+    "linear_cross_entropy": (_lce_bwd, _lce_setup),
+    "sum_squared": (_sum_squared_bwd, _reduce_setup),
+    "mean_abs": (_mean_abs_bwd, _reduce_setup),
 }.items():
     torch.library.register_autograd(f"kitsune::{_name}", _bwd, setup_context=_setup)
 
@@ -168,3 +330,71 @@ def swiglu(gate, up):
 def rms_norm(x, weight, eps=1e-6):
     """x * rsqrt(mean(x^2, -1) + eps) * weight (RMSNorm over the last dimension), fused."""
     return _lib.rms_norm(x, weight, eps)
+
+
+def layer_norm_relu(x, normalized_shape, weight=None, bias=None, eps=1e-5):
+    """relu(F.layer_norm(x, normalized_shape, weight, bias, eps)), fused."""
+    if isinstance(normalized_shape, int):
+        normalized_shape = (normalized_shape,)
+    return _lib.layer_norm_relu(x, list(normalized_shape), weight, bias, eps)
+
+
+def add_layer_norm(x, residual, weight=None, bias=None, eps=1e-5):
+    """(x + residual, F.layer_norm(x + residual) over the last dim), in one kernel."""
+    return _lib.add_layer_norm(x, residual, weight, bias, eps)
+
+
+def cross_entropy(logits, target, ignore_index=-100, label_smoothing=0.0):
+    """F.cross_entropy(logits, target) (mean over non-ignored rows) for (N, C) or (C,)
+    logits and int64 targets, without storing the softmax. On CUDA an out-of-range
+    target gives a NaN loss instead of a device assert."""
+    return _lib.cross_entropy(logits, target, ignore_index, label_smoothing)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """The gradients are formed chunk by chunk in the forward, while each chunk's
+    logits exist; the backward only scales them by the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, x, weight, target, bias, ignore_index, label_smoothing, chunk_size):
+        loss, gx, gw, gb = _lib.linear_cross_entropy_grads(x, weight, target, bias, ignore_index, label_smoothing,
+                                                           chunk_size)
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(gx, gw, gb)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        gx, gw, gb = ctx.saved_tensors
+        return gx * grad, gw * grad, None, (gb * grad if ctx.has_bias else None), None, None, None
+
+
+def linear_cross_entropy(x, weight, target, bias=None, ignore_index=-100, label_smoothing=0.0, chunk_size=0):
+    """F.cross_entropy(F.linear(x, weight, bias), target) computed chunk_size rows at a
+    time (0 chooses: each chunk's logits about the size of x), so the full logits
+    tensor never exists. x (..., H), weight (C, H), target (...) int64."""
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or
+                                              (bias is not None and bias.requires_grad))
+    if needs_grad:
+        return _LinearCrossEntropy.apply(x, weight, target, bias, ignore_index, label_smoothing, chunk_size)
+    return _lib.linear_cross_entropy(x, weight, target, bias, ignore_index, label_smoothing, chunk_size)
+
+
+def _dims(dim):
+    return None if dim is None else [dim] if isinstance(dim, int) else list(dim)
+
+
+def sum_squared(x, dim=None, keepdim=False):
+    """sum(x * x) over dim (all dims by default), fp32 accumulation."""
+    return _lib.sum_squared(x, _dims(dim), keepdim)
+
+
+def mean_abs(x, dim=None, keepdim=False):
+    """mean(|x|) over dim (all dims by default), fp32 accumulation."""
+    return _lib.mean_abs(x, _dims(dim), keepdim)
+
+
+def attention_score(q, k, scale=None):
+    """(q @ k.transpose(-2, -1)) * scale as one batched GEMM (scale as its alpha);
+    scale defaults to 1/sqrt(q.size(-1)). No softmax."""
+    return _lib.attention_score(q, k, scale)

@@ -3,6 +3,8 @@
 gpu): every op and backward at fp32/fp16/bf16 against an fp64 reference, error at
 most 2x PyTorch's own eager error, on odd, broadcast and non-contiguous shapes,
 with the memory the outputs land in poisoned first."""
+import math
+
 import pytest
 
 from test_torch_allocator import gpu
@@ -127,3 +129,240 @@ def test_gpu_matches_fp64_reference(name, dtype):
             # a per-column gradient is a sum over rows: its error grows with its size
             scale = max(1.0, want.abs().max().item()) if which == "b" and name.startswith(("bias", "rms")) else 1.0
             assert e <= 2 * te + TOL_ABS[dtype] * scale, f"{name} {dtype} {sa} grad {which}: {e} vs torch {te}"
+
+
+# ---- the other ops: norms, losses, reductions, attention score -------------------
+# name -> (kitsune op, reference in torch ops, inputs(shape, dtype, device, gen) ->
+# (differentiable tensors, other args)). Each op is called as op(*tensors, *others).
+def _t(shape, dtype, device, gen, scale=1.0, shift=0.0):
+    return (torch.randn(shape, generator=gen, dtype=torch.float64) * scale + shift).to(device=device, dtype=dtype)
+
+
+def _targets(n, classes, device, gen, ignore=True):
+    t = torch.randint(0, classes, (n,), generator=gen)
+    if ignore and n > 2:
+        t[1] = -100
+    return t.to(device)
+
+
+def _norm_inputs(shape, dtype, device, gen):
+    n = shape[-1]
+    # rows with a mean large against their spread test the statistics
+    return [_t(shape, dtype, device, gen, shift=3.0), _t((n,), dtype, device, gen), _t((n,), dtype, device, gen)], []
+
+
+def _add_ln_inputs(shape, dtype, device, gen):
+    n = shape[-1]
+    return [_t(shape, dtype, device, gen), _t(shape, dtype, device, gen), _t((n,), dtype, device, gen),
+            _t((n,), dtype, device, gen)], []
+
+
+def _ce_inputs(shape, dtype, device, gen):
+    return [_t(shape, dtype, device, gen, scale=3.0)], [_targets(shape[0], shape[1], device, gen)]
+
+
+def _lce_inputs(shape, dtype, device, gen):
+    rows, hidden, classes = shape
+    return [_t((rows, hidden), dtype, device, gen), _t((classes, hidden), dtype, device, gen, scale=0.05),
+            _t((classes,), dtype, device, gen)], [_targets(rows, classes, device, gen)]
+
+
+def _one_input(shape, dtype, device, gen):
+    return [_t(shape, dtype, device, gen)], []
+
+
+def _qk_inputs(shape, dtype, device, gen):
+    b, lq, lk, d = shape
+    return [_t((b, lq, d), dtype, device, gen), _t((b, lk, d), dtype, device, gen)], []
+
+
+def _ref_add_ln(x, r, w, b):
+    h = x + r
+    return h, F.layer_norm(h, (h.shape[-1],), w, b)
+
+
+OPS2 = {
+    "layer_norm_relu": (lambda x, w, b: ko.layer_norm_relu(x, x.shape[-1], w, b),
+                        lambda x, w, b: F.relu(F.layer_norm(x, (x.shape[-1],), w, b)), _norm_inputs,
+                        [(1, 1), (3, 7), (4, 1023), (2, 3, 64), (64, 4096), (5, 12288)]),
+    "add_layer_norm": (lambda x, r, w, b: ko.add_layer_norm(x, r, w, b), _ref_add_ln, _add_ln_inputs,
+                       [(1, 1), (3, 7), (4, 1023), (2, 3, 64), (64, 768), (5, 12288)]),
+    "cross_entropy": (lambda x, t: ko.cross_entropy(x, t), lambda x, t: F.cross_entropy(x, t), _ce_inputs,
+                      [(1, 1), (3, 7), (4, 1023), (64, 50257), (300, 4096)]),
+    "cross_entropy_smooth": (lambda x, t: ko.cross_entropy(x, t, label_smoothing=0.1),
+                             lambda x, t: F.cross_entropy(x, t, label_smoothing=0.1), _ce_inputs,
+                             [(3, 7), (64, 50257)]),
+    "linear_cross_entropy": (lambda x, w, b, t: ko.linear_cross_entropy(x, w, t, b, chunk_size=64),
+                             lambda x, w, b, t: F.cross_entropy(F.linear(x, w, b), t), _lce_inputs,
+                             [(3, 8, 7), (300, 64, 1000), (200, 128, 50257)]),
+    "sum_squared": (lambda x: ko.sum_squared(x), lambda x: (x * x).sum(), _one_input,
+                    [(1,), (3,), (1023,), (4, 1000), ((1 << 22) + 3,)]),
+    "sum_squared_dim": (lambda x: ko.sum_squared(x, 0, keepdim=True), lambda x: (x * x).sum(0, keepdim=True),
+                        _one_input, [(3, 5), (1023, 9), (2, 3, 64)]),
+    "mean_abs": (lambda x: ko.mean_abs(x), lambda x: x.abs().mean(), _one_input,
+                 [(1,), (3,), (1023,), (4, 1000), ((1 << 22) + 3,)]),
+    "mean_abs_dim": (lambda x: ko.mean_abs(x, -1), lambda x: x.abs().mean(-1), _one_input,
+                     [(3, 5), (9, 1023), (2, 3, 64)]),
+    "attention_score": (lambda q, k: ko.attention_score(q, k), lambda q, k: (q @ k.transpose(-2, -1)) / q.shape[-1] ** 0.5,
+                        _qk_inputs, [(1, 1, 1, 1), (2, 5, 7, 8), (8, 128, 128, 64)]),
+}
+
+
+def _outs(v):
+    return v if isinstance(v, tuple) else (v,)
+
+
+@pytest.mark.parametrize("name", list(OPS2))
+def test_cpu_reference_and_gradients_float64_more(name):
+    op, ref, inputs, shapes = OPS2[name]
+    g = torch.Generator().manual_seed(3)
+    for shape in [s for s in shapes if math.prod(s) <= 2048][:3]:   # gradcheck is O(elements^2)
+        ts, other = inputs(shape, torch.float64, "cpu", g)
+        for got, want in zip(_outs(op(*ts, *other)), _outs(ref(*ts, *other))):
+            torch.testing.assert_close(got, want)
+        ts = [t.requires_grad_() for t in ts]
+        assert torch.autograd.gradcheck(lambda *a: op(*a, *other), ts), (name, shape)
+
+
+@pytest.mark.parametrize("name", list(OPS2))
+def test_opcheck_more(name):
+    op, _, inputs, shapes = OPS2[name]
+    g = torch.Generator().manual_seed(4)
+    ts, other = inputs(shapes[1], torch.float32, "cpu", g)
+    ts = [t.requires_grad_() for t in ts]
+    opname, args = {
+        "layer_norm_relu": ("layer_norm_relu", lambda: (ts[0], [ts[0].shape[-1]], ts[1], ts[2])),
+        "add_layer_norm": ("add_layer_norm", lambda: tuple(ts)),
+        "cross_entropy": ("cross_entropy", lambda: (ts[0], other[0])),
+        "cross_entropy_smooth": ("cross_entropy", lambda: (ts[0], other[0], -100, 0.1)),
+        "linear_cross_entropy": ("linear_cross_entropy", lambda: (ts[0], ts[1], other[0], ts[2])),
+        "sum_squared": ("sum_squared", lambda: (ts[0],)),
+        "sum_squared_dim": ("sum_squared", lambda: (ts[0], [0], True)),
+        "mean_abs": ("mean_abs", lambda: (ts[0],)),
+        "mean_abs_dim": ("mean_abs", lambda: (ts[0], [-1])),
+        "attention_score": ("attention_score", lambda: (ts[0], ts[1])),
+    }[name]
+    torch.library.opcheck(getattr(torch.ops.kitsune, opname).default, args())
+
+
+def test_more_ops_without_weights_and_edge_cases():
+    x = torch.randn(4, 3, 8, dtype=torch.float64)
+    torch.testing.assert_close(ko.layer_norm_relu(x, (3, 8)), F.relu(F.layer_norm(x, (3, 8))))
+    h, y = ko.add_layer_norm(x, x)
+    torch.testing.assert_close(y, F.layer_norm(2 * x, (8,)))
+    assert torch.isnan(ko.cross_entropy(torch.randn(2, 3), torch.tensor([-100, -100])))   # as F.cross_entropy
+    assert ko.sum_squared(torch.empty(0)).item() == 0 and torch.isnan(ko.mean_abs(torch.empty(0)))
+    torch.testing.assert_close(ko.cross_entropy(x[0, 0], torch.tensor(3)), F.cross_entropy(x[0, 0], torch.tensor(3)))
+    xr = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
+    ko.add_layer_norm(xr, xr.detach())[0].sum().backward()   # only the sum used: y's gradient is None
+    torch.testing.assert_close(xr.grad, torch.ones_like(xr))
+
+
+def test_more_fakes_give_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        x = torch.empty(4, 6, 8)
+        assert ko.sum_squared(x, (0, 2), keepdim=True).shape == (1, 6, 1)
+        assert ko.mean_abs(x, -1).shape == (4, 6) and ko.sum_squared(x).shape == ()
+        assert ko.cross_entropy(torch.empty(5, 7), torch.empty(5, dtype=torch.long)).shape == ()
+        assert [t.shape for t in ko.add_layer_norm(x, x)] == [(4, 6, 8), (4, 6, 8)]
+        assert ko.attention_score(torch.empty(2, 3, 16), torch.empty(2, 5, 16)).shape == (2, 3, 5)
+
+
+def test_more_bad_inputs_name_the_problem():
+    x = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match=r"normalized_shape \[7\] must match the trailing dimensions"):
+        ko.layer_norm_relu(x, 7)
+    with pytest.raises(RuntimeError, match="weight must have shape"):
+        ko.layer_norm_relu(x, 8, torch.randn(4))
+    with pytest.raises(RuntimeError, match="x and residual must have one shape"):
+        ko.add_layer_norm(x, torch.randn(8))
+    with pytest.raises(RuntimeError, match="eps must be >= 0"):
+        ko.add_layer_norm(x, x, eps=-1.0)
+    with pytest.raises(RuntimeError, match="target must be int64"):
+        ko.cross_entropy(x, torch.zeros(4, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="a target is outside"):
+        ko.cross_entropy(x, torch.tensor([0, 1, 8, 2]))
+    with pytest.raises(RuntimeError, match="label_smoothing must be in"):
+        ko.cross_entropy(x, torch.zeros(4, dtype=torch.long), label_smoothing=1.5)
+    with pytest.raises(RuntimeError, match="logits must be"):
+        ko.cross_entropy(torch.randn(2, 3, 4), torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(RuntimeError, match=r"weight must be \(num_classes"):
+        ko.linear_cross_entropy(x, torch.randn(10, 7), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="bias must have 10 elements"):
+        ko.linear_cross_entropy(x, torch.randn(10, 8), torch.zeros(4, dtype=torch.long), torch.randn(9))
+    with pytest.raises(RuntimeError, match="dim 2 is out of range"):
+        ko.sum_squared(x, 2)
+    with pytest.raises(RuntimeError, match="must share batch dims and d"):
+        ko.attention_score(torch.randn(2, 3, 4), torch.randn(2, 3, 5))
+
+
+def _check_close(got, want64, theirs, dtype, what, scale=1.0):
+    e, te = _err(got, want64), _err(theirs, want64)
+    assert not torch.isnan(got).any(), f"{what}: unwritten (NaN) outputs"
+    assert got.shape == want64.shape, what
+    assert e <= 2 * te + TOL_ABS[dtype] * scale, f"{what}: error {e} vs torch {te}"
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("name", list(OPS2))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_gpu_more_match_fp64_reference(name, dtype):
+    op, ref, inputs, shapes = OPS2[name]
+    g = torch.Generator().manual_seed(5)
+    for shape in shapes:
+        ts, other = inputs(shape, dtype, "cuda", g)
+        _poison(sum(t.numel() for t in ts), "cuda")
+        outs = _outs(op(*ts, *other))
+        t64 = [t.double() for t in ts]
+        r64, theirs = _outs(ref(*t64, *other)), _outs(ref(*ts, *other))
+        # a reduction's error grows with its size: scale the absolute floor by the result
+        for k, (o, r, th) in enumerate(zip(outs, r64, theirs)):
+            assert o.dtype == dtype, f"{name} {dtype} {shape}: dtype {o.dtype}"
+            _check_close(o, r, th, dtype, f"{name} {dtype} {shape} out{k}", max(1.0, r.abs().max().item()))
+        ts = [t.requires_grad_() for t in ts]
+        gos = [torch.randn(r.shape, generator=g, dtype=torch.float64).to("cuda", dtype) for r in r64]
+        got = torch.autograd.grad(_outs(op(*ts, *other)), ts, gos)
+        t64 = [t.detach().double().requires_grad_() for t in ts]
+        want = torch.autograd.grad(_outs(ref(*t64, *other)), t64, [go.double() for go in gos])
+        theirs = torch.autograd.grad(_outs(ref(*ts, *other)), ts, gos)
+        for k, (a, w, th) in enumerate(zip(got, want, theirs)):
+            _check_close(a, w, th, dtype, f"{name} {dtype} {shape} grad{k}", max(1.0, w.abs().max().item()))
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_cross_entropy_bad_target_is_nan_not_a_crash():
+    x = torch.randn(4, 10, device="cuda")
+    assert torch.isnan(ko.cross_entropy(x, torch.tensor([0, 1, 12, 2], device="cuda")))
+    assert torch.isfinite(ko.cross_entropy(x, torch.tensor([0, 1, 9, 2], device="cuda")))
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_linear_cross_entropy_peak_memory_half_of_eager():
+    """The loss head of a GPT-2-sized model (vocab 50257): forward + backward peak
+    memory above the inputs, Kitsune's chunked op against F.linear + F.cross_entropy."""
+    g = torch.Generator().manual_seed(6)
+    rows, hidden, vocab = 8192, 768, 50257
+    x = _t((rows, hidden), torch.bfloat16, "cuda", g).requires_grad_()
+    w = _t((vocab, hidden), torch.bfloat16, "cuda", g, scale=0.02).requires_grad_()
+    t = _targets(rows, vocab, "cuda", g)
+
+    def peak(fn):
+        x.grad = w.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        loss = fn()
+        loss.backward()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base, loss.detach().float(), x.grad.clone(), w.grad.clone()
+
+    pe, le, gxe, gwe = peak(lambda: F.cross_entropy(F.linear(x, w), t))
+    pk, lk, gxk, gwk = peak(lambda: ko.linear_cross_entropy(x, w, t))
+    assert pk <= 0.5 * pe, f"peak {pk / 2**20:.0f} MiB vs eager {pe / 2**20:.0f} MiB"
+    torch.testing.assert_close(lk, le, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(gxk.float(), gxe.float(), rtol=5e-2, atol=1e-4)
+    torch.testing.assert_close(gwk.float(), gwe.float(), rtol=5e-2, atol=1e-4)

@@ -57,6 +57,51 @@ kt_status kt_rms_norm(kt_dtype t, const void *x, const void *weight, void *y, in
 kt_status kt_rms_norm_backward(kt_dtype t, const void *grad, const void *x, const void *weight, void *grad_x,
                                float *rstd, int64_t rows, int64_t n, float eps, void *stream);
 
+/* LayerNorm over the last dimension of `rows` rows of n elements, with an optional
+ * residual added first and an optional ReLU after:
+ *   h = x + residual (residual may be NULL: h = x); sum_out (may be NULL; needs a
+ *   residual) receives h, rounded to the storage type as the statistics see it;
+ *   y = (h - mean(h)) * rsqrt(var(h) + eps) * weight + bias, then max(y, 0) if relu.
+ * weight and bias (n elements) may each be NULL (1 and 0). fp32 statistics. */
+kt_status kt_layer_norm(kt_dtype t, const void *x, const void *residual, const void *weight, const void *bias,
+                        void *sum_out, void *y, int64_t rows, int64_t n, float eps, int relu, void *stream);
+/* Backward of kt_layer_norm with respect to h (x and residual share it):
+ *   grad_h = rstd * (dy - mean(dy) - xhat * mean(dy * xhat)) + grad_h_in,
+ *   dy = grad * weight (zero where y <= 0 when relu), statistics recomputed from h.
+ * grad_h_in (the gradient reaching sum_out; may be NULL) is added. mean and rstd
+ * (rows fp32 each) receive the row statistics. partial_w / partial_b (may be NULL;
+ * splits x n fp32) receive per-stripe sums of dy/w * xhat and dy/w over `splits`
+ * stripes of rows: the weight and bias gradients are their sums over stripes.
+ * kt_layer_norm_param_splits gives a good stripe count. */
+kt_status kt_layer_norm_backward(kt_dtype t, const void *grad, const void *grad_h_in, const void *h,
+                                 const void *weight, const void *bias, void *grad_h, float *mean, float *rstd,
+                                 float *partial_w, float *partial_b, int64_t splits, int64_t rows, int64_t n, float eps,
+                                 int relu, void *stream);
+int64_t kt_layer_norm_param_splits(int64_t rows, int64_t n);
+
+/* Softmax cross-entropy over `rows` rows of C logits, the softmax never stored.
+ * target: rows int64 class indices. With lse = log(sum_j exp(x_j)) and
+ * q = (1 - label_smoothing) * onehot(target) + label_smoothing / C:
+ *   loss[row] = -sum_j q_j * log softmax_j (fp32; may be NULL)
+ *   grad[row, j] = scale * (softmax_j - q_j), scale = *grad_scale (fp32 on the
+ *   device; NULL means 1); grad may be NULL, or equal to logits (written in place),
+ *   or any buffer with the same alignment modulo 16 bytes.
+ * A row whose target is ignore_index has loss 0 and gradient 0; a target outside
+ * [0, C) otherwise gives NaN loss and gradient (no host sync to report it). */
+kt_status kt_cross_entropy(kt_dtype t, const void *logits, const int64_t *target, float *loss, void *grad,
+                           const float *grad_scale, int64_t rows, int64_t C, int64_t ignore_index,
+                           float label_smoothing, void *stream);
+
+/* Row reductions over the last dimension of a [rows, n] view (rows = 1 for a full
+ * reduction), fp32 accumulation, one rounding to the storage type:
+ *   KT_REDUCE_SUM_SQUARED: out[r] = sum_i x[r, i]^2
+ *   KT_REDUCE_MEAN_ABS:    out[r] = sum_i |x[r, i]| / n
+ * workspace: kt_reduce_workspace(rows, n) fp32 values on the device (NULL when 0). */
+enum { KT_REDUCE_SUM_SQUARED = 0, KT_REDUCE_MEAN_ABS = 1 };
+kt_status kt_reduce(kt_dtype t, int op, const void *x, void *out, float *workspace, int64_t rows, int64_t n,
+                    void *stream);
+int64_t kt_reduce_workspace(int64_t rows, int64_t n);
+
 #ifdef __cplusplus
 }
 #endif

@@ -854,6 +854,421 @@ std::tuple<Tensor, Tensor> rms_norm_backward_cpu(const Tensor& grad, const Tenso
   return {gx.to(x.scalar_type()), gw.to(w.scalar_type())};
 }
 
+// ---- LayerNorm family: layer_norm_relu, add_layer_norm (fusion/kernels/layer_norm.cu) ----
+using OptTensor = std::optional<Tensor>;
+
+const Tensor* opt(const OptTensor& t) { return t && t->defined() ? &*t : nullptr; }
+const void* ptr_or_null(const Tensor* t) { return t ? t->data_ptr() : nullptr; }
+
+// rows x n view for a LayerNorm over the trailing dims `shape`; checks weight/bias.
+std::pair<int64_t, int64_t> norm_rows(const Tensor& x, c10::IntArrayRef shape, const Tensor* w, const Tensor* b,
+                                      const char* op) {
+  const int64_t k = (int64_t)shape.size();
+  TORCH_CHECK(k >= 1 && x.dim() >= k && x.sizes().slice(x.dim() - k) == shape, "kitsune.", op,
+              ": normalized_shape ", shape, " must match the trailing dimensions of x, of shape ", x.sizes());
+  for (const Tensor* p : {w, b})
+    if (p) {
+      check_same(x, *p, op, "x", p == w ? "weight" : "bias");
+      TORCH_CHECK(p->sizes() == shape, "kitsune.", op, ": ", p == w ? "weight" : "bias", " must have shape ",
+                  shape, " (normalized_shape); got ", p->sizes());
+    }
+  int64_t n = c10::multiply_integers(shape);
+  TORCH_CHECK(n > 0, "kitsune.", op, ": normalized_shape ", shape, " has no elements");
+  return {x.numel() / n, n};
+}
+void check_eps(double eps, const char* op) { TORCH_CHECK(eps >= 0, "kitsune.", op, ": eps must be >= 0, got ", eps); }
+
+// y = [relu](layer_norm(x [+ residual])); h_out receives x + residual when given.
+Tensor ln_forward_cuda(const Tensor& x, const Tensor* res, const Tensor* w, const Tensor* b, Tensor* h_out,
+                       int64_t rows, int64_t n, double eps, bool relu, const char* op) {
+  Tensor xc = x.contiguous(), rc = res ? res->contiguous() : Tensor(), wc = w ? w->contiguous() : Tensor(),
+         bc = b ? b->contiguous() : Tensor();
+  c10::cuda::CUDAGuard g(x.device());
+  Tensor y = at::empty_like(xc);
+  if (h_out) *h_out = at::empty_like(xc);
+  if (rows == 0) return y;
+  check_launch(kt_layer_norm(dtype_of(x, op), xc.data_ptr(), res ? rc.data_ptr() : nullptr,
+                             w ? wc.data_ptr() : nullptr, b ? bc.data_ptr() : nullptr,
+                             h_out ? h_out->data_ptr() : nullptr, y.data_ptr(), rows, n, (float)eps, relu,
+                             stream_of(y)),
+               op);
+  return y;
+}
+
+// (grad_h, grad_weight, grad_bias); an absent weight or bias gets an empty gradient.
+std::tuple<Tensor, Tensor, Tensor> ln_backward_cuda(const Tensor& grad, const Tensor* grad_h_in, const Tensor& h,
+                                                    const Tensor* w, const Tensor* b, int64_t rows, int64_t n,
+                                                    double eps, bool relu, const char* op) {
+  check_same(grad, h, op, "grad", "x");
+  Tensor gc = grad.expand(h.sizes()).contiguous(), hc = h.contiguous();
+  Tensor gic = grad_h_in ? grad_h_in->expand(h.sizes()).contiguous() : Tensor();
+  Tensor wc = w ? w->contiguous() : Tensor(), bc = b ? b->contiguous() : Tensor();
+  c10::cuda::CUDAGuard g(h.device());
+  Tensor gh = at::empty_like(hc);
+  auto fopt = h.options().dtype(at::kFloat);
+  int64_t splits = kt_layer_norm_param_splits(rows, n);
+  Tensor mean = at::empty({rows}, fopt), rstd = at::empty({rows}, fopt);
+  Tensor pw = w ? at::empty({splits, n}, fopt) : Tensor(), pb = b ? at::empty({splits, n}, fopt) : Tensor();
+  if (rows > 0)
+    check_launch(kt_layer_norm_backward(dtype_of(h, op), gc.data_ptr(), grad_h_in ? gic.data_ptr() : nullptr,
+                                        hc.data_ptr(), w ? wc.data_ptr() : nullptr, b ? bc.data_ptr() : nullptr,
+                                        gh.data_ptr(), mean.data_ptr<float>(), rstd.data_ptr<float>(),
+                                        w ? pw.data_ptr<float>() : nullptr, b ? pb.data_ptr<float>() : nullptr, splits,
+                                        rows, n, (float)eps, relu, stream_of(gh)),
+                 op);
+  auto param = [&](const Tensor* p, const Tensor& part) {
+    if (!p) return at::empty({0}, h.options());
+    return (rows ? part.sum(0) : at::zeros({n}, fopt)).view(p->sizes()).to(p->scalar_type());
+  };
+  return {gh, param(w, pw), param(b, pb)};
+}
+
+// CPU reference, fp32 (fp64 for fp64): the same formulas as the kernels.
+Tensor ln_forward_cpu(const Tensor& h, const Tensor* w, const Tensor* b, int64_t n, double eps, bool relu) {
+  Tensor hf = h.to(opmath(h)).reshape({-1, n});
+  Tensor mean = hf.mean(1, true), var = (hf - mean).pow(2).mean(1, true);
+  Tensor y = (hf - mean) * at::rsqrt(var + eps);
+  if (w) y = y * w->to(opmath(h)).reshape({n});
+  if (b) y = y + b->to(opmath(h)).reshape({n});
+  if (relu) y = at::relu(y);
+  return y.view(h.sizes()).to(h.scalar_type());
+}
+std::tuple<Tensor, Tensor, Tensor> ln_backward_cpu(const Tensor& grad, const Tensor* grad_h_in, const Tensor& h,
+                                                   const Tensor* w, const Tensor* b, int64_t n, double eps,
+                                                   bool relu) {
+  auto om = opmath(h);
+  Tensor hf = h.to(om).reshape({-1, n}), gf = grad.to(om).expand(h.sizes()).reshape({-1, n});
+  Tensor mean = hf.mean(1, true), rstd = at::rsqrt((hf - mean).pow(2).mean(1, true) + eps);
+  Tensor xh = (hf - mean) * rstd;
+  Tensor wf = w ? w->to(om).reshape({n}) : at::ones({n}, hf.options());
+  if (relu) gf = gf * ((xh * wf + (b ? b->to(om).reshape({n}) : at::zeros({n}, hf.options()))) > 0);
+  Tensor dy = gf * wf;
+  Tensor gh = rstd * (dy - dy.mean(1, true) - xh * (dy * xh).mean(1, true));
+  if (grad_h_in) gh = gh + grad_h_in->to(om).expand(h.sizes()).reshape({-1, n});
+  auto param = [&](const Tensor* p, const Tensor& v) {
+    return p ? v.sum(0).view(p->sizes()).to(p->scalar_type()) : at::empty({0}, h.options());
+  };
+  return {gh.view(h.sizes()).to(h.scalar_type()), param(w, gf * xh), param(b, gf)};
+}
+
+Tensor layer_norm_relu_cuda(const Tensor& x, c10::IntArrayRef shape, const OptTensor& w, const OptTensor& b,
+                            double eps) {
+  check_eps(eps, "layer_norm_relu");
+  auto [rows, n] = norm_rows(x, shape, opt(w), opt(b), "layer_norm_relu");
+  return ln_forward_cuda(x, nullptr, opt(w), opt(b), nullptr, rows, n, eps, true, "layer_norm_relu");
+}
+Tensor layer_norm_relu_cpu(const Tensor& x, c10::IntArrayRef shape, const OptTensor& w, const OptTensor& b,
+                           double eps) {
+  check_eps(eps, "layer_norm_relu");
+  auto [rows, n] = norm_rows(x, shape, opt(w), opt(b), "layer_norm_relu");
+  return ln_forward_cpu(x, opt(w), opt(b), n, eps, true);
+}
+std::tuple<Tensor, Tensor, Tensor> layer_norm_relu_backward_cuda(const Tensor& grad, const Tensor& x,
+                                                                 c10::IntArrayRef shape, const OptTensor& w,
+                                                                 const OptTensor& b, double eps) {
+  auto [rows, n] = norm_rows(x, shape, opt(w), opt(b), "layer_norm_relu_backward");
+  return ln_backward_cuda(grad, nullptr, x, opt(w), opt(b), rows, n, eps, true, "layer_norm_relu_backward");
+}
+std::tuple<Tensor, Tensor, Tensor> layer_norm_relu_backward_cpu(const Tensor& grad, const Tensor& x,
+                                                                c10::IntArrayRef shape, const OptTensor& w,
+                                                                const OptTensor& b, double eps) {
+  auto [rows, n] = norm_rows(x, shape, opt(w), opt(b), "layer_norm_relu_backward");
+  return ln_backward_cpu(grad, nullptr, x, opt(w), opt(b), n, eps, true);
+}
+
+// add_layer_norm normalizes over the last dimension; x and residual have one shape.
+std::pair<int64_t, int64_t> add_ln_rows(const Tensor& x, const Tensor& res, const OptTensor& w, const OptTensor& b,
+                                        const char* op) {
+  check_same(x, res, op, "x", "residual");
+  TORCH_CHECK(x.sizes() == res.sizes(), "kitsune.", op, ": x and residual must have one shape; got ", x.sizes(),
+              " and ", res.sizes());
+  TORCH_CHECK(x.dim() >= 1, "kitsune.", op, ": x must have at least one dimension");
+  return norm_rows(x, x.sizes().slice(x.dim() - 1), opt(w), opt(b), op);
+}
+std::tuple<Tensor, Tensor> add_layer_norm_cuda(const Tensor& x, const Tensor& res, const OptTensor& w,
+                                               const OptTensor& b, double eps) {
+  check_eps(eps, "add_layer_norm");
+  auto [rows, n] = add_ln_rows(x, res, w, b, "add_layer_norm");
+  Tensor h;
+  Tensor y = ln_forward_cuda(x, &res, opt(w), opt(b), &h, rows, n, eps, false, "add_layer_norm");
+  return {h, y};
+}
+std::tuple<Tensor, Tensor> add_layer_norm_cpu(const Tensor& x, const Tensor& res, const OptTensor& w,
+                                              const OptTensor& b, double eps) {
+  check_eps(eps, "add_layer_norm");
+  auto [rows, n] = add_ln_rows(x, res, w, b, "add_layer_norm");
+  Tensor h = x + res;
+  return {h, ln_forward_cpu(h, opt(w), opt(b), n, eps, false)};
+}
+// Takes the sum h = x + residual (the forward's first output); grad_sum is the
+// gradient reaching that output (None when it was not used).
+std::tuple<Tensor, Tensor, Tensor> add_layer_norm_backward_cuda(const Tensor& grad, const OptTensor& grad_sum,
+                                                                const Tensor& h, const OptTensor& w,
+                                                                const OptTensor& b, double eps) {
+  auto [rows, n] = add_ln_rows(h, h, w, b, "add_layer_norm_backward");
+  return ln_backward_cuda(grad, opt(grad_sum), h, opt(w), opt(b), rows, n, eps, false, "add_layer_norm_backward");
+}
+std::tuple<Tensor, Tensor, Tensor> add_layer_norm_backward_cpu(const Tensor& grad, const OptTensor& grad_sum,
+                                                               const Tensor& h, const OptTensor& w,
+                                                               const OptTensor& b, double eps) {
+  auto [rows, n] = add_ln_rows(h, h, w, b, "add_layer_norm_backward");
+  return ln_backward_cpu(grad, opt(grad_sum), h, opt(w), opt(b), n, eps, false);
+}
+
+// ---- cross_entropy and linear_cross_entropy (fusion/kernels/cross_entropy.cu) ----
+// logits (N, C) or (C,), target (N,) or () of int64 class indices.
+std::pair<Tensor, Tensor> ce_views(const Tensor& logits, const Tensor& target, double smoothing, const char* op) {
+  TORCH_CHECK(logits.dim() == 1 || logits.dim() == 2, "kitsune.", op,
+              ": logits must be (N, C) or (C,); got shape ", logits.sizes(), " (flatten the leading dims)");
+  TORCH_CHECK(target.scalar_type() == at::kLong, "kitsune.", op, ": target must be int64 class indices; got ",
+              target.scalar_type());
+  TORCH_CHECK(target.device() == logits.device(), "kitsune.", op, ": logits are on ", logits.device(),
+              " but target is on ", target.device());
+  TORCH_CHECK(target.dim() == logits.dim() - 1 && (logits.dim() == 1 || target.size(0) == logits.size(0)), "kitsune.",
+              op, ": target of shape ", target.sizes(), " does not match logits of shape ", logits.sizes());
+  TORCH_CHECK(smoothing >= 0 && smoothing <= 1, "kitsune.", op, ": label_smoothing must be in [0, 1], got ",
+              smoothing);
+  TORCH_CHECK(logits.size(-1) > 0, "kitsune.", op, ": logits have no classes");
+  Tensor l = logits.reshape({-1, logits.size(-1)}).contiguous();
+  if ((uintptr_t)l.data_ptr() & 15) l = l.clone();   // the gradient's alignment must match
+  return {l, target.reshape({-1}).contiguous()};
+}
+// 1 / (number of targets that are not ignore_index), fp32 on the device: no host sync.
+Tensor inv_count(const Tensor& target, int64_t ignore) { return (target != ignore).sum().to(at::kFloat).reciprocal(); }
+
+Tensor cross_entropy_cuda(const Tensor& logits, const Tensor& target, int64_t ignore, double smoothing) {
+  auto [l, t] = ce_views(logits, target, smoothing, "cross_entropy");
+  c10::cuda::CUDAGuard g(l.device());
+  Tensor losses = at::empty({l.size(0)}, l.options().dtype(at::kFloat));
+  check_launch(kt_cross_entropy(dtype_of(l, "cross_entropy"), l.data_ptr(), t.data_ptr<int64_t>(),
+                                losses.data_ptr<float>(), nullptr, nullptr, l.size(0), l.size(1), ignore,
+                                (float)smoothing, stream_of(l)),
+               "cross_entropy");
+  return (losses.sum() * inv_count(t, ignore)).to(l.scalar_type());
+}
+Tensor ce_reference(const Tensor& l, const Tensor& t, int64_t ignore, double smoothing) {   // per row, opmath
+  Tensor lf = l.to(opmath(l));
+  Tensor lsm = at::log_softmax(lf, 1);
+  Tensor keep = t != ignore, tc = at::where(keep, t, at::zeros_like(t));
+  Tensor nll = -lsm.gather(1, tc.unsqueeze(1)).squeeze(1);
+  Tensor loss = (1 - smoothing) * nll - smoothing * lsm.mean(1);
+  return at::where(keep, loss, at::zeros_like(loss));
+}
+Tensor cross_entropy_cpu(const Tensor& logits, const Tensor& target, int64_t ignore, double smoothing) {
+  auto [l, t] = ce_views(logits, target, smoothing, "cross_entropy");
+  Tensor bad = (t != ignore) & ((t < 0) | (t >= l.size(1)));
+  TORCH_CHECK(!bad.any().item<bool>(), "kitsune.cross_entropy: a target is outside [0, ", l.size(1),
+              ") and is not ignore_index ", ignore);
+  return (ce_reference(l, t, ignore, smoothing).sum() / (t != ignore).sum()).to(l.scalar_type());
+}
+Tensor cross_entropy_backward_cuda(const Tensor& grad, const Tensor& logits, const Tensor& target, int64_t ignore,
+                                   double smoothing) {
+  auto [l, t] = ce_views(logits, target, smoothing, "cross_entropy_backward");
+  c10::cuda::CUDAGuard g(l.device());
+  Tensor scale = (grad.to(at::kFloat).reshape({}) * inv_count(t, ignore)).reshape({1}).contiguous();
+  Tensor gl = at::empty_like(l);
+  check_launch(kt_cross_entropy(dtype_of(l, "cross_entropy_backward"), l.data_ptr(), t.data_ptr<int64_t>(), nullptr,
+                                gl.data_ptr(), scale.data_ptr<float>(), l.size(0), l.size(1), ignore,
+                                (float)smoothing, stream_of(l)),
+               "cross_entropy_backward");
+  return gl.view(logits.sizes());
+}
+// (softmax - q) / count per row, zero on ignored rows, in opmath.
+Tensor ce_grad_reference(const Tensor& l, const Tensor& t, int64_t ignore, double smoothing) {
+  Tensor lf = l.to(opmath(l));
+  Tensor keep = t != ignore, tc = at::where(keep, t, at::zeros_like(t));
+  Tensor q = at::one_hot(tc, l.size(1)).to(lf.scalar_type()) * (1 - smoothing) + smoothing / l.size(1);
+  return (at::softmax(lf, 1) - q) * keep.unsqueeze(1) / keep.sum();
+}
+Tensor cross_entropy_backward_cpu(const Tensor& grad, const Tensor& logits, const Tensor& target, int64_t ignore,
+                                  double smoothing) {
+  auto [l, t] = ce_views(logits, target, smoothing, "cross_entropy_backward");
+  return (ce_grad_reference(l, t, ignore, smoothing) * grad.to(opmath(l))).to(l.scalar_type()).view(logits.sizes());
+}
+
+// linear_cross_entropy: x (..., H), weight (V, H), bias (V,) or None, target (...).
+std::tuple<Tensor, Tensor> lce_views(const Tensor& x, const Tensor& w, const Tensor& target, const Tensor* bias,
+                                     double smoothing, const char* op) {
+  check_same(x, w, op, "x", "weight");
+  TORCH_CHECK(w.dim() == 2 && x.dim() >= 1 && x.size(-1) == w.size(1), "kitsune.", op,
+              ": weight must be (num_classes, x.size(-1) = ", x.dim() ? x.size(-1) : 0, "); got ", w.sizes(),
+              " for x of shape ", x.sizes());
+  if (bias) {
+    check_same(x, *bias, op, "x", "bias");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == w.size(0), "kitsune.", op, ": bias must have ", w.size(0),
+                " elements (weight.size(0)); got shape ", bias->sizes());
+  }
+  TORCH_CHECK(target.sizes() == x.sizes().slice(0, x.dim() - 1), "kitsune.", op, ": target of shape ",
+              target.sizes(), " does not match x of shape ", x.sizes(), " (one class index per row of x)");
+  TORCH_CHECK(target.scalar_type() == at::kLong, "kitsune.", op, ": target must be int64 class indices; got ",
+              target.scalar_type());
+  TORCH_CHECK(smoothing >= 0 && smoothing <= 1, "kitsune.", op, ": label_smoothing must be in [0, 1], got ",
+              smoothing);
+  return {x.reshape({-1, x.size(-1)}).contiguous(), target.reshape({-1}).contiguous()};
+}
+// Rows per chunk: the chunk's logits about as large as x (at least 64 rows).
+int64_t lce_chunk(int64_t rows, int64_t hidden, int64_t classes, int64_t chunk) {
+  if (chunk > 0) return chunk;
+  int64_t c = (rows * hidden + classes - 1) / classes;
+  c = ((c + 63) / 64) * 64;
+  return std::max<int64_t>(64, c);
+}
+// Loss (and, with grads, d loss / d x, weight, bias) one chunk of rows at a time:
+// the chunk's logits come from cuBLAS, the kernel turns them into losses and, in
+// place, into the chunk's logit gradients (already divided by the count), which two
+// more GEMMs turn into grad_x and an fp32 grad_weight accumulator.
+std::tuple<Tensor, Tensor, Tensor, Tensor> lce_cuda(const Tensor& x, const Tensor& w, const Tensor& target,
+                                                    const OptTensor& bias_, int64_t ignore, double smoothing,
+                                                    int64_t chunk, bool grads, const char* op) {
+  const Tensor* bias = opt(bias_);
+  auto [x2, t] = lce_views(x, w, target, bias, smoothing, op);
+  TORCH_CHECK(chunk >= 0, "kitsune.", op, ": chunk_size must be >= 0 (0 chooses), got ", chunk);
+  kt_dtype dt = dtype_of(x, op);
+  c10::cuda::CUDAGuard g(x.device());
+  const int64_t rows = x2.size(0), H = x2.size(1), V = w.size(0);
+  Tensor wc = w.contiguous();
+  auto fopt = x.options().dtype(at::kFloat);
+  Tensor losses = at::empty({rows}, fopt), inv = inv_count(t, ignore).reshape({1}).contiguous();
+  Tensor gx, gw, gb;
+  if (grads) {
+    gx = at::empty_like(x2);
+    gw = at::zeros({V, H}, fopt);
+    gb = bias ? at::zeros({V}, fopt) : Tensor();
+  }
+  const bool wide = x.scalar_type() != at::kFloat;
+  for (int64_t r0 = 0, c = lce_chunk(rows, H, V, chunk); r0 < rows; r0 += c) {
+    const int64_t n = std::min(c, rows - r0);
+    Tensor xc = x2.narrow(0, r0, n);
+    Tensor logits = bias ? at::addmm(*bias, xc, wc.t()) : at::mm(xc, wc.t());
+    check_launch(kt_cross_entropy(dt, logits.data_ptr(), t.data_ptr<int64_t>() + r0, losses.data_ptr<float>() + r0,
+                                  grads ? logits.data_ptr() : nullptr, inv.data_ptr<float>(), n, V, ignore,
+                                  (float)smoothing, stream_of(logits)),
+                 op);
+    if (!grads) continue;
+    Tensor gxc = gx.narrow(0, r0, n);
+    at::mm_out(gxc, logits, wc);
+    if (wide) at::addmm_out(gw, gw, logits.t(), xc, at::kFloat);   // bf16/fp16 GEMM, fp32 accumulator
+    else gw.addmm_(logits.t(), xc);
+    if (bias) gb.add_(logits.sum(0, false, at::kFloat));
+  }
+  Tensor loss = (losses.sum() * inv.reshape({})).to(x.scalar_type());
+  if (!grads) return {loss, Tensor(), Tensor(), Tensor()};
+  return {loss, gx.view(x.sizes()), gw.to(w.scalar_type()),
+          bias ? gb.to(bias->scalar_type()) : at::empty({0}, x.options())};
+}
+std::tuple<Tensor, Tensor, Tensor, Tensor> lce_cpu(const Tensor& x, const Tensor& w, const Tensor& target,
+                                                   const OptTensor& bias_, int64_t ignore, double smoothing,
+                                                   bool grads, const char* op) {
+  const Tensor* bias = opt(bias_);
+  auto [x2, t] = lce_views(x, w, target, bias, smoothing, op);
+  auto om = opmath(x);
+  Tensor xf = x2.to(om), wf = w.to(om);
+  Tensor logits = at::mm(xf, wf.t());
+  if (bias) logits = logits + bias->to(om);
+  Tensor loss = (ce_reference(logits, t, ignore, smoothing).sum() / (t != ignore).sum()).to(x.scalar_type());
+  if (!grads) return {loss, Tensor(), Tensor(), Tensor()};
+  Tensor gl = ce_grad_reference(logits, t, ignore, smoothing);
+  return {loss, at::mm(gl, wf).view(x.sizes()).to(x.scalar_type()), at::mm(gl.t(), xf).to(w.scalar_type()),
+          bias ? gl.sum(0).to(bias->scalar_type()) : at::empty({0}, x.options())};
+}
+Tensor linear_cross_entropy_cuda(const Tensor& x, const Tensor& w, const Tensor& target, const OptTensor& bias,
+                                 int64_t ignore, double smoothing, int64_t chunk) {
+  return std::get<0>(lce_cuda(x, w, target, bias, ignore, smoothing, chunk, false, "linear_cross_entropy"));
+}
+Tensor linear_cross_entropy_cpu(const Tensor& x, const Tensor& w, const Tensor& target, const OptTensor& bias,
+                                int64_t ignore, double smoothing, int64_t chunk) {
+  return std::get<0>(lce_cpu(x, w, target, bias, ignore, smoothing, false, "linear_cross_entropy"));
+}
+std::tuple<Tensor, Tensor, Tensor, Tensor> linear_cross_entropy_grads_cuda(const Tensor& x, const Tensor& w,
+                                                                           const Tensor& target, const OptTensor& bias,
+                                                                           int64_t ignore, double smoothing,
+                                                                           int64_t chunk) {
+  return lce_cuda(x, w, target, bias, ignore, smoothing, chunk, true, "linear_cross_entropy_grads");
+}
+std::tuple<Tensor, Tensor, Tensor, Tensor> linear_cross_entropy_grads_cpu(const Tensor& x, const Tensor& w,
+                                                                          const Tensor& target, const OptTensor& bias,
+                                                                          int64_t ignore, double smoothing,
+                                                                          int64_t chunk) {
+  return lce_cpu(x, w, target, bias, ignore, smoothing, true, "linear_cross_entropy_grads");
+}
+
+// ---- sum_squared, mean_abs (fusion/kernels/reduce.cu) ----
+// The reduced dims are moved last, so the kernel reduces rows of a [kept, reduced] view.
+struct ReduceView { Tensor x; int64_t rows, n; c10::DimVector out_shape; };
+ReduceView reduce_view(const Tensor& x, at::OptionalIntArrayRef dim, bool keepdim, const char* op) {
+  const int64_t nd = x.dim();
+  std::vector<bool> red(std::max<int64_t>(nd, 1), !dim || dim->empty());
+  if (dim)
+    for (int64_t d : *dim) {
+      TORCH_CHECK(d >= -std::max<int64_t>(nd, 1) && d < std::max<int64_t>(nd, 1), "kitsune.", op, ": dim ", d,
+                  " is out of range for a tensor of ", nd, " dimensions");
+      red[d < 0 ? d + std::max<int64_t>(nd, 1) : d] = true;
+    }
+  std::vector<int64_t> perm;
+  c10::DimVector out;
+  int64_t rows = 1, n = 1;
+  for (int64_t d = 0; d < nd; d++)
+    if (!red[d]) { perm.push_back(d); out.push_back(x.size(d)); rows *= x.size(d); }
+    else if (keepdim) out.push_back(1);
+  for (int64_t d = 0; d < nd; d++)
+    if (red[d]) { perm.push_back(d); n *= x.size(d); }
+  return {nd ? x.permute(perm).contiguous() : x.contiguous(), rows, n, out};
+}
+Tensor reduce_cuda(const Tensor& x, at::OptionalIntArrayRef dim, bool keepdim, int op, const char* name) {
+  auto v = reduce_view(x, dim, keepdim, name);
+  kt_dtype dt = dtype_of(x, name);
+  c10::cuda::CUDAGuard g(x.device());
+  if (v.n == 0)   // sum over nothing is 0; mean over nothing is NaN, as in PyTorch
+    return at::full(v.out_shape, op == KT_REDUCE_SUM_SQUARED ? 0.0 : NAN, x.options());
+  Tensor out = at::empty({v.rows}, x.options());
+  int64_t wsn = kt_reduce_workspace(v.rows, v.n);
+  Tensor ws = wsn ? at::empty({wsn}, x.options().dtype(at::kFloat)) : Tensor();
+  if (v.rows)
+    check_launch(kt_reduce(dt, op, v.x.data_ptr(), out.data_ptr(), wsn ? ws.data_ptr<float>() : nullptr, v.rows, v.n,
+                           stream_of(out)),
+                 name);
+  return out.view(v.out_shape);
+}
+Tensor reduce_cpu(const Tensor& x, at::OptionalIntArrayRef dim, bool keepdim, int op, const char* name) {
+  auto v = reduce_view(x, dim, keepdim, name);
+  TORCH_CHECK(at::isFloatingType(x.scalar_type()), "kitsune.", name, ": x must be floating point; got ",
+              x.scalar_type());
+  Tensor xf = v.x.to(opmath(x)).reshape({v.rows, v.n});
+  Tensor r = op == KT_REDUCE_SUM_SQUARED ? xf.pow(2).sum(1) : xf.abs().mean(1);
+  return r.view(v.out_shape).to(x.scalar_type());
+}
+Tensor sum_squared_cuda(const Tensor& x, at::OptionalIntArrayRef dim, bool keepdim) {
+  return reduce_cuda(x, dim, keepdim, KT_REDUCE_SUM_SQUARED, "sum_squared");
+}
+Tensor sum_squared_cpu(const Tensor& x, at::OptionalIntArrayRef dim, bool keepdim) {
+  return reduce_cpu(x, dim, keepdim, KT_REDUCE_SUM_SQUARED, "sum_squared");
+}
+Tensor mean_abs_cuda(const Tensor& x, at::OptionalIntArrayRef dim, bool keepdim) {
+  return reduce_cuda(x, dim, keepdim, KT_REDUCE_MEAN_ABS, "mean_abs");
+}
+Tensor mean_abs_cpu(const Tensor& x, at::OptionalIntArrayRef dim, bool keepdim) {
+  return reduce_cpu(x, dim, keepdim, KT_REDUCE_MEAN_ABS, "mean_abs");
+}
+
+// ---- attention_score: (q @ k^T) * scale as one cuBLAS batched GEMM, scale in alpha ----
+// CompositeImplicitAutograd: autograd and fake shapes come from baddbmm's.
+Tensor attention_score(const Tensor& q, const Tensor& k, std::optional<double> scale) {
+  check_same(q, k, "attention_score", "q", "k");
+  TORCH_CHECK(q.dim() >= 2 && k.dim() == q.dim() && q.sizes().slice(0, q.dim() - 2) == k.sizes().slice(0, k.dim() - 2)
+                  && q.size(-1) == k.size(-1),
+              "kitsune.attention_score: q (..., Lq, d) and k (..., Lk, d) must share batch dims and d; got ",
+              q.sizes(), " and ", k.sizes());
+  TORCH_CHECK(at::isFloatingType(q.scalar_type()), "kitsune.attention_score: q must be floating point; got ",
+              q.scalar_type());
+  const int64_t d = q.size(-1), lq = q.size(-2), lk = k.size(-2);
+  const double s = scale ? *scale : 1.0 / std::sqrt((double)std::max<int64_t>(d, 1));
+  Tensor qb = q.reshape({-1, lq, d}), kb = k.reshape({-1, lk, d});
+  Tensor out = at::baddbmm(at::empty({qb.size(0), lq, lk}, q.options()), qb, kb.transpose(1, 2), /*beta=*/0, s);
+  c10::DimVector shape(q.sizes().begin(), q.sizes().end() - 1);
+  shape.push_back(lk);
+  return out.view(shape);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kitsune, m) {
@@ -870,6 +1285,18 @@ TORCH_LIBRARY(kitsune, m) {
   m.def("swiglu_backward(Tensor grad, Tensor gate, Tensor up) -> (Tensor, Tensor)");
   m.def("rms_norm(Tensor x, Tensor weight, float eps=1e-6) -> Tensor");
   m.def("rms_norm_backward(Tensor grad, Tensor x, Tensor weight, float eps=1e-6) -> (Tensor, Tensor)");
+  m.def("layer_norm_relu(Tensor x, int[] normalized_shape, Tensor? weight=None, Tensor? bias=None, float eps=1e-5) -> Tensor");
+  m.def("layer_norm_relu_backward(Tensor grad, Tensor x, int[] normalized_shape, Tensor? weight, Tensor? bias, float eps) -> (Tensor, Tensor, Tensor)");
+  m.def("add_layer_norm(Tensor x, Tensor residual, Tensor? weight=None, Tensor? bias=None, float eps=1e-5) -> (Tensor, Tensor)");
+  m.def("add_layer_norm_backward(Tensor grad, Tensor? grad_sum, Tensor sum, Tensor? weight, Tensor? bias, float eps) -> (Tensor, Tensor, Tensor)");
+  m.def("cross_entropy(Tensor logits, Tensor target, int ignore_index=-100, float label_smoothing=0.0) -> Tensor");
+  m.def("cross_entropy_backward(Tensor grad, Tensor logits, Tensor target, int ignore_index=-100, float label_smoothing=0.0) -> Tensor");
+  m.def("linear_cross_entropy(Tensor x, Tensor weight, Tensor target, Tensor? bias=None, int ignore_index=-100, float label_smoothing=0.0, int chunk_size=0) -> Tensor");
+  m.def("linear_cross_entropy_grads(Tensor x, Tensor weight, Tensor target, Tensor? bias=None, int ignore_index=-100, float label_smoothing=0.0, int chunk_size=0) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("sum_squared(Tensor x, int[1]? dim=None, bool keepdim=False) -> Tensor");
+  m.def("mean_abs(Tensor x, int[1]? dim=None, bool keepdim=False) -> Tensor");
+  m.def("attention_score(Tensor q, Tensor k, float? scale=None) -> Tensor");
+  m.impl("attention_score", torch::dispatch(c10::DispatchKey::CompositeImplicitAutograd, &attention_score));
 }
 
 TORCH_LIBRARY_IMPL(kitsune, CUDA, m) {
@@ -883,6 +1310,16 @@ TORCH_LIBRARY_IMPL(kitsune, CUDA, m) {
   m.impl("swiglu_backward", &swiglu_backward_cuda);
   m.impl("rms_norm", &rms_norm_cuda);
   m.impl("rms_norm_backward", &rms_norm_backward_cuda);
+  m.impl("layer_norm_relu", &layer_norm_relu_cuda);
+  m.impl("layer_norm_relu_backward", &layer_norm_relu_backward_cuda);
+  m.impl("add_layer_norm", &add_layer_norm_cuda);
+  m.impl("add_layer_norm_backward", &add_layer_norm_backward_cuda);
+  m.impl("cross_entropy", &cross_entropy_cuda);
+  m.impl("cross_entropy_backward", &cross_entropy_backward_cuda);
+  m.impl("linear_cross_entropy", &linear_cross_entropy_cuda);
+  m.impl("linear_cross_entropy_grads", &linear_cross_entropy_grads_cuda);
+  m.impl("sum_squared", &sum_squared_cuda);
+  m.impl("mean_abs", &mean_abs_cuda);
 }
 
 TORCH_LIBRARY_IMPL(kitsune, CPU, m) {
@@ -896,6 +1333,16 @@ TORCH_LIBRARY_IMPL(kitsune, CPU, m) {
   m.impl("swiglu_backward", &swiglu_backward_cpu);
   m.impl("rms_norm", &rms_norm_cpu);
   m.impl("rms_norm_backward", &rms_norm_backward_cpu);
+  m.impl("layer_norm_relu", &layer_norm_relu_cpu);
+  m.impl("layer_norm_relu_backward", &layer_norm_relu_backward_cpu);
+  m.impl("add_layer_norm", &add_layer_norm_cpu);
+  m.impl("add_layer_norm_backward", &add_layer_norm_backward_cpu);
+  m.impl("cross_entropy", &cross_entropy_cpu);
+  m.impl("cross_entropy_backward", &cross_entropy_backward_cpu);
+  m.impl("linear_cross_entropy", &linear_cross_entropy_cpu);
+  m.impl("linear_cross_entropy_grads", &linear_cross_entropy_grads_cpu);
+  m.impl("sum_squared", &sum_squared_cpu);
+  m.impl("mean_abs", &mean_abs_cpu);
 }
 
 extern "C" {

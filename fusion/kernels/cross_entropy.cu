@@ -1,0 +1,131 @@
+// fusion/kernels/cross_entropy.cu — softmax cross-entropy per row, without the
+// softmax ever being stored, and its gradient:
+//   lse = log(sum_j exp(x_j));  q = (1 - eps) * onehot(t) + eps / C
+//   loss = lse - (1 - eps) * x_t - eps / C * sum_j x_j       (= -sum_j q_j log softmax_j)
+//   grad_j = scale * (softmax_j - q_j)
+// A row whose target is ignore_index has loss 0 and gradient 0; a target outside
+// [0, C) gives NaN (loss and gradient), which the caller can detect without a sync.
+//
+// One block per row. The first pass keeps a running max and a sum of exponentials
+// rescaled to it (online softmax), plus sum_j x_j for label smoothing; a second
+// pass, only when the gradient is asked for, writes it - in place over the logits
+// if grad == logits (the chunked linear + cross-entropy uses that). Rows need not
+// be aligned (vocabularies such as 50257 are odd): each row is read as a scalar
+// head up to a 16-byte boundary, 16-byte vectors, and a scalar tail.
+#include <math.h>
+
+#include "rows.cuh"
+
+namespace {
+
+// ---- reference (per row, fp64) ----
+// m = max_j x_j; lse = m + log(sum_j exp(x_j - m)); loss and grad as above.
+
+// ---- kernels ----
+// Calls f(i, x_i) for every element of a row this thread owns and, when out is not
+// NULL, stores the value f returns at out[i]. out must have the same alignment as
+// in modulo 16 bytes (or be NULL).
+template <typename T, typename F> __device__ __forceinline__ void map_row(const T *in, T *out, int64_t n, F f) {
+  constexpr int V = 16 / sizeof(T);
+  int64_t head = (int64_t)(((16 - ((uintptr_t)in & 15)) & 15) / sizeof(T));
+  if (head > n) head = n;
+  for (int64_t i = threadIdx.x; i < head; i += blockDim.x) {
+    float y = f(i, kt::to_f(in[i]));
+    if (out) out[i] = kt::from_f<T>(y);
+  }
+  const int64_t nv = (n - head) / V;
+  const uint4 *vin = reinterpret_cast<const uint4 *>(in + head);
+  uint4 *vout = out ? reinterpret_cast<uint4 *>(out + head) : nullptr;
+  for (int64_t c = threadIdx.x; c < nv; c += blockDim.x) {
+    T v[V];
+    *reinterpret_cast<uint4 *>(v) = vin[c];
+#pragma unroll
+    for (int j = 0; j < V; j++) {
+      float y = f(head + c * V + j, kt::to_f(v[j]));
+      v[j] = kt::from_f<T>(y);
+    }
+    if (vout) vout[c] = *reinterpret_cast<uint4 *>(v);
+  }
+  for (int64_t i = head + nv * V + threadIdx.x; i < n; i += blockDim.x) {
+    float y = f(i, kt::to_f(in[i]));
+    if (out) out[i] = kt::from_f<T>(y);
+  }
+}
+
+// Block-wide (max, rescaled sum of exponentials, sum) from each thread's partials.
+__device__ kt::Fv<3> block_lse(float m, float e, float sx) {
+  __shared__ float mx[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
+  float M = m;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+  __syncthreads();
+  if (lane == 0) mx[warp] = M;
+  __syncthreads();
+  M = lane < nwarps ? mx[lane] : -INFINITY;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+  const float scaled = m == -INFINITY ? 0.f : e * __expf(m - M);
+  kt::Fv<2> s = kt::block_sum<2>({{scaled, sx}});
+  return {{M, s.v[0], s.v[1]}};
+}
+
+template <typename T>
+__global__ void ce_kernel(const T *logits, const int64_t *target, float *loss, T *grad, const float *scale, int64_t C,
+                          int64_t ignore, float smoothing) {
+  const int64_t row = blockIdx.x;
+  const T *x = logits + row * C;
+  const int64_t t = target[row];
+  const bool ignored = t == ignore, valid = t >= 0 && t < C;
+  // read x_t before any thread may overwrite the row (in-place gradient)
+  const float xt = (!ignored && valid) ? kt::to_f(x[t]) : 0.f;
+  float m = -INFINITY, e = 0.f, sx = 0.f;
+  map_row<T>(x, nullptr, C, [&](int64_t, float v) {
+    if (v > m) { e = e * __expf(m - v) + 1.f; m = v; }   // exp(-inf) = 0 for the first element
+    else if (v != -INFINITY) e += __expf(v - m);   // -inf logits (masked classes) add nothing
+    sx += v;
+    return 0.f;
+  });
+  const kt::Fv<3> r = block_lse(m, e, sx);
+  const float lse = r.v[0] + __logf(r.v[1]);
+  const float on = 1.f - smoothing, off = smoothing / (float)C;
+  if (loss && threadIdx.x == 0)
+    loss[row] = ignored ? 0.f : !valid ? NAN : lse - on * xt - off * r.v[2];
+  if (!grad) return;
+  T *g = grad + row * C;
+  if (ignored) {   // zero gradient
+    map_row<T>(x, g, C, [](int64_t, float) { return 0.f; });
+    return;
+  }
+  const float sc = !valid ? NAN : scale ? *scale : 1.f;
+  map_row<T>(x, g, C, [&](int64_t i, float v) { return sc * (__expf(v - lse) - (i == t ? on : 0.f) - off); });
+}
+
+template <typename T>
+kt_status launch(const void *logits, const int64_t *target, float *loss, void *grad, const float *scale, int64_t rows,
+                 int64_t C, int64_t ignore, float smoothing, cudaStream_t s) {
+  int64_t chunks = C / (16 / sizeof(T)) + 1;
+  int th = chunks >= 8192 ? 512 : kt::row_threads<T>(C, true);
+  ce_kernel<T><<<(unsigned)rows, th, 0, s>>>((const T *)logits, target, loss, (T *)grad, scale, C, ignore, smoothing);
+  return kt::status_of(cudaGetLastError());
+}
+
+}  // namespace
+
+// ---- launchers ----
+extern "C" kt_status kt_cross_entropy(kt_dtype t, const void *logits, const int64_t *target, float *loss, void *grad,
+                                      const float *grad_scale, int64_t rows, int64_t C, int64_t ignore_index,
+                                      float label_smoothing, void *stream) {
+  if (rows < 0 || rows > 0x7fffffff || C <= 0 || !logits || !target || (!loss && !grad)) return KT_ERR_INVALID;
+  if (!(label_smoothing >= 0.f && label_smoothing <= 1.f)) return KT_ERR_INVALID;
+  if (grad && ((uintptr_t)grad & 15) != ((uintptr_t)logits & 15)) return KT_ERR_INVALID;
+  if (rows == 0) return KT_OK;
+  cudaStream_t s = (cudaStream_t)stream;
+  switch (t) {
+    case KT_F32: return launch<float>(logits, target, loss, grad, grad_scale, rows, C, ignore_index, label_smoothing, s);
+    case KT_F16: return launch<__half>(logits, target, loss, grad, grad_scale, rows, C, ignore_index, label_smoothing, s);
+    case KT_BF16:
+      return launch<__nv_bfloat16>(logits, target, loss, grad, grad_scale, rows, C, ignore_index, label_smoothing, s);
+  }
+  return KT_ERR_INVALID;
+}

@@ -1,0 +1,262 @@
+// fusion/kernels/layer_norm.cu — LayerNorm over the last dimension, with an
+// optional residual added first and an optional ReLU after, and its backward:
+//   h = x (+ residual)                       (written out when there is a residual)
+//   y = [relu]((h - mean(h)) * rstd * w + b),   rstd = rsqrt(var(h) + eps)
+// add_layer_norm and layer_norm_relu are this kernel with one option each.
+//
+// One block per row, two passes over the row (the second mostly from L1/L2):
+// the first forms the statistics, the second writes. The statistics are fp32
+// sums of h - s and (h - s)^2 with s the row's first element, so a row whose mean
+// is large against its spread does not cancel catastrophically. h is rounded to
+// the storage type before the statistics, as PyTorch's eager add + layer_norm do.
+//
+// The backward keeps no state from the forward: it recomputes mean and rstd from
+// h, then (one pass each) the row sums of dy = g * w (masked by y > 0 with ReLU)
+// and dy * xhat, and writes
+//   grad_h = rstd * (dy - mean(dy) - xhat * mean(dy * xhat)) (+ grad of h's output)
+// mean and rstd go out per row for the weight and bias gradients, which a column
+// kernel reduces over row stripes into fp32 partials (summed by the caller).
+#include "rows.cuh"
+
+namespace {
+using kt::load_v;
+using kt::Row;
+using kt::store_v;
+
+// ---- reference (per row, fp32) ----
+// mean = sum(h) / n; var = sum((h - mean)^2) / n; xhat = (h - mean) * rsqrt(var + eps)
+// y = xhat * w + b, then max(y, 0) with ReLU.
+
+// ---- kernels ----
+struct Stats { float mean, rstd; };
+
+// Shifted one-pass statistics of a row (d = h - s, s = the row's first element).
+__device__ __forceinline__ Stats finish_stats(float s, float sd, float sd2, int64_t n, float eps) {
+  const kt::Fv<2> t = kt::block_sum<2>({{sd, sd2}});
+  const float m = t.v[0] / (float)n;
+  const float var = fmaxf(t.v[1] / (float)n - m * m, 0.f);
+  return {s + m, rsqrtf(var + eps)};
+}
+
+template <typename T, bool VEC>
+__global__ void ln_fwd(const T *x, const T *res, const T *w, const T *b, T *hout, T *y, int64_t n, float eps,
+                       bool relu) {
+  using R = Row<T, VEC>;
+  constexpr int V = R::V;
+  const int64_t off = blockIdx.x * n;
+  const T *xr = x + off;
+  const T *rr = res ? res + off : nullptr;
+  T *hr = hout ? hout + off : nullptr;
+  const float s = kt::to_f(kt::from_f<T>(kt::to_f(xr[0]) + (rr ? kt::to_f(rr[0]) : 0.f)));
+  float sd = 0.f, sd2 = 0.f;
+  R::each(xr, n, [&](int64_t i, const T *v) {
+    T h[V];
+    if (rr) {
+      T rv[V];
+      load_v<T, VEC>(rr, i, rv);
+#pragma unroll
+      for (int j = 0; j < V; j++) h[j] = kt::from_f<T>(kt::to_f(v[j]) + kt::to_f(rv[j]));
+      if (hr) store_v<T, VEC>(hr, i, h);
+    } else {
+#pragma unroll
+      for (int j = 0; j < V; j++) h[j] = v[j];
+    }
+#pragma unroll
+    for (int j = 0; j < V; j++) { float d = kt::to_f(h[j]) - s; sd += d; sd2 += d * d; }
+  });
+  const Stats st = finish_stats(s, sd, sd2, n, eps);
+  // Second pass: h from hout when it was written (this thread wrote these chunks), else x (+ res) again.
+  T *yr = y + off;
+  for (int64_t c = threadIdx.x; c < n / V; c += blockDim.x) {
+    const int64_t i = c * V;
+    T h[V], wv[V], bv[V], out[V];
+    if (hr) load_v<T, VEC>(hr, i, h);
+    else {
+      load_v<T, VEC>(xr, i, h);
+      if (rr) {
+        T rv[V];
+        load_v<T, VEC>(rr, i, rv);
+#pragma unroll
+        for (int j = 0; j < V; j++) h[j] = kt::from_f<T>(kt::to_f(h[j]) + kt::to_f(rv[j]));
+      }
+    }
+    if (w) load_v<T, VEC>(w, i, wv);
+    if (b) load_v<T, VEC>(b, i, bv);
+#pragma unroll
+    for (int j = 0; j < V; j++) {
+      float o = (kt::to_f(h[j]) - st.mean) * st.rstd;
+      if (w) o *= kt::to_f(wv[j]);
+      if (b) o += kt::to_f(bv[j]);
+      out[j] = kt::from_f<T>(relu ? fmaxf(o, 0.f) : o);
+    }
+    store_v<T, VEC>(yr, i, out);
+  }
+}
+
+// dy = g * w for one chunk, zero where the ReLU output was not positive.
+template <typename T, int V>
+__device__ __forceinline__ void chunk_dy(const T *h, const T *g, const T *wv, const T *bv, Stats st, bool relu,
+                                         float *xh, float *dy) {
+#pragma unroll
+  for (int j = 0; j < V; j++) {
+    xh[j] = (kt::to_f(h[j]) - st.mean) * st.rstd;
+    const float wj = wv ? kt::to_f(wv[j]) : 1.f;
+    float gj = kt::to_f(g[j]);
+    if (relu && !(xh[j] * wj + (bv ? kt::to_f(bv[j]) : 0.f) > 0.f)) gj = 0.f;
+    dy[j] = gj * wj;
+  }
+}
+
+template <typename T, bool VEC>
+__global__ void ln_bwd(const T *g, const T *gh_in, const T *h, const T *w, const T *b, T *gh, float *mean_out,
+                       float *rstd_out, int64_t n, float eps, bool relu) {
+  using R = Row<T, VEC>;
+  constexpr int V = R::V;
+  const int64_t off = blockIdx.x * n;
+  const T *hr = h + off, *gr = g + off;
+  const float s = kt::to_f(hr[0]);
+  float sd = 0.f, sd2 = 0.f;
+  R::each(hr, n, [&](int64_t, const T *v) {
+#pragma unroll
+    for (int j = 0; j < V; j++) { float d = kt::to_f(v[j]) - s; sd += d; sd2 += d * d; }
+  });
+  const Stats st = finish_stats(s, sd, sd2, n, eps);
+  if (threadIdx.x == 0) { mean_out[blockIdx.x] = st.mean; rstd_out[blockIdx.x] = st.rstd; }
+  // Loads g, w, b for the chunk at i and forms xhat and dy.
+  auto dy_at = [&](int64_t i, const T *v, float *xh, float *dy) {
+    T gv[V], wv[V], bv[V];
+    load_v<T, VEC>(gr, i, gv);
+    if (w) load_v<T, VEC>(w, i, wv);
+    if (b) load_v<T, VEC>(b, i, bv);
+    chunk_dy<T, V>(v, gv, w ? wv : nullptr, b ? bv : nullptr, st, relu, xh, dy);
+  };
+  float sdy = 0.f, sdyx = 0.f;
+  R::each(hr, n, [&](int64_t i, const T *v) {
+    float xh[V], dy[V];
+    dy_at(i, v, xh, dy);
+#pragma unroll
+    for (int j = 0; j < V; j++) { sdy += dy[j]; sdyx += dy[j] * xh[j]; }
+  });
+  const kt::Fv<2> t = kt::block_sum<2>({{sdy, sdyx}});
+  const float mdy = t.v[0] / (float)n, mdyx = t.v[1] / (float)n;
+  const T *ghr_in = gh_in ? gh_in + off : nullptr;
+  T *ghr = gh + off;
+  R::each(hr, n, [&](int64_t i, const T *v) {
+    float xh[V], dy[V];
+    T extra[V], out[V];
+    dy_at(i, v, xh, dy);
+    if (ghr_in) load_v<T, VEC>(ghr_in, i, extra);
+#pragma unroll
+    for (int j = 0; j < V; j++)
+      out[j] = kt::from_f<T>(st.rstd * (dy[j] - mdy - xh[j] * mdyx) + (ghr_in ? kt::to_f(extra[j]) : 0.f));
+    store_v<T, VEC>(ghr, i, out);
+  });
+}
+
+// Weight and bias gradients: block (32, 8) covers 32 columns; blockIdx.y is a
+// stripe of rows. pw/pb[stripe * n + col] = sum over the stripe of g_eff * xhat / g_eff.
+template <typename T>
+__global__ void ln_param(const T *g, const T *h, const float *mean, const float *rstd, const T *w, const T *b,
+                         float *pw, float *pb, int64_t rows, int64_t n, bool relu) {
+  __shared__ float sw[8][33], sb[8][33];
+  const int64_t col = (int64_t)blockIdx.x * 32 + threadIdx.x;
+  const int64_t per = (rows + gridDim.y - 1) / gridDim.y;
+  const int64_t r0 = (int64_t)blockIdx.y * per, r1 = r0 + per < rows ? r0 + per : rows;
+  float aw = 0.f, ab = 0.f;
+  if (col < n) {
+    const float wc = w ? kt::to_f(w[col]) : 1.f, bc = b ? kt::to_f(b[col]) : 0.f;
+    for (int64_t r = r0 + threadIdx.y; r < r1; r += 8) {
+      const float xh = (kt::to_f(h[r * n + col]) - mean[r]) * rstd[r];
+      float gv = kt::to_f(g[r * n + col]);
+      if (relu && !(xh * wc + bc > 0.f)) gv = 0.f;
+      aw += gv * xh;
+      ab += gv;
+    }
+  }
+  sw[threadIdx.y][threadIdx.x] = aw;
+  sb[threadIdx.y][threadIdx.x] = ab;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < n) {
+    for (int k = 1; k < 8; k++) { aw += sw[k][threadIdx.x]; ab += sb[k][threadIdx.x]; }
+    if (pw) pw[blockIdx.y * n + col] = aw;
+    if (pb) pb[blockIdx.y * n + col] = ab;
+  }
+}
+
+template <typename T>
+kt_status fwd(const void *x, const void *res, const void *w, const void *b, void *hout, void *y, int64_t rows,
+              int64_t n, float eps, bool relu, cudaStream_t s) {
+  const bool vec = kt::row_vec_ok<T>(n, {x, res, w, b, hout, y});
+  const int th = kt::row_threads<T>(n, vec);
+  auto k = vec ? ln_fwd<T, true> : ln_fwd<T, false>;
+  k<<<(unsigned)rows, th, 0, s>>>((const T *)x, (const T *)res, (const T *)w, (const T *)b, (T *)hout, (T *)y, n, eps,
+                                  relu);
+  return kt::status_of(cudaGetLastError());
+}
+
+template <typename T>
+kt_status bwd(const void *g, const void *gh_in, const void *h, const void *w, const void *b, void *gh, float *mean,
+              float *rstd, float *pw, float *pb, int64_t splits, int64_t rows, int64_t n, float eps, bool relu,
+              cudaStream_t s) {
+  const bool vec = kt::row_vec_ok<T>(n, {g, gh_in, h, w, b, gh});
+  const int th = kt::row_threads<T>(n, vec);
+  auto k = vec ? ln_bwd<T, true> : ln_bwd<T, false>;
+  k<<<(unsigned)rows, th, 0, s>>>((const T *)g, (const T *)gh_in, (const T *)h, (const T *)w, (const T *)b, (T *)gh,
+                                  mean, rstd, n, eps, relu);
+  if (pw || pb) {
+    dim3 grid((unsigned)((n + 31) / 32), (unsigned)splits);
+    ln_param<T><<<grid, dim3(32, 8), 0, s>>>((const T *)g, (const T *)h, mean, rstd, (const T *)w, (const T *)b, pw,
+                                             pb, rows, n, relu);
+  }
+  return kt::status_of(cudaGetLastError());
+}
+
+bool bad(int64_t rows, int64_t n, float eps) { return rows < 0 || rows > 0x7fffffff || n <= 0 || !(eps >= 0.f); }
+
+}  // namespace
+
+// ---- launchers ----
+extern "C" int64_t kt_layer_norm_param_splits(int64_t rows, int64_t n) {
+  // about 512 blocks of 256 threads in all, each stripe at least 32 rows, at most 65535 stripes
+  int64_t colblocks = (n + 31) / 32, s = (512 + colblocks - 1) / colblocks, most = (rows + 31) / 32;
+  if (s > most) s = most;
+  if (s > 65535) s = 65535;
+  return s < 1 ? 1 : s;
+}
+
+extern "C" kt_status kt_layer_norm(kt_dtype t, const void *x, const void *residual, const void *weight,
+                                   const void *bias, void *sum_out, void *y, int64_t rows, int64_t n, float eps,
+                                   int relu, void *stream) {
+  if (bad(rows, n, eps) || !x || !y || (sum_out && !residual)) return KT_ERR_INVALID;
+  if (rows == 0) return KT_OK;
+  cudaStream_t s = (cudaStream_t)stream;
+  switch (t) {
+    case KT_F32: return fwd<float>(x, residual, weight, bias, sum_out, y, rows, n, eps, relu, s);
+    case KT_F16: return fwd<__half>(x, residual, weight, bias, sum_out, y, rows, n, eps, relu, s);
+    case KT_BF16: return fwd<__nv_bfloat16>(x, residual, weight, bias, sum_out, y, rows, n, eps, relu, s);
+  }
+  return KT_ERR_INVALID;
+}
+
+extern "C" kt_status kt_layer_norm_backward(kt_dtype t, const void *grad, const void *grad_h_in, const void *h,
+                                            const void *weight, const void *bias, void *grad_h, float *mean,
+                                            float *rstd, float *partial_w, float *partial_b, int64_t splits,
+                                            int64_t rows, int64_t n, float eps, int relu, void *stream) {
+  if (bad(rows, n, eps) || !grad || !h || !grad_h || !mean || !rstd || splits < 1 || splits > 65535)
+    return KT_ERR_INVALID;
+  if ((partial_w && !weight) || (partial_b && !bias)) return KT_ERR_INVALID;
+  if (rows == 0) return KT_OK;
+  cudaStream_t s = (cudaStream_t)stream;
+  switch (t) {
+    case KT_F32:
+      return bwd<float>(grad, grad_h_in, h, weight, bias, grad_h, mean, rstd, partial_w, partial_b, splits, rows, n,
+                        eps, relu, s);
+    case KT_F16:
+      return bwd<__half>(grad, grad_h_in, h, weight, bias, grad_h, mean, rstd, partial_w, partial_b, splits, rows, n,
+                         eps, relu, s);
+    case KT_BF16:
+      return bwd<__nv_bfloat16>(grad, grad_h_in, h, weight, bias, grad_h, mean, rstd, partial_w, partial_b, splits,
+                                rows, n, eps, relu, s);
+  }
+  return KT_ERR_INVALID;
+}

@@ -139,7 +139,9 @@ bench: $(BENCH_BINS)
 # Fused kernels on the GPU: GB/s against copy, eager and torch.compile
 bench-kernels: $(BUILD)/libkitsune.so bridge
 	@KITSUNE_LIBRARY=$(CURDIR)/$(BUILD)/libkitsune.so PYTHONPATH=$(CURDIR)/python \
-	  $(PYTHON) bench/kernels/elementwise.py --out $${BENCH_OUT:-bench/results}
+	  $(PYTHON) bench/kernels/elementwise.py --out $${BENCH_OUT:-bench/results} $${BENCH_KERNEL_ARGS:-}
+	@KITSUNE_LIBRARY=$(CURDIR)/$(BUILD)/libkitsune.so PYTHONPATH=$(CURDIR)/python \
+	  $(PYTHON) bench/kernels/loss_head.py --out $${BENCH_OUT:-bench/results}
 
 # The data path on the GPU: pinned footprint (torch vs Kitsune) and prefetch training
 bench-data: $(BUILD)/libkitsune.so bridge

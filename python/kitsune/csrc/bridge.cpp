@@ -858,7 +858,6 @@ std::tuple<Tensor, Tensor> rms_norm_backward_cpu(const Tensor& grad, const Tenso
 using OptTensor = std::optional<Tensor>;
 
 const Tensor* opt(const OptTensor& t) { return t && t->defined() ? &*t : nullptr; }
-const void* ptr_or_null(const Tensor* t) { return t ? t->data_ptr() : nullptr; }
 
 // rows x n view for a LayerNorm over the trailing dims `shape`; checks weight/bias.
 std::pair<int64_t, int64_t> norm_rows(const Tensor& x, c10::IntArrayRef shape, const Tensor* w, const Tensor* b,

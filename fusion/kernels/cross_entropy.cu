@@ -52,6 +52,39 @@ template <typename T, typename F> __device__ __forceinline__ void map_row(const 
   }
 }
 
+// Calls f(v, k) with k <= V consecutive elements of a row (as fp32) at a time,
+// covering every element this thread owns: single elements for the unaligned head
+// and the tail, 16-byte vectors for the rest, two vectors loaded before use.
+template <typename T, typename F> __device__ __forceinline__ void map_vecs(const T *in, int64_t n, F f) {
+  constexpr int V = 16 / sizeof(T);
+  int64_t head = (int64_t)(((16 - ((uintptr_t)in & 15)) & 15) / sizeof(T));
+  if (head > n) head = n;
+  float one[V];
+  for (int64_t i = threadIdx.x; i < head; i += blockDim.x) { one[0] = kt::to_f(in[i]); f(one, 1); }
+  const int64_t nv = (n - head) / V;
+  const uint4 *vin = reinterpret_cast<const uint4 *>(in + head);
+  int64_t c = threadIdx.x;
+  for (; c + blockDim.x < nv; c += 2 * blockDim.x) {
+    T a[V], b[V];
+    *reinterpret_cast<uint4 *>(a) = vin[c];
+    *reinterpret_cast<uint4 *>(b) = vin[c + blockDim.x];
+    float fa[V], fb[V];
+#pragma unroll
+    for (int j = 0; j < V; j++) { fa[j] = kt::to_f(a[j]); fb[j] = kt::to_f(b[j]); }
+    f(fa, V);
+    f(fb, V);
+  }
+  if (c < nv) {
+    T a[V];
+    *reinterpret_cast<uint4 *>(a) = vin[c];
+    float fa[V];
+#pragma unroll
+    for (int j = 0; j < V; j++) fa[j] = kt::to_f(a[j]);
+    f(fa, V);
+  }
+  for (int64_t i = head + nv * V + threadIdx.x; i < n; i += blockDim.x) { one[0] = kt::to_f(in[i]); f(one, 1); }
+}
+
 // Block-wide (max, rescaled sum of exponentials, sum) from each thread's partials.
 __device__ kt::Fv<3> block_lse(float m, float e, float sx) {
   __shared__ float mx[32];
@@ -80,11 +113,14 @@ __global__ void ce_kernel(const T *logits, const int64_t *target, float *loss, T
   // read x_t before any thread may overwrite the row (in-place gradient)
   const float xt = (!ignored && valid) ? kt::to_f(x[t]) : 0.f;
   float m = -INFINITY, e = 0.f, sx = 0.f;
-  map_row<T>(x, nullptr, C, [&](int64_t, float v) {
-    if (v > m) { e = e * __expf(m - v) + 1.f; m = v; }   // exp(-inf) = 0 for the first element
-    else if (v != -INFINITY) e += __expf(v - m);   // -inf logits (masked classes) add nothing
-    sx += v;
-    return 0.f;
+  // Online softmax a vector at a time: one rescale per vector whose max is new, not
+  // one branch per element. -inf logits (masked classes) add nothing.
+  map_vecs<T>(x, C, [&](const float *v, int k) {
+    float vm = v[0];
+    for (int j = 1; j < k; j++) vm = fmaxf(vm, v[j]);
+    if (vm > m) { e *= __expf(m - vm); m = vm; }   // exp(-inf) = 0 for the first vector
+    if (m == -INFINITY) return;
+    for (int j = 0; j < k; j++) { e += __expf(v[j] - m); sx += v[j]; }
   });
   const kt::Fv<3> r = block_lse(m, e, sx);
   const float lse = r.v[0] + __logf(r.v[1]);
@@ -104,8 +140,7 @@ __global__ void ce_kernel(const T *logits, const int64_t *target, float *loss, T
 template <typename T>
 kt_status launch(const void *logits, const int64_t *target, float *loss, void *grad, const float *scale, int64_t rows,
                  int64_t C, int64_t ignore, float smoothing, cudaStream_t s) {
-  int64_t chunks = C / (16 / sizeof(T)) + 1;
-  int th = chunks >= 8192 ? 512 : kt::row_threads<T>(C, true);
+  const int th = kt::row_threads<T>(C, true);   // <= 256: eight blocks an SM, few rows left for a second wave
   ce_kernel<T><<<(unsigned)rows, th, 0, s>>>((const T *)logits, target, loss, (T *)grad, scale, C, ignore, smoothing);
   return kt::status_of(cudaGetLastError());
 }

@@ -4,7 +4,8 @@
 // in fp32, rounded once to the storage type.
 //
 // Blocks form a (rows x splits) grid; each sums a contiguous slice of a row with
-// 16-byte loads (scalar head and tail, so a slice may start anywhere). With one
+// 16-byte loads, four in flight per thread (scalar head and tail, so a slice
+// may start anywhere). With one
 // split per row the block writes the result; otherwise it writes an fp32 partial
 // and a second kernel sums a row's partials. Splits are chosen so that the grid
 // has about a thousand blocks, each of at least 8192 elements.
@@ -31,7 +32,18 @@ __global__ void reduce_slices(const T *x, T *out, float *part, int64_t n, int64_
   for (int64_t i = threadIdx.x; i < head; i += blockDim.x) acc += term<OP>(kt::to_f(p[i]));
   const int64_t nv = (len - head) / V;
   const uint4 *vp = reinterpret_cast<const uint4 *>(p + head);
-  for (int64_t c = threadIdx.x; c < nv; c += blockDim.x) {
+  constexpr int U = 4;   // vectors in flight per thread
+  int64_t c = threadIdx.x;
+  for (; c + (U - 1) * (int64_t)blockDim.x < nv; c += U * (int64_t)blockDim.x) {
+    T v[U][V];
+#pragma unroll
+    for (int u = 0; u < U; u++) *reinterpret_cast<uint4 *>(v[u]) = vp[c + u * blockDim.x];
+#pragma unroll
+    for (int u = 0; u < U; u++)
+#pragma unroll
+      for (int j = 0; j < V; j++) acc += term<OP>(kt::to_f(v[u][j]));
+  }
+  for (; c < nv; c += blockDim.x) {
     T v[V];
     *reinterpret_cast<uint4 *>(v) = vp[c];
 #pragma unroll

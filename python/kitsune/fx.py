@@ -15,7 +15,17 @@ Patterns (each intermediate must have no other user, so nothing observable is lo
   gelu(x + bias)           -> kitsune.bias_gelu(x, bias)              (bias a 1-D parameter)
   silu(g) * u, u * silu(g) -> kitsune.swiglu(g, u)
   nn.RMSNorm / F.rms_norm  -> kitsune.rms_norm(x, weight, eps)        (with a weight and an eps)
-Spellings: modules (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, in-place too), functions
+  relu(layer_norm(x))      -> kitsune.layer_norm_relu(x, shape, weight, bias, eps)
+  layer_norm(a + b)        -> kitsune.add_layer_norm(a, b, weight, bias, eps), the sum
+                              kept for its other users (the residual stream); over the
+                              last dim; at run time, operands of different shapes or
+                              dtypes take the unfused path
+  cross_entropy(linear(x)) -> kitsune.linear_cross_entropy(x, W, target, bias): the
+                              logits never exist; also through .view/.reshape(-1, C),
+                              with C spelled as logits.size(-1); weight=None and
+                              reduction="mean" only
+  cross_entropy(logits)    -> kitsune.cross_entropy (2-D logits at run time)
+Spellings: modules (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.LayerNorm, in-place too), functions
 (F.relu, torch.relu, F.gelu, F.silu, torch.tanh, ...), methods (x.relu(), x.tanh(),
 x.relu_(), ...), and + / torch.add / x.add(...) / += (an in-place add only when
 nothing else reads the operand it overwrites).
@@ -109,6 +119,208 @@ def _param(gm, node):
     return None
 
 
+def _layer_norm(gm, node):
+    """(x, shape, weight, bias, eps) when node is nn.LayerNorm or F.layer_norm, else
+    None. weight and bias are nodes or None (for a module: the names of its
+    parameters, prefixed by "attr:")."""
+    if not isinstance(node, tfx.Node):
+        return None
+    m = _module(gm, node)
+    if isinstance(m, nn.LayerNorm):
+        has = m.elementwise_affine
+        return (node.args[0], tuple(m.normalized_shape), f"attr:{node.target}.weight" if has else None,
+                f"attr:{node.target}.bias" if has and m.bias is not None else None, m.eps)
+    if node.op == "call_function" and node.target is F.layer_norm:
+        args = list(node.args) + [None] * 5
+        kw = node.kwargs
+        shape = kw.get("normalized_shape", args[1])
+        eps = kw.get("eps", args[4] if args[4] is not None else 1e-5)
+        shape = tuple(shape) if isinstance(shape, (list, tuple)) and all(isinstance(d, int) for d in shape) else None
+        return args[0], shape, kw.get("weight", args[2]), kw.get("bias", args[3]), eps
+    return None
+
+
+def _attr_or_node(g, v):
+    return g.get_attr(v[5:]) if isinstance(v, str) and v.startswith("attr:") else v
+
+
+def _add_layer_norm(a, b, weight, bias, eps):
+    """add_layer_norm when the operands allow it (one shape, one dtype), else the
+    unfused add and layer_norm: (a + b, layer_norm(a + b))."""
+    from . import ops as ko
+    same = a.shape == b.shape and a.dtype == b.dtype and a.dim() >= 1 and all(
+        p is None or p.dtype == a.dtype for p in (weight, bias))
+    if same and (a.device.type == "cpu" or a.dtype in (torch.float32, torch.float16, torch.bfloat16)):
+        return ko.add_layer_norm(a, b, weight, bias, eps)
+    h = a + b
+    return h, F.layer_norm(h, (h.shape[-1],), weight, bias, eps)
+
+
+def _view_shape(shape, args):
+    """The shape .view(*args) gives a tensor of `shape`, or None where it cannot."""
+    if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)):
+        args = tuple(args[0])
+    total = 1
+    for d in shape:
+        total *= d
+    known, free = 1, [i for i, d in enumerate(args) if d == -1]
+    for d in args:
+        if d != -1:
+            known *= d
+    if len(free) > 1 or known == 0 or (free and total % known) or (not free and known != total):
+        return None
+    return tuple(total // known if d == -1 else d for d in args)
+
+
+def _logits_size(x, weight, *dim):
+    """logits.size(*dim) for logits = linear(x, weight), without the logits."""
+    shape = torch.Size(tuple(x.shape[:-1]) + (weight.shape[0],))
+    return shape[dim[0]] if dim else shape
+
+
+def _linear_cross_entropy(x, weight, bias, target, view, ignore_index, label_smoothing):
+    """F.cross_entropy(linear(x).view(*view), target) through the chunked op when the
+    view only flattens the leading dims (view None: no view), else unfused."""
+    from . import ops as ko
+    logits_shape = tuple(x.shape[:-1]) + (weight.shape[0],)
+    rows = x.numel() // max(x.shape[-1], 1)
+    shape = logits_shape if view is None else _view_shape(logits_shape, view)
+    ok = (shape is not None and len(shape) == 2 and shape[1] == weight.shape[0] and target.numel() == rows and
+          target.dtype == torch.long and x.dtype == weight.dtype and (bias is None or bias.dtype == x.dtype))
+    if ok:
+        return ko.linear_cross_entropy(x.reshape(rows, x.shape[-1]), weight, target.reshape(rows), bias,
+                                       ignore_index, label_smoothing)
+    logits = F.linear(x, weight, bias)
+    logits = logits if view is None else logits.view(*view)
+    return F.cross_entropy(logits, target, ignore_index=ignore_index, label_smoothing=label_smoothing)
+
+
+def _cross_entropy(logits, target, ignore_index, label_smoothing):
+    from . import ops as ko
+    if logits.dim() == 2 and target.dtype == torch.long and (
+            logits.device.type == "cpu" or logits.dtype in (torch.float32, torch.float16, torch.bfloat16)):
+        return ko.cross_entropy(logits, target, ignore_index, label_smoothing)
+    return F.cross_entropy(logits, target, ignore_index=ignore_index, label_smoothing=label_smoothing)
+
+
+_CE_ARGS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
+
+
+def _ce_call(node):
+    """{argument: value} of an F.cross_entropy node, or None."""
+    if not (isinstance(node, tfx.Node) and node.op == "call_function" and node.target is F.cross_entropy):
+        return None
+    a = {"weight": None, "size_average": None, "ignore_index": -100, "reduce": None, "reduction": "mean",
+         "label_smoothing": 0.0}
+    a.update(zip(_CE_ARGS, node.args))
+    a.update(node.kwargs)
+    return a
+
+
+def _linear_of(gm, node):
+    """(x, weight, bias) when node is nn.Linear or F.linear (weight/bias as nodes or
+    "attr:" names), else None."""
+    m = _module(gm, node)
+    if isinstance(m, nn.Linear):
+        return node.args[0], f"attr:{node.target}.weight", (f"attr:{node.target}.bias" if m.bias is not None else None)
+    if isinstance(node, tfx.Node) and node.op == "call_function" and node.target is F.linear:
+        args = list(node.args) + [None] * 3
+        return args[0], node.kwargs.get("weight", args[1]), node.kwargs.get("bias", args[2])
+    return None
+
+
+def _is_size_of(node, of):
+    return node.op == "call_method" and node.target == "size" and node.args[0] is of
+
+
+def _rewrite_loss(gm, g, node, where, report, apply):
+    """cross_entropy(linear(x)[.view(...)], target) and cross_entropy(logits, target)."""
+    ce = _ce_call(node)
+    if ce is None:
+        return
+    if ce["weight"] is not None or ce["reduction"] != "mean" or ce["size_average"] is not None or \
+            ce["reduce"] is not None:
+        report.left.append((where, "cross_entropy with class weights or a reduction other than 'mean'"))
+        return
+    if not isinstance(ce["ignore_index"], int) or not isinstance(ce["label_smoothing"], (int, float)):
+        report.left.append((where, "cross_entropy with ignore_index or label_smoothing computed in the graph"))
+        return
+    from . import ops as ko   # noqa: F401 - loads the bridge
+    inp, view = ce["input"], None
+    if isinstance(inp, tfx.Node) and inp.op == "call_method" and inp.target in ("view", "reshape") and \
+            len(inp.users) == 1:
+        view, logits = tuple(inp.args[1:]), inp.args[0]
+    else:
+        logits = inp
+    lin = _linear_of(gm, logits) if isinstance(logits, tfx.Node) else None
+    others = [u for u in logits.users if u is not (inp if view is not None else node)] if lin else []
+    if lin and all(_is_size_of(u, logits) for u in others):
+        report.fused.append((where, f"cross_entropy(linear) -> linear_cross_entropy ({logits.name})"))
+        if apply:
+            x, w, b = lin
+            with g.inserting_before(logits):
+                w, b = _attr_or_node(g, w), _attr_or_node(g, b)
+                for u in others:   # logits.size(d) from x and the weight's shapes
+                    new = g.call_function(_logits_size, (x, w) + tuple(u.args[1:]))
+                    u.replace_all_uses_with(new)
+                    g.erase_node(u)
+            if view is not None:
+                view = tuple(inp.args[1:])   # now with the size calls replaced
+            with g.inserting_before(node):
+                new = g.call_function(_linear_cross_entropy, (x, w, b, ce["target"], view, ce["ignore_index"],
+                                                              float(ce["label_smoothing"])))
+            node.replace_all_uses_with(new)
+            g.erase_node(node)
+            if view is not None:
+                g.erase_node(inp)
+            g.erase_node(logits)
+        return
+    if lin:
+        report.left.append((where, f"cross_entropy(linear): the logits {logits.name} are also used elsewhere "
+                                   "(fused as cross_entropy only)"))
+    report.fused.append((where, "cross_entropy -> kitsune.cross_entropy"))
+    if apply:
+        with g.inserting_before(node):
+            new = g.call_function(_cross_entropy, (inp, ce["target"], ce["ignore_index"],
+                                                   float(ce["label_smoothing"])))
+        node.replace_all_uses_with(new)
+        g.erase_node(node)
+
+
+def _rewrite_add_layer_norm(gm, g, node, where, report, apply):
+    """layer_norm(a + b) with a + b kept for its other users."""
+    ln = _layer_norm(gm, node)
+    if ln is None:
+        return False
+    x, shape, w, b, eps = ln
+    bin_ = _binary(x, "add")
+    if not bin_:
+        return False
+    a, c, why = bin_
+    if why:
+        report.left.append((where, f"layer_norm(a + b): {why}"))
+        return True
+    if shape is None or len(shape) != 1:
+        report.left.append((where, "layer_norm(a + b) over more than the last dimension"))
+        return True
+    order = {n: i for i, n in enumerate(g.nodes)}
+    if any(isinstance(v, tfx.Node) and order[v] > order[x] for v in (w, b)):
+        report.left.append((where, "layer_norm(a + b): its weight or bias is computed after the add"))
+        return True
+    report.fused.append((where, f"layer_norm(a + b) -> add_layer_norm ({x.name})"))
+    if apply:
+        with g.inserting_before(x):
+            wn, bn = _attr_or_node(g, w), _attr_or_node(g, b)
+            pair = g.call_function(_add_layer_norm, (a, c, wn, bn, float(eps)))
+            h = g.call_function(operator.getitem, (pair, 0))
+            y = g.call_function(operator.getitem, (pair, 1))
+        node.replace_all_uses_with(y)
+        g.erase_node(node)
+        x.replace_all_uses_with(h)
+        g.erase_node(x)
+    return True
+
+
 def _rewrite(gm, report, prefix, apply):
     from . import ops as ko   # loads the bridge (the ops' CPU and CUDA kernels)
     g = gm.graph
@@ -120,6 +332,23 @@ def _rewrite(gm, report, prefix, apply):
         # ---- relu(a + b), tanh(a * b), gelu(x + bias), gelu(linear(x)) ----
         if act:
             kind, inner, approximate = act
+            ln = _layer_norm(gm, inner) if kind == "relu" else None
+            if ln is not None:
+                x, shape, w, b, eps = ln
+                if len(inner.users) != 1:
+                    report.left.append((where, f"relu(layer_norm): {inner.name} is also used elsewhere"))
+                elif shape is None:
+                    report.left.append((where, "relu(layer_norm): normalized_shape computed in the graph"))
+                else:
+                    report.fused.append((where, f"relu(layer_norm) -> layer_norm_relu ({inner.name})"))
+                    if apply:
+                        with g.inserting_before(node):
+                            new = g.call_function(ko.layer_norm_relu, (x, list(shape), _attr_or_node(g, w),
+                                                                       _attr_or_node(g, b), float(eps)))
+                        node.replace_all_uses_with(new)
+                        g.erase_node(node)
+                        g.erase_node(inner)
+                continue
             if kind in ("relu", "tanh", "gelu") and isinstance(inner, tfx.Node):
                 op = "mul" if kind == "tanh" else "add"
                 bin_ = _binary(inner, op)
@@ -182,6 +411,12 @@ def _rewrite(gm, report, prefix, apply):
                     node.replace_all_uses_with(new)
                     g.erase_node(node)
                     g.erase_node(inner)
+            continue
+        # ---- layer_norm(a + b), cross_entropy(linear(x)) ----
+        if _rewrite_add_layer_norm(gm, g, node, where, report, apply):
+            continue
+        if _ce_call(node) is not None:
+            _rewrite_loss(gm, g, node, where, report, apply)
             continue
         # ---- silu(g) * u ----
         bin_ = _binary(node, "mul")

@@ -160,8 +160,22 @@ class BasicBlock(nn.Module):   # torchvision's ResNet BasicBlock, as written the
         return self.relu(out)
 
 
+class GPT2LM(nn.Module):
+    """Two GPT-2 blocks, a final LayerNorm and a loss head (next-token loss on the input)."""
+    def __init__(self, d=32, vocab=257):
+        super().__init__()
+        self.emb, self.pos = nn.Embedding(vocab, d), nn.Parameter(torch.randn(16, d) * 0.02)
+        self.blocks = nn.Sequential(GPT2Block(d), GPT2Block(d))
+        self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx):
+        x = self.blocks(self.emb(idx) + self.pos[: idx.shape[1]])
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), idx[:, 1:].reshape(-1))
+
+
 @pytest.mark.parametrize("make,shape,want", [
-    (GPT2Block, (2, 5, 32), {"bias_gelu": 1}),
+    (GPT2Block, (2, 5, 32), {"bias_gelu": 1, "add_layer_norm": 1}),
     (LlamaBlock, (2, 5, 32), {"kitsune.rms_norm": 2, "swiglu": 1}),
     (BasicBlock, (2, 8, 6, 6), {"add_relu": 1}),
 ])
@@ -184,6 +198,52 @@ def test_model_blocks(make, shape, want):
     opt(xo).square().sum().backward()
     m(xr).square().sum().backward()
     torch.testing.assert_close(xo.grad, xr.grad, rtol=1e-4, atol=1e-4)
+
+
+class NormsAndLosses(nn.Module):
+    def __init__(self, d=16, v=11):
+        super().__init__()
+        self.ln, self.ln2, self.relu = nn.LayerNorm(d), nn.LayerNorm(d, elementwise_affine=False), nn.ReLU()
+        self.w, self.b = nn.Parameter(torch.randn(d)), nn.Parameter(torch.randn(d))
+        self.head, self.head2 = nn.Linear(d, v), nn.Linear(d, v, bias=False)
+
+    def forward(self, x, r, t):
+        a = self.relu(self.ln(x))                                   # relu(nn.LayerNorm)
+        b = F.relu(F.layer_norm(x, (x.shape[-1],), self.w, self.b))  # shape from the graph: left
+        c = F.layer_norm(x, (16,), self.w, self.b, 1e-6).relu()     # function + method
+        h = x + r
+        y = self.ln2(h)                                             # add_layer_norm, h reused below
+        z = F.layer_norm(x + self.b, (16,), self.w, self.b)         # broadcast add: unfused at run time
+        logits = self.head(a + b + c + y + z + h)
+        l1 = F.cross_entropy(logits.view(-1, logits.size(-1)), t.view(-1), ignore_index=3)
+        l2 = F.cross_entropy(F.linear(h.reshape(-1, 16), self.head2.weight), t.reshape(-1), label_smoothing=0.1)
+        lg = self.head2(y)
+        l3 = F.cross_entropy(lg.view(-1, 11), t.view(-1))          # logits also returned: cross_entropy
+        return l1 + l2 + l3, lg
+
+
+def test_norm_and_loss_patterns_fuse_and_match():
+    torch.manual_seed(4)
+    m = NormsAndLosses()
+    x, r = torch.randn(2, 5, 16, dtype=torch.float64), torch.randn(2, 5, 16, dtype=torch.float64)
+    t = torch.randint(0, 11, (2, 5))
+    m = m.double()
+    rep = kitsune.fx.Report()
+    opt = kitsune.optimize(m, report=rep)
+    kinds = sorted(what.split(" -> ")[1].split(" ")[0] for _, what in rep.fused)
+    assert kinds == ["add_layer_norm", "add_layer_norm", "kitsune.cross_entropy", "layer_norm_relu",
+                     "layer_norm_relu", "linear_cross_entropy", "linear_cross_entropy"], rep
+    text = str(rep)
+    assert "normalized_shape computed in the graph" in text and "also used elsewhere" in text, text
+    got, want = opt(x, r, t), m(x, r, t)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    xs = [v.clone().requires_grad_() for v in (x, r)]
+    ys = [v.clone().requires_grad_() for v in (x, r)]
+    ga = torch.autograd.grad(opt(*xs, t)[0], xs + list(opt.parameters()))
+    gb = torch.autograd.grad(m(*ys, t)[0], ys + list(m.parameters()))
+    for a, b in zip(ga, gb):
+        torch.testing.assert_close(a, b)
 
 
 def test_torch_compile_backend_rewrites_and_matches():
@@ -223,10 +283,12 @@ def test_blocks_on_the_gpu_eager_and_compiled(dtype):
     and through torch.compile(backend="kitsune"), against the original blocks."""
     import kitsune.fx as kfx
     tol = 1e-4 if dtype == torch.float32 else 3e-2
-    for make in (GPT2Block, LlamaBlock):
+    for make in (GPT2Block, LlamaBlock, GPT2LM):
         torch.manual_seed(3)
         m = make().cuda().to(dtype)
         x = torch.randn(4, 16, 32, device="cuda", dtype=dtype)
+        if make is GPT2LM:
+            x = torch.randint(0, 257, (4, 16), device="cuda")
         ref = m(x).float()
         torch.testing.assert_close(kitsune.optimize(m)(x).float(), ref, rtol=tol, atol=tol)
         out = torch.compile(m, backend="kitsune")(x).float()

@@ -1105,13 +1105,20 @@ std::tuple<Tensor, Tensor> lce_views(const Tensor& x, const Tensor& w, const Ten
               smoothing);
   return {x.reshape({-1, x.size(-1)}).contiguous(), target.reshape({-1}).contiguous()};
 }
-// Rows per chunk: the chunk's logits about as large as x (at least 64 rows).
-int64_t lce_chunk(int64_t rows, int64_t hidden, int64_t classes, int64_t chunk) {
+// Rows per chunk: an eighth of the rows, at least 1024 (GEMMs with fewer rows run
+// well below peak, and every chunk re-reads and re-writes the grad_weight
+// accumulator), a multiple of 64.
+int64_t lce_chunk(int64_t rows, int64_t chunk) {
   if (chunk > 0) return chunk;
-  int64_t c = (rows * hidden + classes - 1) / classes;
-  c = ((c + 63) / 64) * 64;
-  return std::max<int64_t>(64, c);
+  int64_t c = std::max<int64_t>(1024, (rows + 7) / 8);
+  return ((c + 63) / 64) * 64;
 }
+// grad_weight accumulates in fp32 when that buffer is at most 256 MiB (GPT-2's
+// 50257 x 768 head: 154 MiB); larger heads accumulate in the weight's dtype (each
+// chunk's GEMM still sums in fp32), since an fp32 copy of a LLaMA-3-sized head
+// (128256 x 4096: 2 GiB) would cost more memory than the logits it replaces.
+constexpr int64_t kLceFp32AccumBytes = 256ll << 20;
+
 // Loss (and, with grads, d loss / d x, weight, bias) one chunk of rows at a time:
 // the chunk's logits come from cuBLAS, the kernel turns them into losses and, in
 // place, into the chunk's logit gradients (already divided by the count), which two
@@ -1129,13 +1136,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> lce_cuda(const Tensor& x, const Tenso
   auto fopt = x.options().dtype(at::kFloat);
   Tensor losses = at::empty({rows}, fopt), inv = inv_count(t, ignore).reshape({1}).contiguous();
   Tensor gx, gw, gb;
+  const bool wide = x.scalar_type() != at::kFloat;
+  const bool acc32 = wide && V * H * 4 <= kLceFp32AccumBytes;
   if (grads) {
     gx = at::empty_like(x2);
-    gw = at::zeros({V, H}, fopt);
+    gw = at::zeros({V, H}, acc32 ? fopt : w.options());
     gb = bias ? at::zeros({V}, fopt) : Tensor();
   }
-  const bool wide = x.scalar_type() != at::kFloat;
-  for (int64_t r0 = 0, c = lce_chunk(rows, H, V, chunk); r0 < rows; r0 += c) {
+  for (int64_t r0 = 0, c = lce_chunk(rows, chunk); r0 < rows; r0 += c) {
     const int64_t n = std::min(c, rows - r0);
     Tensor xc = x2.narrow(0, r0, n);
     Tensor logits = bias ? at::addmm(*bias, xc, wc.t()) : at::mm(xc, wc.t());
@@ -1146,7 +1154,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> lce_cuda(const Tensor& x, const Tenso
     if (!grads) continue;
     Tensor gxc = gx.narrow(0, r0, n);
     at::mm_out(gxc, logits, wc);
-    if (wide) at::addmm_out(gw, gw, logits.t(), xc, at::kFloat);   // bf16/fp16 GEMM, fp32 accumulator
+    if (acc32) at::addmm_out(gw, gw, logits.t(), xc, at::kFloat);   // bf16/fp16 GEMM, fp32 accumulator
+    else if (r0 == 0) at::mm_out(gw, logits.t(), xc);
     else gw.addmm_(logits.t(), xc);
     if (bias) gb.add_(logits.sum(0, false, at::kFloat));
   }

@@ -4,7 +4,8 @@
 //   y = [relu]((h - mean(h)) * rstd * w + b),   rstd = rsqrt(var(h) + eps)
 // add_layer_norm and layer_norm_relu are this kernel with one option each.
 //
-// One block per row, two passes over the row (the second mostly from L1/L2):
+// One block per row, two passes over the row (the second mostly from L1/L2; fp32
+// rows without a residual are kept in registers instead when they fit):
 // the first forms the statistics, the second writes. The statistics are fp32
 // sums of h - s and (h - s)^2 with s the row's first element, so a row whose mean
 // is large against its spread does not cancel catastrophically. h is rounded to
@@ -49,6 +50,42 @@ __global__ void ln_fwd(const T *x, const T *res, const T *w, const T *b, T *hout
   T *hr = hout ? hout + off : nullptr;
   const float s = kt::to_f(kt::from_f<T>(kt::to_f(xr[0]) + (rr ? kt::to_f(rr[0]) : 0.f)));
   float sd = 0.f, sd2 = 0.f;
+  // fp32 rows without a residual that fit in registers (up to 8 vectors a thread:
+  // 32 KB rows) are read once, as in rms_norm.cu.
+  constexpr int MAXC = 8;
+  if constexpr (VEC && sizeof(T) == 4) if (!rr && n / V <= (int64_t)MAXC * blockDim.x) {
+    T v[MAXC][V];
+    const int64_t nv = n / V;
+#pragma unroll
+    for (int k = 0; k < MAXC; k++) {
+      const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
+      if (c < nv) {
+        load_v<T, VEC>(xr, c * V, v[k]);
+#pragma unroll
+        for (int j = 0; j < V; j++) { float d = kt::to_f(v[k][j]) - s; sd += d; sd2 += d * d; }
+      }
+    }
+    const Stats st = finish_stats(s, sd, sd2, n, eps);
+    T *yr = y + off;
+#pragma unroll
+    for (int k = 0; k < MAXC; k++) {
+      const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
+      if (c < nv) {
+        T wv[V], bv[V], out[V];
+        if (w) load_v<T, VEC>(w, c * V, wv);
+        if (b) load_v<T, VEC>(b, c * V, bv);
+#pragma unroll
+        for (int j = 0; j < V; j++) {
+          float o = (kt::to_f(v[k][j]) - st.mean) * st.rstd;
+          if (w) o *= kt::to_f(wv[j]);
+          if (b) o += kt::to_f(bv[j]);
+          out[j] = kt::from_f<T>(relu ? fmaxf(o, 0.f) : o);
+        }
+        store_v<T, VEC>(yr, c * V, out);
+      }
+    }
+    return;
+  }
   R::each(xr, n, [&](int64_t i, const T *v) {
     T h[V];
     if (rr) {

@@ -54,7 +54,7 @@ template <typename T, typename F> __device__ __forceinline__ void map_row(const 
 
 // Calls f(v, k) with k <= V consecutive elements of a row (as fp32) at a time,
 // covering every element this thread owns: single elements for the unaligned head
-// and the tail, 16-byte vectors for the rest, four loaded before any is used.
+// and the tail, 16-byte vectors for the rest, two vectors loaded before use.
 template <typename T, typename F> __device__ __forceinline__ void map_vecs(const T *in, int64_t n, F f) {
   constexpr int V = 16 / sizeof(T);
   int64_t head = (int64_t)(((16 - ((uintptr_t)in & 15)) & 15) / sizeof(T));
@@ -63,21 +63,18 @@ template <typename T, typename F> __device__ __forceinline__ void map_vecs(const
   for (int64_t i = threadIdx.x; i < head; i += blockDim.x) { one[0] = kt::to_f(in[i]); f(one, 1); }
   const int64_t nv = (n - head) / V;
   const uint4 *vin = reinterpret_cast<const uint4 *>(in + head);
-  constexpr int U = 4;   // vectors in flight per thread: a long row per block needs them
   int64_t c = threadIdx.x;
-  for (; c + (U - 1) * (int64_t)blockDim.x < nv; c += U * (int64_t)blockDim.x) {
-    T a[U][V];
+  for (; c + blockDim.x < nv; c += 2 * blockDim.x) {
+    T a[V], b[V];
+    *reinterpret_cast<uint4 *>(a) = vin[c];
+    *reinterpret_cast<uint4 *>(b) = vin[c + blockDim.x];
+    float fa[V], fb[V];
 #pragma unroll
-    for (int u = 0; u < U; u++) *reinterpret_cast<uint4 *>(a[u]) = vin[c + u * blockDim.x];
-#pragma unroll
-    for (int u = 0; u < U; u++) {
-      float fa[V];
-#pragma unroll
-      for (int j = 0; j < V; j++) fa[j] = kt::to_f(a[u][j]);
-      f(fa, V);
-    }
+    for (int j = 0; j < V; j++) { fa[j] = kt::to_f(a[j]); fb[j] = kt::to_f(b[j]); }
+    f(fa, V);
+    f(fb, V);
   }
-  for (; c < nv; c += blockDim.x) {
+  if (c < nv) {
     T a[V];
     *reinterpret_cast<uint4 *>(a) = vin[c];
     float fa[V];

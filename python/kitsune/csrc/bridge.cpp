@@ -1113,16 +1113,10 @@ int64_t lce_chunk(int64_t rows, int64_t chunk) {
   int64_t c = std::max<int64_t>(1024, (rows + 7) / 8);
   return ((c + 63) / 64) * 64;
 }
-// grad_weight accumulates in fp32 when that buffer is at most 256 MiB (GPT-2's
-// 50257 x 768 head: 154 MiB); larger heads accumulate in the weight's dtype (each
-// chunk's GEMM still sums in fp32), since an fp32 copy of a LLaMA-3-sized head
-// (128256 x 4096: 2 GiB) would cost more memory than the logits it replaces.
-constexpr int64_t kLceFp32AccumBytes = 256ll << 20;
-
 // Loss (and, with grads, d loss / d x, weight, bias) one chunk of rows at a time:
 // the chunk's logits come from cuBLAS, the kernel turns them into losses and, in
 // place, into the chunk's logit gradients (already divided by the count), which two
-// more GEMMs turn into grad_x and an fp32 grad_weight accumulator.
+// more GEMMs turn into grad_x and the grad_weight sum.
 std::tuple<Tensor, Tensor, Tensor, Tensor> lce_cuda(const Tensor& x, const Tensor& w, const Tensor& target,
                                                     const OptTensor& bias_, int64_t ignore, double smoothing,
                                                     int64_t chunk, bool grads, const char* op) {
@@ -1136,11 +1130,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> lce_cuda(const Tensor& x, const Tenso
   auto fopt = x.options().dtype(at::kFloat);
   Tensor losses = at::empty({rows}, fopt), inv = inv_count(t, ignore).reshape({1}).contiguous();
   Tensor gx, gw, gb;
-  const bool wide = x.scalar_type() != at::kFloat;
-  const bool acc32 = wide && V * H * 4 <= kLceFp32AccumBytes;
   if (grads) {
     gx = at::empty_like(x2);
-    gw = at::zeros({V, H}, acc32 ? fopt : w.options());
+    gw = rows ? at::empty({V, H}, w.options()) : at::zeros({V, H}, w.options());   // the first chunk writes it
     gb = bias ? at::zeros({V}, fopt) : Tensor();
   }
   for (int64_t r0 = 0, c = lce_chunk(rows, chunk); r0 < rows; r0 += c) {
@@ -1154,14 +1146,18 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> lce_cuda(const Tensor& x, const Tenso
     if (!grads) continue;
     Tensor gxc = gx.narrow(0, r0, n);
     at::mm_out(gxc, logits, wc);
-    if (acc32) at::addmm_out(gw, gw, logits.t(), xc, at::kFloat);   // bf16/fp16 GEMM, fp32 accumulator
-    else if (r0 == 0) at::mm_out(gw, logits.t(), xc);
+    // grad_weight accumulates in the weight's dtype through the GEMM's beta = 1: each
+    // chunk's product is summed in fp32 and added with one rounding (at most 8 by
+    // default). An fp32 accumulator through addmm(out_dtype=float32) made GPT-2's
+    // head take 18.2 ms on the H100, against 4.6 ms for torch.compile
+    // (bench/results/kernels_loss_head_fp32acc.json).
+    if (r0 == 0) at::mm_out(gw, logits.t(), xc);
     else gw.addmm_(logits.t(), xc);
     if (bias) gb.add_(logits.sum(0, false, at::kFloat));
   }
   Tensor loss = (losses.sum() * inv.reshape({})).to(x.scalar_type());
   if (!grads) return {loss, Tensor(), Tensor(), Tensor()};
-  return {loss, gx.view(x.sizes()), gw.to(w.scalar_type()),
+  return {loss, gx.view(x.sizes()), gw,
           bias ? gb.to(bias->scalar_type()) : at::empty({0}, x.options())};
 }
 std::tuple<Tensor, Tensor, Tensor, Tensor> lce_cpu(const Tensor& x, const Tensor& w, const Tensor& target,

@@ -105,9 +105,9 @@ __device__ kt::Fv<3> block_lse(float m, float e, float sx) {
 
 template <typename T>
 __global__ void ce_kernel(const T *logits, const int64_t *target, float *loss, T *grad, const float *scale, int64_t C,
-                          int64_t ignore, float smoothing) {
+                          int64_t ld, int64_t ignore, float smoothing) {
   const int64_t row = blockIdx.x;
-  const T *x = logits + row * C;
+  const T *x = logits + row * ld;
   const int64_t t = target[row];
   const bool ignored = t == ignore, valid = t >= 0 && t < C;
   // read x_t before any thread may overwrite the row (in-place gradient)
@@ -128,7 +128,7 @@ __global__ void ce_kernel(const T *logits, const int64_t *target, float *loss, T
   if (loss && threadIdx.x == 0)
     loss[row] = ignored ? 0.f : !valid ? NAN : lse - on * xt - off * r.v[2];
   if (!grad) return;
-  T *g = grad + row * C;
+  T *g = grad + row * ld;
   if (ignored) {   // zero gradient
     map_row<T>(x, g, C, [](int64_t, float) { return 0.f; });
     return;
@@ -139,9 +139,10 @@ __global__ void ce_kernel(const T *logits, const int64_t *target, float *loss, T
 
 template <typename T>
 kt_status launch(const void *logits, const int64_t *target, float *loss, void *grad, const float *scale, int64_t rows,
-                 int64_t C, int64_t ignore, float smoothing, cudaStream_t s) {
+                 int64_t C, int64_t ld, int64_t ignore, float smoothing, cudaStream_t s) {
   const int th = kt::row_threads<T>(C, true);   // <= 256: eight blocks an SM, few rows left for a second wave
-  ce_kernel<T><<<(unsigned)rows, th, 0, s>>>((const T *)logits, target, loss, (T *)grad, scale, C, ignore, smoothing);
+  ce_kernel<T><<<(unsigned)rows, th, 0, s>>>((const T *)logits, target, loss, (T *)grad, scale, C, ld, ignore,
+                                             smoothing);
   return kt::status_of(cudaGetLastError());
 }
 
@@ -149,18 +150,18 @@ kt_status launch(const void *logits, const int64_t *target, float *loss, void *g
 
 // ---- launchers ----
 extern "C" kt_status kt_cross_entropy(kt_dtype t, const void *logits, const int64_t *target, float *loss, void *grad,
-                                      const float *grad_scale, int64_t rows, int64_t C, int64_t ignore_index,
-                                      float label_smoothing, void *stream) {
-  if (rows < 0 || rows > 0x7fffffff || C <= 0 || !logits || !target || (!loss && !grad)) return KT_ERR_INVALID;
+                                      const float *grad_scale, int64_t rows, int64_t C, int64_t ld,
+                                      int64_t ignore_index, float label_smoothing, void *stream) {
+  if (rows < 0 || rows > 0x7fffffff || C <= 0 || ld < C || !logits || !target || (!loss && !grad)) return KT_ERR_INVALID;
   if (!(label_smoothing >= 0.f && label_smoothing <= 1.f)) return KT_ERR_INVALID;
   if (grad && ((uintptr_t)grad & 15) != ((uintptr_t)logits & 15)) return KT_ERR_INVALID;
   if (rows == 0) return KT_OK;
   cudaStream_t s = (cudaStream_t)stream;
   switch (t) {
-    case KT_F32: return launch<float>(logits, target, loss, grad, grad_scale, rows, C, ignore_index, label_smoothing, s);
-    case KT_F16: return launch<__half>(logits, target, loss, grad, grad_scale, rows, C, ignore_index, label_smoothing, s);
+    case KT_F32: return launch<float>(logits, target, loss, grad, grad_scale, rows, C, ld, ignore_index, label_smoothing, s);
+    case KT_F16: return launch<__half>(logits, target, loss, grad, grad_scale, rows, C, ld, ignore_index, label_smoothing, s);
     case KT_BF16:
-      return launch<__nv_bfloat16>(logits, target, loss, grad, grad_scale, rows, C, ignore_index, label_smoothing, s);
+      return launch<__nv_bfloat16>(logits, target, loss, grad, grad_scale, rows, C, ld, ignore_index, label_smoothing, s);
   }
   return KT_ERR_INVALID;
 }

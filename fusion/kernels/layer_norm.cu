@@ -297,3 +297,29 @@ extern "C" kt_status kt_layer_norm_backward(kt_dtype t, const void *grad, const 
   }
   return KT_ERR_INVALID;
 }
+
+extern "C" kt_status kt_layer_norm_param_grads(kt_dtype t, const void *grad, const void *h, const float *mean,
+                                               const float *rstd, float *partial_w, float *partial_b, int64_t splits,
+                                               int64_t rows, int64_t n, void *stream) {
+  if (rows < 0 || n <= 0 || !grad || !h || !mean || !rstd || (!partial_w && !partial_b) || splits < 1 || splits > 65535)
+    return KT_ERR_INVALID;
+  if (rows == 0) return KT_OK;
+  dim3 grid((unsigned)((n + 31) / 32), (unsigned)splits), block(32, 8);
+  cudaStream_t s = (cudaStream_t)stream;
+  switch (t) {
+    case KT_F32:
+      ln_param<float><<<grid, block, 0, s>>>((const float *)grad, (const float *)h, mean, rstd, nullptr, nullptr,
+                                             partial_w, partial_b, rows, n, false);
+      break;
+    case KT_F16:
+      ln_param<__half><<<grid, block, 0, s>>>((const __half *)grad, (const __half *)h, mean, rstd, nullptr, nullptr,
+                                              partial_w, partial_b, rows, n, false);
+      break;
+    case KT_BF16:
+      ln_param<__nv_bfloat16><<<grid, block, 0, s>>>((const __nv_bfloat16 *)grad, (const __nv_bfloat16 *)h, mean, rstd,
+                                                     nullptr, nullptr, partial_w, partial_b, rows, n, false);
+      break;
+    default: return KT_ERR_INVALID;
+  }
+  return kt::status_of(cudaGetLastError());
+}

@@ -78,18 +78,25 @@ kt_status kt_layer_norm_backward(kt_dtype t, const void *grad, const void *grad_
                                  float *partial_w, float *partial_b, int64_t splits, int64_t rows, int64_t n, float eps,
                                  int relu, void *stream);
 int64_t kt_layer_norm_param_splits(int64_t rows, int64_t n);
+/* The weight/bias gradient part alone: partial_w/partial_b[stripe, col] = sums over a
+ * stripe of rows of g * (h - mean) * rstd and g, from per-row fp32 mean and rstd
+ * (RMSNorm's weight gradient is this with mean = 0 and no bias). */
+kt_status kt_layer_norm_param_grads(kt_dtype t, const void *grad, const void *h, const float *mean, const float *rstd,
+                                    float *partial_w, float *partial_b, int64_t splits, int64_t rows, int64_t n,
+                                    void *stream);
 
-/* Softmax cross-entropy over `rows` rows of C logits, the softmax never stored.
+/* Softmax cross-entropy over `rows` rows of C logits (row i at logits + i * ld,
+ * ld >= C: a padded row stride keeps GEMM outputs aligned), the softmax never stored.
  * target: rows int64 class indices. With lse = log(sum_j exp(x_j)) and
  * q = (1 - label_smoothing) * onehot(target) + label_smoothing / C:
  *   loss[row] = -sum_j q_j * log softmax_j (fp32; may be NULL)
- *   grad[row, j] = scale * (softmax_j - q_j), scale = *grad_scale (fp32 on the
+ *   grad[row, j] (same row stride ld) = scale * (softmax_j - q_j), scale = *grad_scale (fp32 on the
  *   device; NULL means 1); grad may be NULL, or equal to logits (written in place),
  *   or any buffer with the same alignment modulo 16 bytes.
  * A row whose target is ignore_index has loss 0 and gradient 0; a target outside
  * [0, C) otherwise gives NaN loss and gradient (no host sync to report it). */
 kt_status kt_cross_entropy(kt_dtype t, const void *logits, const int64_t *target, float *loss, void *grad,
-                           const float *grad_scale, int64_t rows, int64_t C, int64_t ignore_index,
+                           const float *grad_scale, int64_t rows, int64_t C, int64_t ld, int64_t ignore_index,
                            float label_smoothing, void *stream);
 
 /* Row reductions over the last dimension of a [rows, n] view (rows = 1 for a full

@@ -838,10 +838,14 @@ std::tuple<Tensor, Tensor> rms_norm_backward_cuda(const Tensor& grad, const Tens
   check_launch(kt_rms_norm_backward(dtype_of(x, "rms_norm_backward"), gc.data_ptr(), xc.data_ptr(), wc.data_ptr(),
                                     gx.data_ptr(), rstd.data_ptr<float>(), rows, n, (float)eps, stream_of(gx)),
                "rms_norm_backward");
-  Tensor gw = (gc.reshape({rows, n}).to(at::kFloat) * xc.reshape({rows, n}).to(at::kFloat) * rstd.unsqueeze(1))
-                  .sum(0)
-                  .to(w.scalar_type());
-  return {gx, gw};
+  // grad_weight = sum over rows of grad * x * r: the LayerNorm column kernel with mean 0
+  int64_t splits = kt_layer_norm_param_splits(rows, n);
+  Tensor part = at::empty({splits, n}, x.options().dtype(at::kFloat));
+  check_launch(kt_layer_norm_param_grads(dtype_of(x, "rms_norm_backward"), gc.data_ptr(), xc.data_ptr(),
+                                         at::zeros({rows}, rstd.options()).data_ptr<float>(), rstd.data_ptr<float>(),
+                                         part.data_ptr<float>(), nullptr, splits, rows, n, stream_of(gx)),
+               "rms_norm_backward");
+  return {gx, part.sum(0).to(w.scalar_type())};
 }
 std::tuple<Tensor, Tensor> rms_norm_backward_cpu(const Tensor& grad, const Tensor& x, const Tensor& w, double eps) {
   check_weight(x, w, "rms_norm_backward");
@@ -1040,7 +1044,7 @@ Tensor cross_entropy_cuda(const Tensor& logits, const Tensor& target, int64_t ig
   c10::cuda::CUDAGuard g(l.device());
   Tensor losses = at::empty({l.size(0)}, l.options().dtype(at::kFloat));
   check_launch(kt_cross_entropy(dtype_of(l, "cross_entropy"), l.data_ptr(), t.data_ptr<int64_t>(),
-                                losses.data_ptr<float>(), nullptr, nullptr, l.size(0), l.size(1), ignore,
+                                losses.data_ptr<float>(), nullptr, nullptr, l.size(0), l.size(1), l.size(1), ignore,
                                 (float)smoothing, stream_of(l)),
                "cross_entropy");
   return (losses.sum() * inv_count(t, ignore)).to(l.scalar_type());
@@ -1067,7 +1071,7 @@ Tensor cross_entropy_backward_cuda(const Tensor& grad, const Tensor& logits, con
   Tensor scale = (grad.to(at::kFloat).reshape({}) * inv_count(t, ignore)).reshape({1}).contiguous();
   Tensor gl = at::empty_like(l);
   check_launch(kt_cross_entropy(dtype_of(l, "cross_entropy_backward"), l.data_ptr(), t.data_ptr<int64_t>(), nullptr,
-                                gl.data_ptr(), scale.data_ptr<float>(), l.size(0), l.size(1), ignore,
+                                gl.data_ptr(), scale.data_ptr<float>(), l.size(0), l.size(1), l.size(1), ignore,
                                 (float)smoothing, stream_of(l)),
                "cross_entropy_backward");
   return gl.view(logits.sizes());
@@ -1135,12 +1139,20 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> lce_cuda(const Tensor& x, const Tenso
     gw = rows ? at::empty({V, H}, w.options()) : at::zeros({V, H}, w.options());   // the first chunk writes it
     gb = bias ? at::zeros({V}, fopt) : Tensor();
   }
-  for (int64_t r0 = 0, c = lce_chunk(rows, chunk); r0 < rows; r0 += c) {
+  // The chunk's logits live in a buffer whose rows are padded to 64 elements: an odd
+  // vocabulary (GPT-2's 50257) as a GEMM leading dimension keeps cuBLAS off its fast
+  // kernels (the unpadded loss head measured 18.0 ms against torch.compile's 4.6 ms,
+  // bench/results/kernels_loss_head_bf16acc.json).
+  const int64_t c = lce_chunk(rows, chunk), ld = (V + 63) / 64 * 64;
+  Tensor buf = rows ? at::empty({std::min(c, rows), ld}, x.options()) : Tensor();
+  for (int64_t r0 = 0; r0 < rows; r0 += c) {
     const int64_t n = std::min(c, rows - r0);
     Tensor xc = x2.narrow(0, r0, n);
-    Tensor logits = bias ? at::addmm(*bias, xc, wc.t()) : at::mm(xc, wc.t());
+    Tensor logits = buf.narrow(0, 0, n).narrow(1, 0, V);
+    if (bias) at::addmm_out(logits, *bias, xc, wc.t());
+    else at::mm_out(logits, xc, wc.t());
     check_launch(kt_cross_entropy(dt, logits.data_ptr(), t.data_ptr<int64_t>() + r0, losses.data_ptr<float>() + r0,
-                                  grads ? logits.data_ptr() : nullptr, inv.data_ptr<float>(), n, V, ignore,
+                                  grads ? logits.data_ptr() : nullptr, inv.data_ptr<float>(), n, V, ld, ignore,
                                   (float)smoothing, stream_of(logits)),
                  op);
     if (!grads) continue;

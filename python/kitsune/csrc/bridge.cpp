@@ -1139,18 +1139,29 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> lce_cuda(const Tensor& x, const Tenso
     gw = rows ? at::empty({V, H}, w.options()) : at::zeros({V, H}, w.options());   // the first chunk writes it
     gb = bias ? at::zeros({V}, fopt) : Tensor();
   }
-  // The chunk's logits live in a buffer whose rows are padded to 64 elements: an odd
-  // vocabulary (GPT-2's 50257) as a GEMM leading dimension keeps cuBLAS off its fast
-  // kernels (the unpadded loss head measured 18.0 ms against torch.compile's 4.6 ms,
-  // bench/results/kernels_loss_head_bf16acc.json).
+  // An odd number of classes (GPT-2's 50257) as a GEMM dimension keeps cuBLAS on slow
+  // sm75-era kernels: the loss head measured 18.0 ms against torch.compile's 4.6 ms
+  // (bench/results/kernels_loss_head_bf16acc.json), and 15.0 ms with only the logits'
+  // row stride padded (kernels_loss_head_pad64.json). So the classes are padded to a
+  // multiple of 64 with zero weight rows (a copy of the weight per call): the padded
+  // logits are 0, the kernel reads only the first V of each row and leaves the rest 0,
+  // and zero gradient columns add nothing to grad_x; grad_weight's padded rows are dropped.
   const int64_t c = lce_chunk(rows, chunk), ld = (V + 63) / 64 * 64;
+  if (ld != V && rows) {
+    Tensor wp = at::zeros({ld, H}, wc.options());
+    wp.narrow(0, 0, V).copy_(wc);
+    wc = wp;
+  }
+  Tensor bp = bias && ld != V ? at::cat({*bias, at::zeros({ld - V}, bias->options())}) : bias ? *bias : Tensor();
+  if (grads && ld != V) gw = rows ? at::empty({ld, H}, w.options()) : gw;
   Tensor buf = rows ? at::empty({std::min(c, rows), ld}, x.options()) : Tensor();
   for (int64_t r0 = 0; r0 < rows; r0 += c) {
     const int64_t n = std::min(c, rows - r0);
     Tensor xc = x2.narrow(0, r0, n);
-    Tensor logits = buf.narrow(0, 0, n).narrow(1, 0, V);
-    if (bias) at::addmm_out(logits, *bias, xc, wc.t());
-    else at::mm_out(logits, xc, wc.t());
+    Tensor full = buf.narrow(0, 0, n);   // n x ld, contiguous
+    if (bias) at::addmm_out(full, bp, xc, wc.t());
+    else at::mm_out(full, xc, wc.t());
+    Tensor logits = full;   // the GEMMs below see all ld columns (padding: zero gradients)
     check_launch(kt_cross_entropy(dt, logits.data_ptr(), t.data_ptr<int64_t>() + r0, losses.data_ptr<float>() + r0,
                                   grads ? logits.data_ptr() : nullptr, inv.data_ptr<float>(), n, V, ld, ignore,
                                   (float)smoothing, stream_of(logits)),
@@ -1160,13 +1171,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> lce_cuda(const Tensor& x, const Tenso
     at::mm_out(gxc, logits, wc);
     // grad_weight accumulates in the weight's dtype through the GEMM's beta = 1: each
     // chunk's product is summed in fp32 and added with one rounding (at most 8 by
-    // default). An fp32 accumulator through addmm(out_dtype=float32) made GPT-2's
-    // head take 18.2 ms on the H100, against 4.6 ms for torch.compile
-    // (bench/results/kernels_loss_head_fp32acc.json).
+    // default). An fp32 accumulator would cost twice the weight's memory (2 GiB for a
+    // LLaMA-3-sized head: more than the logits it saves).
     if (r0 == 0) at::mm_out(gw, logits.t(), xc);
     else gw.addmm_(logits.t(), xc);
-    if (bias) gb.add_(logits.sum(0, false, at::kFloat));
+    if (bias) gb.add_(logits.narrow(1, 0, V).sum(0, false, at::kFloat));
   }
+  if (grads && ld != V && rows) gw = gw.narrow(0, 0, V);   // the first V rows: contiguous
   Tensor loss = (losses.sum() * inv.reshape({})).to(x.scalar_type());
   if (!grads) return {loss, Tensor(), Tensor(), Tensor()};
   return {loss, gx.view(x.sizes()), gw,

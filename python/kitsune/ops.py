@@ -7,8 +7,9 @@ ATen. This module adds what the bridge does not:
 
   fake (meta) kernels  so the ops trace under torch.compile / FakeTensor: they
                        give the output shape, dtype and device without computing
-  autograd             each forward op's backward calls the matching
-                       ``*_backward`` op, whose CUDA kernel runs on the GPU
+  autograd             for the loss and reduction ops (the per-layer ops have
+                       theirs in the bridge, in C++); each backward calls the
+                       matching ``*_backward`` op, whose CUDA kernel runs on the GPU
 
 Ops (reference semantics):
   add_relu(a, b)               relu(a + b)
@@ -168,79 +169,10 @@ def _(x, dim=None, keepdim=False):
     return x.new_empty(_reduced_shape(x, dim, keepdim))
 
 
-# ---- autograd: backward ops; broadcast gradients are summed to each input's shape ----
-def _sum_to(g, like):
-    return g if g.shape == like.shape else g.sum_to_size(like.shape)
-
-
-def _add_relu_setup(ctx, inputs, output):
-    a, b = inputs
-    ctx.shapes = (a.shape, b.shape)
-    ctx.save_for_backward(output)
-
-
-def _add_relu_bwd(ctx, grad):
-    (out,) = ctx.saved_tensors
-    g = _lib.add_relu_backward(grad, out)
-    return tuple(g if g.shape == s else g.sum_to_size(s) for s in ctx.shapes)
-
-
-def _binary(backward):
-    """(setup, backward) for an op f(a, b) whose backward op takes (grad, a, b) and
-    returns both gradients at the broadcast shape (mul_tanh, swiglu)."""
-    def setup(ctx, inputs, output):
-        ctx.save_for_backward(*inputs)
-
-    def bwd(ctx, grad):
-        a, b = ctx.saved_tensors
-        ga, gb = backward(grad, a, b)
-        return _sum_to(ga, a), _sum_to(gb, b)
-    return bwd, setup
-
-
-def _with_param(backward):
-    """(setup, backward) for an op f(x, p, option) - bias_gelu(x, bias, approximate),
-    rms_norm(x, weight, eps) - whose backward op takes (grad, x, p, option) and
-    returns (grad_x, grad_p)."""
-    def setup(ctx, inputs, output):
-        x, p, ctx.option = inputs
-        ctx.save_for_backward(x, p)
-
-    def bwd(ctx, grad):
-        x, p = ctx.saved_tensors
-        gx, gp = backward(grad, x, p, ctx.option)
-        return gx, gp, None
-    return bwd, setup
-
-
-def _none_if_empty(g, p):
-    return g if p is not None else None
-
-
-def _ln_relu_setup(ctx, inputs, output):
-    x, ctx.shape, weight, bias, ctx.eps = inputs
-    ctx.save_for_backward(x, weight, bias)
-
-
-def _ln_relu_bwd(ctx, grad):
-    x, weight, bias = ctx.saved_tensors
-    gx, gw, gb = _lib.layer_norm_relu_backward(grad, x, ctx.shape, weight, bias, ctx.eps)
-    return gx, None, _none_if_empty(gw, weight), _none_if_empty(gb, bias), None
-
-
-def _add_ln_setup(ctx, inputs, output):
-    _, _, weight, bias, ctx.eps = inputs
-    ctx.save_for_backward(output[0], weight, bias)
-
-
-def _add_ln_bwd(ctx, grad_sum, grad):
-    h, weight, bias = ctx.saved_tensors
-    if grad is None:
-        grad = torch.zeros_like(h)
-    gh, gw, gb = _lib.add_layer_norm_backward(grad, grad_sum, h, weight, bias, ctx.eps)
-    return gh, gh, _none_if_empty(gw, weight), _none_if_empty(gb, bias), None
-
-
+# ---- autograd ----
+# The per-layer ops (add_relu, mul_tanh, swiglu, bias_gelu, rms_norm, layer_norm_relu,
+# add_layer_norm) have their autograd in C++ (the bridge's Autograd-key kernels: no
+# Python on the launch path); the once-a-step ops below register theirs here.
 def _ce_setup(ctx, inputs, output):
     logits, target, ctx.ignore_index, ctx.label_smoothing = inputs
     ctx.save_for_backward(logits, target)
@@ -291,13 +223,6 @@ def _mean_abs_bwd(ctx, grad):
 
 
 for _name, (_bwd, _setup) in {
-    "add_relu": (_add_relu_bwd, _add_relu_setup),
-    "mul_tanh": _binary(_lib.mul_tanh_backward),
-    "swiglu": _binary(_lib.swiglu_backward),
-    "bias_gelu": _with_param(_lib.bias_gelu_backward),
-    "rms_norm": _with_param(_lib.rms_norm_backward),
-    "layer_norm_relu": (_ln_relu_bwd, _ln_relu_setup),
-    "add_layer_norm": (_add_ln_bwd, _add_ln_setup),
     "cross_entropy": (_ce_bwd, _ce_setup),
     "linear_cross_entropy": (_lce_bwd, _lce_setup),
     "sum_squared": (_sum_squared_bwd, _reduce_setup),

@@ -1142,8 +1142,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> lce_cuda(const Tensor& x, const Tenso
   }
   // An odd number of classes (GPT-2's 50257) as a GEMM dimension keeps cuBLAS on slow
   // sm75-era kernels: the loss head measured 18.0 ms against torch.compile's 4.6 ms
-  // (bench/results/kernels_loss_head_bf16acc.json), and 15.0 ms with only the logits'
-  // row stride padded (kernels_loss_head_pad64.json). So the classes are padded to a
+  // (bench/results/kernels_loss_head_437c519.json), and 15.0 ms with only the logits'
+  // row stride padded (kernels_loss_head_3828d42.json). So the classes are padded to a
   // multiple of 64 with zero weight rows (a copy of the weight per call): the padded
   // logits are 0, the kernel reads only the first V of each row and leaves the rest 0,
   // and zero gradient columns add nothing to grad_x; grad_weight's padded rows are dropped.
@@ -1301,7 +1301,7 @@ Tensor attention_score(const Tensor& q, const Tensor& k, std::optional<double> s
 // torch.library.register_autograd runs the forward through Python (about 70 us of
 // host time a call, measured on CPU against 20 us for F.rms_norm), which made
 // kernel-bound steps host-bound (a LLaMA-style step: 15.9 ms of kernels in a 24 ms
-// step, bench/results/h100_profile_llama_kitsune_pad64.log). These Functions call the
+// step, bench/results/h100_profile_llama_kitsune_ed26073.log). These Functions call the
 // forward op below autograd and the *_backward op from backward, on the Autograd key.
 // (cross_entropy, linear_cross_entropy, sum_squared and mean_abs, called once a step,
 // keep their autograd in ops.py.)

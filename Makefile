@@ -27,7 +27,7 @@ JE_DIR := $(CURDIR)/.deps/jemalloc
 JE_LIB := $(JE_DIR)/lib/libjemalloc_pic.a
 
 NVTX_DEF := $(if $(wildcard $(CUDA_HOME)/include/nvtx3/nvToolsExt.h),-DKT_HAVE_NVTX)
-CPPFLAGS := -Iallocator/include -Ifusion/include -Iallocator/src -I$(JE_DIR)/include -I$(CUDA_HOME)/include $(NVTX_DEF) -D_GNU_SOURCE
+CPPFLAGS := -Iallocator/include -Ifusion/include -Ischeduler/include -Iallocator/src -I$(JE_DIR)/include -I$(CUDA_HOME)/include $(NVTX_DEF) -D_GNU_SOURCE
 CFLAGS ?= -O2 -g
 CFLAGS += -std=c11 -fPIC -Wall -Wextra -Wno-unused-parameter -pthread
 # TLS descriptors: the thread-cache lookup stays a few instructions even in a
@@ -38,13 +38,13 @@ endif
 CUDA_LIBS := -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt -lpthread
 ASAN_FLAGS := -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined -DKT_DEBUG
 
-LIB_SRC := $(wildcard allocator/src/*.c) $(wildcard allocator/backends/*.c)
+LIB_SRC := $(wildcard allocator/src/*.c) $(wildcard allocator/backends/*.c) $(wildcard scheduler/src/*.c)
 # Fused kernels: SASS for sm_80 and sm_90, PTX for newer GPUs; linked into libkitsune.so
 FUSION_CU := $(wildcard fusion/kernels/*.cu)
 FUSION_OBJ := $(patsubst %.cu,$(BUILD)/obj/%.o,$(FUSION_CU))
 NVCC_FLAGS := -std=c++17 -O3 -Xcompiler -fPIC -Ifusion/include -Iallocator/include \
   -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
-LIB_HDR := $(wildcard allocator/include/kitsune/*.h) $(wildcard allocator/src/*.h)
+LIB_HDR := $(wildcard allocator/include/kitsune/*.h) $(wildcard allocator/src/*.h) $(wildcard scheduler/include/kitsune/*.h)
 OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(LIB_SRC))
 ASAN_OBJ := $(patsubst %.c,$(BUILD)/asan/%.o,$(LIB_SRC))
 
@@ -52,7 +52,7 @@ TIERS := unit integration stress conformance hotpath
 TEST_BINS := $(addprefix $(BUILD)/tests/,$(TIERS))
 ASAN_BINS := $(addprefix $(BUILD)/asan-tests/,$(filter-out hotpath,$(TIERS)))
 BENCH_BINS := $(BUILD)/bench/alloc_bench $(BUILD)/bench/alloc_replay $(BUILD)/bench/probe_costs
-TEST_LIBS := $(DEPS_LIB) -lcriterion
+TEST_LIBS := $(DEPS_LIB) -lcriterion -lm
 
 .SECONDARY:
 
@@ -80,7 +80,7 @@ $(BUILD)/obj/fusion/kernels/%.o: fusion/kernels/%.cu $(wildcard fusion/kernels/*
 
 # Only kt_* is exported; the static CUDA runtime stays private to the library.
 $(BUILD)/libkitsune.so: $(OBJ) $(FUSION_OBJ) allocator/exports.map $(JE_LIB)
-	$(CC) -shared -o $@ $(OBJ) $(FUSION_OBJ) $(JE_LIB) -Wl,--version-script=allocator/exports.map -Wl,--exclude-libs,ALL $(CUDA_LIBS) -lstdc++
+	$(CC) -shared -o $@ $(OBJ) $(FUSION_OBJ) $(JE_LIB) -Wl,--version-script=allocator/exports.map -Wl,--exclude-libs,ALL $(CUDA_LIBS) -lstdc++ -lm
 
 $(BUILD)/libkitsune.a: $(OBJ)
 	@rm -f $@; ar rcs $@ $(OBJ)

@@ -6,7 +6,7 @@ build=${1:-build}
 cd "$(dirname "$0")/.."
 export KT_COMMIT=${KT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}
 ngpu=$("$build/bench/alloc_bench" --probe 2>/dev/null || echo 0)
-echo "Kitsune demo — allocator (more of the product lands with the next issues)"
+echo "Kitsune demo — allocator, fused-op rewrites, stream plans (the GPU training table lands with issue #5)"
 if [ "${ngpu:-0}" -gt 0 ]; then
   echo "GPU found ($ngpu device(s)): allocator benchmark on the CUDA backend"
   echo
@@ -24,3 +24,14 @@ else
   echo "Host-backend microbenchmark (CPU timings, not GPU numbers):"
   "$build/bench/alloc_bench" --backend fake --quick
 fi
+echo
+echo "CPU parts (no GPU needed): what kitsune.optimize fuses in a small GPT-2-style LM,"
+echo "and the stream plan of an Inception-style block and of an MLP:"
+export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" KITSUNE_LIBRARY="${KITSUNE_LIBRARY:-$PWD/$build/libkitsune.so}"
+python3 - <<'PY'
+import sys
+sys.path.insert(0, "bench/kernels")
+import kitsune, train_models as tm
+print(kitsune.explain(tm.LM("gpt2", layers=2, d=64, h=4, vocab=1000, seq=64)))
+PY
+python3 -m kitsune.sched

@@ -8,7 +8,7 @@ from ._native import KitsuneError, KitsuneNotBuiltError, KitsuneOutOfMemoryError
 
 __version__ = "0.1.0"
 __all__ = ["native", "KitsuneError", "KitsuneNotBuiltError", "KitsuneOutOfMemoryError", "allocator", "pinned",
-           "prefetch", "optimize", "explain", "ops", "__version__"]
+           "prefetch", "optimize", "explain", "ops", "sched", "__version__"]
 
 
 def prefetch(loader, device="cuda", depth=2):
@@ -31,7 +31,7 @@ def explain(model):
 
 
 def __getattr__(name):
-    if name in ("allocator", "pinned", "data", "ops", "fx"):   # lazily: nothing native loads on `import kitsune`
+    if name in ("allocator", "pinned", "data", "ops", "fx", "sched"):   # lazily: nothing native loads on `import kitsune`
         import importlib
         return importlib.import_module("." + name, __name__)
     raise AttributeError(f"module 'kitsune' has no attribute {name!r}")

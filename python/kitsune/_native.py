@@ -66,6 +66,17 @@ class PoolOptions(ctypes.Structure):
                 ("peak_slack", ctypes.c_size_t), ("release_on_grow", ctypes.c_int)]
 
 
+class Sync(ctypes.Structure):
+    _fields_ = [("after", ctypes.c_int32), ("before", ctypes.c_int32)]
+
+
+class Schedule(ctypes.Structure):   # kt_schedule (scheduler/include/kitsune/sched.h)
+    _fields_ = [("n_nodes", ctypes.c_int32), ("n_streams", ctypes.c_int32),
+                ("stream", ctypes.POINTER(ctypes.c_int32)), ("order", ctypes.POINTER(ctypes.c_int32)),
+                ("start", ctypes.POINTER(ctypes.c_double)), ("finish", ctypes.POINTER(ctypes.c_double)),
+                ("makespan", ctypes.c_double), ("n_syncs", ctypes.c_int32), ("syncs", ctypes.POINTER(Sync))]
+
+
 def _declare(lib):
     P, S, I, VP = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p
     sig = {
@@ -93,6 +104,13 @@ def _declare(lib):
         "kt_cuda_device_count": (I, []),
         "kt_size_class": (I, [S]),
         "kt_class_size": (S, [I]),
+        "kt_dag_create": (I, [ctypes.POINTER(P)]),
+        "kt_dag_destroy": (None, [P]),
+        "kt_dag_add_node": (I, [P, ctypes.c_double, ctypes.POINTER(ctypes.c_int32)]),
+        "kt_dag_add_edge": (I, [P, ctypes.c_int32, ctypes.c_int32]),
+        "kt_schedule_list": (I, [P, ctypes.c_int32, ctypes.POINTER(Schedule)]),
+        "kt_schedule_free": (None, [ctypes.POINTER(Schedule)]),
+        "kt_schedule_check": (I, [P, ctypes.POINTER(Schedule)]),
     }
     for name, (res, args) in sig.items():
         fn = getattr(lib, name)

@@ -307,7 +307,7 @@ def _rewrite_add_layer_norm(gm, g, node, where, report, apply):
     if any(isinstance(v, tfx.Node) and order[v] > order[x] for v in (w, b)):
         report.left.append((where, "layer_norm(a + b): its weight or bias is computed after the add"))
         return True
-    report.fused.append((where, f"layer_norm(a + b) -> add_layer_norm ({x.name})"))
+    report.fused.append((where, f"layer_norm(a + b) -> add_layer_norm ({x.name}; one shape and dtype checked at run time)"))
     if apply:
         with g.inserting_before(x):
             wn, bn = _attr_or_node(g, w), _attr_or_node(g, b)

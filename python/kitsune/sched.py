@@ -1,0 +1,217 @@
+"""kitsune.sched: plans a model's graph onto CUDA streams with the C scheduler
+(scheduler/, kitsune/sched.h).
+
+    plan = kitsune.sched.plan(model, example_input, streams=4)
+    print(plan)            # per-operation stream, the syncs, estimated gain
+
+The model is traced with torch.fx and its shapes propagated on fake tensors (nothing
+is computed). Each operation gets a roofline cost from its FLOPs and bytes (Linear,
+convolutions and matmuls count 2 FLOPs a multiply-add; everything else one FLOP an
+output element; views, reshapes, getitem and the like are free). The C core schedules
+the DAG by critical-path list scheduling onto `streams` streams and gives the fewest
+cross-stream syncs. ``plan.streams_used`` is 1 when more streams would not shorten
+the estimated step by at least 5%: a sequential model keeps one stream.
+
+This is the planning half of issue #5's stream scheduler: executing the plan
+(torch.ops.kitsune fork/join with events, inside a captured CUDA graph) is not built yet.
+"""
+import ctypes
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as tfx
+from torch.fx.passes.shape_prop import ShapeProp
+
+from ._native import OK, Schedule, check, native
+
+
+@dataclass
+class Roofline:
+    """Peak rates the cost estimates use; the defaults are an H100 SXM's datasheet
+    numbers (dense bf16/fp16 tensor cores, TF32 for fp32, HBM3) and a typical launch."""
+    flops: dict = field(default_factory=lambda: {torch.bfloat16: 989e12, torch.float16: 989e12,
+                                                 torch.float32: 495e12, torch.float64: 67e12})
+    bandwidth: float = 3.35e12
+    launch: float = 4e-6
+
+
+_FREE_METHODS = {"view", "reshape", "transpose", "permute", "size", "contiguous", "unsqueeze", "squeeze",
+                 "flatten", "expand", "t", "dim", "chunk", "split"}
+_FREE_FUNCTIONS = {torch.flatten, torch.reshape, torch.transpose, torch.permute, torch.squeeze, torch.unsqueeze,
+                   torch.chunk, torch.split, getattr}
+
+
+def _tensors(v):
+    if isinstance(v, torch.Tensor):
+        return [v]
+    if isinstance(v, (list, tuple)):
+        return [t for x in v for t in _tensors(x)]
+    return []
+
+
+def _meta_val(n):
+    tm = n.meta.get("tensor_meta")
+    if tm is None:
+        return []
+    if hasattr(tm, "shape"):   # one TensorMetadata (itself a NamedTuple)
+        return [tm]
+    if isinstance(tm, (list, tuple)):
+        return [t for t in tm if hasattr(t, "shape")]
+    return []
+
+
+def _numel(tm):
+    k = 1
+    for d in tm.shape:
+        k *= int(d)
+    return k
+
+
+def _bytes(tm):
+    return _numel(tm) * torch.empty((), dtype=tm.dtype).element_size()
+
+
+def _is_free(gm, n):
+    import operator
+    if n.op == "call_method":
+        return n.target in _FREE_METHODS
+    if n.op == "call_function":
+        return n.target in _FREE_FUNCTIONS or n.target is operator.getitem
+    return False
+
+
+def _flops(gm, n, out):
+    """Multiply-adds x 2 for Linear / conv / matmul, else one per output element."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+    import operator
+    elems = sum(_numel(t) for t in out)
+    if n.op == "call_module":
+        m = gm.get_submodule(n.target)
+        if isinstance(m, nn.Linear):
+            return 2 * elems * m.in_features
+        if isinstance(m, nn.modules.conv._ConvNd):
+            k = 1
+            for d in m.kernel_size:
+                k *= d
+            return 2 * elems * (m.in_channels // m.groups) * k
+    if n.op == "call_function" and n.target in (torch.matmul, torch.bmm, torch.mm, operator.matmul, F.linear):
+        a = _meta_val(n.args[0]) if isinstance(n.args[0], tfx.Node) else []
+        if a:
+            return 2 * elems * int(a[0].shape[-1])
+    return elems
+
+
+@dataclass
+class Plan:
+    """A schedule of a model's operations on streams. ``stream`` maps node names to
+    streams (only when ``streams_used`` > 1), ``syncs`` lists (after, before) node
+    names, the estimates are in seconds."""
+    streams_asked: int
+    streams_used: int
+    makespan: float
+    makespan_one_stream: float
+    stream: dict
+    syncs: list
+    order: list
+    reason: str
+
+    @property
+    def gain(self):
+        return self.makespan_one_stream / self.makespan if self.makespan else 1.0
+
+    def __str__(self):
+        lines = [f"kitsune.sched: {len(self.order)} operations, {self.streams_used} of {self.streams_asked} streams, "
+                 f"estimated {self.makespan * 1e6:.1f} us vs {self.makespan_one_stream * 1e6:.1f} us on one stream "
+                 f"({self.gain:.2f}x); {len(self.syncs)} syncs" + (f" - {self.reason}" if self.reason else "")]
+        if self.streams_used > 1:
+            for name in self.order:
+                lines.append(f"  stream {self.stream[name]}  {name}")
+            for a, b in self.syncs:
+                lines.append(f"  sync   {b} waits for {a}")
+        return "\n".join(lines)
+
+
+def _schedule(lib, costs, edges, k):
+    dag = ctypes.c_void_p()
+    check(lib.kt_dag_create(ctypes.byref(dag)), "kt_dag_create")
+    try:
+        for c in costs:
+            check(lib.kt_dag_add_node(dag, c, None), "kt_dag_add_node")
+        for a, b in edges:
+            check(lib.kt_dag_add_edge(dag, a, b), "kt_dag_add_edge")
+        s = Schedule()
+        check(lib.kt_schedule_list(dag, k, ctypes.byref(s)), "kt_schedule_list")
+        try:
+            assert lib.kt_schedule_check(dag, ctypes.byref(s)) == OK, "kitsune.sched: the C core gave an invalid schedule"
+            n = s.n_nodes
+            return (s.makespan, [s.stream[i] for i in range(n)], [s.order[i] for i in range(n)],
+                    [(s.syncs[i].after, s.syncs[i].before) for i in range(s.n_syncs)])
+        finally:
+            lib.kt_schedule_free(ctypes.byref(s))
+    finally:
+        lib.kt_dag_destroy(dag)
+
+
+def plan(model, *example_inputs, streams=4, roofline=None, min_gain=1.05):
+    """Plans ``model``'s forward graph on ``streams`` CUDA streams (1..64); see the
+    module docstring. ``example_inputs`` give the shapes (they may live on any
+    device; only their shapes and dtypes are used)."""
+    if not isinstance(streams, int) or not 1 <= streams <= 64:
+        raise ValueError(f"kitsune.sched.plan: streams must be an int in 1..64, got {streams!r}")
+    rl = roofline or Roofline()
+    gm = model if isinstance(model, tfx.GraphModule) else tfx.symbolic_trace(model)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    ShapeProp(gm, fake_mode=mode).propagate(*[mode.from_tensor(t) if isinstance(t, torch.Tensor) else t
+                                               for t in example_inputs])
+    ops = [n for n in gm.graph.nodes if n.op in ("call_module", "call_function", "call_method")]
+    index = {n: i for i, n in enumerate(ops)}
+    costs = []
+    for n in ops:
+        out = _meta_val(n)
+        if _is_free(gm, n) or not out:
+            costs.append(0.0)
+            continue
+        ins = [t for a in n.all_input_nodes for t in _meta_val(a)]
+        nbytes = sum(_bytes(t) for t in out + ins)
+        peak = rl.flops.get(out[0].dtype, rl.flops[torch.float32])
+        costs.append(rl.launch + max(_flops(gm, n, out) / peak, nbytes / rl.bandwidth))
+    edges = [(index[a], index[n]) for n in ops for a in n.all_input_nodes if a in index]
+    lib = native()
+    one, _, order1, _ = _schedule(lib, costs, edges, 1)
+    names = [n.name for n in ops]
+    if streams == 1:
+        return Plan(1, 1, one, one, {}, [], [names[i] for i in order1], "one stream asked")
+    mk, stream, order, syncs = _schedule(lib, costs, edges, streams)
+    if not mk or one / mk < min_gain:
+        return Plan(streams, 1, one, one, {}, [], [names[i] for i in order1],
+                    f"more streams gain {one / mk:.2f}x < {min_gain}x: one stream")
+    used = len(set(stream))
+    return Plan(streams, used, mk, one, {names[i]: stream[i] for i in range(len(ops))},
+                [(names[a], names[b]) for a, b in syncs], [names[i] for i in order], "")
+
+
+def demo():
+    """Prints the plan of an Inception-style block and of an MLP (used by make demo)."""
+    import torch.nn as nn
+
+    class Inception(nn.Module):
+        def __init__(self, c=64):
+            super().__init__()
+            self.b1 = nn.Conv2d(c, c, 1)
+            self.b2 = nn.Sequential(nn.Conv2d(c, c, 1), nn.ReLU(), nn.Conv2d(c, c, 3, padding=1))
+            self.b3 = nn.Sequential(nn.Conv2d(c, c // 2, 1), nn.ReLU(), nn.Conv2d(c // 2, c, 5, padding=2))
+            self.b4 = nn.Sequential(nn.MaxPool2d(3, 1, 1), nn.Conv2d(c, c, 1))
+
+        def forward(self, x):
+            return torch.cat([self.b1(x), self.b2(x), self.b3(x), self.b4(x)], 1)
+
+    x = torch.randn(32, 64, 28, 28)
+    print(plan(Inception(), x, streams=4))
+    mlp = nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 10))
+    print(plan(mlp, torch.randn(64, 784), streams=4))
+
+
+if __name__ == "__main__":
+    demo()

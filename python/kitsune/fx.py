@@ -148,8 +148,10 @@ def _add_layer_norm(a, b, weight, bias, eps):
     """add_layer_norm when the operands allow it (one shape, one dtype), else the
     unfused add and layer_norm: (a + b, layer_norm(a + b))."""
     from . import ops as ko
-    same = a.shape == b.shape and a.dtype == b.dtype and a.dim() >= 1 and all(
-        p is None or p.dtype == a.dtype for p in (weight, bias))
+    # under autocast the op's autocast kernel casts mixed dtypes itself
+    cast = torch.is_autocast_enabled(a.device.type)
+    same = a.shape == b.shape and a.dim() >= 1 and (cast or (a.dtype == b.dtype and all(
+        p is None or p.dtype == a.dtype for p in (weight, bias))))
     if same and (a.device.type == "cpu" or a.dtype in (torch.float32, torch.float16, torch.bfloat16)):
         return ko.add_layer_norm(a, b, weight, bias, eps)
     h = a + b
@@ -186,7 +188,8 @@ def _linear_cross_entropy(x, weight, bias, target, view, ignore_index, label_smo
     rows = x.numel() // max(x.shape[-1], 1)
     shape = logits_shape if view is None else _view_shape(logits_shape, view)
     ok = (shape is not None and len(shape) == 2 and shape[1] == weight.shape[0] and target.numel() == rows and
-          target.dtype == torch.long and x.dtype == weight.dtype and (bias is None or bias.dtype == x.dtype))
+          target.dtype == torch.long and (torch.is_autocast_enabled(x.device.type) or (
+              x.dtype == weight.dtype and (bias is None or bias.dtype == x.dtype))))
     if ok:
         return ko.linear_cross_entropy(x.reshape(rows, x.shape[-1]), weight, target.reshape(rows), bias,
                                        ignore_index, label_smoothing)

@@ -300,9 +300,17 @@ def linear_cross_entropy(x, weight, target, bias=None, ignore_index=-100, label_
     tensor never exists. x (..., H), weight (C, H), target (...) int64."""
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or
                                               (bias is not None and bias.requires_grad))
-    if needs_grad:
-        return _LinearCrossEntropy.apply(x, weight, target, bias, ignore_index, label_smoothing, chunk_size)
-    return _lib.linear_cross_entropy(x, weight, target, bias, ignore_index, label_smoothing, chunk_size)
+    if not needs_grad:   # the op's autocast kernel casts like F.linear
+        return _lib.linear_cross_entropy(x, weight, target, bias, ignore_index, label_smoothing, chunk_size)
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):   # as F.linear under autocast; the loss in fp32 as F.cross_entropy's
+        dt = torch.get_autocast_dtype(dev)
+        x, weight = x.to(dt), weight.to(dt)
+        bias = bias.to(dt) if bias is not None else None
+        with torch.autocast(dev, enabled=False):
+            return _LinearCrossEntropy.apply(x, weight, target, bias, ignore_index, label_smoothing,
+                                             chunk_size).float()
+    return _LinearCrossEntropy.apply(x, weight, target, bias, ignore_index, label_smoothing, chunk_size)
 
 
 def _dims(dim):

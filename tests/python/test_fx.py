@@ -246,6 +246,35 @@ def test_norm_and_loss_patterns_fuse_and_match():
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("make", [GPT2LM, LlamaBlock, NormsAndLosses])
+def test_under_autocast_fp32_parameters_meet_bf16_activations(make):
+    """torch.autocast: Linear outputs are bf16 while norm weights stay fp32; the fused
+    ops' autocast kernels cast the parameters, and forward and gradients match eager
+    autocast within bf16 tolerance."""
+    torch.manual_seed(5)
+    m = make()
+    if make is GPT2LM:
+        args = (torch.randint(0, 257, (2, 16)),)
+    elif make is LlamaBlock:
+        args = (torch.randn(2, 5, 32),)
+    else:
+        args = (torch.randn(2, 5, 16), torch.randn(2, 5, 16), torch.randint(0, 11, (2, 5)))
+    opt = kitsune.optimize(m)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = opt(*args), m(*args)
+        got, want = (got[0] if isinstance(got, tuple) else got), (want[0] if isinstance(want, tuple) else want)
+        torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=3e-2)
+        names = [n for n, _ in m.named_parameters()]   # a GraphModule keeps the names, not the order
+        po, pm = dict(opt.named_parameters()), dict(m.named_parameters())
+        ga = torch.autograd.grad(got.float().sum(), [po[n] for n in names], allow_unused=True)
+        gb = torch.autograd.grad(want.float().sum(), [pm[n] for n in names], allow_unused=True)
+    for name, a, b in zip(names, ga, gb):
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert a.dtype == b.dtype == torch.float32
+            torch.testing.assert_close(a, b, rtol=5e-2, atol=5e-2 * max(1.0, b.abs().max().item()), msg=name)
+
+
 def test_torch_compile_backend_rewrites_and_matches():
     """torch.compile(model, backend="kitsune"): the Dynamo graph is rewritten (modules
     arrive there as F.linear / F.gelu / torch.relu calls) and Inductor compiles the

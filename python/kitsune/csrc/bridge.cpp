@@ -21,6 +21,7 @@
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/ExpandUtils.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/from_blob.h>
@@ -1486,6 +1487,63 @@ std::tuple<Tensor, Tensor> add_layer_norm_autograd(const Tensor& x, const Tensor
   return {out[0], out[1]};
 }
 
+// ---- autocast: torch.autocast regions ----
+// Under autocast a Linear's output is bf16/fp16 while norm weights and biases stay
+// fp32, which the kernels (one dtype per call) would refuse. These Autocast-key
+// kernels cast, above autograd (so the casts are differentiable):
+//   binary ops: both operands to their promoted dtype;
+//   ops with parameters: the parameters (and a residual) to the activation's dtype;
+//   linear_cross_entropy: x, weight and bias to the autocast dtype (as F.linear
+//   would), the loss returned in fp32 (as F.cross_entropy's is under autocast).
+// cross_entropy, sum_squared and mean_abs take one floating tensor and need no cast;
+// attention_score is composite and its baddbmm is cast by autocast itself.
+template <c10::DispatchKey Key> struct Autocast {
+  static Tensor cast(const Tensor& t, at::ScalarType dt) { return t.defined() && t.scalar_type() != dt ? t.to(dt) : t; }
+  static OptTensor cast(const OptTensor& t, at::ScalarType dt) {
+    return t && t->defined() ? OptTensor(cast(*t, dt)) : t;
+  }
+  template <const char* Name> static Tensor binary(const Tensor& a, const Tensor& b) {
+    c10::impl::ExcludeDispatchKeyGuard no(Key);
+    static auto op = op_handle<BinarySig>(Name);
+    auto dt = at::result_type(a, b);
+    return op.call(cast(a, dt), cast(b, dt));
+  }
+  static Tensor bias_gelu(const Tensor& x, const Tensor& bias, c10::string_view approximate) {
+    c10::impl::ExcludeDispatchKeyGuard no(Key);
+    static auto op = op_handle<Tensor(const Tensor&, const Tensor&, c10::string_view)>("kitsune::bias_gelu");
+    return op.call(x, cast(bias, x.scalar_type()), approximate);
+  }
+  static Tensor rms_norm(const Tensor& x, const Tensor& w, double eps) {
+    c10::impl::ExcludeDispatchKeyGuard no(Key);
+    static auto op = op_handle<Tensor(const Tensor&, const Tensor&, double)>("kitsune::rms_norm");
+    return op.call(x, cast(w, x.scalar_type()), eps);
+  }
+  static Tensor layer_norm_relu(const Tensor& x, c10::IntArrayRef shape, const OptTensor& w, const OptTensor& b,
+                                double eps) {
+    c10::impl::ExcludeDispatchKeyGuard no(Key);
+    static auto op = op_handle<Tensor(const Tensor&, c10::IntArrayRef, const OptTensor&, const OptTensor&, double)>(
+        "kitsune::layer_norm_relu");
+    return op.call(x, shape, cast(w, x.scalar_type()), cast(b, x.scalar_type()), eps);
+  }
+  static std::tuple<Tensor, Tensor> add_layer_norm(const Tensor& x, const Tensor& r, const OptTensor& w,
+                                                   const OptTensor& b, double eps) {
+    c10::impl::ExcludeDispatchKeyGuard no(Key);
+    static auto op = op_handle<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const OptTensor&,
+                                                          const OptTensor&, double)>("kitsune::add_layer_norm");
+    auto dt = at::result_type(x, r);
+    return op.call(cast(x, dt), cast(r, dt), cast(w, dt), cast(b, dt), eps);
+  }
+  static Tensor linear_cross_entropy(const Tensor& x, const Tensor& w, const Tensor& target, const OptTensor& bias,
+                                     int64_t ignore, double smoothing, int64_t chunk) {
+    c10::impl::ExcludeDispatchKeyGuard no(Key);
+    static auto op = op_handle<Tensor(const Tensor&, const Tensor&, const Tensor&, const OptTensor&, int64_t, double,
+                                      int64_t)>("kitsune::linear_cross_entropy");
+    auto dt = at::autocast::get_autocast_dtype(Key == c10::DispatchKey::AutocastCUDA ? at::kCUDA : at::kCPU);
+    return op.call(cast(x, dt), cast(w, dt), target, cast(bias, dt), ignore, smoothing, chunk).to(at::kFloat);
+  }
+};
+constexpr char kAddRelu[] = "kitsune::add_relu", kMulTanh[] = "kitsune::mul_tanh", kSwiglu[] = "kitsune::swiglu";
+
 }  // namespace
 
 TORCH_LIBRARY(kitsune, m) {
@@ -1571,6 +1629,21 @@ TORCH_LIBRARY_IMPL(kitsune, Autograd, m) {
   m.impl("layer_norm_relu", &layer_norm_relu_autograd);
   m.impl("add_layer_norm", &add_layer_norm_autograd);
 }
+
+#define KT_AUTOCAST_IMPLS(KEY)                                                          \
+  TORCH_LIBRARY_IMPL(kitsune, KEY, m) {                                                  \
+    using A = Autocast<c10::DispatchKey::KEY>;                                           \
+    m.impl("add_relu", &A::binary<kAddRelu>);                                            \
+    m.impl("mul_tanh", &A::binary<kMulTanh>);                                            \
+    m.impl("swiglu", &A::binary<kSwiglu>);                                               \
+    m.impl("bias_gelu", &A::bias_gelu);                                                  \
+    m.impl("rms_norm", &A::rms_norm);                                                    \
+    m.impl("layer_norm_relu", &A::layer_norm_relu);                                      \
+    m.impl("add_layer_norm", &A::add_layer_norm);                                        \
+    m.impl("linear_cross_entropy", &A::linear_cross_entropy);                            \
+  }
+KT_AUTOCAST_IMPLS(AutocastCUDA)
+KT_AUTOCAST_IMPLS(AutocastCPU)
 
 extern "C" {
 

@@ -30,6 +30,10 @@ $py -c "import pytest" 2>/dev/null || { echo "deps: pip install pytest"; $py -m 
 # torch: the version the GPU machine runs, so the bridge is built and tested against it
 torch_version=${KITSUNE_TORCH_VERSION:-2.11.0}
 $py -c "import torch, numpy" 2>/dev/null || { echo "deps: pip install torch==$torch_version numpy"; $py -m pip install -q "torch==$torch_version" numpy; }
+# torchvision (the version built for that torch, without letting pip change torch):
+# the FX tests rewrite ResNet-18/50 as torchvision ships them
+$py -c "import torchvision" 2>/dev/null || { echo "deps: pip install torchvision==0.26.0 pillow";
+  $py -m pip install -q --no-deps "torchvision==0.26.0" && $py -m pip install -q pillow; }
 $py -c "import kitsune, os, sys; sys.exit(0 if os.path.realpath(kitsune.__file__).startswith(os.path.realpath('python')) else 1)" 2>/dev/null \
   || { echo "deps: pip install -e . (the kitsune package)"; $py -m pip install -q --no-deps -e .; }
 echo "deps: ok"

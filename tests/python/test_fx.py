@@ -275,6 +275,26 @@ def test_under_autocast_fp32_parameters_meet_bf16_activations(make):
             torch.testing.assert_close(a, b, rtol=5e-2, atol=5e-2 * max(1.0, b.abs().max().item()), msg=name)
 
 
+@pytest.mark.parametrize("arch,fusions", [("resnet18", 8), ("resnet50", 16)])
+def test_torchvision_resnets_as_shipped(arch, fusions):
+    """torchvision's ResNet-18/50 (random weights): each block's `out += identity;
+    relu(out)` becomes add_relu; outputs equal in eval mode, input gradients in train mode."""
+    tvm = pytest.importorskip("torchvision.models")
+    torch.manual_seed(6)
+    m = getattr(tvm, arch)().eval()
+    rep = kitsune.fx.Report()
+    opt = kitsune.optimize(m, report=rep)
+    kinds = [what.split(" -> ")[1].split(" ")[0] for _, what in rep.fused]
+    assert kinds == ["add_relu"] * fusions and not rep.left and not rep.untraced, rep
+    x = torch.randn(2, 3, 64, 64)
+    torch.testing.assert_close(opt(x), m(x), rtol=1e-5, atol=1e-5)
+    m.train(), opt.train()
+    xo, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    opt(xo).square().sum().backward()
+    m(xr).square().sum().backward()
+    torch.testing.assert_close(xo.grad, xr.grad, rtol=1e-4, atol=1e-4)
+
+
 def test_torch_compile_backend_rewrites_and_matches():
     """torch.compile(model, backend="kitsune"): the Dynamo graph is rewritten (modules
     arrive there as F.linear / F.gelu / torch.relu calls) and Inductor compiles the

@@ -17,14 +17,15 @@ GPT-2's vocabulary). Outputs are checked against the eager result before any
 timing. Writes kernels_elementwise.json.
 """
 import argparse
-import datetime
-import json
 import os
+import sys
 import statistics
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from benchlib import write_result  # noqa: E402
 import kitsune.ops as ko
 
 def _two(n, dtype):   # two full-size operands
@@ -134,14 +135,7 @@ def main():
                   f"eager {gbs['eager']:7.0f}  x{row['vs_compile']:.2f} vs compile, x{row['vs_eager']:.2f} vs eager",
                   flush=True)
             del x, args, src, dst, want
-    res = {"bench": "kernels_elementwise", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-           "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-           "commit": os.environ.get("KT_COMMIT", "?"), "reps": reps, "rows": rows}
-    os.makedirs(a.out, exist_ok=True)
-    path = os.path.join(a.out, "kernels_elementwise.json")
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1)
-    print("wrote", path)
+    write_result(a.out, "kernels_elementwise", {"reps": reps, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -11,14 +11,15 @@ calls), peak memory allocated during it above what was allocated before
 (max |difference| / max |eager|). Writes kernels_loss_head.json.
 """
 import argparse
-import datetime
-import json
 import os
+import sys
 import statistics
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from benchlib import write_result  # noqa: E402
 import kitsune.ops as ko
 
 
@@ -83,14 +84,7 @@ def main():
                   flush=True)
         del x, w, t, res, ref
         torch.cuda.empty_cache()
-    out = {"bench": "kernels_loss_head", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-           "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-           "commit": os.environ.get("KT_COMMIT", "?"), "reps": reps, "rows": rows}
-    os.makedirs(a.out, exist_ok=True)
-    path = os.path.join(a.out, "kernels_loss_head.json")
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
-    print("wrote", path)
+    write_result(a.out, "kernels_loss_head", {"reps": reps, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -16,9 +16,8 @@ from eager's, and what Kitsune fused. Writes kernels_train_models.json.
 """
 import argparse
 import copy
-import datetime
-import json
 import os
+import sys
 import statistics
 import time
 
@@ -26,6 +25,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from benchlib import write_result  # noqa: E402
 import kitsune
 
 
@@ -156,14 +157,7 @@ def main():
                   f"{row['loss_last']:.3f}  max |loss - eager| {diff:.4f}" + (f"  fused {r['fused']}" if r["fused"] else ""),
                   flush=True)
         del base
-    out = {"bench": "kernels_train_models", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-           "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-           "commit": os.environ.get("KT_COMMIT", "?"), "steps": steps, "rows": rows}
-    os.makedirs(a.out, exist_ok=True)
-    path = os.path.join(a.out, "kernels_train_models.json")
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
-    print("wrote", path)
+    write_result(a.out, "kernels_train_models", {"steps": steps, "rows": rows})
 
 
 if __name__ == "__main__":

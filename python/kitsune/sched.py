@@ -192,23 +192,26 @@ def plan(model, *example_inputs, streams=4, roofline=None, min_gain=1.05):
                 [(names[a], names[b]) for a, b in syncs], [names[i] for i in order], "")
 
 
+class Inception(torch.nn.Module):
+    """An Inception-style block (four branches joined by a concat): the demo's and the
+    tests' example of a graph that several streams shorten."""
+
+    def __init__(self, c=64):
+        nn = torch.nn
+        super().__init__()
+        self.b1 = nn.Conv2d(c, c, 1)
+        self.b2 = nn.Sequential(nn.Conv2d(c, c, 1), nn.ReLU(), nn.Conv2d(c, c, 3, padding=1))
+        self.b3 = nn.Sequential(nn.Conv2d(c, c // 2, 1), nn.ReLU(), nn.Conv2d(c // 2, c, 5, padding=2))
+        self.b4 = nn.Sequential(nn.MaxPool2d(3, 1, 1), nn.Conv2d(c, c, 1))
+
+    def forward(self, x):
+        return torch.cat([self.b1(x), self.b2(x), self.b3(x), self.b4(x)], 1)
+
+
 def demo():
     """Prints the plan of an Inception-style block and of an MLP (used by make demo)."""
-    import torch.nn as nn
-
-    class Inception(nn.Module):
-        def __init__(self, c=64):
-            super().__init__()
-            self.b1 = nn.Conv2d(c, c, 1)
-            self.b2 = nn.Sequential(nn.Conv2d(c, c, 1), nn.ReLU(), nn.Conv2d(c, c, 3, padding=1))
-            self.b3 = nn.Sequential(nn.Conv2d(c, c // 2, 1), nn.ReLU(), nn.Conv2d(c // 2, c, 5, padding=2))
-            self.b4 = nn.Sequential(nn.MaxPool2d(3, 1, 1), nn.Conv2d(c, c, 1))
-
-        def forward(self, x):
-            return torch.cat([self.b1(x), self.b2(x), self.b3(x), self.b4(x)], 1)
-
-    x = torch.randn(32, 64, 28, 28)
-    print(plan(Inception(), x, streams=4))
+    nn = torch.nn
+    print(plan(Inception(), torch.randn(32, 64, 28, 28), streams=4))
     mlp = nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 10))
     print(plan(mlp, torch.randn(64, 784), streams=4))
 

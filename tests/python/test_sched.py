@@ -10,16 +10,8 @@ import kitsune.sched as ks  # noqa: E402
 nn = torch.nn
 
 
-class Inception(nn.Module):
-    def __init__(self, c=32):
-        super().__init__()
-        self.b1 = nn.Conv2d(c, c, 1)
-        self.b2 = nn.Sequential(nn.Conv2d(c, c, 1), nn.ReLU(), nn.Conv2d(c, c, 3, padding=1))
-        self.b3 = nn.Sequential(nn.Conv2d(c, c // 2, 1), nn.ReLU(), nn.Conv2d(c // 2, c, 5, padding=2))
-        self.b4 = nn.Sequential(nn.MaxPool2d(3, 1, 1), nn.Conv2d(c, c, 1))
-
-    def forward(self, x):
-        return torch.cat([self.b1(x), self.b2(x), self.b3(x), self.b4(x)], 1)
+def Inception():
+    return ks.Inception(32)
 
 
 def _topological(model, plan):

@@ -1,0 +1,26 @@
+"""What every GPU benchmark's result file carries, written one way.
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from benchlib import write_result
+    write_result(out_dir, "kernels_loss_head", {"reps": 10, "rows": rows})
+"""
+import datetime
+import json
+import os
+
+
+def write_result(out_dir, bench, payload):
+    """Writes <out_dir>/<bench>.json: the payload plus bench name, UTC date, device,
+    torch version and KT_COMMIT (the GPU machine has no .git: the caller names the
+    commit). Returns the path."""
+    import torch
+    res = {"bench": bench, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+           "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+           "torch": torch.__version__, "commit": os.environ.get("KT_COMMIT", "?")}
+    res.update(payload)
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, bench + ".json")
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+    print("wrote", path)
+    return path

@@ -11,38 +11,14 @@
 // output cannot hold. With erff the bf16 kernel ran at 74% of copy bandwidth, with
 // this 90-92% (H100, bench/results/kernels_elementwise_9194f5a.json and _bc035f6).
 // fp32 storage keeps erff.
-#include "elementwise.cuh"
+#include "gelu.cuh"
 
 namespace {
 
 // ---- reference ----
-constexpr float kSqrt1_2 = 0.70710678118654752440f;
-constexpr float kInvSqrt2Pi = 0.39894228040143267794f;
-constexpr float kSqrt2OverPi = 0.79788456080286535588f;
-constexpr float kCoeff = 0.044715f;
-
-__device__ inline float erf_as(float x) {   // Abramowitz & Stegun 7.1.26
-  float ax = fabsf(x);
-  float t = __fdividef(1.f, 1.f + 0.3275911f * ax);
-  float poly = t * (0.254829592f + t * (-0.284496736f + t * (1.421413741f + t * (-1.453152027f + t * 1.061405429f))));
-  return copysignf(1.f - poly * __expf(-ax * ax), x);
-}
-
-template <bool FAST> __device__ inline float erf_of(float x) { return FAST ? erf_as(x) : erff(x); }
-
-template <bool FAST> __device__ inline float gelu_ref(float v, int approximate) {
-  if (approximate) return 0.5f * v * (1.f + tanhf(kSqrt2OverPi * (v + kCoeff * v * v * v)));
-  return 0.5f * v * (1.f + erf_of<FAST>(v * kSqrt1_2));
-}
-
-template <bool FAST> __device__ inline float gelu_grad_ref(float v, int approximate) {
-  if (approximate) {
-    float u = kSqrt2OverPi * (v + kCoeff * v * v * v);
-    float t = tanhf(u);
-    return 0.5f * (1.f + t) + 0.5f * v * (1.f - t * t) * kSqrt2OverPi * (1.f + 3.f * kCoeff * v * v);
-  }
-  return 0.5f * (1.f + erf_of<FAST>(v * kSqrt1_2)) + v * kInvSqrt2Pi * __expf(-0.5f * v * v);
-}
+// gelu(v) and gelu'(v) in fusion/kernels/gelu.cuh (shared with dropout.cu)
+using kt::gelu_ref;
+using kt::gelu_grad_ref;
 
 // ---- kernels ----
 template <typename T> struct BiasGelu {   // x = (x, bias)

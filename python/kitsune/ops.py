@@ -30,6 +30,11 @@ Ops (reference semantics):
   sum_squared(x, dim=None, keepdim=False)   sum(x * x)
   mean_abs(x, dim=None, keepdim=False)      mean(|x|)
   attention_score(q, k, scale=None)         (q @ k^T) * scale, scale = 1/sqrt(d) by default
+  gelu_dropout(x, p, training=True, approximate="none")   dropout(gelu(x))
+  bias_dropout_add(x, bias, residual, p, training=True)   residual + dropout(x + bias)
+The dropout ops draw (seed, offset) from PyTorch's default generator of the device
+(torch.manual_seed repeats a mask) and never store the mask: the backward rebuilds it
+with the same Philox code (kitsune/philox.h); ``dropout_mask(rng, n, p)`` gives it.
 Binary ops broadcast like ``a + b``. dtypes: float32, float16, bfloat16.
 """
 import torch
@@ -169,6 +174,30 @@ def _(x, dim=None, keepdim=False):
     return x.new_empty(_reduced_shape(x, dim, keepdim))
 
 
+def _rng():
+    return torch.empty(2, dtype=torch.long)
+
+
+@torch.library.register_fake("kitsune::gelu_dropout")
+def _(x, p, training=True, approximate="none"):
+    return torch.empty_like(x, memory_format=torch.contiguous_format), _rng()
+
+
+@torch.library.register_fake("kitsune::gelu_dropout_backward")
+def _(grad, x, rng, p, approximate="none"):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("kitsune::bias_dropout_add")
+def _(x, bias, residual, p, training=True):
+    return torch.empty_like(x, memory_format=torch.contiguous_format), _rng()
+
+
+@torch.library.register_fake("kitsune::dropout_backward")
+def _(grad, rng, p):
+    return torch.empty_like(grad, memory_format=torch.contiguous_format)
+
+
 # ---- autograd ----
 # The per-layer ops (add_relu, mul_tanh, swiglu, bias_gelu, rms_norm, layer_norm_relu,
 # add_layer_norm) have their autograd in C++ (the bridge's Autograd-key kernels: no
@@ -222,11 +251,37 @@ def _mean_abs_bwd(ctx, grad):
     return torch.sign(x) * g / n, None, None
 
 
+def _gelu_dropout_setup(ctx, inputs, output):
+    x, p, training, ctx.approximate = inputs
+    ctx.p = p if training else 0.0
+    ctx.save_for_backward(x, output[1])
+
+
+def _gelu_dropout_bwd(ctx, grad, _grad_rng):
+    x, rng = ctx.saved_tensors
+    return _lib.gelu_dropout_backward(grad, x, rng, ctx.p, ctx.approximate), None, None, None
+
+
+def _bias_dropout_add_setup(ctx, inputs, output):
+    x, bias, _, p, training = inputs
+    ctx.p, ctx.nbias, ctx.bias_dtype = (p if training else 0.0), bias.shape[0], bias.dtype
+    ctx.save_for_backward(output[1])
+
+
+def _bias_dropout_add_bwd(ctx, grad, _grad_rng):
+    (rng,) = ctx.saved_tensors
+    gx = _lib.dropout_backward(grad, rng, ctx.p)
+    gb = gx.reshape(-1, ctx.nbias).sum(0, dtype=torch.promote_types(gx.dtype, torch.float32)).to(ctx.bias_dtype)
+    return gx, gb, grad, None, None
+
+
 for _name, (_bwd, _setup) in {
     "cross_entropy": (_ce_bwd, _ce_setup),
     "linear_cross_entropy": (_lce_bwd, _lce_setup),
     "sum_squared": (_sum_squared_bwd, _reduce_setup),
     "mean_abs": (_mean_abs_bwd, _reduce_setup),
+    "gelu_dropout": (_gelu_dropout_bwd, _gelu_dropout_setup),
+    "bias_dropout_add": (_bias_dropout_add_bwd, _bias_dropout_add_setup),
 }.items():
     torch.library.register_autograd(f"kitsune::{_name}", _bwd, setup_context=_setup)
 
@@ -331,3 +386,20 @@ def attention_score(q, k, scale=None):
     """(q @ k.transpose(-2, -1)) * scale as one batched GEMM (scale as its alpha);
     scale defaults to 1/sqrt(q.size(-1)). No softmax."""
     return _lib.attention_score(q, k, scale)
+
+
+def gelu_dropout(x, p=0.1, training=True, approximate="none"):
+    """F.dropout(F.gelu(x, approximate=approximate), p, training) in one kernel; the
+    mask is not stored (the backward regenerates it)."""
+    return _lib.gelu_dropout(x, p, training, approximate)[0]
+
+
+def bias_dropout_add(x, bias, residual, p=0.1, training=True):
+    """residual + F.dropout(x + bias, p, training), bias along the last dim, in one kernel."""
+    return _lib.bias_dropout_add(x, bias, residual, p, training)[0]
+
+
+def dropout_mask(rng, n, p):
+    """The keep mask (bool, n elements) of a dropout call from the rng tensor its op
+    returned (torch.ops.kitsune.gelu_dropout(...)[1]), built on the CPU."""
+    return _lib.dropout_mask(rng, n, p)

@@ -366,3 +366,112 @@ def test_gpu_linear_cross_entropy_peak_memory_half_of_eager():
     torch.testing.assert_close(lk, le, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(gxk.float(), gxe.float(), rtol=5e-2, atol=1e-4)
     torch.testing.assert_close(gwk.float(), gwe.float(), rtol=5e-2, atol=1e-4)
+
+
+# ---- dropout ops: gelu_dropout, bias_dropout_add ----------------------------------
+# The mask comes from (seed, offset) drawn from torch's generator, returned as `rng`;
+# kitsune.ops.dropout_mask(rng, n, p) rebuilds it on the CPU with the same Philox code
+# the CUDA kernel runs, so references use exactly the kernel's mask.
+def _dropout_ref(name, args, rng, p, dtype64=torch.float64):
+    x = args[0]
+    m = ko.dropout_mask(rng, x.numel(), p).view(x.shape).to(x.device, dtype64) / (1 - p)
+    if name == "gelu_dropout":
+        return F.gelu(args[0].to(dtype64)) * m
+    x, b, r = (a.to(dtype64) for a in args)
+    return r + (x + b) * m
+
+
+def _dropout_args(name, shape, dtype, device, gen):
+    x = _t(shape, dtype, device, gen)
+    if name == "gelu_dropout":
+        return [x]
+    return [x, _t((shape[-1],), dtype, device, gen), _t(shape, dtype, device, gen)]
+
+
+def _dropout_call(name, args, p, training=True):
+    op = getattr(torch.ops.kitsune, name)
+    return op(*args, p, training)
+
+
+@pytest.mark.parametrize("name", ["gelu_dropout", "bias_dropout_add"])
+def test_dropout_cpu_mask_scale_seed_and_gradients(name):
+    g = torch.Generator().manual_seed(8)
+    args = [a.requires_grad_() for a in _dropout_args(name, (64, 33), torch.float64, "cpu", g)]
+    p = 0.3
+    torch.manual_seed(123)
+    out, rng = _dropout_call(name, args, p)
+    torch.testing.assert_close(out, _dropout_ref(name, args, rng, p))
+    torch.manual_seed(123)   # same seed, same mask
+    torch.testing.assert_close(_dropout_call(name, args, p)[0], out)
+    assert not torch.equal(_dropout_call(name, args, p)[0], out)   # the generator moved on
+    # gradients: autograd through the op against autograd through the reference with its mask
+    gout = torch.randn(out.shape, dtype=torch.float64, generator=g)
+    torch.manual_seed(5)
+    out, rng = _dropout_call(name, args, p)
+    got = torch.autograd.grad(out, args, gout)
+    want = torch.autograd.grad(_dropout_ref(name, args, rng, p), args, gout)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+def test_dropout_edge_probabilities_and_eval():
+    x = torch.randn(3, 50, dtype=torch.float64)
+    b, r = torch.randn(50, dtype=torch.float64), torch.randn(3, 50, dtype=torch.float64)
+    torch.testing.assert_close(ko.gelu_dropout(x, 0.0), F.gelu(x))
+    torch.testing.assert_close(ko.gelu_dropout(x, 0.7, training=False), F.gelu(x))
+    assert torch.count_nonzero(ko.gelu_dropout(x, 1.0)) == 0
+    torch.testing.assert_close(ko.bias_dropout_add(x, b, r, 1.0), r)
+    torch.testing.assert_close(ko.bias_dropout_add(x, b, r, 0.5, training=False), r + x + b)
+    # the kept fraction is 1 - p within 5 standard deviations
+    n, p = 1 << 18, 0.25
+    _, rng = torch.ops.kitsune.gelu_dropout(torch.zeros(n), p, True)
+    kept = ko.dropout_mask(rng, n, p).sum().item()
+    assert abs(kept - n * (1 - p)) < 5 * (n * p * (1 - p)) ** 0.5, kept
+    with pytest.raises(RuntimeError, match=r"dropout probability p must be in \[0, 1\], got 1.5"):
+        ko.gelu_dropout(x, 1.5)
+    with pytest.raises(RuntimeError, match="residual must have x's shape"):
+        ko.bias_dropout_add(x, b, r[0], 0.1)
+    with pytest.raises(RuntimeError, match="rng must be the int64 CPU tensor"):
+        torch.ops.kitsune.dropout_backward(x, torch.zeros(3), 0.1)
+
+
+def test_dropout_fakes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        out, rng = torch.ops.kitsune.gelu_dropout(torch.empty(4, 8, dtype=torch.bfloat16), 0.1, True)
+        assert out.shape == (4, 8) and out.dtype == torch.bfloat16 and rng.shape == (2,)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("name", ["gelu_dropout", "bias_dropout_add"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_gpu_dropout_uses_the_cpu_mask_and_matches_fp64(name, dtype):
+    """The CUDA kernel's mask is exactly the one the CPU rebuilds from rng; values and
+    gradients within 2x torch's own error of an fp64 reference with that mask."""
+    g = torch.Generator().manual_seed(9)
+    for shape in [(1,), (3,), (1023,), (4, 1000), (257, 4097), ((1 << 20) + 3,)]:
+        if name == "bias_dropout_add" and len(shape) == 1:
+            shape = (1,) + shape
+        args = _dropout_args(name, shape, dtype, "cuda", g)
+        _poison(sum(a.numel() for a in args), "cuda")
+        for p in (0.1, 0.5):
+            out, rng = _dropout_call(name, args, p)
+            want = _dropout_ref(name, args, rng, p)
+            m = ko.dropout_mask(rng, args[0].numel(), p).view(args[0].shape).cuda()
+            torch_ref = _dropout_ref(name, args, rng, p, dtype64=dtype)   # torch ops in the storage dtype
+            assert not torch.isnan(out).any(), f"{name} {dtype} {shape}: unwritten outputs"
+            if name == "gelu_dropout":
+                assert torch.equal(out[~m], torch.zeros_like(out[~m])), f"{name} {dtype} {shape}: mask differs"
+            _check_close(out, want, torch_ref, dtype, f"{name} {dtype} {shape} p={p}")
+        ts = [a.clone().requires_grad_() for a in args]
+        torch.manual_seed(10)
+        out, rng = _dropout_call(name, ts, 0.2)
+        go = torch.randn(out.shape, generator=g, dtype=torch.float64).to("cuda", dtype)
+        got = torch.autograd.grad(out, ts, go)
+        t64 = [a.detach().double().requires_grad_() for a in ts]
+        want = torch.autograd.grad(_dropout_ref(name, t64, rng, 0.2), t64, go.double())
+        tt = [a.detach().clone().requires_grad_() for a in ts]
+        theirs = torch.autograd.grad(_dropout_ref(name, tt, rng, 0.2, dtype64=dtype), tt, go)
+        for k, (a, w, th) in enumerate(zip(got, want, theirs)):
+            _check_close(a, w, th, dtype, f"{name} {dtype} {shape} grad{k}", max(1.0, w.abs().max().item()))

@@ -109,6 +109,23 @@ kt_status kt_reduce(kt_dtype t, int op, const void *x, void *out, float *workspa
                     void *stream);
 int64_t kt_reduce_workspace(int64_t rows, int64_t n);
 
+/* Dropout fused with its neighbours; element i is kept as kitsune/philox.h says for
+ * (seed, offset, p), kept values are scaled by 1 / (1 - p), and nothing is stored:
+ * the backwards regenerate the mask from the same (seed, offset, p).
+ *   kt_gelu_dropout:          out = keep ? gelu(x) / (1 - p) : 0   (approximate as in kt_bias_gelu)
+ *   kt_gelu_dropout_backward: grad_x = keep ? grad / (1 - p) * gelu'(x) : 0
+ *   kt_bias_dropout_add:      out = residual + (keep ? (x + bias[i % nbias]) / (1 - p) : 0)
+ *   kt_dropout_backward:      grad_x = keep ? grad / (1 - p) : 0
+ * 0 <= p <= 1 (p = 1 keeps nothing). */
+kt_status kt_gelu_dropout(kt_dtype t, const void *x, void *out, int64_t n, double p, uint64_t seed, uint64_t offset,
+                          int approximate, void *stream);
+kt_status kt_gelu_dropout_backward(kt_dtype t, const void *grad, const void *x, void *grad_x, int64_t n, double p,
+                                   uint64_t seed, uint64_t offset, int approximate, void *stream);
+kt_status kt_bias_dropout_add(kt_dtype t, const void *x, const void *bias, const void *residual, void *out, int64_t n,
+                              int64_t nbias, double p, uint64_t seed, uint64_t offset, void *stream);
+kt_status kt_dropout_backward(kt_dtype t, const void *grad, void *grad_x, int64_t n, double p, uint64_t seed,
+                              uint64_t offset, void *stream);
+
 #ifdef __cplusplus
 }
 #endif

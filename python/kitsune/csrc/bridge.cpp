@@ -21,6 +21,10 @@
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ATen.h>
+#include "kitsune/philox.h"
+#include <ATen/ops/gelu_backward.h>
+#include <ATen/cuda/CUDAGeneratorImpl.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/ExpandUtils.h>
 #include <ATen/ops/empty_like.h>
@@ -1298,6 +1302,155 @@ Tensor attention_score(const Tensor& q, const Tensor& k, std::optional<double> s
   return out.view(shape);
 }
 
+// ---- gelu_dropout, bias_dropout_add (fusion/kernels/dropout.cu) ----
+// Each call draws (seed, offset) from PyTorch's default generator of the tensor's
+// device (torch.manual_seed makes it repeatable) and returns them as an int64 CPU
+// tensor `rng`; the mask is never stored. The backward ops and dropout_mask rebuild
+// it from rng with the same Philox code (kitsune/philox.h) on either device.
+std::pair<uint64_t, uint64_t> dropout_seed(const Tensor& like, const char* op) {
+  if (like.is_cuda()) {
+    auto gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(
+        std::nullopt, at::cuda::detail::getDefaultCUDAGenerator(like.device().index()));
+    std::lock_guard<std::mutex> lock(gen->mutex_);
+    at::PhiloxCudaState st = gen->philox_cuda_state(4);
+    TORCH_CHECK(!st.captured_, "kitsune.", op, ": dropout inside a CUDA graph capture is not supported yet");
+    return {st.seed_.val, st.offset_.val};
+  }
+  auto gen = at::get_generator_or_default<at::CPUGeneratorImpl>(std::nullopt, at::detail::getDefaultCPUGenerator());
+  std::lock_guard<std::mutex> lock(gen->mutex_);
+  return {gen->random64(), 0};
+}
+Tensor rng_tensor(std::pair<uint64_t, uint64_t> s) {
+  Tensor t = at::empty({2}, at::TensorOptions().dtype(at::kLong));
+  t.data_ptr<int64_t>()[0] = (int64_t)s.first;
+  t.data_ptr<int64_t>()[1] = (int64_t)s.second;
+  return t;
+}
+std::pair<uint64_t, uint64_t> rng_values(const Tensor& rng, const char* op) {
+  TORCH_CHECK(rng.device().is_cpu() && rng.scalar_type() == at::kLong && rng.numel() == 2, "kitsune.", op,
+              ": rng must be the int64 CPU tensor of 2 values the forward returned; got ", rng.scalar_type(), " ",
+              rng.sizes(), " on ", rng.device());
+  Tensor r = rng.contiguous();
+  return {(uint64_t)r.data_ptr<int64_t>()[0], (uint64_t)r.data_ptr<int64_t>()[1]};
+}
+void check_p(double p, const char* op) {
+  TORCH_CHECK(p >= 0 && p <= 1, "kitsune.", op, ": dropout probability p must be in [0, 1], got ", p);
+}
+double keep_scale(double p) { return p < 1 ? 1.0 / (1.0 - p) : 0.0; }
+
+// The keep mask (bool, n elements) on the CPU: the reference and the check of the GPU's.
+Tensor keep_mask(std::pair<uint64_t, uint64_t> s, int64_t n, double p) {
+  Tensor m = at::empty({n}, at::TensorOptions().dtype(at::kBool));
+  bool* d = m.data_ptr<bool>();
+  const uint64_t thr = kt_dropout_threshold(p);
+  for (int64_t b = 0; b * 4 < n; b++) {
+    uint32_t w[4];
+    kt_philox_block(s.first, s.second, (uint64_t)b, w);
+    for (int j = 0; j < 4 && b * 4 + j < n; j++) d[b * 4 + j] = w[j] >= thr;
+  }
+  return m;
+}
+Tensor dropout_mask(const Tensor& rng, int64_t n, double p) {
+  check_p(p, "dropout_mask");
+  TORCH_CHECK(n >= 0, "kitsune.dropout_mask: n must be >= 0, got ", n);
+  return keep_mask(rng_values(rng, "dropout_mask"), n, p);
+}
+// mask * scale in the opmath dtype, shaped like x
+Tensor scaled_mask(std::pair<uint64_t, uint64_t> s, const Tensor& x, double p) {
+  return keep_mask(s, x.numel(), p).view(x.sizes()).to(opmath(x)) * keep_scale(p);
+}
+
+std::tuple<Tensor, Tensor> gelu_dropout_cuda(const Tensor& x, double p, bool training, c10::string_view approximate) {
+  check_p(p, "gelu_dropout");
+  int ap = approx_code(approximate, "gelu_dropout");
+  const double pe = training ? p : 0.0;
+  auto s = pe > 0 ? dropout_seed(x, "gelu_dropout") : std::pair<uint64_t, uint64_t>{0, 0};
+  Tensor xc = x.contiguous();
+  c10::cuda::CUDAGuard g(x.device());
+  Tensor out = at::empty_like(xc);
+  check_launch(kt_gelu_dropout(dtype_of(x, "gelu_dropout"), xc.data_ptr(), out.data_ptr(), xc.numel(), pe, s.first,
+                               s.second, ap, stream_of(out)),
+               "gelu_dropout");
+  return {out, rng_tensor(s)};
+}
+std::tuple<Tensor, Tensor> gelu_dropout_cpu(const Tensor& x, double p, bool training, c10::string_view approximate) {
+  check_p(p, "gelu_dropout");
+  approx_code(approximate, "gelu_dropout");
+  const double pe = training ? p : 0.0;
+  auto s = pe > 0 ? dropout_seed(x, "gelu_dropout") : std::pair<uint64_t, uint64_t>{0, 0};
+  Tensor out = at::gelu(x.to(opmath(x)), approximate) * scaled_mask(s, x, pe);
+  return {out.to(x.scalar_type()), rng_tensor(s)};
+}
+Tensor gelu_dropout_backward_cuda(const Tensor& grad, const Tensor& x, const Tensor& rng, double p,
+                                  c10::string_view approximate) {
+  check_p(p, "gelu_dropout_backward");
+  check_same(grad, x, "gelu_dropout_backward", "grad", "x");
+  int ap = approx_code(approximate, "gelu_dropout_backward");
+  auto s = rng_values(rng, "gelu_dropout_backward");
+  Tensor gc = grad.expand(x.sizes()).contiguous(), xc = x.contiguous();
+  c10::cuda::CUDAGuard g(x.device());
+  Tensor gx = at::empty_like(xc);
+  check_launch(kt_gelu_dropout_backward(dtype_of(x, "gelu_dropout_backward"), gc.data_ptr(), xc.data_ptr(),
+                                        gx.data_ptr(), xc.numel(), p, s.first, s.second, ap, stream_of(gx)),
+               "gelu_dropout_backward");
+  return gx;
+}
+Tensor gelu_dropout_backward_cpu(const Tensor& grad, const Tensor& x, const Tensor& rng, double p,
+                                 c10::string_view approximate) {
+  check_p(p, "gelu_dropout_backward");
+  approx_code(approximate, "gelu_dropout_backward");
+  auto s = rng_values(rng, "gelu_dropout_backward");
+  Tensor g = grad.to(opmath(x)).expand(x.sizes()) * scaled_mask(s, x, p);
+  return at::gelu_backward(g, x.to(opmath(x)), approximate).to(x.scalar_type());
+}
+
+void check_bias_residual(const Tensor& x, const Tensor& bias, const Tensor& residual, const char* op) {
+  check_bias(x, bias, op);
+  check_same(x, residual, op, "x", "residual");
+  TORCH_CHECK(residual.sizes() == x.sizes(), "kitsune.", op, ": residual must have x's shape ", x.sizes(), "; got ",
+              residual.sizes());
+}
+std::tuple<Tensor, Tensor> bias_dropout_add_cuda(const Tensor& x, const Tensor& bias, const Tensor& residual, double p,
+                                                 bool training) {
+  check_p(p, "bias_dropout_add");
+  check_bias_residual(x, bias, residual, "bias_dropout_add");
+  const double pe = training ? p : 0.0;
+  auto s = pe > 0 ? dropout_seed(x, "bias_dropout_add") : std::pair<uint64_t, uint64_t>{0, 0};
+  Tensor xc = x.contiguous(), bc = bias.contiguous(), rc = residual.contiguous();
+  c10::cuda::CUDAGuard g(x.device());
+  Tensor out = at::empty_like(xc);
+  check_launch(kt_bias_dropout_add(dtype_of(x, "bias_dropout_add"), xc.data_ptr(), bc.data_ptr(), rc.data_ptr(),
+                                   out.data_ptr(), xc.numel(), bc.numel(), pe, s.first, s.second, stream_of(out)),
+               "bias_dropout_add");
+  return {out, rng_tensor(s)};
+}
+std::tuple<Tensor, Tensor> bias_dropout_add_cpu(const Tensor& x, const Tensor& bias, const Tensor& residual, double p,
+                                                bool training) {
+  check_p(p, "bias_dropout_add");
+  check_bias_residual(x, bias, residual, "bias_dropout_add");
+  const double pe = training ? p : 0.0;
+  auto s = pe > 0 ? dropout_seed(x, "bias_dropout_add") : std::pair<uint64_t, uint64_t>{0, 0};
+  auto om = opmath(x);
+  Tensor out = residual.to(om) + (x.to(om) + bias.to(om)) * scaled_mask(s, x, pe);
+  return {out.to(x.scalar_type()), rng_tensor(s)};
+}
+Tensor dropout_backward_cuda(const Tensor& grad, const Tensor& rng, double p) {
+  check_p(p, "dropout_backward");
+  auto s = rng_values(rng, "dropout_backward");
+  Tensor gc = grad.contiguous();
+  c10::cuda::CUDAGuard g(grad.device());
+  Tensor gx = at::empty_like(gc);
+  check_launch(kt_dropout_backward(dtype_of(grad, "dropout_backward"), gc.data_ptr(), gx.data_ptr(), gc.numel(), p,
+                                   s.first, s.second, stream_of(gx)),
+               "dropout_backward");
+  return gx;
+}
+Tensor dropout_backward_cpu(const Tensor& grad, const Tensor& rng, double p) {
+  check_p(p, "dropout_backward");
+  auto s = rng_values(rng, "dropout_backward");
+  return (grad.to(opmath(grad)) * scaled_mask(s, grad, p)).to(grad.scalar_type());
+}
+
 // ---- autograd in C++ for the ops a model calls once per layer ----
 // torch.library.register_autograd runs the forward through Python (about 70 us of
 // host time a call, measured on CPU against 20 us for F.rms_norm), which made
@@ -1571,6 +1724,11 @@ TORCH_LIBRARY(kitsune, m) {
   m.def("sum_squared(Tensor x, int[1]? dim=None, bool keepdim=False) -> Tensor");
   m.def("mean_abs(Tensor x, int[1]? dim=None, bool keepdim=False) -> Tensor");
   m.def("attention_score(Tensor q, Tensor k, float? scale=None) -> Tensor");
+  m.def("gelu_dropout(Tensor x, float p, bool training=True, str approximate='none') -> (Tensor, Tensor)");
+  m.def("gelu_dropout_backward(Tensor grad, Tensor x, Tensor rng, float p, str approximate='none') -> Tensor");
+  m.def("bias_dropout_add(Tensor x, Tensor bias, Tensor residual, float p, bool training=True) -> (Tensor, Tensor)");
+  m.def("dropout_backward(Tensor grad, Tensor rng, float p) -> Tensor");
+  m.def("dropout_mask(Tensor rng, int n, float p) -> Tensor");
   m.impl("attention_score", torch::dispatch(c10::DispatchKey::CompositeImplicitAutograd, &attention_score));
 }
 
@@ -1595,6 +1753,10 @@ TORCH_LIBRARY_IMPL(kitsune, CUDA, m) {
   m.impl("linear_cross_entropy_grads", &linear_cross_entropy_grads_cuda);
   m.impl("sum_squared", &sum_squared_cuda);
   m.impl("mean_abs", &mean_abs_cuda);
+  m.impl("gelu_dropout", &gelu_dropout_cuda);
+  m.impl("gelu_dropout_backward", &gelu_dropout_backward_cuda);
+  m.impl("bias_dropout_add", &bias_dropout_add_cuda);
+  m.impl("dropout_backward", &dropout_backward_cuda);
 }
 
 TORCH_LIBRARY_IMPL(kitsune, CPU, m) {
@@ -1618,6 +1780,11 @@ TORCH_LIBRARY_IMPL(kitsune, CPU, m) {
   m.impl("linear_cross_entropy_grads", &linear_cross_entropy_grads_cpu);
   m.impl("sum_squared", &sum_squared_cpu);
   m.impl("mean_abs", &mean_abs_cpu);
+  m.impl("gelu_dropout", &gelu_dropout_cpu);
+  m.impl("gelu_dropout_backward", &gelu_dropout_backward_cpu);
+  m.impl("bias_dropout_add", &bias_dropout_add_cpu);
+  m.impl("dropout_backward", &dropout_backward_cpu);
+  m.impl("dropout_mask", &dropout_mask);
 }
 
 TORCH_LIBRARY_IMPL(kitsune, Autograd, m) {

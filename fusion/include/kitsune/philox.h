@@ -1,0 +1,46 @@
+/* kitsune/philox.h — Philox4x32-10 (Salmon, Moraes, Dror, Shaw: "Parallel random
+ * numbers: as easy as 1, 2, 3", SC'11), the same code on the host (C/C++) and in CUDA
+ * kernels, so a dropout mask made on the GPU can be rebuilt on the CPU from the
+ * (seed, offset) the op returns.
+ *
+ * Element i of a dropout call with (seed, offset) uses word i % 4 of
+ * philox(counter = (i / 4 low, i / 4 high, offset low, offset high), key = seed) and is
+ * kept when that word is >= threshold = floor(p * 2^32) (p = 1: none kept).
+ */
+#ifndef KITSUNE_PHILOX_H
+#define KITSUNE_PHILOX_H
+
+#include <stdint.h>
+
+#ifdef __CUDACC__
+#define KT_PHILOX_FN __host__ __device__ __forceinline__
+#else
+#define KT_PHILOX_FN static inline
+#endif
+
+KT_PHILOX_FN void kt_philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1,
+                                   uint32_t out[4]) {
+  for (int r = 0; r < 10; r++) {
+    if (r) k0 += 0x9E3779B9u, k1 += 0xBB67AE85u;
+    const uint64_t p0 = (uint64_t)0xD2511F53u * c0, p1 = (uint64_t)0xCD9E8D57u * c2;
+    const uint32_t n0 = (uint32_t)(p1 >> 32) ^ c1 ^ k0, n2 = (uint32_t)(p0 >> 32) ^ c3 ^ k1;
+    c1 = (uint32_t)p1;
+    c3 = (uint32_t)p0;
+    c0 = n0;
+    c2 = n2;
+  }
+  out[0] = c0, out[1] = c1, out[2] = c2, out[3] = c3;
+}
+
+/* The four random words for elements 4 * block .. 4 * block + 3. */
+KT_PHILOX_FN void kt_philox_block(uint64_t seed, uint64_t offset, uint64_t block, uint32_t out[4]) {
+  kt_philox4x32_10((uint32_t)block, (uint32_t)(block >> 32), (uint32_t)offset, (uint32_t)(offset >> 32),
+                   (uint32_t)seed, (uint32_t)(seed >> 32), out);
+}
+
+/* floor(p * 2^32), or 2^32 for p >= 1: an element is kept when its word is >= it. */
+KT_PHILOX_FN uint64_t kt_dropout_threshold(double p) {
+  return p <= 0 ? 0 : p >= 1 ? ((uint64_t)1 << 32) : (uint64_t)(p * 4294967296.0);
+}
+
+#endif

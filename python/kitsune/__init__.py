@@ -8,7 +8,7 @@ from ._native import KitsuneError, KitsuneNotBuiltError, KitsuneOutOfMemoryError
 
 __version__ = "0.1.0"
 __all__ = ["native", "KitsuneError", "KitsuneNotBuiltError", "KitsuneOutOfMemoryError", "allocator", "pinned",
-           "prefetch", "optimize", "explain", "ops", "sched", "__version__"]
+           "prefetch", "optimize", "explain", "ops", "sched", "KitsuneOptimizer", "__version__"]
 
 
 def prefetch(loader, device="cuda", depth=2):
@@ -30,8 +30,14 @@ def explain(model):
     return _explain(model)
 
 
+def KitsuneOptimizer(optimizer, params=None, **kwargs):
+    """A torch.optim optimizer whose step is Kitsune's fused kernel (kitsune.optim)."""
+    from .optim import KitsuneOptimizer as _K
+    return _K(optimizer, params, **kwargs)
+
+
 def __getattr__(name):
-    if name in ("allocator", "pinned", "data", "ops", "fx", "sched"):   # lazily: nothing native loads on `import kitsune`
+    if name in ("allocator", "pinned", "data", "ops", "fx", "sched", "optim"):   # lazily: nothing native loads on `import kitsune`
         import importlib
         return importlib.import_module("." + name, __name__)
     raise AttributeError(f"module 'kitsune' has no attribute {name!r}")

@@ -22,6 +22,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ATen.h>
 #include "kitsune/philox.h"
+#include "kitsune/optim_math.h"
 #include <ATen/ops/gelu_backward.h>
 #include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -1451,6 +1452,128 @@ Tensor dropout_backward_cpu(const Tensor& grad, const Tensor& rng, double p) {
   return (grad.to(opmath(grad)) * scaled_mask(s, grad, p)).to(grad.scalar_type());
 }
 
+// ---- fused optimizer steps: adam_, sgd_ (fusion/kernels/optim.cu) ----
+// In place over lists of parameters, gradients and states, all of one device and
+// dtype, contiguous (kitsune.optim groups them). CUDA: the multi-tensor kernel; CPU:
+// the same per-element code (kitsune/optim_math.h), in double for fp64.
+void check_lists(const char* op, at::TensorList params, std::initializer_list<std::pair<const char*, at::TensorList>> rest) {
+  for (size_t i = 0; i < params.size(); i++) {
+    const Tensor& p = params[i];
+    TORCH_CHECK(p.is_contiguous(), "kitsune.", op, ": params[", i, "] is not contiguous");
+    TORCH_CHECK(p.device() == params[0].device() && p.scalar_type() == params[0].scalar_type(), "kitsune.", op,
+                ": params[", i, "] is ", p.scalar_type(), " on ", p.device(), " but params[0] is ",
+                params[0].scalar_type(), " on ", params[0].device(), " (one dtype and device a call)");
+  }
+  for (const auto& [name, list] : rest) {
+    TORCH_CHECK(list.size() == params.size(), "kitsune.", op, ": ", name, " has ", list.size(), " tensors but params has ",
+                params.size());
+    for (size_t i = 0; i < list.size(); i++) {
+      const Tensor& t = list[i];
+      TORCH_CHECK(t.device() == params[i].device() && t.scalar_type() == params[i].scalar_type() &&
+                      t.numel() == params[i].numel() && t.is_contiguous(),
+                  "kitsune.", op, ": ", name, "[", i, "] must be a contiguous ", params[i].scalar_type(), " tensor of ",
+                  params[i].numel(), " elements on ", params[i].device(), "; got ", t.scalar_type(), " ", t.sizes(),
+                  " on ", t.device());
+    }
+  }
+}
+kt::AdamArgs adam_args(double lr, double beta1, double beta2, double eps, double wd, bool decoupled, double step,
+                       const char* op) {
+  TORCH_CHECK(step >= 1, "kitsune.", op, ": step must be >= 1 (the count after this update), got ", step);
+  TORCH_CHECK(lr >= 0 && eps >= 0 && beta1 >= 0 && beta1 < 1 && beta2 >= 0 && beta2 < 1, "kitsune.", op,
+              ": need lr >= 0, eps >= 0 and betas in [0, 1); got lr ", lr, " eps ", eps, " betas (", beta1, ", ", beta2,
+              ")");
+  return {lr, beta1, beta2, eps, wd, lr / (1 - std::pow(beta1, step)), std::sqrt(1 - std::pow(beta2, step)),
+          decoupled ? 1 : 0};
+}
+template <typename S, typename F> void adam_cpu_one(const Tensor& p, const Tensor& g, const Tensor& m, const Tensor& v,
+                                                    const kt::AdamArgs& a) {
+  S *pp = p.data_ptr<S>(), *mp = m.data_ptr<S>(), *vp = v.data_ptr<S>();
+  const S* gp = g.data_ptr<S>();
+  for (int64_t i = 0; i < p.numel(); i++) {
+    F w = static_cast<F>(pp[i]), mm = static_cast<F>(mp[i]), vv = static_cast<F>(vp[i]);
+    kt::adam_elem<F>(w, mm, vv, static_cast<F>(gp[i]), a);
+    pp[i] = static_cast<S>(w), mp[i] = static_cast<S>(mm), vp[i] = static_cast<S>(vv);
+  }
+}
+template <typename S, typename F> void sgd_cpu_one(const Tensor& p, const Tensor& g, const Tensor* buf,
+                                                   const kt::SgdArgs& a) {
+  S* pp = p.data_ptr<S>();
+  S* bp = buf ? buf->data_ptr<S>() : nullptr;
+  const S* gp = g.data_ptr<S>();
+  for (int64_t i = 0; i < p.numel(); i++) {
+    F w = static_cast<F>(pp[i]), b = bp ? static_cast<F>(bp[i]) : F(0);
+    kt::sgd_elem<F>(w, b, static_cast<F>(gp[i]), a);
+    pp[i] = static_cast<S>(w);
+    if (bp) bp[i] = static_cast<S>(b);
+  }
+}
+#define KT_OPT_CPU_DISPATCH(dt, FN, ...)                                                  \
+  switch (dt) {                                                                           \
+    case at::kDouble: FN<double, double>(__VA_ARGS__); break;                             \
+    case at::kFloat: FN<float, float>(__VA_ARGS__); break;                                \
+    case at::kHalf: FN<c10::Half, float>(__VA_ARGS__); break;                             \
+    case at::kBFloat16: FN<c10::BFloat16, float>(__VA_ARGS__); break;                     \
+    default: TORCH_CHECK(false, "kitsune: dtype ", dt, " is not supported by the fused optimizer"); \
+  }
+
+void adam_cpu(at::TensorList params, at::TensorList grads, at::TensorList m, at::TensorList v, double lr, double beta1,
+              double beta2, double eps, double wd, bool decoupled, double step) {
+  check_lists("adam_", params, {{"grads", grads}, {"exp_avgs", m}, {"exp_avg_sqs", v}});
+  auto a = adam_args(lr, beta1, beta2, eps, wd, decoupled, step, "adam_");
+  for (size_t i = 0; i < params.size(); i++)
+    KT_OPT_CPU_DISPATCH(params[i].scalar_type(), adam_cpu_one, params[i], grads[i], m[i], v[i], a);
+}
+void adam_cuda(at::TensorList params, at::TensorList grads, at::TensorList m, at::TensorList v, double lr, double beta1,
+               double beta2, double eps, double wd, bool decoupled, double step) {
+  check_lists("adam_", params, {{"grads", grads}, {"exp_avgs", m}, {"exp_avg_sqs", v}});
+  auto a = adam_args(lr, beta1, beta2, eps, wd, decoupled, step, "adam_");
+  if (params.empty()) return;
+  std::vector<void*> pp, gp, mp, vp;
+  std::vector<int64_t> n;
+  for (size_t i = 0; i < params.size(); i++) {
+    pp.push_back(params[i].data_ptr()), gp.push_back(grads[i].data_ptr()), mp.push_back(m[i].data_ptr());
+    vp.push_back(v[i].data_ptr()), n.push_back(params[i].numel());
+  }
+  c10::cuda::CUDAGuard g(params[0].device());
+  check_launch(kt_adam_multi(dtype_of(params[0], "adam_"), (int)pp.size(), pp.data(), gp.data(), mp.data(), vp.data(),
+                             n.data(), &a, stream_of(params[0])),
+               "adam_");
+}
+kt::SgdArgs sgd_args(double lr, double momentum, double dampening, double wd, bool nesterov, bool first) {
+  TORCH_CHECK(lr >= 0 && momentum >= 0, "kitsune.sgd_: need lr >= 0 and momentum >= 0; got lr ", lr, " momentum ",
+              momentum);
+  TORCH_CHECK(!nesterov || (momentum > 0 && dampening == 0), "kitsune.sgd_: nesterov needs momentum > 0 and dampening 0");
+  return {lr, momentum, dampening, wd, nesterov ? 1 : 0, first ? 1 : 0};
+}
+void sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList bufs, double lr, double momentum,
+             double dampening, double wd, bool nesterov, bool first) {
+  auto a = sgd_args(lr, momentum, dampening, wd, nesterov, first);
+  if (momentum != 0) check_lists("sgd_", params, {{"grads", grads}, {"momentum_buffers", bufs}});
+  else check_lists("sgd_", params, {{"grads", grads}});
+  for (size_t i = 0; i < params.size(); i++) {
+    const Tensor* b = momentum != 0 ? &bufs[i] : nullptr;
+    KT_OPT_CPU_DISPATCH(params[i].scalar_type(), sgd_cpu_one, params[i], grads[i], b, a);
+  }
+}
+void sgd_cuda(at::TensorList params, at::TensorList grads, at::TensorList bufs, double lr, double momentum,
+              double dampening, double wd, bool nesterov, bool first) {
+  auto a = sgd_args(lr, momentum, dampening, wd, nesterov, first);
+  if (momentum != 0) check_lists("sgd_", params, {{"grads", grads}, {"momentum_buffers", bufs}});
+  else check_lists("sgd_", params, {{"grads", grads}});
+  if (params.empty()) return;
+  std::vector<void*> pp, gp, bp;
+  std::vector<int64_t> n;
+  for (size_t i = 0; i < params.size(); i++) {
+    pp.push_back(params[i].data_ptr()), gp.push_back(grads[i].data_ptr()), n.push_back(params[i].numel());
+    bp.push_back(momentum != 0 ? bufs[i].data_ptr() : nullptr);
+  }
+  c10::cuda::CUDAGuard g(params[0].device());
+  check_launch(kt_sgd_multi(dtype_of(params[0], "sgd_"), (int)pp.size(), pp.data(), gp.data(), bp.data(), n.data(), &a,
+                            stream_of(params[0])),
+               "sgd_");
+}
+
 // ---- autograd in C++ for the ops a model calls once per layer ----
 // torch.library.register_autograd runs the forward through Python (about 70 us of
 // host time a call, measured on CPU against 20 us for F.rms_norm), which made
@@ -1729,6 +1852,8 @@ TORCH_LIBRARY(kitsune, m) {
   m.def("bias_dropout_add(Tensor x, Tensor bias, Tensor residual, float p, bool training=True) -> (Tensor, Tensor)");
   m.def("dropout_backward(Tensor grad, Tensor rng, float p) -> Tensor");
   m.def("dropout_mask(Tensor rng, int n, float p) -> Tensor");
+  m.def("adam_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, float lr, float beta1, float beta2, float eps, float weight_decay, bool decoupled, float step) -> ()");
+  m.def("sgd_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, float lr, float momentum, float dampening, float weight_decay, bool nesterov, bool first) -> ()");
   m.impl("attention_score", torch::dispatch(c10::DispatchKey::CompositeImplicitAutograd, &attention_score));
 }
 
@@ -1757,6 +1882,8 @@ TORCH_LIBRARY_IMPL(kitsune, CUDA, m) {
   m.impl("gelu_dropout_backward", &gelu_dropout_backward_cuda);
   m.impl("bias_dropout_add", &bias_dropout_add_cuda);
   m.impl("dropout_backward", &dropout_backward_cuda);
+  m.impl("adam_", &adam_cuda);
+  m.impl("sgd_", &sgd_cuda);
 }
 
 TORCH_LIBRARY_IMPL(kitsune, CPU, m) {
@@ -1784,6 +1911,8 @@ TORCH_LIBRARY_IMPL(kitsune, CPU, m) {
   m.impl("gelu_dropout_backward", &gelu_dropout_backward_cpu);
   m.impl("bias_dropout_add", &bias_dropout_add_cpu);
   m.impl("dropout_backward", &dropout_backward_cpu);
+  m.impl("adam_", &adam_cpu);
+  m.impl("sgd_", &sgd_cpu);
   m.impl("dropout_mask", &dropout_mask);
 }
 

@@ -1,0 +1,194 @@
+"""kitsune.KitsuneOptimizer: a drop-in torch.optim optimizer whose step is Kitsune's
+fused multi-tensor kernel.
+
+    opt = kitsune.KitsuneOptimizer(torch.optim.AdamW, model.parameters(), lr=1e-3)
+    opt = kitsune.KitsuneOptimizer(existing_optimizer)      # wraps an instance
+
+It keeps the torch.optim optimizer it was given or built, so ``param_groups``,
+``state``, ``state_dict`` / ``load_state_dict``, ``zero_grad`` and LR schedulers work
+as with torch.optim, and a checkpoint moves freely between the two. ``step`` runs
+``torch.ops.kitsune.adam_`` / ``sgd_`` (one kernel launch per device, dtype and step
+count on CUDA; the same per-element code on the CPU) for torch.optim.Adam, AdamW and
+SGD, and the wrapped optimizer's own step for anything else (another optimizer,
+amsgrad, maximize, capturable, differentiable, a tensor lr, sparse or
+non-contiguous tensors). ``get_stats()`` says which path ran and why, with measured
+times.
+"""
+import time
+
+import torch
+
+from . import ops as _ops  # noqa: F401 - loads the bridge (torch.ops.kitsune.adam_ / sgd_)
+
+_lib = torch.ops.kitsune
+
+
+def _why_not(opt):
+    """None when opt's step can be fused, else the reason."""
+    kind = type(opt)
+    if kind not in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD):
+        return f"{kind.__name__} has no fused Kitsune step (Adam, AdamW and SGD do)"
+    for g in opt.param_groups:
+        for flag in ("maximize", "differentiable", "capturable", "amsgrad"):
+            if g.get(flag):
+                return f"{flag}=True is not fused"
+        if isinstance(g["lr"], torch.Tensor):
+            return "a tensor learning rate is not fused"
+        if kind is torch.optim.SGD and g.get("nesterov") and (g["momentum"] <= 0 or g["dampening"] != 0):
+            return "nesterov needs momentum > 0 and dampening 0"
+        for p in g["params"]:
+            if p.grad is not None and (p.grad.is_sparse or not p.is_contiguous() or not p.grad.is_contiguous()):
+                return "a sparse or non-contiguous parameter or gradient"
+    return None
+
+
+class KitsuneOptimizer:
+    """See the module docstring. ``enable_fusion=False`` always runs the wrapped
+    optimizer's step; ``profile=True`` times each step with CUDA events (a sync a
+    step) instead of host time. ``num_streams`` is accepted for the seed API; the
+    fused step is one launch per group and uses the current stream.
+    ``enable_amp=True`` is not supported yet (use torch.amp.GradScaler around step)."""
+
+    def __init__(self, optimizer, params=None, *, enable_amp=False, enable_fusion=True, num_streams=4,
+                 profile=False, **options):
+        if isinstance(optimizer, torch.optim.Optimizer):
+            if params is not None or options:
+                raise TypeError("KitsuneOptimizer: pass either an optimizer instance, or an optimizer class with "
+                                "params and its options")
+            self.optimizer = optimizer
+        elif isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+            if params is None:
+                raise TypeError(f"KitsuneOptimizer({optimizer.__name__}, params, ...): params is required")
+            self.optimizer = optimizer(params, **options)
+        else:
+            raise TypeError(f"KitsuneOptimizer: expected a torch.optim.Optimizer or its class, got {optimizer!r}")
+        if enable_amp:
+            raise ValueError("KitsuneOptimizer: enable_amp=True is not supported yet; scale the loss with "
+                             "torch.amp.GradScaler and call scaler.step(opt)")
+        if not isinstance(num_streams, int) or num_streams < 1:
+            raise ValueError(f"KitsuneOptimizer: num_streams must be an int >= 1, got {num_streams!r}")
+        self.enable_fusion, self.profile, self.num_streams = enable_fusion, profile, num_streams
+        self._steps = self._fused = 0
+        self._times = []
+        self._path = "no step yet"
+
+    # ---- torch.optim's interface, from the wrapped optimizer ----
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def defaults(self):
+        return self.optimizer.defaults
+
+    def zero_grad(self, set_to_none=True):
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict):
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, group):
+        self.optimizer.add_param_group(group)
+
+    def __repr__(self):
+        return f"KitsuneOptimizer({self.optimizer!r})"
+
+    # ---- the step ----
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        cuda = any(p.is_cuda for g in self.param_groups for p in g["params"])
+        timed = self.profile and cuda
+        if timed:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+        t0 = time.perf_counter()
+        why = "enable_fusion=False" if not self.enable_fusion else _why_not(self.optimizer)
+        if why is None:
+            with torch.no_grad():
+                if isinstance(self.optimizer, torch.optim.SGD):
+                    self._sgd_step()
+                else:
+                    self._adam_step()
+            self._fused += 1
+            self._path = "fused"
+        else:
+            self.optimizer.step()
+            self._path = f"torch.optim ({why})"
+        if timed:
+            b.record()
+            b.synchronize()
+            self._times.append(a.elapsed_time(b))
+        else:
+            self._times.append((time.perf_counter() - t0) * 1e3)
+        self._steps += 1
+        return loss
+
+    def _adam_step(self):
+        opt = self.optimizer
+        decoupled_default = isinstance(opt, torch.optim.AdamW)
+        for g in opt.param_groups:
+            beta1, beta2 = g["betas"]
+            decoupled = decoupled_default or bool(g.get("decoupled_weight_decay", False))
+            buckets = {}
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                st = opt.state[p]
+                if len(st) == 0:   # as torch.optim.Adam initialises it (non-capturable)
+                    st["step"] = torch.tensor(0.0, dtype=torch.get_default_dtype())
+                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["step"] += 1
+                key = (p.device, p.dtype, float(st["step"]))
+                lists = buckets.setdefault(key, ([], [], [], []))
+                for lst, t in zip(lists, (p, p.grad, st["exp_avg"], st["exp_avg_sq"])):
+                    lst.append(t)
+            for (_, _, step), (ps, gs, ms, vs) in buckets.items():
+                _lib.adam_(ps, gs, ms, vs, float(g["lr"]), float(beta1), float(beta2), float(g["eps"]),
+                           float(g["weight_decay"]), decoupled, step)
+
+    def _sgd_step(self):
+        opt = self.optimizer
+        for g in opt.param_groups:
+            momentum = float(g["momentum"])
+            buckets = {}
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                st = opt.state[p]
+                buf = st.get("momentum_buffer") if momentum != 0 else None
+                first = momentum != 0 and buf is None
+                if first:   # torch.optim.SGD starts the buffer as a copy of the gradient
+                    buf = st["momentum_buffer"] = torch.empty_like(p, memory_format=torch.preserve_format)
+                key = (p.device, p.dtype, first)
+                lists = buckets.setdefault(key, ([], [], []))
+                lists[0].append(p), lists[1].append(p.grad)
+                if momentum != 0:
+                    lists[2].append(buf)
+            for (_, _, first), (ps, gs, bs) in buckets.items():
+                _lib.sgd_(ps, gs, bs, float(g["lr"]), momentum, float(g["dampening"]), float(g["weight_decay"]),
+                          bool(g["nesterov"]), first)
+
+    def get_stats(self):
+        """Measured numbers: steps run and fused, the last step's path (with the reason
+        when not fused), step times in ms (CUDA events with profile=True, else host
+        time), and the optimizer state's tensors and bytes."""
+        tensors = [t for st in self.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+        stats = {"steps": self._steps, "fused_steps": self._fused, "path": self._path,
+                 "timing": "cuda events" if self.profile else "host",
+                 "last_step_ms": self._times[-1] if self._times else None,
+                 "mean_step_ms": sum(self._times) / len(self._times) if self._times else None,
+                 "state_tensors": len(tensors), "state_bytes": sum(t.numel() * t.element_size() for t in tensors)}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            stats["cuda_memory_allocated"] = torch.cuda.memory_allocated()
+        return stats

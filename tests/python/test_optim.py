@@ -1,0 +1,135 @@
+"""kitsune.KitsuneOptimizer against torch.optim: the fused Adam / AdamW / SGD step
+(CPU: the same per-element code the CUDA kernel runs) gives torch.optim's parameters
+and states; the torch.optim interface and state_dict interchange; unsupported options
+fall back with the reason; GPU tests compare the CUDA kernel the same way."""
+import copy
+
+import pytest
+
+from test_torch_allocator import gpu
+
+torch = pytest.importorskip("torch")
+import kitsune  # noqa: E402
+from kitsune.optim import KitsuneOptimizer  # noqa: E402
+
+CASES = [
+    (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    (torch.optim.AdamW, dict(lr=3e-3, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.0)),
+    (torch.optim.Adam, dict(lr=1e-2, weight_decay=0.05)),
+    (torch.optim.Adam, dict(lr=1e-2)),
+    (torch.optim.SGD, dict(lr=0.1)),
+    (torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=1e-2)),
+    (torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True)),
+    (torch.optim.SGD, dict(lr=0.05, momentum=0.5, dampening=0.3)),
+]
+
+
+def _params(dtype, device, gen, shapes=((37, 5), (128,), (3, 4, 5), (1,))):
+    return [torch.randn(s, generator=gen, dtype=torch.float64).to(device, dtype) for s in shapes]
+
+
+def _run(cls, kw, dtype, device, steps=12, skip_grad=1):
+    g = torch.Generator().manual_seed(0)
+    a = _params(dtype, device, g)
+    b = [t.clone() for t in a]
+    ka, tb = KitsuneOptimizer(cls, a, **kw), cls(b, **kw)
+    for s in range(steps):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if i == skip_grad and s % 3 == 1:   # a parameter without a gradient this step
+                x.grad = y.grad = None
+                continue
+            gr = torch.randn(x.shape, generator=g, dtype=torch.float64).to(device, dtype)
+            x.grad, y.grad = gr.clone(), gr.clone()
+        ka.step()
+        tb.step()
+    return a, b, ka, tb
+
+
+@pytest.mark.parametrize("cls,kw", CASES, ids=lambda v: v.__name__ if isinstance(v, type) else str(v))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fused_step_matches_torch_optim_on_cpu(cls, kw, dtype):
+    a, b, ka, tb = _run(cls, kw, dtype, "cpu")
+    assert ka.get_stats()["path"] == "fused" and ka.get_stats()["fused_steps"] == 12
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y)
+    for x, y in zip(a, b):   # states too
+        for k, v in tb.state[y].items():
+            torch.testing.assert_close(ka.state[x][k], v, msg=k)
+
+
+def test_interface_and_state_dict_interchange():
+    g = torch.Generator().manual_seed(1)
+    a = _params(torch.float32, "cpu", g)
+    inner = torch.optim.AdamW(a, lr=1e-2)
+    k = KitsuneOptimizer(inner)   # wrapping an instance
+    assert k.param_groups is inner.param_groups and k.defaults["lr"] == 1e-2
+    for p in a:
+        p.grad = torch.ones_like(p)
+    k.step()
+    sd = copy.deepcopy(k.state_dict())   # as through torch.save: load_state_dict may keep the tensors it gets
+    b = [p.detach().clone() for p in a]
+    t = torch.optim.AdamW(b, lr=1e-2)
+    t.load_state_dict(sd)   # a Kitsune checkpoint loads into torch.optim ...
+    k2 = KitsuneOptimizer(torch.optim.AdamW, [p.detach().clone() for p in a], lr=1e-2)
+    k2.load_state_dict(copy.deepcopy(t.state_dict()))   # ... and back
+    for opt, ps in ((k, a), (t, b), (k2, k2.param_groups[0]["params"])):
+        for p in ps:
+            p.grad = torch.full_like(p, 0.5)
+        opt.step()
+    for x, y, z in zip(a, b, k2.param_groups[0]["params"]):
+        torch.testing.assert_close(x, y)
+        torch.testing.assert_close(x, z)
+    k.zero_grad()
+    assert all(p.grad is None for p in a)
+    sched = torch.optim.lr_scheduler.StepLR(k.optimizer, step_size=1, gamma=0.5)
+    sched.step()
+    assert k.param_groups[0]["lr"] == 5e-3
+
+
+def test_unsupported_options_fall_back_with_the_reason():
+    a, b, ka, _ = _run(torch.optim.Adam, dict(lr=1e-2, amsgrad=True), torch.float32, "cpu", steps=3)
+    assert ka.get_stats()["path"] == "torch.optim (amsgrad=True is not fused)" and ka.get_stats()["fused_steps"] == 0
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y)
+    a, b, ka, _ = _run(torch.optim.RMSprop, dict(lr=1e-2), torch.float32, "cpu", steps=3)
+    assert "RMSprop has no fused Kitsune step" in ka.get_stats()["path"]
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y)
+
+
+def test_closure_stats_and_bad_arguments():
+    w = torch.randn(4, requires_grad=True)
+    k = kitsune.KitsuneOptimizer(torch.optim.SGD, [w], lr=0.1, momentum=0.9)
+
+    def closure():
+        k.zero_grad()
+        loss = (w * w).sum()
+        loss.backward()
+        return loss
+    loss = k.step(closure)
+    assert loss is not None and loss.item() > 0
+    st = k.get_stats()
+    assert st["steps"] == 1 and st["state_tensors"] == 1 and st["state_bytes"] == 16 and st["last_step_ms"] >= 0
+    with pytest.raises(ValueError, match="enable_amp=True is not supported yet"):
+        KitsuneOptimizer(torch.optim.AdamW, [w], enable_amp=True)
+    with pytest.raises(TypeError, match="params is required"):
+        KitsuneOptimizer(torch.optim.AdamW)
+    with pytest.raises(TypeError, match="either an optimizer instance"):
+        KitsuneOptimizer(torch.optim.AdamW([w]), [w])
+    with pytest.raises(RuntimeError, match="exp_avgs has 0 tensors but params has 1"):
+        torch.ops.kitsune.adam_([w.detach()], [w.detach()], [], [], 1e-3, 0.9, 0.999, 1e-8, 0.0, True, 1.0)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("cls,kw", CASES, ids=lambda v: v.__name__ if isinstance(v, type) else str(v))
+def test_gpu_fused_step_matches_torch_optim(cls, kw):
+    """fp32 against torch.optim; bf16 (Kitsune computes in fp32 and rounds once, torch
+    rounds every op) within bf16 resolution after 4 steps."""
+    a, b, ka, _ = _run(cls, kw, torch.float32, "cuda")
+    assert ka.get_stats()["path"] == "fused"
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+    a, b, _, _ = _run(cls, kw, torch.bfloat16, "cuda", steps=4)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x.float(), y.float(), rtol=2e-2, atol=2e-2)

@@ -121,6 +121,10 @@ class KitsuneOptimizer:
                     self._adam_step()
             self._fused += 1
             self._path = "fused"
+            # what calling the wrapped optimizer's step tells an LR scheduler attached to
+            # it (torch.optim.lr_scheduler wraps step to set this); step hooks registered on
+            # the wrapped optimizer do not run on the fused path
+            self.optimizer._opt_called = True
         else:
             self.optimizer.step()
             self._path = f"torch.optim ({why})"

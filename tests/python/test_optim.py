@@ -82,8 +82,14 @@ def test_interface_and_state_dict_interchange():
     k.zero_grad()
     assert all(p.grad is None for p in a)
     sched = torch.optim.lr_scheduler.StepLR(k.optimizer, step_size=1, gamma=0.5)
-    sched.step()
-    assert k.param_groups[0]["lr"] == 5e-3
+    for p in a:
+        p.grad = torch.ones_like(p)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # no "lr_scheduler.step() before optimizer.step()" warning
+        k.step()
+        sched.step()
+    assert k.param_groups[0]["lr"] == 5e-3 and k.get_stats()["path"] == "fused"
 
 
 def test_unsupported_options_fall_back_with_the_reason():

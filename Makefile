@@ -144,6 +144,8 @@ bench-kernels: $(BUILD)/libkitsune.so bridge
 	  $(PYTHON) bench/kernels/loss_head.py --out $${BENCH_OUT:-bench/results}
 	@KITSUNE_LIBRARY=$(CURDIR)/$(BUILD)/libkitsune.so PYTHONPATH=$(CURDIR)/python \
 	  $(PYTHON) bench/kernels/train_models.py --out $${BENCH_OUT:-bench/results}
+	@KITSUNE_LIBRARY=$(CURDIR)/$(BUILD)/libkitsune.so PYTHONPATH=$(CURDIR)/python \
+	  $(PYTHON) bench/kernels/optimizer.py --out $${BENCH_OUT:-bench/results}
 
 # The data path on the GPU: pinned footprint (torch vs Kitsune) and prefetch training
 bench-data: $(BUILD)/libkitsune.so bridge

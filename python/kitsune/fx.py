@@ -25,6 +25,9 @@ Patterns (each intermediate must have no other user, so nothing observable is lo
                               with C spelled as logits.size(-1); weight=None and
                               reduction="mean" only
   cross_entropy(logits)    -> kitsune.cross_entropy (2-D logits at run time)
+  r + dropout(linear(x))   -> kitsune.bias_dropout_add(F.linear(x, W), b, r, p, training)
+                              (Linear with a bias; nn.Dropout's p and training read
+                              at run time; unfused for other shapes, dtypes or autocast)
 Spellings: modules (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.LayerNorm, in-place too), functions
 (F.relu, torch.relu, F.gelu, F.silu, torch.tanh, ...), methods (x.relu(), x.tanh(),
 x.relu_(), ...), and + / torch.add / x.add(...) / += (an in-place add only when
@@ -324,6 +327,74 @@ def _rewrite_add_layer_norm(gm, g, node, where, report, apply):
     return True
 
 
+def _dropout_of(gm, node):
+    """(input, p, training source) when node is nn.Dropout (the source: the module, read
+    at run time) or F.dropout (p and training as traced), else None."""
+    m = _module(gm, node)
+    if type(m) is nn.Dropout and not m.inplace:
+        return node.args[0], m.p, ("module", node.target)
+    if isinstance(node, tfx.Node) and node.op == "call_function" and node.target is F.dropout:
+        args = list(node.args) + [None] * 4
+        p = node.kwargs.get("p", args[1] if args[1] is not None else 0.5)
+        training = node.kwargs.get("training", args[2] if args[2] is not None else True)
+        inplace = node.kwargs.get("inplace", args[3] if args[3] is not None else False)
+        live = isinstance(training, tfx.Node) and training.op == "get_attr" and training.target == "training"
+        if inplace or not isinstance(p, (int, float)) or not (isinstance(training, bool) or live):
+            return None
+        return args[0], float(p), ("value", training)
+    return None
+
+
+def _bias_dropout_add(x, weight, bias, residual, p, training):
+    """residual + dropout(F.linear(x, weight, bias)) through bias_dropout_add when the
+    operands allow it (one shape and dtype, no autocast), else unfused. `training` is
+    a bool or the nn.Dropout module (its p and training are read now)."""
+    from . import ops as ko
+    if isinstance(training, nn.Module):
+        p, training = training.p, training.training
+    y = F.linear(x, weight)
+    if (y.shape == residual.shape and y.dtype == residual.dtype == bias.dtype and
+            not torch.is_autocast_enabled(y.device.type) and
+            (y.device.type == "cpu" or y.dtype in (torch.float32, torch.float16, torch.bfloat16))):
+        return ko.bias_dropout_add(y, bias, residual, p, training)
+    return residual + F.dropout(y + bias, p, training)
+
+
+def _rewrite_bias_dropout_add(gm, g, node, where, report, apply):
+    """r + dropout(linear(x)) with a biased Linear."""
+    bin_ = _binary(node, "add")
+    if not bin_ or bin_[2] is not None:
+        return False
+    a, b, _ = bin_
+    for d, r in ((b, a), (a, b)):
+        drop = _dropout_of(gm, d) if isinstance(d, tfx.Node) else None
+        if drop is None:
+            continue
+        lin_node, p, source = drop
+        lin = _linear_of(gm, lin_node) if isinstance(lin_node, tfx.Node) else None
+        if lin is None:
+            return False
+        if lin[2] is None:
+            report.left.append((where, "r + dropout(linear(x)): the Linear has no bias to fuse"))
+            return True
+        if len(d.users) != 1 or len(lin_node.users) != 1:
+            report.left.append((where, "r + dropout(linear(x)): an intermediate is also used elsewhere"))
+            return True
+        report.fused.append((where, f"r + dropout(linear) -> bias_dropout_add ({lin_node.name})"))
+        if apply:
+            x, w, bias = lin
+            with g.inserting_before(node):
+                w, bias = _attr_or_node(g, w), _attr_or_node(g, bias)
+                train = g.get_attr(source[1]) if source[0] == "module" else source[1]
+                new = g.call_function(_bias_dropout_add, (x, w, bias, r, p, train))
+            node.replace_all_uses_with(new)
+            g.erase_node(node)
+            g.erase_node(d)
+            g.erase_node(lin_node)
+        return True
+    return False
+
+
 def _rewrite(gm, report, prefix, apply):
     from . import ops as ko   # loads the bridge (the ops' CPU and CUDA kernels)
     g = gm.graph
@@ -415,8 +486,10 @@ def _rewrite(gm, report, prefix, apply):
                     g.erase_node(node)
                     g.erase_node(inner)
             continue
-        # ---- layer_norm(a + b), cross_entropy(linear(x)) ----
+        # ---- layer_norm(a + b), r + dropout(linear(x)), cross_entropy(linear(x)) ----
         if _rewrite_add_layer_norm(gm, g, node, where, report, apply):
+            continue
+        if _rewrite_bias_dropout_add(gm, g, node, where, report, apply):
             continue
         if _ce_call(node) is not None:
             _rewrite_loss(gm, g, node, where, report, apply)
@@ -471,10 +544,46 @@ def _rewrite(gm, report, prefix, apply):
         gm.recompile()
 
 
+_DROPOUTS = (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout)
+
+
+def _live_training_flags(gm, traced_training):
+    """torch.fx bakes `F.dropout(x, p, self.training)` into a constant; a constant equal
+    to the module's mode when traced is taken to be that flag and becomes a run-time
+    read of the GraphModule's `training`, so .train()/.eval() keep working after
+    optimize. (Dynamo graphs are guarded on the mode and are not touched.)"""
+    import warnings
+    g = gm.graph
+    with warnings.catch_warnings():   # get_attr of a plain attribute: fine, the code reads self.training
+        warnings.filterwarnings("ignore", message="Attempted to insert a get_attr Node")
+        _live_flags(g, traced_training)
+
+
+def _live_flags(g, traced_training):
+    for node in list(g.nodes):
+        if node.op != "call_function" or node.target not in _DROPOUTS:
+            continue
+        if "training" in node.kwargs:
+            if node.kwargs["training"] is traced_training:
+                with g.inserting_before(node):
+                    flag = g.get_attr("training")
+                node.kwargs = {**node.kwargs, "training": flag}
+        elif len(node.args) > 2 and node.args[2] is traced_training:
+            with g.inserting_before(node):
+                flag = g.get_attr("training")
+            node.args = node.args[:2] + (flag,) + node.args[3:]
+        elif len(node.args) <= 2 and traced_training:   # default training=True
+            with g.inserting_before(node):
+                flag = g.get_attr("training")
+            node.kwargs = {**node.kwargs, "training": flag}
+
+
 def _walk(module, report, prefix, apply):
     """Returns the module to use in place of `module`."""
     try:
         gm = tfx.symbolic_trace(module)
+        if apply:
+            _live_training_flags(gm, module.training)
     except Exception as e:   # noqa: BLE001 - any tracing failure means: try the children
         report.untraced.append((prefix.rstrip(".") or type(module).__name__,
                                 f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"))

@@ -295,6 +295,41 @@ def test_torchvision_resnets_as_shipped(arch, fusions):
     torch.testing.assert_close(xo.grad, xr.grad, rtol=1e-4, atol=1e-4)
 
 
+class ResidualDropout(nn.Module):
+    def __init__(self, d=64, p=0.25):
+        super().__init__()
+        self.proj, self.fc, self.drop = nn.Linear(d, d), nn.Linear(d, d), nn.Dropout(p)
+
+    def forward(self, x, y):
+        x = x + self.drop(self.proj(y))                         # nn.Dropout: read at run time
+        return F.dropout(self.fc(x), 0.5, self.training) + x     # F.dropout(self.training): made live
+
+
+def test_residual_dropout_fuses_and_follows_train_and_eval():
+    torch.manual_seed(7)
+    m = ResidualDropout()
+    rep = kitsune.fx.Report()
+    opt = kitsune.optimize(m, report=rep)   # traced in train mode
+    kinds = [what.split(" -> ")[1].split(" ")[0] for _, what in rep.fused]
+    assert kinds == ["bias_dropout_add", "bias_dropout_add"], rep
+    x, y = torch.randn(256, 64, dtype=torch.float64), torch.randn(256, 64, dtype=torch.float64)
+    m, opt = m.double(), opt.double()
+    m.eval(), opt.eval()
+    torch.testing.assert_close(opt(x, y), m(x, y))   # eval: no dropout, equal
+    opt.train()
+    h = opt.proj(y)   # the first block alone: dropped positions leave exactly the residual
+    torch.manual_seed(8)
+    out = kitsune.fx._bias_dropout_add(y, opt.proj.weight, opt.proj.bias, x, 0.25, opt.drop)
+    dropped = (out == x)
+    frac = dropped.double().mean().item()
+    assert abs(frac - 0.25) < 5 * (0.25 * 0.75 / dropped.numel()) ** 0.5, frac
+    torch.testing.assert_close(out[~dropped], (x + h / 0.75)[~dropped])
+    a, b = opt(x, y), opt(x, y)
+    assert not torch.equal(a, b)   # train mode draws new masks
+    a.sum().backward()
+    assert opt.proj.weight.grad is not None and opt.fc.bias.grad is not None
+
+
 def test_torch_compile_backend_rewrites_and_matches():
     """torch.compile(model, backend="kitsune"): the Dynamo graph is rewritten (modules
     arrive there as F.linear / F.gelu / torch.relu calls) and Inductor compiles the

@@ -25,6 +25,8 @@ Patterns (each intermediate must have no other user, so nothing observable is lo
                               with C spelled as logits.size(-1); weight=None and
                               reduction="mean" only
   cross_entropy(logits)    -> kitsune.cross_entropy (2-D logits at run time)
+  relu(BatchNorm(x))       -> kitsune.batch_norm_relu (nn.BatchNorm1d/2d/3d; the
+                              module's mode, momentum and running stats read at run time)
   r + dropout(linear(x))   -> kitsune.bias_dropout_add(F.linear(x, W), b, r, p, training)
                               (Linear with a bias; nn.Dropout's p and training read
                               at run time; unfused for other shapes, dtypes or autocast)
@@ -327,6 +329,25 @@ def _rewrite_add_layer_norm(gm, g, node, where, report, apply):
     return True
 
 
+def _batch_norm_relu(x, bn):
+    """relu(bn(x)) for an nn.BatchNorm module, through batch_norm_relu when the dtypes
+    allow it, deciding statistics and momentum exactly as nn.BatchNorm's forward does."""
+    from . import ops as ko
+    params = [t for t in (bn.weight, bn.bias) if t is not None]
+    if (any(t.dtype != x.dtype for t in params) or torch.is_autocast_enabled(x.device.type) or
+            (x.device.type == "cuda" and x.dtype not in (torch.float32, torch.float16, torch.bfloat16))):
+        return F.relu(bn(x))
+    bn._check_input_dim(x)
+    momentum = 0.0 if bn.momentum is None else bn.momentum
+    if bn.training and bn.track_running_stats and bn.num_batches_tracked is not None:
+        bn.num_batches_tracked.add_(1)
+        momentum = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
+    use_batch = bn.training or (bn.running_mean is None and bn.running_var is None)
+    keep = not bn.training or bn.track_running_stats
+    return ko.batch_norm_relu(x, bn.running_mean if keep else None, bn.running_var if keep else None, bn.weight,
+                              bn.bias, use_batch, momentum, bn.eps)
+
+
 def _dropout_of(gm, node):
     """(input, p, training source) when node is nn.Dropout (the source: the module, read
     at run time) or F.dropout (p and training as traced), else None."""
@@ -406,6 +427,19 @@ def _rewrite(gm, report, prefix, apply):
         # ---- relu(a + b), tanh(a * b), gelu(x + bias), gelu(linear(x)) ----
         if act:
             kind, inner, approximate = act
+            bn = _module(gm, inner) if kind == "relu" and isinstance(inner, tfx.Node) else None
+            if type(bn) in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d):
+                if len(inner.users) != 1:
+                    report.left.append((where, f"relu(batch_norm): {inner.name} is also used elsewhere"))
+                else:
+                    report.fused.append((where, f"relu(batch_norm) -> batch_norm_relu ({inner.name})"))
+                    if apply:
+                        with g.inserting_before(node):
+                            new = g.call_function(_batch_norm_relu, (inner.args[0], g.get_attr(inner.target)))
+                        node.replace_all_uses_with(new)
+                        g.erase_node(node)
+                        g.erase_node(inner)
+                continue
             ln = _layer_norm(gm, inner) if kind == "relu" else None
             if ln is not None:
                 x, shape, w, b, eps = ln

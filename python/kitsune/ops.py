@@ -32,6 +32,8 @@ Ops (reference semantics):
   attention_score(q, k, scale=None)         (q @ k^T) * scale, scale = 1/sqrt(d) by default
   gelu_dropout(x, p, training=True, approximate="none")   dropout(gelu(x))
   bias_dropout_add(x, bias, residual, p, training=True)   residual + dropout(x + bias)
+  batch_norm_relu(x, running_mean, running_var, weight, bias, training, momentum, eps)
+                               relu(F.batch_norm(...)), running stats updated as F.batch_norm does
 The dropout ops draw (seed, offset) from PyTorch's default generator of the device
 (torch.manual_seed repeats a mask) and never store the mask: the backward rebuilds it
 with the same Philox code (kitsune/philox.h); ``dropout_mask(rng, n, p)`` gives it.
@@ -198,9 +200,23 @@ def _(grad, rng, p):
     return torch.empty_like(grad, memory_format=torch.contiguous_format)
 
 
+@torch.library.register_fake("kitsune::batch_norm_relu")
+def _(x, weight, bias, running_mean, running_var, training, momentum, eps):
+    c = x.shape[1]
+    st = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return (torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty((c,), dtype=st),
+            x.new_empty((c,), dtype=st))
+
+
+@torch.library.register_fake("kitsune::batch_norm_relu_backward")
+def _(grad, x, out, weight, save_mean, save_invstd, training):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(weight) if weight is not None else x.new_empty((0,)), x.new_empty((x.shape[1],)))
+
+
 # ---- autograd ----
 # The per-layer ops (add_relu, mul_tanh, swiglu, bias_gelu, rms_norm, layer_norm_relu,
-# add_layer_norm) have their autograd in C++ (the bridge's Autograd-key kernels: no
+# add_layer_norm, batch_norm_relu) have their autograd in C++ (the bridge's Autograd-key kernels: no
 # Python on the launch path); the once-a-step ops below register theirs here.
 def _ce_setup(ctx, inputs, output):
     logits, target, ctx.ignore_index, ctx.label_smoothing = inputs
@@ -403,3 +419,9 @@ def dropout_mask(rng, n, p):
     """The keep mask (bool, n elements) of a dropout call from the rng tensor its op
     returned (torch.ops.kitsune.gelu_dropout(...)[1]), built on the CPU."""
     return _lib.dropout_mask(rng, n, p)
+
+
+def batch_norm_relu(x, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-5):
+    """relu(F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum,
+    eps)) over dim 1, fused; the running stats are updated in place in training."""
+    return _lib.batch_norm_relu(x, weight, bias, running_mean, running_var, training, momentum, eps)[0]

@@ -475,3 +475,74 @@ def test_gpu_dropout_uses_the_cpu_mask_and_matches_fp64(name, dtype):
         theirs = torch.autograd.grad(_dropout_ref(name, tt, rng, 0.2, dtype64=dtype), tt, go)
         for k, (a, w, th) in enumerate(zip(got, want, theirs)):
             _check_close(a, w, th, dtype, f"{name} {dtype} {shape} grad{k}", max(1.0, w.abs().max().item()))
+
+
+# ---- batch_norm_relu ----------------------------------------------------------------
+def _bn_ref(x, w, b, rm, rv, training, momentum=0.1, eps=1e-5):
+    return torch.relu(F.batch_norm(x, rm, rv, w, b, training, momentum, eps))
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_batch_norm_relu_cpu_matches_and_gradcheck(training):
+    g = torch.Generator().manual_seed(11)
+    for shape in [(5, 3), (4, 3, 7), (2, 3, 5, 6)]:
+        x = _t(shape, torch.float64, "cpu", g, shift=2.0)
+        w, b = _t((3,), torch.float64, "cpu", g), _t((3,), torch.float64, "cpu", g)
+        rm, rv = _t((3,), torch.float64, "cpu", g), _t((3,), torch.float64, "cpu", g).abs() + 0.5
+        rm2, rv2 = rm.clone(), rv.clone()
+        out = ko.batch_norm_relu(x, rm, rv, w, b, training, 0.2, 1e-4)
+        torch.testing.assert_close(out, _bn_ref(x, w, b, rm2, rv2, training, 0.2, 1e-4))
+        torch.testing.assert_close(rm, rm2), torch.testing.assert_close(rv, rv2)   # running stats updated alike
+        ts = [t.clone().requires_grad_() for t in (x, w, b)]
+        assert torch.autograd.gradcheck(lambda x, w, b: ko.batch_norm_relu(x, rm.clone(), rv.clone(), w, b, training),
+                                        ts), (shape, training)
+    # no affine parameters, no running stats (training only)
+    x = _t((6, 4, 3), torch.float64, "cpu", g)
+    torch.testing.assert_close(ko.batch_norm_relu(x, None, None, training=True), _bn_ref(x, None, None, None, None, True))
+
+
+def test_batch_norm_relu_opcheck_and_errors():
+    g = torch.Generator().manual_seed(12)
+    x = _t((4, 3, 5), torch.float32, "cpu", g).requires_grad_()
+    w, b = _t((3,), torch.float32, "cpu", g).requires_grad_(), _t((3,), torch.float32, "cpu", g).requires_grad_()
+    torch.library.opcheck(torch.ops.kitsune.batch_norm_relu.default,
+                          (x, w, b, torch.zeros(3), torch.ones(3), True, 0.1, 1e-5))
+    with pytest.raises(RuntimeError, match="more than 1 value per channel when training"):
+        ko.batch_norm_relu(torch.randn(1, 3), None, None, training=True)
+    with pytest.raises(RuntimeError, match="eval mode needs running_mean and running_var"):
+        ko.batch_norm_relu(torch.randn(4, 3), None, None, training=False)
+    with pytest.raises(RuntimeError, match="weight must have C = 3 elements"):
+        ko.batch_norm_relu(torch.randn(4, 3), torch.zeros(3), torch.ones(3), torch.ones(4))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("training", [True, False])
+def test_gpu_batch_norm_relu_matches_fp64(dtype, training):
+    g = torch.Generator().manual_seed(13)
+    for shape in [(7, 3), (4, 5, 1023), (16, 64, 14, 14), (2, 3, 1, 1), (256, 32, 9, 9)]:
+        c = shape[1]
+        x = _t(shape, dtype, "cuda", g, shift=1.5)
+        w, b = _t((c,), dtype, "cuda", g), _t((c,), dtype, "cuda", g)
+        rm, rv = _t((c,), torch.float32, "cuda", g), _t((c,), torch.float32, "cuda", g).abs() + 0.5
+        r64 = (rm.double(), rv.double())
+        rt = (rm.to(dtype), rv.to(dtype))   # torch's own kernel, one dtype throughout
+        _poison(x.numel(), "cuda")
+        out = ko.batch_norm_relu(x, rm, rv, w, b, training)
+        want = _bn_ref(x.double(), w.double(), b.double(), *r64, training)
+        theirs = _bn_ref(x, w, b, *rt, training)
+        _check_close(out, want, theirs, dtype, f"{dtype} {shape} training={training}")
+        if training:
+            torch.testing.assert_close(rm.double(), r64[0], rtol=1e-3, atol=1e-3)
+            torch.testing.assert_close(rv.double(), r64[1], rtol=1e-3, atol=1e-3)
+        ts = [t.clone().requires_grad_() for t in (x, w, b)]
+        go = torch.randn(shape, generator=g, dtype=torch.float64).to("cuda", dtype)
+        got = torch.autograd.grad(ko.batch_norm_relu(ts[0], rm.clone(), rv.clone(), ts[1], ts[2], training), ts, go)
+        t64 = [t.detach().double().requires_grad_() for t in ts]
+        want = torch.autograd.grad(_bn_ref(*t64, rm.double(), rv.double(), training), t64, go.double())
+        tt = [t.detach().clone().requires_grad_() for t in ts]
+        theirs = torch.autograd.grad(_bn_ref(*tt, rm.to(dtype), rv.to(dtype), training), tt, go)
+        for k, (a, w_, th) in enumerate(zip(got, want, theirs)):
+            _check_close(a, w_, th, dtype, f"{dtype} {shape} training={training} grad{k}",
+                         max(1.0, w_.abs().max().item()))

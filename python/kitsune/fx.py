@@ -25,6 +25,8 @@ Patterns (each intermediate must have no other user, so nothing observable is lo
                               with C spelled as logits.size(-1); weight=None and
                               reduction="mean" only
   cross_entropy(logits)    -> kitsune.cross_entropy (2-D logits at run time)
+  relu(linear(x))          -> kitsune.linear_act(x, W, b, "relu") (a Linear with a bias:
+                              bias + ReLU in the GEMM's epilogue)
   relu(BatchNorm(x))       -> kitsune.batch_norm_relu (nn.BatchNorm1d/2d/3d; the
                               module's mode, momentum and running stats read at run time)
   r + dropout(linear(x))   -> kitsune.bias_dropout_add(F.linear(x, W), b, r, p, training)
@@ -427,6 +429,20 @@ def _rewrite(gm, report, prefix, apply):
         # ---- relu(a + b), tanh(a * b), gelu(x + bias), gelu(linear(x)) ----
         if act:
             kind, inner, approximate = act
+            lin = _linear_of(gm, inner) if kind == "relu" and isinstance(inner, tfx.Node) else None
+            if lin is not None and lin[2] is not None:
+                if len(inner.users) != 1:
+                    report.left.append((where, f"relu(linear): {inner.name} is also used elsewhere"))
+                else:
+                    report.fused.append((where, f"relu(linear) -> linear_act ({inner.name})"))
+                    if apply:
+                        with g.inserting_before(node):
+                            w, b = _attr_or_node(g, lin[1]), _attr_or_node(g, lin[2])
+                            new = g.call_function(ko.linear_act, (lin[0], w, b, "relu"))
+                        node.replace_all_uses_with(new)
+                        g.erase_node(node)
+                        g.erase_node(inner)
+                continue
             bn = _module(gm, inner) if kind == "relu" and isinstance(inner, tfx.Node) else None
             if type(bn) in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d):
                 if len(inner.users) != 1:

@@ -32,6 +32,7 @@ Ops (reference semantics):
   attention_score(q, k, scale=None)         (q @ k^T) * scale, scale = 1/sqrt(d) by default
   gelu_dropout(x, p, training=True, approximate="none")   dropout(gelu(x))
   bias_dropout_add(x, bias, residual, p, training=True)   residual + dropout(x + bias)
+  linear_act(x, weight, bias, act="relu")   act(F.linear(x, weight, bias)); relu in the GEMM's epilogue
   batch_norm_relu(x, running_mean, running_var, weight, bias, training, momentum, eps)
                                relu(F.batch_norm(...)), running stats updated as F.batch_norm does
 The dropout ops draw (seed, offset) from PyTorch's default generator of the device
@@ -212,6 +213,11 @@ def _(x, weight, bias, running_mean, running_var, training, momentum, eps):
 def _(grad, x, out, weight, save_mean, save_invstd, training):
     return (torch.empty_like(x, memory_format=torch.contiguous_format),
             torch.empty_like(weight) if weight is not None else x.new_empty((0,)), x.new_empty((x.shape[1],)))
+
+
+@torch.library.register_fake("kitsune::linear_act")
+def _(x, weight, bias, act="relu"):
+    return x.new_empty(tuple(x.shape[:-1]) + (weight.shape[0],))
 
 
 # ---- autograd ----
@@ -425,3 +431,9 @@ def batch_norm_relu(x, running_mean, running_var, weight=None, bias=None, traini
     """relu(F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum,
     eps)) over dim 1, fused; the running stats are updated in place in training."""
     return _lib.batch_norm_relu(x, weight, bias, running_mean, running_var, training, momentum, eps)[0]
+
+
+def linear_act(x, weight, bias, act="relu"):
+    """act(F.linear(x, weight, bias)), act "relu" (one cuBLASLt GEMM with a bias + ReLU
+    epilogue on CUDA), "gelu" or "gelu_tanh" (the GEMM, then bias_gelu)."""
+    return _lib.linear_act(x, weight, bias, act)

@@ -174,6 +174,10 @@ class GPT2LM(nn.Module):
         return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), idx[:, 1:].reshape(-1))
 
 
+def _mlp():
+    return nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 10))
+
+
 @pytest.mark.parametrize("make,shape,want", [
     (GPT2Block, (2, 5, 32), {"bias_gelu": 1, "add_layer_norm": 1}),
     (LlamaBlock, (2, 5, 32), {"kitsune.rms_norm": 2, "swiglu": 1}),
@@ -246,7 +250,7 @@ def test_norm_and_loss_patterns_fuse_and_match():
         torch.testing.assert_close(a, b)
 
 
-@pytest.mark.parametrize("make", [GPT2LM, LlamaBlock, NormsAndLosses])
+@pytest.mark.parametrize("make", [GPT2LM, LlamaBlock, NormsAndLosses, _mlp])
 def test_under_autocast_fp32_parameters_meet_bf16_activations(make):
     """torch.autocast: Linear outputs are bf16 while norm weights stay fp32; the fused
     ops' autocast kernels cast the parameters, and forward and gradients match eager
@@ -257,6 +261,8 @@ def test_under_autocast_fp32_parameters_meet_bf16_activations(make):
         args = (torch.randint(0, 257, (2, 16)),)
     elif make is LlamaBlock:
         args = (torch.randn(2, 5, 32),)
+    elif make is _mlp:
+        args = (torch.randn(8, 784),)
     else:
         args = (torch.randn(2, 5, 16), torch.randn(2, 5, 16), torch.randint(0, 11, (2, 5)))
     opt = kitsune.optimize(m)
@@ -303,6 +309,21 @@ def test_torchvision_resnets_as_shipped(arch, fusions):
     torch.testing.assert_close(xo.grad, xr.grad)
     m.eval(), opt.eval()
     torch.testing.assert_close(opt(x), m(x))
+
+
+def test_mlp_relu_linear_becomes_linear_act():
+    torch.manual_seed(9)
+    m = _mlp()
+    rep = kitsune.fx.Report()
+    opt = kitsune.optimize(m, report=rep)
+    kinds = [what.split(" -> ")[1].split(" ")[0] for _, what in rep.fused]
+    assert kinds == ["linear_act", "linear_act"], rep
+    x = torch.randn(64, 784)
+    torch.testing.assert_close(opt(x), m(x), rtol=1e-5, atol=1e-5)
+    opt(x).square().sum().backward()
+    m(x).square().sum().backward()
+    for name, p in opt.named_parameters():
+        torch.testing.assert_close(p.grad, dict(m.named_parameters())[name].grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
 class ResidualDropout(nn.Module):

@@ -203,6 +203,16 @@ OPS2 = {
                  [(1,), (3,), (1023,), (4, 1000), ((1 << 22) + 3,)]),
     "mean_abs_dim": (lambda x: ko.mean_abs(x, -1), lambda x: x.abs().mean(-1), _one_input,
                      [(3, 5), (9, 1023), (2, 3, 64)]),
+    "linear_act_relu": (lambda x, w, b: ko.linear_act(x, w, b, "relu"), lambda x, w, b: F.relu(F.linear(x, w, b)),
+                        lambda shape, dtype, device, gen: ([_t(shape[:-1], dtype, device, gen),
+                                                           _t((shape[-1], shape[-2]), dtype, device, gen, scale=0.1),
+                                                           _t((shape[-1],), dtype, device, gen)], []),
+                        [(3, 4, 5), (7, 16, 33), (512, 768, 3072)]),
+    "linear_act_gelu": (lambda x, w, b: ko.linear_act(x, w, b, "gelu"), lambda x, w, b: F.gelu(F.linear(x, w, b)),
+                        lambda shape, dtype, device, gen: ([_t(shape[:-1], dtype, device, gen),
+                                                           _t((shape[-1], shape[-2]), dtype, device, gen, scale=0.1),
+                                                           _t((shape[-1],), dtype, device, gen)], []),
+                        [(3, 4, 5), (7, 16, 33), (512, 768, 3072)]),
     "attention_score": (lambda q, k: ko.attention_score(q, k), lambda q, k: (q @ k.transpose(-2, -1)) / q.shape[-1] ** 0.5,
                         _qk_inputs, [(1, 1, 1, 1), (2, 5, 7, 8), (8, 128, 128, 64)]),
 }
@@ -241,6 +251,8 @@ def test_opcheck_more(name):
         "mean_abs": ("mean_abs", lambda: (ts[0],)),
         "mean_abs_dim": ("mean_abs", lambda: (ts[0], [-1])),
         "attention_score": ("attention_score", lambda: (ts[0], ts[1])),
+        "linear_act_relu": ("linear_act", lambda: (ts[0], ts[1], ts[2], "relu")),
+        "linear_act_gelu": ("linear_act", lambda: (ts[0], ts[1], ts[2], "gelu")),
     }[name]
     torch.library.opcheck(getattr(torch.ops.kitsune, opname).default, args())
 

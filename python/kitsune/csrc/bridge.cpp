@@ -21,6 +21,7 @@
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ATen.h>
+#include <ATen/ops/_addmm_activation.h>
 #include "kitsune/philox.h"
 #include "kitsune/optim_math.h"
 #include <ATen/ops/gelu_backward.h>
@@ -1924,6 +1925,70 @@ std::tuple<Tensor, Tensor, Tensor> batch_norm_relu_autograd(const Tensor& x, con
   return {out[0], out[1], out[2]};
 }
 
+// ---- linear_act: act(x @ W^T + b) ----
+// relu: one GEMM with cuBLASLt's bias + ReLU epilogue on CUDA (ATen's
+// _addmm_activation; on the CPU, addmm then relu). gelu / gelu_tanh: the GEMM, then
+// kitsune.bias_gelu (cuBLASLt's GELU epilogue is the tanh approximation only, and
+// ATen's CPU path is exact erf, so the epilogue is not used for GELU). x (..., in),
+// weight (out, in), bias (out,).
+void check_linear_act(const Tensor& x, const Tensor& w, const Tensor& b, c10::string_view act) {
+  TORCH_CHECK(act == "relu" || act == "gelu" || act == "gelu_tanh",
+              "kitsune.linear_act: act must be 'relu', 'gelu' or 'gelu_tanh', got '", act, "'");
+  check_same(x, w, "linear_act", "x", "weight");
+  check_same(x, b, "linear_act", "x", "bias");
+  TORCH_CHECK(x.dim() >= 1 && w.dim() == 2 && w.size(1) == x.size(-1) && b.dim() == 1 && b.size(0) == w.size(0),
+              "kitsune.linear_act: need x (..., in), weight (out, in), bias (out,); got ", x.sizes(), ", ", w.sizes(),
+              ", ", b.sizes());
+}
+// (out, saved): saved is the GEMM output before bias for GELU (its backward needs it),
+// undefined for ReLU (its backward uses out).
+std::pair<Tensor, Tensor> linear_act_impl(const Tensor& x, const Tensor& w, const Tensor& b, c10::string_view act) {
+  check_linear_act(x, w, b, act);
+  Tensor x2 = x.reshape({-1, x.size(-1)});
+  c10::DimVector shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = w.size(0);
+  if (act == "relu") return {at::_addmm_activation(b, x2, w.t()).view(shape), Tensor()};
+  static auto bias_gelu = op_handle<Tensor(const Tensor&, const Tensor&, c10::string_view)>("kitsune::bias_gelu");
+  Tensor mm = at::mm(x2, w.t());
+  return {bias_gelu.call(mm, b, act == "gelu" ? "none" : "tanh").view(shape), mm};
+}
+Tensor linear_act_fwd(const Tensor& x, const Tensor& w, const Tensor& b, c10::string_view act) {
+  return linear_act_impl(x, w, b, act).first;
+}
+
+struct LinearActFn : torch::autograd::Function<LinearActFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& w, const Tensor& b, std::string act) {
+    Tensor out, mm;
+    {
+      at::AutoDispatchBelowADInplaceOrView g;
+      std::tie(out, mm) = linear_act_impl(x, w, b, act);
+    }
+    ctx->saved_data["act"] = act;
+    ctx->save_for_backward({x, w, b, act == "relu" ? out : mm});
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list go) {
+    static auto relu_bwd = op_handle<BinarySig>("kitsune::add_relu_backward");
+    static auto gelu_bwd = op_handle<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
+                                                                c10::string_view)>("kitsune::bias_gelu_backward");
+    auto s = ctx->get_saved_variables();
+    const Tensor &x = s[0], &w = s[1], &b = s[2];
+    const std::string act = ctx->saved_data["act"].toStringRef();
+    Tensor g2 = go[0].reshape({-1, w.size(0)}), gpre, gb;
+    if (act == "relu") {
+      gpre = relu_bwd.call(g2, s[3].reshape({-1, w.size(0)}));
+      gb = gpre.sum(0, false, at::kFloat).to(b.scalar_type());
+    } else {
+      std::tie(gpre, gb) = gelu_bwd.call(g2, s[3], b, act == "gelu" ? "none" : "tanh");
+    }
+    Tensor gx = at::mm(gpre, w).view(x.sizes()), gw = at::mm(gpre.t(), x.reshape({-1, x.size(-1)}));
+    return {gx, gw, gb, Tensor()};
+  }
+};
+Tensor linear_act_autograd(const Tensor& x, const Tensor& w, const Tensor& b, c10::string_view act) {
+  return LinearActFn::apply(x, w, b, std::string(act));
+}
+
 Tensor add_relu_autograd(const Tensor& a, const Tensor& b) { return AddReluFn::apply(a, b); }
 Tensor mul_tanh_autograd(const Tensor& a, const Tensor& b) { return BinaryFn::apply(a, b, 0); }
 Tensor swiglu_autograd(const Tensor& a, const Tensor& b) { return BinaryFn::apply(a, b, 1); }
@@ -1949,6 +2014,7 @@ std::tuple<Tensor, Tensor> add_layer_norm_autograd(const Tensor& x, const Tensor
 // kernels cast, above autograd (so the casts are differentiable):
 //   binary ops: both operands to their promoted dtype;
 //   ops with parameters: the parameters (and a residual) to the activation's dtype;
+//   linear_act: x, weight and bias to the autocast dtype (as F.linear);
 //   linear_cross_entropy: x, weight and bias to the autocast dtype (as F.linear
 //   would), the loss returned in fp32 (as F.cross_entropy's is under autocast).
 // cross_entropy, sum_squared and mean_abs take one floating tensor and need no cast;
@@ -1988,6 +2054,13 @@ template <c10::DispatchKey Key> struct Autocast {
                                                           const OptTensor&, double)>("kitsune::add_layer_norm");
     auto dt = at::result_type(x, r);
     return op.call(cast(x, dt), cast(r, dt), cast(w, dt), cast(b, dt), eps);
+  }
+  static Tensor linear_act(const Tensor& x, const Tensor& w, const Tensor& b, c10::string_view act) {
+    c10::impl::ExcludeDispatchKeyGuard no(Key);
+    static auto op = op_handle<Tensor(const Tensor&, const Tensor&, const Tensor&, c10::string_view)>(
+        "kitsune::linear_act");
+    auto dt = at::autocast::get_autocast_dtype(Key == c10::DispatchKey::AutocastCUDA ? at::kCUDA : at::kCPU);
+    return op.call(cast(x, dt), cast(w, dt), cast(b, dt), act);   // as F.linear under autocast
   }
   static Tensor linear_cross_entropy(const Tensor& x, const Tensor& w, const Tensor& target, const OptTensor& bias,
                                      int64_t ignore, double smoothing, int64_t chunk) {
@@ -2036,6 +2109,8 @@ TORCH_LIBRARY(kitsune, m) {
   m.def("sgd_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, float lr, float momentum, float dampening, float weight_decay, bool nesterov, bool first) -> ()");
   m.def("batch_norm_relu(Tensor x, Tensor? weight, Tensor? bias, Tensor(a!)? running_mean, Tensor(b!)? running_var, bool training, float momentum, float eps) -> (Tensor, Tensor, Tensor)");
   m.def("batch_norm_relu_backward(Tensor grad, Tensor x, Tensor out, Tensor? weight, Tensor save_mean, Tensor save_invstd, bool training) -> (Tensor, Tensor, Tensor)");
+  m.def("linear_act(Tensor x, Tensor weight, Tensor bias, str act='relu') -> Tensor");
+  m.impl("linear_act", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &linear_act_fwd));
   m.impl("attention_score", torch::dispatch(c10::DispatchKey::CompositeImplicitAutograd, &attention_score));
 }
 
@@ -2111,6 +2186,7 @@ TORCH_LIBRARY_IMPL(kitsune, Autograd, m) {
   m.impl("layer_norm_relu", &layer_norm_relu_autograd);
   m.impl("add_layer_norm", &add_layer_norm_autograd);
   m.impl("batch_norm_relu", &batch_norm_relu_autograd);
+  m.impl("linear_act", &linear_act_autograd);
 }
 
 #define KT_AUTOCAST_IMPLS(KEY)                                                          \
@@ -2124,6 +2200,7 @@ TORCH_LIBRARY_IMPL(kitsune, Autograd, m) {
     m.impl("layer_norm_relu", &A::layer_norm_relu);                                      \
     m.impl("add_layer_norm", &A::add_layer_norm);                                        \
     m.impl("linear_cross_entropy", &A::linear_cross_entropy);                            \
+    m.impl("linear_act", &A::linear_act);                                                \
   }
 KT_AUTOCAST_IMPLS(AutocastCUDA)
 KT_AUTOCAST_IMPLS(AutocastCPU)

@@ -24,3 +24,22 @@ def write_result(out_dir, bench, payload):
         json.dump(res, f, indent=1)
     print("wrote", path)
     return path
+
+
+def cuda_ms(fn, reps, before=None):
+    """Median milliseconds of fn() over reps calls, each between two CUDA events on the
+    current stream; before() (an L2 flush, say) runs ahead of each, untimed."""
+    import statistics
+
+    import torch
+    times = []
+    for _ in range(reps):
+        if before is not None:
+            before()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)

@@ -19,13 +19,12 @@ timing. Writes kernels_elementwise.json.
 import argparse
 import os
 import sys
-import statistics
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from benchlib import write_result  # noqa: E402
+from benchlib import cuda_ms, write_result  # noqa: E402
 import kitsune.ops as ko
 
 def _two(n, dtype):   # two full-size operands
@@ -73,19 +72,6 @@ OPS = {   # name: (kitsune, reference, inputs(n elements, dtype), moved bytes as
 }
 
 
-def timed(fn, flush, reps):
-    times = []
-    for _ in range(reps):
-        flush.zero_()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
@@ -120,10 +106,10 @@ def main():
             src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
             dst = torch.empty_like(src)
             t = {
-                "copy": timed(lambda: dst.copy_(src), flush, reps),
-                "kitsune": timed(lambda: kfn(*args), flush, reps),
-                "eager": timed(lambda: ref(*args), flush, reps),
-                "compile": timed(lambda: cfn(*args), flush, reps),
+                "copy": cuda_ms(lambda: dst.copy_(src), reps, flush.zero_),
+                "kitsune": cuda_ms(lambda: kfn(*args), reps, flush.zero_),
+                "eager": cuda_ms(lambda: ref(*args), reps, flush.zero_),
+                "compile": cuda_ms(lambda: cfn(*args), reps, flush.zero_),
             }
             gbs = {k: (2 if k == "copy" else moved) * nbytes / (v * 1e-3) / 1e9 for k, v in t.items()}
             row = {"op": name, "dtype": str(dtype).replace("torch.", ""), "input_mb": size_mb, "ms": t, "gbs": gbs,

@@ -13,13 +13,12 @@ calls), peak memory allocated during it above what was allocated before
 import argparse
 import os
 import sys
-import statistics
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from benchlib import write_result  # noqa: E402
+from benchlib import cuda_ms, write_result  # noqa: E402
 import kitsune.ops as ko
 
 
@@ -36,14 +35,7 @@ def run(fn, x, w, t, reps):
     for _ in range(3):
         step()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        step()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
+    ms = cuda_ms(step, reps)
     x.grad = w.grad = None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -51,7 +43,7 @@ def run(fn, x, w, t, reps):
     loss = step()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    return statistics.median(times), peak, loss.detach().float(), x.grad.float(), w.grad.float()
+    return ms, peak, loss.detach().float(), x.grad.float(), w.grad.float()
 
 
 def main():

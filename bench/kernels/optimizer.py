@@ -10,13 +10,12 @@ foreach step (max |difference|). Writes kernels_optimizer.json.
 """
 import argparse
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from benchlib import write_result  # noqa: E402
+from benchlib import cuda_ms, write_result  # noqa: E402
 from kitsune.optim import KitsuneOptimizer  # noqa: E402
 
 
@@ -39,15 +38,7 @@ def time_steps(opt, steps, warm=5):
     for _ in range(warm):
         opt.step()
     torch.cuda.synchronize()
-    ts = []
-    for _ in range(steps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        opt.step()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+    return cuda_ms(opt.step, steps)
 
 
 def main():

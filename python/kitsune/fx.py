@@ -418,6 +418,20 @@ def _rewrite_bias_dropout_add(gm, g, node, where, report, apply):
     return False
 
 
+def _fuse_pair(g, node, inner, where, report, apply, pattern, op, make):
+    """Replaces node(inner(...)) by the node make() inserts, when inner has no other user."""
+    if len(inner.users) != 1:
+        report.left.append((where, f"{pattern}: {inner.name} is also used elsewhere"))
+        return
+    report.fused.append((where, f"{pattern} -> {op} ({inner.name})"))
+    if apply:
+        with g.inserting_before(node):
+            new = make()
+        node.replace_all_uses_with(new)
+        g.erase_node(node)
+        g.erase_node(inner)
+
+
 def _rewrite(gm, report, prefix, apply):
     from . import ops as ko   # loads the bridge (the ops' CPU and CUDA kernels)
     g = gm.graph
@@ -431,30 +445,14 @@ def _rewrite(gm, report, prefix, apply):
             kind, inner, approximate = act
             lin = _linear_of(gm, inner) if kind == "relu" and isinstance(inner, tfx.Node) else None
             if lin is not None and lin[2] is not None:
-                if len(inner.users) != 1:
-                    report.left.append((where, f"relu(linear): {inner.name} is also used elsewhere"))
-                else:
-                    report.fused.append((where, f"relu(linear) -> linear_act ({inner.name})"))
-                    if apply:
-                        with g.inserting_before(node):
-                            w, b = _attr_or_node(g, lin[1]), _attr_or_node(g, lin[2])
-                            new = g.call_function(ko.linear_act, (lin[0], w, b, "relu"))
-                        node.replace_all_uses_with(new)
-                        g.erase_node(node)
-                        g.erase_node(inner)
+                _fuse_pair(g, node, inner, where, report, apply, "relu(linear)", "linear_act",
+                           lambda: g.call_function(ko.linear_act, (lin[0], _attr_or_node(g, lin[1]),
+                                                                   _attr_or_node(g, lin[2]), "relu")))
                 continue
             bn = _module(gm, inner) if kind == "relu" and isinstance(inner, tfx.Node) else None
             if type(bn) in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d):
-                if len(inner.users) != 1:
-                    report.left.append((where, f"relu(batch_norm): {inner.name} is also used elsewhere"))
-                else:
-                    report.fused.append((where, f"relu(batch_norm) -> batch_norm_relu ({inner.name})"))
-                    if apply:
-                        with g.inserting_before(node):
-                            new = g.call_function(_batch_norm_relu, (inner.args[0], g.get_attr(inner.target)))
-                        node.replace_all_uses_with(new)
-                        g.erase_node(node)
-                        g.erase_node(inner)
+                _fuse_pair(g, node, inner, where, report, apply, "relu(batch_norm)", "batch_norm_relu",
+                           lambda: g.call_function(_batch_norm_relu, (inner.args[0], g.get_attr(inner.target))))
                 continue
             ln = _layer_norm(gm, inner) if kind == "relu" else None
             if ln is not None:

@@ -2114,67 +2114,50 @@ TORCH_LIBRARY(kitsune, m) {
   m.impl("attention_score", torch::dispatch(c10::DispatchKey::CompositeImplicitAutograd, &attention_score));
 }
 
+// Ops with a CUDA kernel (NAME_cuda) and a CPU reference (NAME_cpu), one list so the
+// two registrations cannot drift apart (the in-place optimizer steps are named apart).
+#define KT_DEVICE_OPS(X) \
+  X(add_relu) \
+  X(add_relu_backward) \
+  X(mul_tanh) \
+  X(mul_tanh_backward) \
+  X(bias_gelu) \
+  X(bias_gelu_backward) \
+  X(swiglu) \
+  X(swiglu_backward) \
+  X(rms_norm) \
+  X(rms_norm_backward) \
+  X(layer_norm_relu) \
+  X(layer_norm_relu_backward) \
+  X(add_layer_norm) \
+  X(add_layer_norm_backward) \
+  X(cross_entropy) \
+  X(cross_entropy_backward) \
+  X(linear_cross_entropy) \
+  X(linear_cross_entropy_grads) \
+  X(sum_squared) \
+  X(mean_abs) \
+  X(gelu_dropout) \
+  X(gelu_dropout_backward) \
+  X(bias_dropout_add) \
+  X(dropout_backward) \
+  X(batch_norm_relu) \
+  X(batch_norm_relu_backward)
+
+#define KT_IMPL_CUDA(name) m.impl(#name, &name##_cuda);
+#define KT_IMPL_CPU(name) m.impl(#name, &name##_cpu);
+
 TORCH_LIBRARY_IMPL(kitsune, CUDA, m) {
-  m.impl("add_relu", &add_relu_cuda);
-  m.impl("add_relu_backward", &add_relu_backward_cuda);
-  m.impl("mul_tanh", &mul_tanh_cuda);
-  m.impl("mul_tanh_backward", &mul_tanh_backward_cuda);
-  m.impl("bias_gelu", &bias_gelu_cuda);
-  m.impl("bias_gelu_backward", &bias_gelu_backward_cuda);
-  m.impl("swiglu", &swiglu_cuda);
-  m.impl("swiglu_backward", &swiglu_backward_cuda);
-  m.impl("rms_norm", &rms_norm_cuda);
-  m.impl("rms_norm_backward", &rms_norm_backward_cuda);
-  m.impl("layer_norm_relu", &layer_norm_relu_cuda);
-  m.impl("layer_norm_relu_backward", &layer_norm_relu_backward_cuda);
-  m.impl("add_layer_norm", &add_layer_norm_cuda);
-  m.impl("add_layer_norm_backward", &add_layer_norm_backward_cuda);
-  m.impl("cross_entropy", &cross_entropy_cuda);
-  m.impl("cross_entropy_backward", &cross_entropy_backward_cuda);
-  m.impl("linear_cross_entropy", &linear_cross_entropy_cuda);
-  m.impl("linear_cross_entropy_grads", &linear_cross_entropy_grads_cuda);
-  m.impl("sum_squared", &sum_squared_cuda);
-  m.impl("mean_abs", &mean_abs_cuda);
-  m.impl("gelu_dropout", &gelu_dropout_cuda);
-  m.impl("gelu_dropout_backward", &gelu_dropout_backward_cuda);
-  m.impl("bias_dropout_add", &bias_dropout_add_cuda);
-  m.impl("dropout_backward", &dropout_backward_cuda);
+  KT_DEVICE_OPS(KT_IMPL_CUDA)
   m.impl("adam_", &adam_cuda);
   m.impl("sgd_", &sgd_cuda);
-  m.impl("batch_norm_relu", &batch_norm_relu_cuda);
-  m.impl("batch_norm_relu_backward", &batch_norm_relu_backward_cuda);
 }
 
 TORCH_LIBRARY_IMPL(kitsune, CPU, m) {
-  m.impl("add_relu", &add_relu_cpu);
-  m.impl("add_relu_backward", &add_relu_backward_cpu);
-  m.impl("mul_tanh", &mul_tanh_cpu);
-  m.impl("mul_tanh_backward", &mul_tanh_backward_cpu);
-  m.impl("bias_gelu", &bias_gelu_cpu);
-  m.impl("bias_gelu_backward", &bias_gelu_backward_cpu);
-  m.impl("swiglu", &swiglu_cpu);
-  m.impl("swiglu_backward", &swiglu_backward_cpu);
-  m.impl("rms_norm", &rms_norm_cpu);
-  m.impl("rms_norm_backward", &rms_norm_backward_cpu);
-  m.impl("layer_norm_relu", &layer_norm_relu_cpu);
-  m.impl("layer_norm_relu_backward", &layer_norm_relu_backward_cpu);
-  m.impl("add_layer_norm", &add_layer_norm_cpu);
-  m.impl("add_layer_norm_backward", &add_layer_norm_backward_cpu);
-  m.impl("cross_entropy", &cross_entropy_cpu);
-  m.impl("cross_entropy_backward", &cross_entropy_backward_cpu);
-  m.impl("linear_cross_entropy", &linear_cross_entropy_cpu);
-  m.impl("linear_cross_entropy_grads", &linear_cross_entropy_grads_cpu);
-  m.impl("sum_squared", &sum_squared_cpu);
-  m.impl("mean_abs", &mean_abs_cpu);
-  m.impl("gelu_dropout", &gelu_dropout_cpu);
-  m.impl("gelu_dropout_backward", &gelu_dropout_backward_cpu);
-  m.impl("bias_dropout_add", &bias_dropout_add_cpu);
-  m.impl("dropout_backward", &dropout_backward_cpu);
+  KT_DEVICE_OPS(KT_IMPL_CPU)
   m.impl("adam_", &adam_cpu);
   m.impl("sgd_", &sgd_cpu);
-  m.impl("batch_norm_relu", &batch_norm_relu_cpu);
-  m.impl("batch_norm_relu_backward", &batch_norm_relu_backward_cpu);
-  m.impl("dropout_mask", &dropout_mask);
+  m.impl("dropout_mask", &dropout_mask);   // CPU only: rebuilds a dropout mask for checking
 }
 
 TORCH_LIBRARY_IMPL(kitsune, Autograd, m) {

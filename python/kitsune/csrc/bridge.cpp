@@ -1601,22 +1601,25 @@ std::vector<int64_t> bn_dims(const Tensor& x) {
   for (int64_t i = 2; i < x.dim(); i++) d.push_back(i);
   return d;
 }
-void bn_check_training(const BnShape& s, bool training, const OptTensor& rm, const OptTensor& rv, const char* op) {
+// The forward's checks, on both devices; returns the (N, C, S) view.
+BnShape bn_forward_checks(const Tensor& x, const OptTensor& w, const OptTensor& b, const OptTensor& rm,
+                          const OptTensor& rv, bool training, double eps, const char* op) {
+  auto s = bn_shape(x, {{"weight", &w}, {"bias", &b}, {"running_mean", &rm}, {"running_var", &rv}}, op);
   TORCH_CHECK(!training || s.N * s.S > 1, "kitsune.", op, ": expected more than 1 value per channel when training, got ",
               s.N * s.S);
   TORCH_CHECK(training || (rm && rm->defined() && rv && rv->defined()), "kitsune.", op,
               ": eval mode needs running_mean and running_var");
+  TORCH_CHECK(eps >= 0, "kitsune.", op, ": eps must be >= 0, got ", eps);
+  for (const OptTensor* p : {&w, &b})
+    if (*p && (*p)->defined()) check_same(x, **p, op, "x", p == &w ? "weight" : "bias");
+  return s;
 }
 std::tuple<Tensor, Tensor, Tensor> batch_norm_relu_cuda(const Tensor& x, const OptTensor& w, const OptTensor& b,
                                                         const OptTensor& rm, const OptTensor& rv, bool training,
                                                         double momentum, double eps) {
   const char* op = "batch_norm_relu";
-  auto s = bn_shape(x, {{"weight", &w}, {"bias", &b}, {"running_mean", &rm}, {"running_var", &rv}}, op);
-  bn_check_training(s, training, rm, rv, op);
-  TORCH_CHECK(eps >= 0, "kitsune.", op, ": eps must be >= 0, got ", eps);
+  auto s = bn_forward_checks(x, w, b, rm, rv, training, eps, op);
   kt_dtype dt = dtype_of(x, op);
-  for (const OptTensor* p : {&w, &b})
-    if (*p && (*p)->defined()) check_same(x, **p, op, "x", p == &w ? "weight" : "bias");
   c10::cuda::CUDAGuard g(x.device());
   Tensor xc = x.contiguous(), out = at::empty_like(xc);
   auto fopt = x.options().dtype(at::kFloat);
@@ -1647,9 +1650,7 @@ std::tuple<Tensor, Tensor, Tensor> batch_norm_relu_cpu(const Tensor& x, const Op
                                                        const OptTensor& rm, const OptTensor& rv, bool training,
                                                        double momentum, double eps) {
   const char* op = "batch_norm_relu";
-  auto s = bn_shape(x, {{"weight", &w}, {"bias", &b}, {"running_mean", &rm}, {"running_var", &rv}}, op);
-  bn_check_training(s, training, rm, rv, op);
-  TORCH_CHECK(eps >= 0, "kitsune.", op, ": eps must be >= 0, got ", eps);
+  auto s = bn_forward_checks(x, w, b, rm, rv, training, eps, op);
   auto om = opmath(x);
   Tensor xf = x.to(om), mean, invstd;
   auto dims = bn_dims(x);

@@ -143,16 +143,17 @@ class KitsuneOptimizer:
         for g in opt.param_groups:
             beta1, beta2 = g["betas"]
             decoupled = decoupled_default or bool(g.get("decoupled_weight_decay", False))
-            buckets = {}
-            for p in g["params"]:
-                if p.grad is None:
-                    continue
+            buckets, live = {}, [p for p in g["params"] if p.grad is not None]
+            for p in live:
                 st = opt.state[p]
                 if len(st) == 0:   # as torch.optim.Adam initialises it (non-capturable)
                     st["step"] = torch.tensor(0.0, dtype=torch.get_default_dtype())
                     st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                st["step"] += 1
+            if live:   # one call for every step count, as torch.optim's foreach path does
+                torch._foreach_add_([opt.state[p]["step"] for p in live], 1)
+            for p in live:
+                st = opt.state[p]
                 key = (p.device, p.dtype, float(st["step"]))
                 lists = buckets.setdefault(key, ([], [], [], []))
                 for lst, t in zip(lists, (p, p.grad, st["exp_avg"], st["exp_avg_sq"])):

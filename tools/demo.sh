@@ -6,11 +6,14 @@ build=${1:-build}
 cd "$(dirname "$0")/.."
 export KT_COMMIT=${KT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}
 ngpu=$("$build/bench/alloc_bench" --probe 2>/dev/null || echo 0)
-echo "Kitsune demo — allocator, fused-op rewrites, stream plans (the GPU training table lands with issue #5)"
+echo "Kitsune demo — allocator, training eager vs Kitsune (GPU), fused-op rewrites, stream plans"
 if [ "${ngpu:-0}" -gt 0 ]; then
   echo "GPU found ($ngpu device(s)): allocator benchmark on the CUDA backend"
   echo
   KT_COMMIT=${KT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)} "$build/bench/alloc_bench" --backend cuda --quick
+  echo
+  PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" KITSUNE_LIBRARY="${KITSUNE_LIBRARY:-$PWD/$build/libkitsune.so}" \
+    python3 bench/demo_train.py --device cuda
 else
   echo "No CUDA device is visible on this machine, so nothing runs on a GPU here."
   echo "Replaying a recorded allocation trace on the host fake backend instead"

@@ -93,3 +93,21 @@ def test_trace_then_replay(pool, tmp_path):
     r = subprocess.run([replay, str(path)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "6 events" in r.stdout and "peak live 3345828" in r.stdout
+
+
+def test_demo_training_table_runs_on_cpu():
+    """make demo's training script (GPU on the demo machine) runs end to end on the CPU
+    and both variants reach the same loss (same weights, same batches)."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.path.join(root, "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, os.path.join(root, "bench", "demo_train.py"), "--device", "cpu",
+                          "--steps", "2"], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr
+    rows = [line.split() for line in out.stdout.splitlines() if line.startswith(("MLP", "GPT-2"))]
+    assert len(rows) == 2, out.stdout
+    for r in rows:
+        eager_loss, kitsune_loss = float(r[-2]), float(r[-1])
+        assert abs(eager_loss - kitsune_loss) < 1e-4 * max(1.0, abs(eager_loss)), out.stdout

@@ -29,6 +29,9 @@ Patterns (each intermediate must have no other user, so nothing observable is lo
                               bias + ReLU in the GEMM's epilogue)
   relu(BatchNorm(x))       -> kitsune.batch_norm_relu (nn.BatchNorm1d/2d/3d; the
                               module's mode, momentum and running stats read at run time)
+  (q @ k^T) * s, (q @ k^T) / s   -> kitsune.attention_score(q, k, scale) (s a Python
+                              number; k^T as k.transpose(-2, -1) or k.mT; one GEMM
+                              with the scale as alpha; unfused for broadcast batches)
   r + dropout(linear(x))   -> kitsune.bias_dropout_add(F.linear(x, W), b, r, p, training)
                               (Linear with a bias; nn.Dropout's p and training read
                               at run time; unfused for other shapes, dtypes or autocast)
@@ -432,6 +435,61 @@ def _fuse_pair(g, node, inner, where, report, apply, pattern, op, make):
         g.erase_node(inner)
 
 
+def _attention_score(q, k, scale):
+    """(q @ k^T) * scale as one GEMM when q and k share their batch dims, else unfused."""
+    from . import ops as ko
+    if q.dim() >= 2 and q.shape[:-2] == k.shape[:-2] and q.shape[-1] == k.shape[-1] and q.dtype == k.dtype:
+        return ko.attention_score(q, k, scale)
+    return (q @ k.transpose(-2, -1)) * scale
+
+
+def _transposed_last_two(node):
+    """k when node is k.transpose(-2, -1) / k.transpose(-1, -2) / k.mT, else None."""
+    if not isinstance(node, tfx.Node):
+        return None
+    if node.op == "call_method" and node.target == "transpose" and len(node.args) == 3 and \
+            set(node.args[1:]) in ({-2, -1},):
+        return node.args[0]
+    if node.op == "call_function" and node.target is torch.transpose and len(node.args) == 3 and \
+            set(node.args[1:]) == {-2, -1}:
+        return node.args[0]
+    if node.op == "call_function" and node.target is getattr and node.args[1] == "mT":
+        return node.args[0]
+    return None
+
+
+def _rewrite_attention_score(g, node, where, report, apply):
+    """(q @ k^T) * s and (q @ k^T) / s, s a Python number."""
+    mul = node.op == "call_function" and node.target in (operator.mul, torch.mul)
+    div = node.op == "call_function" and node.target in (operator.truediv, torch.div)
+    if not (mul or div) or len(node.args) != 2 or node.kwargs:
+        return False
+    a, b = node.args
+    if mul and isinstance(a, (int, float)) and not isinstance(a, bool):
+        a, b = b, a
+    if not (isinstance(a, tfx.Node) and isinstance(b, (int, float)) and not isinstance(b, bool)) or (div and b == 0):
+        return False
+    if not (a.op == "call_function" and a.target in (operator.matmul, torch.matmul)) or len(a.args) != 2:
+        return False
+    k = _transposed_last_two(a.args[1])
+    if k is None:
+        return False
+    if len(a.users) != 1 or len(a.args[1].users) != 1:
+        report.left.append((where, "q @ k^T * scale: an intermediate is also used elsewhere"))
+        return True
+    scale = float(b) if mul else 1.0 / float(b)
+    report.fused.append((where, f"(q @ k^T) * scale -> attention_score ({a.name})"))
+    if apply:
+        kt_node = a.args[1]
+        with g.inserting_before(node):
+            new = g.call_function(_attention_score, (a.args[0], k, scale))
+        node.replace_all_uses_with(new)
+        g.erase_node(node)
+        g.erase_node(a)
+        g.erase_node(kt_node)
+    return True
+
+
 def _rewrite(gm, report, prefix, apply):
     from . import ops as ko   # loads the bridge (the ops' CPU and CUDA kernels)
     g = gm.graph
@@ -538,6 +596,8 @@ def _rewrite(gm, report, prefix, apply):
         if _rewrite_add_layer_norm(gm, g, node, where, report, apply):
             continue
         if _rewrite_bias_dropout_add(gm, g, node, where, report, apply):
+            continue
+        if _rewrite_attention_score(g, node, where, report, apply):
             continue
         if _ce_call(node) is not None:
             _rewrite_loss(gm, g, node, where, report, apply)

@@ -326,6 +326,38 @@ def test_mlp_relu_linear_becomes_linear_act():
         torch.testing.assert_close(p.grad, dict(m.named_parameters())[name].grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
+class HandAttention(nn.Module):
+    """Attention written out by hand, as before scaled_dot_product_attention."""
+    def __init__(self, d=32, h=4):
+        super().__init__()
+        self.qkv, self.h, self.scale, self.root = nn.Linear(d, 3 * d), h, 1.0 / (d // h) ** 0.5, (d // h) ** 0.5
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.h, d // self.h).transpose(1, 2) for z in (q, k, v))
+        s1 = (q @ k.transpose(-2, -1)) * self.scale                 # * a number
+        s2 = torch.matmul(q, k.transpose(-1, -2)) / self.root       # / a number
+        s4 = (q @ k.transpose(-2, -1)) / (d // self.h) ** 0.5       # scale from x.shape: a graph value, left
+        s3 = 0.5 * (q @ k.mT)                                       # number first, .mT
+        att = torch.softmax(s1 + s2 + s3 + s4, dim=-1)
+        return (att @ v).transpose(1, 2).reshape(b, t, d)
+
+
+def test_hand_written_attention_scores_fuse():
+    torch.manual_seed(10)
+    m = HandAttention().double()
+    rep = kitsune.fx.Report()
+    opt = kitsune.optimize(m, report=rep)
+    kinds = [what.split(" -> ")[1].split(" ")[0] for _, what in rep.fused]
+    assert kinds == ["attention_score"] * 3, rep
+    x = torch.randn(2, 7, 32, dtype=torch.float64, requires_grad=True)
+    torch.testing.assert_close(opt(x), m(x))
+    ga, = torch.autograd.grad(opt(x).sum(), x)
+    gb, = torch.autograd.grad(m(x).sum(), x)
+    torch.testing.assert_close(ga, gb)
+
+
 class ResidualDropout(nn.Module):
     def __init__(self, d=64, p=0.25):
         super().__init__()

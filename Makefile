@@ -74,7 +74,7 @@ $(BUILD)/asan/%.o: %.c $(LIB_HDR) | $(JE_LIB)
 	@mkdir -p $(dir $@)
 	$(CC) $(CPPFLAGS) -std=c11 -fPIC -Wall -Wextra -Wno-unused-parameter -pthread $(ASAN_FLAGS) -c $< -o $@
 
-$(BUILD)/obj/fusion/kernels/%.o: fusion/kernels/%.cu $(wildcard fusion/kernels/*.cuh) fusion/include/kitsune/fusion.h
+$(BUILD)/obj/fusion/kernels/%.o: fusion/kernels/%.cu $(wildcard fusion/kernels/*.cuh) $(wildcard fusion/include/kitsune/*.h)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCC_FLAGS) -c $< -o $@
 

@@ -4,7 +4,8 @@
  * (seed, offset) the op returns.
  *
  * Element i of a dropout call with (seed, offset) uses word i % 4 of
- * philox(counter = (i / 4 low, i / 4 high, offset low, offset high), key = seed) and is
+ * philox(counter = (i / 4 low, i / 4 high, offset low, offset high),
+ * key = seed ^ KT_PHILOX_KEY_SALT) and is
  * kept when that word is >= threshold = floor(p * 2^32) (p = 1: none kept).
  */
 #ifndef KITSUNE_PHILOX_H
@@ -32,10 +33,15 @@ KT_PHILOX_FN void kt_philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32
   out[0] = c0, out[1] = c1, out[2] = c2, out[3] = c3;
 }
 
-/* The four random words for elements 4 * block .. 4 * block + 3. */
+/* The four random words for elements 4 * block .. 4 * block + 3. The key is the seed
+ * XOR a Kitsune constant: PyTorch's curand-based kernels draw Philox words under the
+ * same seed with counters (offset, thread), which could otherwise coincide with ours
+ * and correlate a dropout mask with, say, a torch.rand call. */
+#define KT_PHILOX_KEY_SALT 0x6B697473756E6531ull   /* "kitsune1" */
 KT_PHILOX_FN void kt_philox_block(uint64_t seed, uint64_t offset, uint64_t block, uint32_t out[4]) {
+  const uint64_t key = seed ^ KT_PHILOX_KEY_SALT;
   kt_philox4x32_10((uint32_t)block, (uint32_t)(block >> 32), (uint32_t)offset, (uint32_t)(offset >> 32),
-                   (uint32_t)seed, (uint32_t)(seed >> 32), out);
+                   (uint32_t)key, (uint32_t)(key >> 32), out);
 }
 
 /* floor(p * 2^32), or 2^32 for p >= 1: an element is kept when its word is >= it. */

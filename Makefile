@@ -7,7 +7,8 @@
 #   make bench      C allocator benchmarks -> bench/results/
 #   make bench-data pinned pool footprint + prefetch training (GPU) -> bench/results/
 #   make bench-kernels fused kernels' bandwidth (GPU) -> bench/results/
-#   make gpu-test   build + the suites on the CUDA backend (on a GPU machine)
+#   make gpu-test   build + the suites on the CUDA backend (on a GPU machine);
+#                   KT_PYTEST_ARGS="-k ..." narrows the pytest part (to split a run)
 #   make clean
 
 SHELL := /bin/bash
@@ -159,7 +160,7 @@ gpu-test: $(TEST_BINS) $(BUILD)/libkitsune.so $(BUILD)/libnvtx_record.so $(BUILD
 	@bash tools/sanitizer_oob.sh $(BUILD)
 	@bash tools/run_c_tests.sh $(BUILD)/tests $(TIERS)
 	@KITSUNE_REQUIRE_GPU=1 KITSUNE_LIBRARY=$(CURDIR)/$(BUILD)/libkitsune.so PYTHONPATH=$(CURDIR)/python \
-	  $(PYTHON) -m pytest -q -rs tests/python
+	  $(PYTHON) -m pytest -q -rs tests/python $${KT_PYTEST_ARGS:-}
 
 clean:
 	rm -rf $(BUILD)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: facts, clean build, then the parts named in GPU_RUN_PARTS
-# (default "test bench demo": make gpu-test, make bench, make demo; "data" adds
+# (default "test bench demo": make gpu-test, make bench, make demo; "pytest" runs
+# only the pytest part of gpu-test, narrowed by KT_PYTEST_ARGS; "data" adds
 # make bench-data, "kernels" make bench-kernels). Everything is logged to $OUT/run.log; JSON results and the
 # recorded trace also land in $OUT (the device tool brings back at most 8 files).
 # Carry .deps (make gpu-deps).
@@ -18,6 +19,10 @@ make clean >/dev/null
 echo "== build =="; make -j16 all 2>&1 | grep -E "error|warning"; [ -f build/libkitsune.so ] || { echo BUILD FAILED; exit 1; }
 if [[ $parts == *" test "* ]]; then
   echo "== gpu-test =="; time make gpu-test 2>&1 | grep -vE "^\[----\] *$|^\[RUN \]|^\[PASS\]"
+fi
+if [[ $parts == *" pytest "* ]]; then
+  echo "== gpu pytest ($KT_PYTEST_ARGS) =="; time KITSUNE_REQUIRE_GPU=1 KITSUNE_LIBRARY=$PWD/build/libkitsune.so \
+    PYTHONPATH=$PWD/python python3 -m pytest -q -rs tests/python ${KT_PYTEST_ARGS:-} 2>&1 | tail -40
 fi
 if [[ $parts == *" bench "* ]]; then
   echo "== bench =="; BENCH_OUT="$OUT" BENCH_TRACE="$OUT/random_10k_4mib.csv" make bench

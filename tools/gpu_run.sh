@@ -21,7 +21,7 @@ if [[ $parts == *" test "* ]]; then
   echo "== gpu-test =="; time make gpu-test 2>&1 | grep -vE "^\[----\] *$|^\[RUN \]|^\[PASS\]"
 fi
 if [[ $parts == *" pytest "* ]]; then
-  echo "== gpu pytest ($KT_PYTEST_ARGS) =="; time KITSUNE_REQUIRE_GPU=1 KITSUNE_LIBRARY=$PWD/build/libkitsune.so \
+  echo "== gpu pytest (${KT_PYTEST_ARGS:-all}) =="; time KITSUNE_REQUIRE_GPU=1 KITSUNE_LIBRARY=$PWD/build/libkitsune.so \
     PYTHONPATH=$PWD/python python3 -m pytest -q -rs tests/python ${KT_PYTEST_ARGS:-} 2>&1 | tail -40
 fi
 if [[ $parts == *" bench "* ]]; then

@@ -441,3 +441,31 @@ def test_blocks_on_the_gpu_eager_and_compiled(dtype):
         out = torch.compile(m, backend="kitsune")(x).float()
         assert kfx.last_compile_report.fused, kfx.last_compile_report
         torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("make", ["mlp", "attention", "norms_losses"])
+def test_compile_backend_traces_the_newer_ops(make):
+    """torch.compile(backend="kitsune") through the C++ autograd kernels (linear_act),
+    the runtime helpers (attention_score, add_layer_norm, linear_cross_entropy's
+    autograd.Function) and their fakes: outputs and input gradients equal eager's."""
+    import kitsune.fx as kfx
+    torch.manual_seed(11)
+    if make == "mlp":
+        m, args, want = _mlp(), (torch.randn(8, 784),), {"linear_act"}
+    elif make == "attention":
+        m, args, want = HandAttention(), (torch.randn(2, 7, 32),), {"attention_score"}
+    else:
+        m = NormsAndLosses()
+        args = (torch.randn(2, 5, 16), torch.randn(2, 5, 16), torch.randint(0, 11, (2, 5)))
+        want = {"add_layer_norm", "layer_norm_relu", "linear_cross_entropy"}
+    first = lambda v: v[0] if isinstance(v, tuple) else v   # noqa: E731
+    xa = args[0].clone().requires_grad_()
+    xb = args[0].clone().requires_grad_()
+    out = first(torch.compile(m, backend="kitsune")(xa, *args[1:]))
+    kinds = {w.split(" -> ")[1].split(" ")[0] for _, w in kfx.last_compile_report.fused}
+    assert want <= kinds, kfx.last_compile_report
+    ref = first(m(xb, *args[1:]))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    ga, = torch.autograd.grad(out.sum(), xa)
+    gb, = torch.autograd.grad(ref.sum(), xb)
+    torch.testing.assert_close(ga, gb, rtol=1e-4, atol=1e-5)

@@ -7,7 +7,6 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench", "kernels"))
 import kitsune  # noqa: E402

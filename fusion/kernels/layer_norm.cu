@@ -203,7 +203,7 @@ __global__ void ln_param(const T *g, const T *h, const float *mean, const float 
   if (col < n) {
     const float wc = w ? kt::to_f(w[col]) : 1.f, bc = b ? kt::to_f(b[col]) : 0.f;
     for (int64_t r = r0 + threadIdx.y; r < r1; r += 8) {
-      const float xh = (kt::to_f(h[r * n + col]) - mean[r]) * rstd[r];
+      const float xh = (kt::to_f(h[r * n + col]) - (mean ? mean[r] : 0.f)) * rstd[r];   // no mean: RMSNorm
       float gv = kt::to_f(g[r * n + col]);
       if (relu && !(xh * wc + bc > 0.f)) gv = 0.f;
       aw += gv * xh;
@@ -301,7 +301,7 @@ extern "C" kt_status kt_layer_norm_backward(kt_dtype t, const void *grad, const 
 extern "C" kt_status kt_layer_norm_param_grads(kt_dtype t, const void *grad, const void *h, const float *mean,
                                                const float *rstd, float *partial_w, float *partial_b, int64_t splits,
                                                int64_t rows, int64_t n, void *stream) {
-  if (rows < 0 || n <= 0 || !grad || !h || !mean || !rstd || (!partial_w && !partial_b) || splits < 1 || splits > 65535)
+  if (rows < 0 || n <= 0 || !grad || !h || !rstd || (!partial_w && !partial_b) || splits < 1 || splits > 65535)
     return KT_ERR_INVALID;
   if (rows == 0) return KT_OK;
   dim3 grid((unsigned)((n + 31) / 32), (unsigned)splits), block(32, 8);

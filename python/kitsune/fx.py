@@ -656,10 +656,13 @@ _DROPOUTS = (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, 
 
 
 def _live_training_flags(gm, traced_training):
-    """torch.fx bakes `F.dropout(x, p, self.training)` into a constant; a constant equal
-    to the module's mode when traced is taken to be that flag and becomes a run-time
-    read of the GraphModule's `training`, so .train()/.eval() keep working after
-    optimize. (Dynamo graphs are guarded on the mode and are not touched.)"""
+    """torch.fx bakes `F.dropout(x, p, self.training)` into a constant; an explicit
+    training argument equal to the module's mode when traced is taken to be that flag
+    and becomes a run-time read of the GraphModule's `training`, so .train()/.eval()
+    keep working after optimize. A literal True written in a model traced in training
+    mode cannot be told apart and is treated the same way; a call without the
+    argument keeps F.dropout's default. (Dynamo graphs are guarded on the mode and are
+    not touched.)"""
     import warnings
     g = gm.graph
     with warnings.catch_warnings():   # get_attr of a plain attribute: fine, the code reads self.training
@@ -680,10 +683,8 @@ def _live_flags(g, traced_training):
             with g.inserting_before(node):
                 flag = g.get_attr("training")
             node.args = node.args[:2] + (flag,) + node.args[3:]
-        elif len(node.args) <= 2 and traced_training:   # default training=True
-            with g.inserting_before(node):
-                flag = g.get_attr("training")
-            node.kwargs = {**node.kwargs, "training": flag}
+        # no training argument: the functional default (True) is a constant, dropping in
+        # eval too, and stays one
 
 
 def _walk(module, report, prefix, apply):

@@ -469,3 +469,22 @@ def test_compile_backend_traces_the_newer_ops(make):
     ga, = torch.autograd.grad(out.sum(), xa)
     gb, = torch.autograd.grad(ref.sum(), xb)
     torch.testing.assert_close(ga, gb, rtol=1e-4, atol=1e-5)
+
+
+def test_functional_dropout_default_stays_as_written():
+    """F.dropout(x, p) without a training argument drops in eval too (its default is
+    True); optimize must keep that, not tie it to the module's mode."""
+    class Always(nn.Module):
+        def forward(self, x):
+            return F.dropout(x, 0.5) + F.dropout(x, 0.5, self.training)
+
+    m = Always()
+    opt = kitsune.optimize(m)   # traced in train mode
+    m.eval(), opt.eval()
+    x = torch.ones(4096)
+    torch.manual_seed(0)
+    a = opt(x)
+    torch.manual_seed(0)
+    b = m(x)
+    torch.testing.assert_close(a, b)        # same draws: the first dropout still drops, the second does not
+    assert (a == 1).float().mean() > 0.4    # about half the elements dropped by the first

@@ -79,8 +79,8 @@ kt_status kt_layer_norm_backward(kt_dtype t, const void *grad, const void *grad_
                                  int relu, void *stream);
 int64_t kt_layer_norm_param_splits(int64_t rows, int64_t n);
 /* The weight/bias gradient part alone: partial_w/partial_b[stripe, col] = sums over a
- * stripe of rows of g * (h - mean) * rstd and g, from per-row fp32 mean and rstd
- * (RMSNorm's weight gradient is this with mean = 0 and no bias). */
+ * stripe of rows of g * (h - mean) * rstd and g, from per-row fp32 mean and rstd;
+ * mean may be NULL for 0 (RMSNorm's weight gradient). */
 kt_status kt_layer_norm_param_grads(kt_dtype t, const void *grad, const void *h, const float *mean, const float *rstd,
                                     float *partial_w, float *partial_b, int64_t splits, int64_t rows, int64_t n,
                                     void *stream);

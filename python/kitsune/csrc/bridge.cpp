@@ -846,11 +846,11 @@ std::tuple<Tensor, Tensor> rms_norm_backward_cuda(const Tensor& grad, const Tens
   check_launch(kt_rms_norm_backward(dtype_of(x, "rms_norm_backward"), gc.data_ptr(), xc.data_ptr(), wc.data_ptr(),
                                     gx.data_ptr(), rstd.data_ptr<float>(), rows, n, (float)eps, stream_of(gx)),
                "rms_norm_backward");
-  // grad_weight = sum over rows of grad * x * r: the LayerNorm column kernel with mean 0
+  // grad_weight = sum over rows of grad * x * r: the LayerNorm column kernel, no mean
   int64_t splits = kt_layer_norm_param_splits(rows, n);
   Tensor part = at::empty({splits, n}, x.options().dtype(at::kFloat));
   check_launch(kt_layer_norm_param_grads(dtype_of(x, "rms_norm_backward"), gc.data_ptr(), xc.data_ptr(),
-                                         at::zeros({rows}, rstd.options()).data_ptr<float>(), rstd.data_ptr<float>(),
+                                         nullptr, rstd.data_ptr<float>(),
                                          part.data_ptr<float>(), nullptr, splits, rows, n, stream_of(gx)),
                "rms_norm_backward");
   return {gx, part.sum(0).to(w.scalar_type())};
@@ -1338,6 +1338,14 @@ std::pair<uint64_t, uint64_t> rng_values(const Tensor& rng, const char* op) {
 void check_p(double p, const char* op) {
   TORCH_CHECK(p >= 0 && p <= 1, "kitsune.", op, ": dropout probability p must be in [0, 1], got ", p);
 }
+// A forward's dropout: the effective p (0 outside training) and, when something is
+// dropped, a fresh (seed, offset) from the device's generator ({0, 0} otherwise).
+struct DropoutDraw { double p; std::pair<uint64_t, uint64_t> seed; };
+DropoutDraw dropout_draw(const Tensor& x, double p, bool training, const char* op) {
+  check_p(p, op);
+  const double pe = training ? p : 0.0;
+  return {pe, pe > 0 ? dropout_seed(x, op) : std::pair<uint64_t, uint64_t>{0, 0}};
+}
 double keep_scale(double p) { return p < 1 ? 1.0 / (1.0 - p) : 0.0; }
 
 // The keep mask (bool, n elements) on the CPU: the reference and the check of the GPU's.
@@ -1363,10 +1371,8 @@ Tensor scaled_mask(std::pair<uint64_t, uint64_t> s, const Tensor& x, double p) {
 }
 
 std::tuple<Tensor, Tensor> gelu_dropout_cuda(const Tensor& x, double p, bool training, c10::string_view approximate) {
-  check_p(p, "gelu_dropout");
   int ap = approx_code(approximate, "gelu_dropout");
-  const double pe = training ? p : 0.0;
-  auto s = pe > 0 ? dropout_seed(x, "gelu_dropout") : std::pair<uint64_t, uint64_t>{0, 0};
+  auto [pe, s] = dropout_draw(x, p, training, "gelu_dropout");
   Tensor xc = x.contiguous();
   c10::cuda::CUDAGuard g(x.device());
   Tensor out = at::empty_like(xc);
@@ -1376,10 +1382,8 @@ std::tuple<Tensor, Tensor> gelu_dropout_cuda(const Tensor& x, double p, bool tra
   return {out, rng_tensor(s)};
 }
 std::tuple<Tensor, Tensor> gelu_dropout_cpu(const Tensor& x, double p, bool training, c10::string_view approximate) {
-  check_p(p, "gelu_dropout");
   approx_code(approximate, "gelu_dropout");
-  const double pe = training ? p : 0.0;
-  auto s = pe > 0 ? dropout_seed(x, "gelu_dropout") : std::pair<uint64_t, uint64_t>{0, 0};
+  auto [pe, s] = dropout_draw(x, p, training, "gelu_dropout");
   Tensor out = at::gelu(x.to(opmath(x)), approximate) * scaled_mask(s, x, pe);
   return {out.to(x.scalar_type()), rng_tensor(s)};
 }
@@ -1414,10 +1418,8 @@ void check_bias_residual(const Tensor& x, const Tensor& bias, const Tensor& resi
 }
 std::tuple<Tensor, Tensor> bias_dropout_add_cuda(const Tensor& x, const Tensor& bias, const Tensor& residual, double p,
                                                  bool training) {
-  check_p(p, "bias_dropout_add");
   check_bias_residual(x, bias, residual, "bias_dropout_add");
-  const double pe = training ? p : 0.0;
-  auto s = pe > 0 ? dropout_seed(x, "bias_dropout_add") : std::pair<uint64_t, uint64_t>{0, 0};
+  auto [pe, s] = dropout_draw(x, p, training, "bias_dropout_add");
   Tensor xc = x.contiguous(), bc = bias.contiguous(), rc = residual.contiguous();
   c10::cuda::CUDAGuard g(x.device());
   Tensor out = at::empty_like(xc);
@@ -1428,10 +1430,8 @@ std::tuple<Tensor, Tensor> bias_dropout_add_cuda(const Tensor& x, const Tensor& 
 }
 std::tuple<Tensor, Tensor> bias_dropout_add_cpu(const Tensor& x, const Tensor& bias, const Tensor& residual, double p,
                                                 bool training) {
-  check_p(p, "bias_dropout_add");
   check_bias_residual(x, bias, residual, "bias_dropout_add");
-  const double pe = training ? p : 0.0;
-  auto s = pe > 0 ? dropout_seed(x, "bias_dropout_add") : std::pair<uint64_t, uint64_t>{0, 0};
+  auto [pe, s] = dropout_draw(x, p, training, "bias_dropout_add");
   auto om = opmath(x);
   Tensor out = residual.to(om) + (x.to(om) + bias.to(om)) * scaled_mask(s, x, pe);
   return {out.to(x.scalar_type()), rng_tensor(s)};

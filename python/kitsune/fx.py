@@ -655,36 +655,51 @@ def _rewrite(gm, report, prefix, apply):
 _DROPOUTS = (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout)
 
 
-def _live_training_flags(gm, traced_training):
-    """torch.fx bakes `F.dropout(x, p, self.training)` into a constant; an explicit
-    training argument equal to the module's mode when traced is taken to be that flag
-    and becomes a run-time read of the GraphModule's `training`, so .train()/.eval()
-    keep working after optimize. A literal True written in a model traced in training
-    mode cannot be told apart and is treated the same way; a call without the
-    argument keeps F.dropout's default. (Dynamo graphs are guarded on the mode and are
-    not touched.)"""
+def _training_arg(node):
+    if "training" in node.kwargs:
+        return node.kwargs["training"]
+    return node.args[2] if len(node.args) > 2 else True
+
+
+def _dropouts(gm):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _DROPOUTS]
+
+
+def _live_training_flags(module, gm):
+    """torch.fx bakes `F.dropout(x, p, self.training)` into a constant (and fills in
+    defaults, so `F.dropout(x, p)` reads the same). The module is traced again in the
+    other mode: a dropout whose training argument changes with the mode follows
+    self.training and becomes a run-time read of the GraphModule's `training`, so
+    .train()/.eval() keep working after optimize; one that does not is a constant and
+    stays. (If the second trace fails or differs in shape, nothing is changed. Dynamo
+    graphs are guarded on the mode and are not touched.)"""
     import warnings
+    nodes = _dropouts(gm)
+    if not nodes:
+        return
+    modes = {m: m.training for m in module.modules()}
+    try:
+        module.train(not module.training)
+        other = _dropouts(tfx.symbolic_trace(module))
+    except Exception:   # noqa: BLE001 - the second trace is best effort
+        return
+    finally:
+        for m, t in modes.items():
+            m.training = t
+    if len(other) != len(nodes):
+        return
     g = gm.graph
     with warnings.catch_warnings():   # get_attr of a plain attribute: fine, the code reads self.training
         warnings.filterwarnings("ignore", message="Attempted to insert a get_attr Node")
-        _live_flags(g, traced_training)
-
-
-def _live_flags(g, traced_training):
-    for node in list(g.nodes):
-        if node.op != "call_function" or node.target not in _DROPOUTS:
-            continue
-        if "training" in node.kwargs:
-            if node.kwargs["training"] is traced_training:
-                with g.inserting_before(node):
-                    flag = g.get_attr("training")
-                node.kwargs = {**node.kwargs, "training": flag}
-        elif len(node.args) > 2 and node.args[2] is traced_training:
+        for node, twin in zip(nodes, other):
+            if _training_arg(node) == _training_arg(twin):
+                continue   # the same in both modes: a constant
             with g.inserting_before(node):
                 flag = g.get_attr("training")
-            node.args = node.args[:2] + (flag,) + node.args[3:]
-        # no training argument: the functional default (True) is a constant, dropping in
-        # eval too, and stays one
+            if "training" in node.kwargs or len(node.args) <= 2:
+                node.kwargs = {**node.kwargs, "training": flag}
+            else:
+                node.args = node.args[:2] + (flag,) + node.args[3:]
 
 
 def _walk(module, report, prefix, apply):
@@ -692,7 +707,7 @@ def _walk(module, report, prefix, apply):
     try:
         gm = tfx.symbolic_trace(module)
         if apply:
-            _live_training_flags(gm, module.training)
+            _live_training_flags(module, gm)
     except Exception as e:   # noqa: BLE001 - any tracing failure means: try the children
         report.untraced.append((prefix.rstrip(".") or type(module).__name__,
                                 f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"))

@@ -160,13 +160,9 @@ extern "C" kt_status kt_batch_norm(kt_dtype t, const void *x, void *y, const voi
                                    float *invstd, float *running_mean, float *running_var, float *workspace, int relu,
                                    void *stream) {
   if (bad(N, C, S) || !x || !y || !mean || !invstd || (training && !workspace) || !(eps >= 0)) return KT_ERR_INVALID;
-  cudaStream_t s = (cudaStream_t)stream;
-  switch (t) {
-    case KT_F32: return fwd<float>(x, y, w, b, N, C, S, training, momentum, eps, mean, invstd, running_mean, running_var, workspace, relu, s);
-    case KT_F16: return fwd<__half>(x, y, w, b, N, C, S, training, momentum, eps, mean, invstd, running_mean, running_var, workspace, relu, s);
-    case KT_BF16: return fwd<__nv_bfloat16>(x, y, w, b, N, C, S, training, momentum, eps, mean, invstd, running_mean, running_var, workspace, relu, s);
-  }
-  return KT_ERR_INVALID;
+  const cudaStream_t s = (cudaStream_t)stream;
+  KT_DISPATCH(t, fwd<T>(x, y, w, b, N, C, S, training, momentum, eps, mean, invstd, running_mean, running_var,
+                        workspace, relu, s))
 }
 
 extern "C" kt_status kt_batch_norm_backward(kt_dtype t, const void *grad, const void *x, const void *y, void *grad_x,
@@ -175,11 +171,7 @@ extern "C" kt_status kt_batch_norm_backward(kt_dtype t, const void *grad, const 
                                             float *workspace, int relu, void *stream) {
   if (bad(N, C, S) || !grad || !x || !grad_x || !mean || !invstd || !sum_g || !sum_gx || !workspace || (relu && !y))
     return KT_ERR_INVALID;
-  cudaStream_t s = (cudaStream_t)stream;
-  switch (t) {
-    case KT_F32: return bwd<float>(grad, x, y, grad_x, w, N, C, S, training, mean, invstd, sum_g, sum_gx, workspace, relu, s);
-    case KT_F16: return bwd<__half>(grad, x, y, grad_x, w, N, C, S, training, mean, invstd, sum_g, sum_gx, workspace, relu, s);
-    case KT_BF16: return bwd<__nv_bfloat16>(grad, x, y, grad_x, w, N, C, S, training, mean, invstd, sum_g, sum_gx, workspace, relu, s);
-  }
-  return KT_ERR_INVALID;
+  const cudaStream_t s = (cudaStream_t)stream;
+  KT_DISPATCH(t, bwd<T>(grad, x, y, grad_x, w, N, C, S, training, mean, invstd, sum_g, sum_gx, workspace, relu,
+                        s))
 }

@@ -157,11 +157,5 @@ extern "C" kt_status kt_cross_entropy(kt_dtype t, const void *logits, const int6
   if (grad && ((uintptr_t)grad & 15) != ((uintptr_t)logits & 15)) return KT_ERR_INVALID;
   if (rows == 0) return KT_OK;
   cudaStream_t s = (cudaStream_t)stream;
-  switch (t) {
-    case KT_F32: return launch<float>(logits, target, loss, grad, grad_scale, rows, C, ld, ignore_index, label_smoothing, s);
-    case KT_F16: return launch<__half>(logits, target, loss, grad, grad_scale, rows, C, ld, ignore_index, label_smoothing, s);
-    case KT_BF16:
-      return launch<__nv_bfloat16>(logits, target, loss, grad, grad_scale, rows, C, ld, ignore_index, label_smoothing, s);
-  }
-  return KT_ERR_INVALID;
+  KT_DISPATCH(t, launch<T>(logits, target, loss, grad, grad_scale, rows, C, ld, ignore_index, label_smoothing, s))
 }

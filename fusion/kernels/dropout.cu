@@ -127,13 +127,6 @@ bool bad(int64_t n, double p) { return n < 0 || !(p >= 0 && p <= 1); }
 }  // namespace
 
 // ---- launchers ----
-#define KT_DISPATCH(t, CALL)                                  \
-  switch (t) {                                                \
-    case KT_F32: { using T = float; return CALL; }            \
-    case KT_F16: { using T = __half; return CALL; }           \
-    case KT_BF16: { using T = __nv_bfloat16; return CALL; }   \
-  }                                                           \
-  return KT_ERR_INVALID;
 
 extern "C" kt_status kt_gelu_dropout(kt_dtype t, const void *x, void *out, int64_t n, double p, uint64_t seed,
                                      uint64_t offset, int approximate, void *stream) {

@@ -18,6 +18,16 @@
 
 #include "kitsune/fusion.h"
 
+// Runs CALL with T bound to the storage type of kt_dtype t and returns its status;
+// KT_ERR_INVALID for an unknown dtype. For the launchers' dtype switch.
+#define KT_DISPATCH(t, CALL)                                  \
+  switch (t) {                                                \
+    case KT_F32: { using T = float; return CALL; }            \
+    case KT_F16: { using T = __half; return CALL; }           \
+    case KT_BF16: { using T = __nv_bfloat16; return CALL; }   \
+  }                                                           \
+  return KT_ERR_INVALID;
+
 namespace kt {
 
 __device__ __forceinline__ float to_f(float v) { return v; }

@@ -248,6 +248,14 @@ kt_status bwd(const void *g, const void *gh_in, const void *h, const void *w, co
   return kt::status_of(cudaGetLastError());
 }
 
+template <typename T>
+kt_status param_grads(const void *g, const void *h, const float *mean, const float *rstd, float *pw, float *pb,
+                      int64_t splits, int64_t rows, int64_t n, cudaStream_t s) {
+  ln_param<T><<<dim3((unsigned)((n + 31) / 32), (unsigned)splits), dim3(32, 8), 0, s>>>(
+      (const T *)g, (const T *)h, mean, rstd, nullptr, nullptr, pw, pb, rows, n, false);
+  return kt::status_of(cudaGetLastError());
+}
+
 bool bad(int64_t rows, int64_t n, float eps) { return rows < 0 || rows > 0x7fffffff || n <= 0 || !(eps >= 0.f); }
 
 }  // namespace
@@ -267,12 +275,7 @@ extern "C" kt_status kt_layer_norm(kt_dtype t, const void *x, const void *residu
   if (bad(rows, n, eps) || !x || !y || (sum_out && !residual)) return KT_ERR_INVALID;
   if (rows == 0) return KT_OK;
   cudaStream_t s = (cudaStream_t)stream;
-  switch (t) {
-    case KT_F32: return fwd<float>(x, residual, weight, bias, sum_out, y, rows, n, eps, relu, s);
-    case KT_F16: return fwd<__half>(x, residual, weight, bias, sum_out, y, rows, n, eps, relu, s);
-    case KT_BF16: return fwd<__nv_bfloat16>(x, residual, weight, bias, sum_out, y, rows, n, eps, relu, s);
-  }
-  return KT_ERR_INVALID;
+  KT_DISPATCH(t, fwd<T>(x, residual, weight, bias, sum_out, y, rows, n, eps, relu, s))
 }
 
 extern "C" kt_status kt_layer_norm_backward(kt_dtype t, const void *grad, const void *grad_h_in, const void *h,
@@ -284,18 +287,8 @@ extern "C" kt_status kt_layer_norm_backward(kt_dtype t, const void *grad, const 
   if ((partial_w && !weight) || (partial_b && !bias)) return KT_ERR_INVALID;
   if (rows == 0) return KT_OK;
   cudaStream_t s = (cudaStream_t)stream;
-  switch (t) {
-    case KT_F32:
-      return bwd<float>(grad, grad_h_in, h, weight, bias, grad_h, mean, rstd, partial_w, partial_b, splits, rows, n,
-                        eps, relu, s);
-    case KT_F16:
-      return bwd<__half>(grad, grad_h_in, h, weight, bias, grad_h, mean, rstd, partial_w, partial_b, splits, rows, n,
-                         eps, relu, s);
-    case KT_BF16:
-      return bwd<__nv_bfloat16>(grad, grad_h_in, h, weight, bias, grad_h, mean, rstd, partial_w, partial_b, splits,
-                                rows, n, eps, relu, s);
-  }
-  return KT_ERR_INVALID;
+  KT_DISPATCH(t, bwd<T>(grad, grad_h_in, h, weight, bias, grad_h, mean, rstd, partial_w, partial_b, splits, rows, n,
+                        eps, relu, s))
 }
 
 extern "C" kt_status kt_layer_norm_param_grads(kt_dtype t, const void *grad, const void *h, const float *mean,
@@ -304,22 +297,5 @@ extern "C" kt_status kt_layer_norm_param_grads(kt_dtype t, const void *grad, con
   if (rows < 0 || n <= 0 || !grad || !h || !rstd || (!partial_w && !partial_b) || splits < 1 || splits > 65535)
     return KT_ERR_INVALID;
   if (rows == 0) return KT_OK;
-  dim3 grid((unsigned)((n + 31) / 32), (unsigned)splits), block(32, 8);
-  cudaStream_t s = (cudaStream_t)stream;
-  switch (t) {
-    case KT_F32:
-      ln_param<float><<<grid, block, 0, s>>>((const float *)grad, (const float *)h, mean, rstd, nullptr, nullptr,
-                                             partial_w, partial_b, rows, n, false);
-      break;
-    case KT_F16:
-      ln_param<__half><<<grid, block, 0, s>>>((const __half *)grad, (const __half *)h, mean, rstd, nullptr, nullptr,
-                                              partial_w, partial_b, rows, n, false);
-      break;
-    case KT_BF16:
-      ln_param<__nv_bfloat16><<<grid, block, 0, s>>>((const __nv_bfloat16 *)grad, (const __nv_bfloat16 *)h, mean, rstd,
-                                                     nullptr, nullptr, partial_w, partial_b, rows, n, false);
-      break;
-    default: return KT_ERR_INVALID;
-  }
-  return kt::status_of(cudaGetLastError());
+  KT_DISPATCH(t, param_grads<T>(grad, h, mean, rstd, partial_w, partial_b, splits, rows, n, (cudaStream_t)stream))
 }

@@ -101,10 +101,5 @@ extern "C" kt_status kt_reduce(kt_dtype t, int op, const void *x, void *out, flo
   if (kt_reduce_workspace(rows, n) && !workspace) return KT_ERR_INVALID;
   if (rows == 0) return KT_OK;
   cudaStream_t s = (cudaStream_t)stream;
-  switch (t) {
-    case KT_F32: return run_op<float>(op, x, out, workspace, rows, n, s);
-    case KT_F16: return run_op<__half>(op, x, out, workspace, rows, n, s);
-    case KT_BF16: return run_op<__nv_bfloat16>(op, x, out, workspace, rows, n, s);
-  }
-  return KT_ERR_INVALID;
+  KT_DISPATCH(t, run_op<T>(op, x, out, workspace, rows, n, s))
 }

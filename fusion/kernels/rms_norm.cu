@@ -141,12 +141,7 @@ extern "C" kt_status kt_rms_norm(kt_dtype t, const void *x, const void *w, void 
   if (bad(rows, n, eps) || !x || !w || !y) return KT_ERR_INVALID;
   if (rows == 0) return KT_OK;
   cudaStream_t s = (cudaStream_t)stream;
-  switch (t) {
-    case KT_F32: return fwd<float>(x, w, y, rows, n, eps, s);
-    case KT_F16: return fwd<__half>(x, w, y, rows, n, eps, s);
-    case KT_BF16: return fwd<__nv_bfloat16>(x, w, y, rows, n, eps, s);
-  }
-  return KT_ERR_INVALID;
+  KT_DISPATCH(t, fwd<T>(x, w, y, rows, n, eps, s))
 }
 
 extern "C" kt_status kt_rms_norm_backward(kt_dtype t, const void *grad, const void *x, const void *w, void *grad_x,
@@ -154,10 +149,5 @@ extern "C" kt_status kt_rms_norm_backward(kt_dtype t, const void *grad, const vo
   if (bad(rows, n, eps) || !grad || !x || !w || !grad_x) return KT_ERR_INVALID;
   if (rows == 0) return KT_OK;
   cudaStream_t s = (cudaStream_t)stream;
-  switch (t) {
-    case KT_F32: return bwd<float>(grad, x, w, grad_x, rstd, rows, n, eps, s);
-    case KT_F16: return bwd<__half>(grad, x, w, grad_x, rstd, rows, n, eps, s);
-    case KT_BF16: return bwd<__nv_bfloat16>(grad, x, w, grad_x, rstd, rows, n, eps, s);
-  }
-  return KT_ERR_INVALID;
+  KT_DISPATCH(t, bwd<T>(grad, x, w, grad_x, rstd, rows, n, eps, s))
 }

@@ -2,6 +2,9 @@
 rewritten, outputs stay equal, and what is left comes with a reason. (The rewritten
 graph runs the ops' CPU reference kernels here; the GPU kernels are checked
 against the same references in test_ops.py.)"""
+import os
+import sys
+
 import pytest
 
 from test_torch_allocator import gpu
@@ -110,39 +113,20 @@ def test_untraceable_modules_fall_back_to_their_children():
     torch.testing.assert_close(opt(-x), m(-x))
 
 
-def _causal_attention(qkv, h):
-    """Multi-head causal self-attention of a fused q|k|v projection (b, t, 3d)."""
-    b, t, d = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
-    q, k, v = qkv.split(d, dim=2)   # unpacked here: torch.fx cannot iterate a Proxy
-    q, k, v = (z.view(b, t, h, d // h).transpose(1, 2) for z in (q, k, v))
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+# The GPT-2 and LLaMA blocks are bench/kernels/train_models.py's (what the end-to-end
+# benchmark trains), at small default sizes.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench", "kernels"))
+import train_models as _tm  # noqa: E402
 
 
-class GPT2Block(nn.Module):
+class GPT2Block(_tm.GPT2Block):
     def __init__(self, d=32, h=4):
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-        self.gelu, self.h = nn.GELU(approximate="tanh"), h
-
-    def forward(self, x):
-        x = x + self.proj(_causal_attention(self.qkv(self.ln1(x)), self.h))
-        return x + self.out(self.gelu(self.fc(self.ln2(x))))
+        super().__init__(d, h)
 
 
-class LlamaBlock(nn.Module):
+class LlamaBlock(_tm.LlamaBlock):
     def __init__(self, d=32, h=4, f=64):
-        super().__init__()
-        self.n1, self.n2 = nn.RMSNorm(d, eps=1e-6), nn.RMSNorm(d, eps=1e-6)
-        self.qkv, self.o = nn.Linear(d, 3 * d, bias=False), nn.Linear(d, d, bias=False)
-        self.w1, self.w2, self.w3 = nn.Linear(d, f, bias=False), nn.Linear(f, d, bias=False), nn.Linear(d, f, bias=False)
-        self.h = h
-
-    def forward(self, x):
-        x = x + self.o(_causal_attention(self.qkv(self.n1(x)), self.h))
-        hdn = self.n2(x)
-        return x + self.w2(F.silu(self.w1(hdn)) * self.w3(hdn))
+        super().__init__(d, h, f)
 
 
 class BasicBlock(nn.Module):   # torchvision's ResNet BasicBlock, as written there

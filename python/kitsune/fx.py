@@ -25,8 +25,7 @@ Patterns (each intermediate must have no other user, so nothing observable is lo
                               with C spelled as logits.size(-1); weight=None and
                               reduction="mean" only
   cross_entropy(logits)    -> kitsune.cross_entropy (2-D logits at run time)
-  relu(linear(x))          -> kitsune.linear_act(x, W, b, "relu") (a Linear with a bias:
-                              bias + ReLU in the GEMM's epilogue)
+  relu(linear(x))          -> kitsune.linear_act(x, W, b, "relu") (a Linear with a bias)
   relu(BatchNorm(x))       -> kitsune.batch_norm_relu (nn.BatchNorm1d/2d/3d; the
                               module's mode, momentum and running stats read at run time)
   (q @ k^T) * s, (q @ k^T) / s   -> kitsune.attention_score(q, k, scale) (s a Python

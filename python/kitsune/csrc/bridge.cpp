@@ -1716,9 +1716,9 @@ std::tuple<Tensor, Tensor, Tensor> batch_norm_relu_backward_cpu(const Tensor& gr
 
 // ---- autograd in C++ for the ops a model calls once per layer ----
 // torch.library.register_autograd runs the forward through Python (about 70 us of
-// host time a call, measured on CPU against 20 us for F.rms_norm), which made
-// kernel-bound steps host-bound (a LLaMA-style step: 15.9 ms of kernels in a 24 ms
-// step, bench/results/h100_profile_llama_kitsune_ed26073.log). These Functions call the
+// host time a call, measured on CPU against 20 us for F.rms_norm). A LLaMA-style step
+// had 15.9 ms of kernels in a 24 ms step (bench/results/h100_profile_llama_kitsune_
+// ed26073.log): the GPU waited, most likely on that host time. These Functions call the
 // forward op below autograd and the *_backward op from backward, on the Autograd key.
 // (cross_entropy, linear_cross_entropy, sum_squared and mean_abs, called once a step,
 // keep their autograd in ops.py.)
@@ -1927,10 +1927,10 @@ std::tuple<Tensor, Tensor, Tensor> batch_norm_relu_autograd(const Tensor& x, con
 }
 
 // ---- linear_act: act(x @ W^T + b) ----
-// relu: one GEMM with cuBLASLt's bias + ReLU epilogue on CUDA (ATen's
-// _addmm_activation; on the CPU, addmm then relu). gelu / gelu_tanh: the GEMM, then
-// kitsune.bias_gelu (cuBLASLt's GELU epilogue is the tanh approximation only, and
-// ATen's CPU path is exact erf, so the epilogue is not used for GELU). x (..., in),
+// relu: ATen's _addmm_activation (on CUDA meant to be one GEMM with cuBLASLt's bias +
+// ReLU epilogue; on the CPU, addmm then relu). gelu / gelu_tanh: the GEMM, then
+// kitsune.bias_gelu (ATen's CPU _addmm_activation GELU is exact erf while cuBLASLt's
+// GELU epilogue is used for the tanh approximation, so it is not used for GELU). x (..., in),
 // weight (out, in), bias (out,).
 void check_linear_act(const Tensor& x, const Tensor& w, const Tensor& b, c10::string_view act) {
   TORCH_CHECK(act == "relu" || act == "gelu" || act == "gelu_tanh",

@@ -2,7 +2,7 @@
 # One device call: facts, clean build, then the parts named in GPU_RUN_PARTS
 # (default "test bench demo": make gpu-test, make bench, make demo; "pytest" runs
 # only the pytest part of gpu-test, narrowed by KT_PYTEST_ARGS; "data" adds
-# make bench-data, "kernels" make bench-kernels). Everything is logged to $OUT/run.log; JSON results and the
+# make bench-data, "kernels" make bench-kernels, "profile" tools/profile_train.py). Everything is logged to $OUT/run.log; JSON results and the
 # recorded trace also land in $OUT (the device tool brings back at most 8 files).
 # Carry .deps (make gpu-deps).
 set -uo pipefail
@@ -32,6 +32,12 @@ if [[ $parts == *" data "* ]]; then
 fi
 if [[ $parts == *" kernels "* ]]; then
   echo "== bench-kernels =="; time BENCH_OUT="$OUT" make bench-kernels
+fi
+if [[ $parts == *" profile "* ]]; then   # top kernels of one training step, to $OUT/profile.log
+  echo "== profile =="
+  for v in "gpt2 kitsune" "gpt2 eager" "llama kitsune" "llama eager"; do
+    KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python python3 tools/profile_train.py $v
+  done > "$OUT/profile.log" 2>&1; tail -5 "$OUT/profile.log"
 fi
 if [[ $parts == *" demo "* ]]; then
   echo "== demo =="; make demo

@@ -539,7 +539,8 @@ def test_gpu_batch_norm_relu_matches_fp64(dtype, training):
         w, b = _t((c,), dtype, "cuda", g), _t((c,), dtype, "cuda", g)
         rm, rv = _t((c,), torch.float32, "cuda", g), _t((c,), torch.float32, "cuda", g).abs() + 0.5
         r64 = (rm.double(), rv.double())
-        rt = (rm.to(dtype), rv.to(dtype))   # torch's own kernel, one dtype throughout
+        # torch's own kernel, one dtype throughout; copies (for fp32, .to() would alias rm)
+        rt = (rm.to(dtype, copy=True), rv.to(dtype, copy=True))
         _poison(x.numel(), "cuda")
         out = ko.batch_norm_relu(x, rm, rv, w, b, training)
         want = _bn_ref(x.double(), w.double(), b.double(), *r64, training)

@@ -137,6 +137,32 @@ __global__ void ce_kernel(const T *logits, const int64_t *target, float *loss, T
   map_row<T>(x, g, C, [&](int64_t i, float v) { return sc * (__expf(v - lse) - (i == t ? on : 0.f) - off); });
 }
 
+// One block: c = the number of targets that are not ignore_index, then
+//   MEAN:  *out = sum(loss[0..rows)) / c, stored as T (0 / 0 = NaN when all are ignored)
+//   SCALE: *scale = *grad / c (grad of type T; NULL means 1), the gradient kernel's scale
+// A fixed order of additions: the same inputs give the same bits.
+template <typename T, bool MEAN>
+__global__ void ce_finish(const float *loss, const int64_t *target, int64_t rows, int64_t ignore, const T *grad,
+                          T *out, float *scale) {
+  float s = 0.f, c = 0.f;
+  for (int64_t i = threadIdx.x; i < rows; i += blockDim.x) {
+    if (MEAN) s += loss[i];
+    c += target[i] != ignore ? 1.f : 0.f;
+  }
+  const kt::Fv<2> r = kt::block_sum<2>({{s, c}});
+  if (threadIdx.x) return;
+  if (MEAN) *out = kt::from_f<T>(r.v[0] / r.v[1]);
+  else *scale = (grad ? kt::to_f(*grad) : 1.f) / r.v[1];
+}
+
+template <typename T>
+kt_status finish(const float *loss, const int64_t *target, int64_t rows, int64_t ignore, const void *grad, void *out,
+                 float *scale, cudaStream_t s) {
+  if (loss) ce_finish<T, true><<<1, 1024, 0, s>>>(loss, target, rows, ignore, nullptr, (T *)out, nullptr);
+  else ce_finish<T, false><<<1, 1024, 0, s>>>(nullptr, target, rows, ignore, (const T *)grad, nullptr, scale);
+  return kt::status_of(cudaGetLastError());
+}
+
 template <typename T>
 kt_status launch(const void *logits, const int64_t *target, float *loss, void *grad, const float *scale, int64_t rows,
                  int64_t C, int64_t ld, int64_t ignore, float smoothing, cudaStream_t s) {
@@ -158,4 +184,18 @@ extern "C" kt_status kt_cross_entropy(kt_dtype t, const void *logits, const int6
   if (rows == 0) return KT_OK;
   cudaStream_t s = (cudaStream_t)stream;
   KT_DISPATCH(t, launch<T>(logits, target, loss, grad, grad_scale, rows, C, ld, ignore_index, label_smoothing, s))
+}
+
+extern "C" kt_status kt_cross_entropy_mean(kt_dtype t, const float *loss, const int64_t *target, int64_t rows,
+                                           int64_t ignore_index, void *out, void *stream) {
+  if (rows < 0 || (rows && (!loss || !target)) || !out) return KT_ERR_INVALID;
+  cudaStream_t s = (cudaStream_t)stream;
+  KT_DISPATCH(t, finish<T>(loss, target, rows, ignore_index, nullptr, out, nullptr, s))
+}
+
+extern "C" kt_status kt_cross_entropy_scale(kt_dtype t, const void *grad, const int64_t *target, int64_t rows,
+                                            int64_t ignore_index, float *scale, void *stream) {
+  if (rows < 0 || (rows && !target) || !scale) return KT_ERR_INVALID;
+  cudaStream_t s = (cudaStream_t)stream;
+  KT_DISPATCH(t, finish<T>(nullptr, target, rows, ignore_index, grad, nullptr, scale, s))
 }

@@ -221,91 +221,22 @@ def _(x, weight, bias, act="relu"):
 
 
 # ---- autograd ----
-# The per-layer ops (add_relu, mul_tanh, swiglu, bias_gelu, rms_norm, layer_norm_relu,
-# add_layer_norm, batch_norm_relu) have their autograd in C++ (the bridge's Autograd-key kernels: no
-# Python on the launch path); the once-a-step ops below register theirs here.
-def _ce_setup(ctx, inputs, output):
-    logits, target, ctx.ignore_index, ctx.label_smoothing = inputs
-    ctx.save_for_backward(logits, target)
-
-
-def _ce_bwd(ctx, grad):
-    logits, target = ctx.saved_tensors
-    return _lib.cross_entropy_backward(grad, logits, target, ctx.ignore_index, ctx.label_smoothing), None, None, None
-
-
+# Every op but one has its autograd in C++ (the bridge's Autograd-key kernels: no Python
+# on the launch path). The linear_cross_entropy op, called directly, registers its
+# backward here; kitsune.ops.linear_cross_entropy below (an autograd.Function) forms
+# the gradients in its forward instead.
 def _lce_setup(ctx, inputs, output):
     x, weight, target, bias, *ctx.options = inputs
     ctx.save_for_backward(x, weight, target, bias)
 
 
 def _lce_bwd(ctx, grad):
-    # The op called directly recomputes the chunks here; kitsune.ops.linear_cross_entropy
-    # computes the gradients in the forward instead (no second pass over the logits).
     x, weight, target, bias = ctx.saved_tensors
     _, gx, gw, gb = _lib.linear_cross_entropy_grads(x, weight, target, bias, *ctx.options)
     return gx * grad, gw * grad, None, (gb * grad if bias is not None else None), None, None, None
 
 
-def _unreduce(grad, x, dim, keepdim):
-    """grad of a reduction over `dim`, reshaped so it broadcasts against x."""
-    if keepdim or x.dim() == 0:
-        return grad
-    nd = x.dim()
-    dims = set(range(nd)) if not dim else {d % nd for d in dim}
-    return grad.reshape([1 if d in dims else x.shape[d] for d in range(nd)])
-
-
-def _reduce_setup(ctx, inputs, output):
-    x, ctx.dim, ctx.keepdim = inputs
-    ctx.save_for_backward(x)
-
-
-def _sum_squared_bwd(ctx, grad):
-    (x,) = ctx.saved_tensors
-    return 2 * x * _unreduce(grad, x, ctx.dim, ctx.keepdim), None, None
-
-
-def _mean_abs_bwd(ctx, grad):
-    (x,) = ctx.saved_tensors
-    g = _unreduce(grad, x, ctx.dim, ctx.keepdim)
-    n = x.numel() // max(g.numel(), 1) if x.numel() else 1
-    return torch.sign(x) * g / n, None, None
-
-
-def _gelu_dropout_setup(ctx, inputs, output):
-    x, p, training, ctx.approximate = inputs
-    ctx.p = p if training else 0.0
-    ctx.save_for_backward(x, output[1])
-
-
-def _gelu_dropout_bwd(ctx, grad, _grad_rng):
-    x, rng = ctx.saved_tensors
-    return _lib.gelu_dropout_backward(grad, x, rng, ctx.p, ctx.approximate), None, None, None
-
-
-def _bias_dropout_add_setup(ctx, inputs, output):
-    x, bias, _, p, training = inputs
-    ctx.p, ctx.nbias, ctx.bias_dtype = (p if training else 0.0), bias.shape[0], bias.dtype
-    ctx.save_for_backward(output[1])
-
-
-def _bias_dropout_add_bwd(ctx, grad, _grad_rng):
-    (rng,) = ctx.saved_tensors
-    gx = _lib.dropout_backward(grad, rng, ctx.p)
-    gb = gx.reshape(-1, ctx.nbias).sum(0, dtype=torch.promote_types(gx.dtype, torch.float32)).to(ctx.bias_dtype)
-    return gx, gb, grad, None, None
-
-
-for _name, (_bwd, _setup) in {
-    "cross_entropy": (_ce_bwd, _ce_setup),
-    "linear_cross_entropy": (_lce_bwd, _lce_setup),
-    "sum_squared": (_sum_squared_bwd, _reduce_setup),
-    "mean_abs": (_mean_abs_bwd, _reduce_setup),
-    "gelu_dropout": (_gelu_dropout_bwd, _gelu_dropout_setup),
-    "bias_dropout_add": (_bias_dropout_add_bwd, _bias_dropout_add_setup),
-}.items():
-    torch.library.register_autograd(f"kitsune::{_name}", _bwd, setup_context=_setup)
+torch.library.register_autograd("kitsune::linear_cross_entropy", _lce_bwd, setup_context=_lce_setup)
 
 
 # ---- the Python API ------------------------------------------------------------

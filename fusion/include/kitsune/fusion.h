@@ -98,6 +98,14 @@ kt_status kt_layer_norm_param_grads(kt_dtype t, const void *grad, const void *h,
 kt_status kt_cross_entropy(kt_dtype t, const void *logits, const int64_t *target, float *loss, void *grad,
                            const float *grad_scale, int64_t rows, int64_t C, int64_t ld, int64_t ignore_index,
                            float label_smoothing, void *stream);
+/* The mean over the rows whose target is not ignore_index, in one block:
+ *   kt_cross_entropy_mean:  *out (type t) = sum(loss[0..rows)) / count
+ *   kt_cross_entropy_scale: *scale (fp32) = *grad (type t; NULL means 1) / count
+ * A count of 0 gives NaN (0 / 0), as PyTorch's mean reduction does. */
+kt_status kt_cross_entropy_mean(kt_dtype t, const float *loss, const int64_t *target, int64_t rows,
+                                int64_t ignore_index, void *out, void *stream);
+kt_status kt_cross_entropy_scale(kt_dtype t, const void *grad, const int64_t *target, int64_t rows,
+                                 int64_t ignore_index, float *scale, void *stream);
 
 /* Row reductions over the last dimension of a [rows, n] view (rows = 1 for a full
  * reduction), fp32 accumulation, one rounding to the storage type:

@@ -1044,8 +1044,25 @@ std::pair<Tensor, Tensor> ce_views(const Tensor& logits, const Tensor& target, d
   if ((uintptr_t)l.data_ptr() & 15) l = l.clone();   // the gradient's alignment must match
   return {l, target.reshape({-1}).contiguous()};
 }
-// 1 / (number of targets that are not ignore_index), fp32 on the device: no host sync.
-Tensor inv_count(const Tensor& target, int64_t ignore) { return (target != ignore).sum().to(at::kFloat).reciprocal(); }
+// grad / (number of targets that are not ignore_index), fp32 on the device, one kernel
+// and no host sync; an undefined grad means 1.
+Tensor ce_scale(const Tensor& target, int64_t ignore, const Tensor& grad, const char* op) {
+  Tensor sc = at::empty({1}, target.options().dtype(at::kFloat));
+  Tensor g = grad.defined() ? (grad.scalar_type() == at::kDouble ? grad.to(at::kFloat) : grad).contiguous() : grad;
+  check_launch(kt_cross_entropy_scale(g.defined() ? dtype_of(g, op) : KT_F32, g.defined() ? g.data_ptr() : nullptr,
+                                      target.data_ptr<int64_t>(), target.numel(), ignore, sc.data_ptr<float>(),
+                                      stream_of(sc)),
+               op);
+  return sc;
+}
+// The mean of the per-row losses over the rows not ignored, as a 0-d tensor of dtype.
+Tensor ce_mean(const Tensor& losses, const Tensor& target, int64_t ignore, at::ScalarType dtype, const char* op) {
+  Tensor out = at::empty({}, losses.options().dtype(dtype));
+  check_launch(kt_cross_entropy_mean(dtype_of(out, op), losses.data_ptr<float>(), target.data_ptr<int64_t>(),
+                                     target.numel(), ignore, out.data_ptr(), stream_of(out)),
+               op);
+  return out;
+}
 
 Tensor cross_entropy_cuda(const Tensor& logits, const Tensor& target, int64_t ignore, double smoothing) {
   auto [l, t] = ce_views(logits, target, smoothing, "cross_entropy");
@@ -1055,7 +1072,7 @@ Tensor cross_entropy_cuda(const Tensor& logits, const Tensor& target, int64_t ig
                                 losses.data_ptr<float>(), nullptr, nullptr, l.size(0), l.size(1), l.size(1), ignore,
                                 (float)smoothing, stream_of(l)),
                "cross_entropy");
-  return (losses.sum() * inv_count(t, ignore)).to(l.scalar_type());
+  return ce_mean(losses, t, ignore, l.scalar_type(), "cross_entropy");
 }
 Tensor ce_reference(const Tensor& l, const Tensor& t, int64_t ignore, double smoothing) {   // per row, opmath
   Tensor lf = l.to(opmath(l));
@@ -1076,7 +1093,11 @@ Tensor cross_entropy_backward_cuda(const Tensor& grad, const Tensor& logits, con
                                    double smoothing) {
   auto [l, t] = ce_views(logits, target, smoothing, "cross_entropy_backward");
   c10::cuda::CUDAGuard g(l.device());
-  Tensor scale = (grad.to(at::kFloat).reshape({}) * inv_count(t, ignore)).reshape({1}).contiguous();
+  TORCH_CHECK(grad.numel() == 1, "kitsune.cross_entropy_backward: grad must have one element (the loss is a mean); got ",
+              grad.sizes());
+  TORCH_CHECK(grad.device() == logits.device(), "kitsune.cross_entropy_backward: grad is on ", grad.device(),
+              " but logits are on ", logits.device());
+  Tensor scale = ce_scale(t, ignore, grad, "cross_entropy_backward");
   Tensor gl = at::empty_like(l);
   check_launch(kt_cross_entropy(dtype_of(l, "cross_entropy_backward"), l.data_ptr(), t.data_ptr<int64_t>(), nullptr,
                                 gl.data_ptr(), scale.data_ptr<float>(), l.size(0), l.size(1), l.size(1), ignore,
@@ -1140,7 +1161,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> lce_cuda(const Tensor& x, const Tenso
   const int64_t rows = x2.size(0), H = x2.size(1), V = w.size(0);
   Tensor wc = w.contiguous();
   auto fopt = x.options().dtype(at::kFloat);
-  Tensor losses = at::empty({rows}, fopt), inv = inv_count(t, ignore).reshape({1}).contiguous();
+  Tensor losses = at::empty({rows}, fopt), inv = ce_scale(t, ignore, Tensor(), op);
   Tensor gx, gw, gb;
   if (grads) {
     gx = at::empty_like(x2);
@@ -1186,7 +1207,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> lce_cuda(const Tensor& x, const Tenso
     if (bias) gb.add_(logits.narrow(1, 0, V).sum(0, false, at::kFloat));
   }
   if (grads && ld != V && rows) gw = gw.narrow(0, 0, V);   // the first V rows: contiguous
-  Tensor loss = (losses.sum() * inv.reshape({})).to(x.scalar_type());
+  Tensor loss = ce_mean(losses, t, ignore, x.scalar_type(), op);
   if (!grads) return {loss, Tensor(), Tensor(), Tensor()};
   return {loss, gx.view(x.sizes()), gw,
           bias ? gb.to(bias->scalar_type()) : at::empty({0}, x.options())};
@@ -1720,8 +1741,8 @@ std::tuple<Tensor, Tensor, Tensor> batch_norm_relu_backward_cpu(const Tensor& gr
 // had 15.9 ms of kernels in a 24 ms step (bench/results/h100_profile_llama_kitsune_
 // ed26073.log): the GPU waited, most likely on that host time. These Functions call the
 // forward op below autograd and the *_backward op from backward, on the Autograd key.
-// (cross_entropy, linear_cross_entropy, sum_squared and mean_abs, called once a step,
-// keep their autograd in ops.py.)
+// (The linear_cross_entropy op keeps its autograd in ops.py: kitsune.ops'
+// linear_cross_entropy, an autograd.Function, forms the gradients in its forward.)
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
@@ -1990,7 +2011,142 @@ Tensor linear_act_autograd(const Tensor& x, const Tensor& w, const Tensor& b, c1
   return LinearActFn::apply(x, w, b, std::string(act));
 }
 
+// cross_entropy: backward through cross_entropy_backward (one kernel for the scale,
+// one for the gradient).
+struct CrossEntropyFn : torch::autograd::Function<CrossEntropyFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& logits, const Tensor& target, int64_t ignore,
+                        double smoothing) {
+    static auto op = op_handle<Tensor(const Tensor&, const Tensor&, int64_t, double)>("kitsune::cross_entropy");
+    ctx->saved_data["ignore"] = ignore;
+    ctx->saved_data["smoothing"] = smoothing;
+    ctx->save_for_backward({logits, target});
+    at::AutoDispatchBelowADInplaceOrView g;
+    return op.call(logits, target, ignore, smoothing);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list go) {
+    static auto op = op_handle<Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t, double)>(
+        "kitsune::cross_entropy_backward");
+    auto s = ctx->get_saved_variables();
+    return {op.call(go[0], s[0], s[1], ctx->saved_data["ignore"].toInt(), ctx->saved_data["smoothing"].toDouble()),
+            Tensor(), Tensor(), Tensor()};
+  }
+};
+
+// sum_squared (which 0) and mean_abs (which 1): d/dx sum x^2 = 2x; d/dx mean |x| = sign(x) / n.
+struct ReduceFn : torch::autograd::Function<ReduceFn> {
+  using Sig = Tensor(const Tensor&, at::OptionalIntArrayRef, bool);
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, std::optional<std::vector<int64_t>> dim, bool keepdim,
+                        int64_t which) {
+    static auto ops = std::array{op_handle<Sig>("kitsune::sum_squared"), op_handle<Sig>("kitsune::mean_abs")};
+    ctx->saved_data["which"] = which;
+    ctx->save_for_backward({x});
+    at::AutoDispatchBelowADInplaceOrView g;
+    Tensor out = ops[which].call(x, dim ? at::OptionalIntArrayRef(*dim) : at::OptionalIntArrayRef(), keepdim);
+    // the gradient's shape before broadcasting: the output with the reduced dims kept
+    ctx->saved_data["kept"] = keepdim || x.dim() == 0 ? out.sizes().vec() : kept_shape(x, dim);
+    return out;
+  }
+  static std::vector<int64_t> kept_shape(const Tensor& x, const std::optional<std::vector<int64_t>>& dim) {
+    std::vector<int64_t> s = x.sizes().vec();
+    if (!dim || dim->empty()) std::fill(s.begin(), s.end(), 1);
+    else
+      for (int64_t d : *dim) s[d < 0 ? d + x.dim() : d] = 1;
+    return s;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list go) {
+    const Tensor x = ctx->get_saved_variables()[0];
+    auto kept = ctx->saved_data["kept"].toIntVector();
+    Tensor g = go[0].reshape(kept);
+    Tensor gx;
+    if (ctx->saved_data["which"].toInt() == 0) {
+      gx = 2 * x * g;
+    } else {
+      const int64_t n = g.numel() ? x.numel() / g.numel() : 1;
+      gx = at::sign(x) * g / (double)std::max<int64_t>(n, 1);
+    }
+    return {gx, Tensor(), Tensor(), Tensor()};
+  }
+};
+
+// gelu_dropout: (out, rng); the mask is rebuilt from rng in the backward.
+struct GeluDropoutFn : torch::autograd::Function<GeluDropoutFn> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, double p, bool training, std::string approx) {
+    static auto op = op_handle<std::tuple<Tensor, Tensor>(const Tensor&, double, bool, c10::string_view)>(
+        "kitsune::gelu_dropout");
+    Tensor out, rng;
+    {
+      at::AutoDispatchBelowADInplaceOrView g;
+      std::tie(out, rng) = op.call(x, p, training, approx);
+    }
+    ctx->saved_data["p"] = training ? p : 0.0;
+    ctx->saved_data["approximate"] = approx;
+    ctx->save_for_backward({x, rng});
+    ctx->mark_non_differentiable({rng});
+    return {out, rng};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list go) {
+    static auto op = op_handle<Tensor(const Tensor&, const Tensor&, const Tensor&, double, c10::string_view)>(
+        "kitsune::gelu_dropout_backward");
+    auto s = ctx->get_saved_variables();
+    Tensor g = go[0].defined() ? go[0] : at::zeros_like(s[0]);
+    return {op.call(g, s[0], s[1], ctx->saved_data["p"].toDouble(), ctx->saved_data["approximate"].toStringRef()),
+            Tensor(), Tensor(), Tensor()};
+  }
+};
+
+// bias_dropout_add: out = residual + dropout(x + bias); (out, rng).
+struct BiasDropoutAddFn : torch::autograd::Function<BiasDropoutAddFn> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& bias, const Tensor& residual,
+                               double p, bool training) {
+    static auto op = op_handle<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, double, bool)>(
+        "kitsune::bias_dropout_add");
+    Tensor out, rng;
+    {
+      at::AutoDispatchBelowADInplaceOrView g;
+      std::tie(out, rng) = op.call(x, bias, residual, p, training);
+    }
+    ctx->saved_data["p"] = training ? p : 0.0;
+    ctx->saved_data["nbias"] = bias.size(0);
+    ctx->saved_data["bias_dtype"] = (int64_t)bias.scalar_type();
+    ctx->save_for_backward({rng});
+    ctx->mark_non_differentiable({rng});
+    return {out, rng};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list go) {
+    static auto op = op_handle<Tensor(const Tensor&, const Tensor&, double)>("kitsune::dropout_backward");
+    if (!go[0].defined()) return {Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+    Tensor gx = op.call(go[0], ctx->get_saved_variables()[0], ctx->saved_data["p"].toDouble());
+    auto bdt = (at::ScalarType)ctx->saved_data["bias_dtype"].toInt();
+    Tensor gb = gx.reshape({-1, ctx->saved_data["nbias"].toInt()})
+                    .sum(0, false, at::promote_types(gx.scalar_type(), at::kFloat))
+                    .to(bdt);
+    return {gx, gb, go[0], Tensor(), Tensor()};
+  }
+};
+
 Tensor add_relu_autograd(const Tensor& a, const Tensor& b) { return AddReluFn::apply(a, b); }
+Tensor cross_entropy_autograd(const Tensor& logits, const Tensor& target, int64_t ignore, double smoothing) {
+  return CrossEntropyFn::apply(logits, target, ignore, smoothing);
+}
+std::optional<std::vector<int64_t>> dims_vec(at::OptionalIntArrayRef dim) {
+  return dim ? std::optional<std::vector<int64_t>>(dim->vec()) : std::nullopt;
+}
+Tensor sum_squared_autograd(const Tensor& x, at::OptionalIntArrayRef dim, bool keepdim) {
+  return ReduceFn::apply(x, dims_vec(dim), keepdim, 0);
+}
+Tensor mean_abs_autograd(const Tensor& x, at::OptionalIntArrayRef dim, bool keepdim) {
+  return ReduceFn::apply(x, dims_vec(dim), keepdim, 1);
+}
+std::tuple<Tensor, Tensor> gelu_dropout_autograd(const Tensor& x, double p, bool training,
+                                                 c10::string_view approximate) {
+  auto out = GeluDropoutFn::apply(x, p, training, std::string(approximate));
+  return {out[0], out[1]};
+}
+std::tuple<Tensor, Tensor> bias_dropout_add_autograd(const Tensor& x, const Tensor& bias, const Tensor& residual,
+                                                     double p, bool training) {
+  auto out = BiasDropoutAddFn::apply(x, bias, residual, p, training);
+  return {out[0], out[1]};
+}
 Tensor mul_tanh_autograd(const Tensor& a, const Tensor& b) { return BinaryFn::apply(a, b, 0); }
 Tensor swiglu_autograd(const Tensor& a, const Tensor& b) { return BinaryFn::apply(a, b, 1); }
 Tensor bias_gelu_autograd(const Tensor& x, const Tensor& bias, c10::string_view approximate) {
@@ -2171,6 +2327,11 @@ TORCH_LIBRARY_IMPL(kitsune, Autograd, m) {
   m.impl("add_layer_norm", &add_layer_norm_autograd);
   m.impl("batch_norm_relu", &batch_norm_relu_autograd);
   m.impl("linear_act", &linear_act_autograd);
+  m.impl("cross_entropy", &cross_entropy_autograd);
+  m.impl("sum_squared", &sum_squared_autograd);
+  m.impl("mean_abs", &mean_abs_autograd);
+  m.impl("gelu_dropout", &gelu_dropout_autograd);
+  m.impl("bias_dropout_add", &bias_dropout_add_autograd);
 }
 
 #define KT_AUTOCAST_IMPLS(KEY)                                                          \

@@ -13,7 +13,8 @@ GB/s counts the bytes an ideal fused kernel moves: every input read once and eve
 output written once (per-column weights and biases, per-row targets and reduction
 results are not counted). Row ops use rows of 1024 (bias_gelu), 4096 (rms_norm,
 layer_norm_relu), 768 (add_layer_norm: GPT-2's width) and 50257 (cross_entropy:
-GPT-2's vocabulary). Outputs are checked against the eager result before any
+GPT-2's vocabulary); batch_norm_relu takes (N, 64, 56, 56) images; the dropout ops
+use p = 0.1 and are checked rather than compared (their masks are random). Outputs are checked against the eager result before any
 timing. Writes kernels_elementwise.json.
 """
 import argparse
@@ -52,6 +53,34 @@ def _logits(n, dtype):
     return x, torch.randint(0, 50257, (x.shape[0],), device="cuda")
 
 
+def _images(n, dtype):   # x (N, 64, 56, 56): ResNet's first stage; running stats, weight, bias (fp32 stats)
+    x = torch.randn(max(n // (64 * 56 * 56), 1), 64, 56, 56, device="cuda", dtype=dtype)
+    c = lambda: torch.randn(64, device="cuda")
+    return x, c(), c().abs() + 0.5, c().to(dtype), c().to(dtype)
+
+
+def _bias_res(n, dtype):   # x, bias (rows of 1024), residual
+    x, r = (torch.randn(n // 1024, 1024, device="cuda", dtype=dtype) for _ in range(2))
+    return x, torch.randn(1024, device="cuda", dtype=dtype), r
+
+
+P = 0.1   # the dropout ops' probability
+
+
+def _dropout_check(expect, tol=2e-2):
+    """Dropout outputs are random (Kitsune's and torch's masks differ), so they are
+    checked, not compared: every element is 0 or expect(args) / (1 - P) (within the
+    dtype's rounding), and the dropped fraction is P within 0.5% (n >= 1M elements)."""
+    def check(got, args):
+        want = expect(*(v.float() for v in args)) / (1 - P)
+        got = got.float()
+        dropped = got == 0
+        ok = torch.isclose(got, want, rtol=tol, atol=tol) | dropped
+        frac = dropped.float().mean().item()
+        return bool(ok.all()) and abs(frac - P) < 5e-3
+    return check
+
+
 def _sum(t):   # compare a tuple of outputs as one
     return torch.cat([v.float().reshape(-1) for v in t]) if isinstance(t, tuple) else t.float()
 
@@ -69,7 +98,26 @@ OPS = {   # name: (kitsune, reference, inputs(n elements, dtype), moved bytes as
     "sum_squared": (ko.sum_squared, lambda x: (x * x).sum(), _one, 1),
     "mean_abs": (ko.mean_abs, lambda x: x.abs().mean(), _one, 1),
     "cross_entropy": (ko.cross_entropy, F.cross_entropy, _logits, 1),
+    # training: the statistics need a pass over x before the normalisation can start,
+    # so an ideal kernel reads x twice (3 x the input's bytes); eval is one pass
+    "batch_norm_relu": (lambda x, rm, rv, w, b: ko.batch_norm_relu(x, rm, rv, w, b, True),
+                        lambda x, rm, rv, w, b: F.relu(F.batch_norm(x, rm, rv, w, b, True)), _images, 3),
+    "batch_norm_relu_eval": (lambda x, rm, rv, w, b: ko.batch_norm_relu(x, rm, rv, w, b, False),
+                             lambda x, rm, rv, w, b: F.relu(F.batch_norm(x, rm, rv, w, b, False)), _images, 2),
+    "gelu_dropout": (lambda x: ko.gelu_dropout(x, P), lambda x: F.dropout(F.gelu(x), P), _one, 2),
+    "bias_dropout_add": (lambda x, b, r: ko.bias_dropout_add(x, b, r, P),
+                         lambda x, b, r: r + F.dropout(x + b, P), _bias_res, 3),
 }
+
+
+def _bias_dropout_add_check(got, args):
+    x, b, r = args
+    # out - residual carries the rounding of out (|residual| up to ~5): a wider tolerance
+    return _dropout_check(lambda x, b: x + b, 4e-2)(got.float() - r.float(), (x, b))
+
+
+# ops whose outputs are random: a check instead of the comparison with eager
+CHECKS = {"gelu_dropout": _dropout_check(F.gelu), "bias_dropout_add": _bias_dropout_add_check}
 
 
 def main():
@@ -97,11 +145,18 @@ def main():
             if key not in compiled:
                 compiled[key] = torch.compile(ref, dynamic=True)
             cfn = compiled[key]
-            want = _sum(ref(*(v.float() if v.is_floating_point() else v for v in args)))
-            for label, f in (("kitsune", kfn), ("compile", cfn)):
-                got = _sum(f(*args))
-                tol = 2e-2 if dtype != torch.float32 else 1e-4
-                assert torch.allclose(got, want, atol=tol, rtol=tol), f"{label} {name} {dtype} {size_mb} MB wrong"
+            if name in CHECKS:
+                for label, f in (("kitsune", kfn), ("compile", cfn)):
+                    assert CHECKS[name](f(*args), args), f"{label} {name} {dtype} {size_mb} MB wrong"
+            else:
+                # fp32 copies (running stats cloned: the reference must not update the originals)
+                fargs = [v.float() if v.is_floating_point() else v for v in args]
+                fargs = [v.clone() if v is a else v for v, a in zip(fargs, args)]
+                want = _sum(ref(*fargs))
+                for label, f in (("kitsune", kfn), ("compile", cfn)):
+                    got = _sum(f(*args))
+                    tol = 2e-2 if dtype != torch.float32 else 1e-4
+                    assert torch.allclose(got, want, atol=tol, rtol=tol), f"{label} {name} {dtype} {size_mb} MB wrong"
             nbytes = x.numel() * x.element_size()
             src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
             dst = torch.empty_like(src)
@@ -120,7 +175,7 @@ def main():
                   f"({100 * row['of_copy']:5.1f}% of copy {gbs['copy']:6.0f})  compile {gbs['compile']:7.0f}  "
                   f"eager {gbs['eager']:7.0f}  x{row['vs_compile']:.2f} vs compile, x{row['vs_eager']:.2f} vs eager",
                   flush=True)
-            del x, args, src, dst, want
+            x = args = src = dst = want = None   # free before the next size
     write_result(a.out, "kernels_elementwise", {"reps": reps, "rows": rows})
 
 

@@ -2,10 +2,13 @@
 // list of tensors (params, grads and states of one dtype), the per-element update
 // being kitsune/optim_math.h, which the CPU path shares.
 //
-// A launch carries up to kMaxTensors tensors and a table mapping each block to a
-// (tensor, chunk of kChunk elements); the launcher fills as many launches as the list
-// needs. Arithmetic is fp32 (fp64 math is the CPU path's); each state and parameter is
-// rounded once when stored.
+// A launch carries up to kMaxTensors tensors, each cut into chunks of kChunk
+// elements; a grid of at most kMaxGrid blocks strides over all the launch's chunks
+// (so one launch covers a 38M-element embedding and the small vectors beside it).
+// Within a chunk each thread updates 16/sizeof(T) consecutive elements at a time with
+// 16-byte loads and stores (every list's pointer 16-byte aligned; otherwise, and for
+// a chunk's tail, one element at a time). Arithmetic is fp32 (fp64 math is the CPU
+// path's); each state and parameter is rounded once when stored.
 #include <algorithm>
 
 #include "elementwise.cuh"
@@ -13,67 +16,98 @@
 
 namespace {
 
-constexpr int kMaxTensors = 24, kMaxBlocks = 240, kChunk = 16384, kThreads = 256;
+constexpr int kMaxTensors = 64, kChunk = 65536, kThreads = 256, kMaxGrid = 2048;
 
-template <int NP> struct Lists {   // NP pointers per tensor (Adam: p, g, m, v; SGD: p, g, buf)
+template <int NP> struct Lists {   // NP pointers per tensor (Adam: p, g, m, v; SGD: p, g, buf); 3 KB for Adam
   void *ptr[NP][kMaxTensors];
   int64_t size[kMaxTensors];
-  unsigned char block_tensor[kMaxBlocks];
-  int32_t block_chunk[kMaxBlocks];
+  int64_t chunk_end[kMaxTensors];   // chunks of tensors 0..t, cumulative
 };
 
-template <typename T, int NP, typename Args, typename F>
-__global__ void __launch_bounds__(kThreads) multi_tensor(Lists<NP> l, Args a, F f) {
-  const int t = l.block_tensor[blockIdx.x];
-  const int64_t n = l.size[t], start = (int64_t)l.block_chunk[blockIdx.x] * kChunk;
-  const int64_t end = start + kChunk < n ? start + kChunk : n;
-  T *p[NP];
+// The update of E elements: v[k][j] is element j of list k (fp32), updated in place;
+// list 1 (the gradient) is read only, an absent list (NULL) is neither read nor written.
+template <typename T, int NP, int E, typename Args, typename F>
+__device__ __forceinline__ void update(T *const *p, int64_t i, const Args &a, F f, bool vec) {
+  float v[NP][E];
 #pragma unroll
-  for (int k = 0; k < NP; k++) p[k] = static_cast<T *>(l.ptr[k][t]);
-  for (int64_t i = start + threadIdx.x; i < end; i += kThreads) f(p, i, a);
+  for (int k = 0; k < NP; k++) {
+    if (!p[k]) continue;
+    T t[E];
+    if (vec) *reinterpret_cast<uint4 *>(t) = *reinterpret_cast<const uint4 *>(p[k] + i);
+    else t[0] = p[k][i];
+#pragma unroll
+    for (int j = 0; j < E; j++) v[k][j] = kt::to_f(t[j]);
+  }
+#pragma unroll
+  for (int j = 0; j < E; j++) f(v, j, a, p[NP - 1] != nullptr);
+#pragma unroll
+  for (int k = 0; k < NP; k++) {
+    if (k == 1 || !p[k]) continue;
+    T t[E];
+#pragma unroll
+    for (int j = 0; j < E; j++) t[j] = kt::from_f<T>(v[k][j]);
+    if (vec) *reinterpret_cast<uint4 *>(p[k] + i) = *reinterpret_cast<const uint4 *>(t);
+    else p[k][i] = t[0];
+  }
 }
 
-template <typename T> struct AdamStep {
-  __device__ void operator()(T *const *p, int64_t i, const kt::AdamArgs &a) const {
-    float w = kt::to_f(p[0][i]), m = kt::to_f(p[2][i]), v = kt::to_f(p[3][i]);
-    kt::adam_elem<float>(w, m, v, kt::to_f(p[1][i]), a);
-    p[0][i] = kt::from_f<T>(w), p[2][i] = kt::from_f<T>(m), p[3][i] = kt::from_f<T>(v);
+template <typename T, int NP, typename Args, typename F>
+__global__ void __launch_bounds__(kThreads) multi_tensor(Lists<NP> l, int64_t chunks, Args a, F f) {
+  constexpr int E = 16 / sizeof(T);
+  for (int64_t c = blockIdx.x; c < chunks; c += gridDim.x) {
+    int t = 0;
+    while (c >= l.chunk_end[t]) t++;
+    const int64_t start = (c - (t ? l.chunk_end[t - 1] : 0)) * kChunk, n = l.size[t];
+    const int64_t end = start + kChunk < n ? start + kChunk : n;
+    T *p[NP];
+    bool aligned = true;
+#pragma unroll
+    for (int k = 0; k < NP; k++) {
+      p[k] = static_cast<T *>(l.ptr[k][t]);
+      aligned = aligned && ((uintptr_t)p[k] & 15) == 0;
+    }
+    int64_t i = start;
+    if (aligned) {   // start is a multiple of kChunk, so of E: every vector is aligned
+      const int64_t nv = (end - start) / E;
+      for (int64_t q = threadIdx.x; q < nv; q += kThreads) update<T, NP, E>(p, start + q * E, a, f, true);
+      i = start + nv * E;
+    }
+    for (i += threadIdx.x; i < end; i += kThreads) update<T, NP, 1>(p, i, a, f, false);
+  }
+}
+
+struct AdamStep {   // lists p, g, m, v
+  template <int E> __device__ void operator()(float (&v)[4][E], int j, const kt::AdamArgs &a, bool) const {
+    kt::adam_elem<float>(v[0][j], v[2][j], v[3][j], v[1][j], a);
   }
 };
-template <typename T> struct SgdStep {
-  __device__ void operator()(T *const *p, int64_t i, const kt::SgdArgs &a) const {
-    float w = kt::to_f(p[0][i]), b = p[2] ? kt::to_f(p[2][i]) : 0.f;
-    kt::sgd_elem<float>(w, b, kt::to_f(p[1][i]), a);
-    p[0][i] = kt::from_f<T>(w);
-    if (p[2]) p[2][i] = kt::from_f<T>(b);
+struct SgdStep {   // lists p, g, buf (NULL without momentum)
+  template <int E> __device__ void operator()(float (&v)[3][E], int j, const kt::SgdArgs &a, bool buf) const {
+    float b = buf ? v[2][j] : 0.f;
+    kt::sgd_elem<float>(v[0][j], b, v[1][j], a);
+    if (buf) v[2][j] = b;
   }
 };
 
 template <typename T, int NP, typename Args, typename F>
 kt_status run(int ntensors, void *const *const *lists, const int64_t *sizes, const Args &a, F f, cudaStream_t s) {
   Lists<NP> l;
-  int nt = 0, nb = 0;
+  int nt = 0;
+  int64_t chunks = 0;
   auto flush = [&]() {
-    if (nb) multi_tensor<T, NP, Args, F><<<nb, kThreads, 0, s>>>(l, a, f);
-    nt = nb = 0;
+    if (nt) {
+      const int grid = (int)std::min<int64_t>(chunks, kMaxGrid);
+      multi_tensor<T, NP, Args, F><<<grid, kThreads, 0, s>>>(l, chunks, a, f);
+    }
+    nt = 0, chunks = 0;
   };
   for (int i = 0; i < ntensors; i++) {
     if (sizes[i] <= 0) continue;
-    if (nt == kMaxTensors) flush();
     for (int k = 0; k < NP; k++) l.ptr[k][nt] = lists[k] ? lists[k][i] : nullptr;
     l.size[nt] = sizes[i];
-    const int64_t chunks = (sizes[i] + kChunk - 1) / kChunk;
-    for (int64_t c = 0; c < chunks; c++) {
-      if (nb == kMaxBlocks) {   // launch; this tensor continues in the next launch from chunk c
-        flush();
-        for (int k = 0; k < NP; k++) l.ptr[k][0] = lists[k] ? lists[k][i] : nullptr;
-        l.size[0] = sizes[i];
-      }
-      l.block_tensor[nb] = (unsigned char)nt;
-      l.block_chunk[nb] = (int32_t)c;
-      nb++;
-    }
-    nt++;
+    chunks += (sizes[i] + kChunk - 1) / kChunk;
+    l.chunk_end[nt++] = chunks;
+    if (nt == kMaxTensors) flush();
   }
   flush();
   return kt::status_of(cudaGetLastError());
@@ -86,14 +120,12 @@ extern "C" kt_status kt_adam_multi(kt_dtype t, int ntensors, void *const *params
                                    void *const *exp_avg, void *const *exp_avg_sq, const int64_t *sizes,
                                    const kt::AdamArgs *a, void *stream) {
   if (ntensors < 0 || (ntensors && (!params || !grads || !exp_avg || !exp_avg_sq || !sizes)) || !a) return KT_ERR_INVALID;
-  for (int i = 0; i < ntensors; i++)
-    if (sizes[i] > 0 && (int64_t)((sizes[i] + kChunk - 1) / kChunk) > INT32_MAX) return KT_ERR_INVALID;
   void *const *lists[4] = {params, grads, exp_avg, exp_avg_sq};
   cudaStream_t s = (cudaStream_t)stream;
   switch (t) {
-    case KT_F32: return run<float, 4>(ntensors, lists, sizes, *a, AdamStep<float>{}, s);
-    case KT_F16: return run<__half, 4>(ntensors, lists, sizes, *a, AdamStep<__half>{}, s);
-    case KT_BF16: return run<__nv_bfloat16, 4>(ntensors, lists, sizes, *a, AdamStep<__nv_bfloat16>{}, s);
+    case KT_F32: return run<float, 4>(ntensors, lists, sizes, *a, AdamStep{}, s);
+    case KT_F16: return run<__half, 4>(ntensors, lists, sizes, *a, AdamStep{}, s);
+    case KT_BF16: return run<__nv_bfloat16, 4>(ntensors, lists, sizes, *a, AdamStep{}, s);
   }
   return KT_ERR_INVALID;
 }
@@ -106,9 +138,9 @@ extern "C" kt_status kt_sgd_multi(kt_dtype t, int ntensors, void *const *params,
   void *const *lists[3] = {params, grads, a->momentum != 0 ? momentum_buf : nullptr};
   cudaStream_t s = (cudaStream_t)stream;
   switch (t) {
-    case KT_F32: return run<float, 3>(ntensors, lists, sizes, *a, SgdStep<float>{}, s);
-    case KT_F16: return run<__half, 3>(ntensors, lists, sizes, *a, SgdStep<__half>{}, s);
-    case KT_BF16: return run<__nv_bfloat16, 3>(ntensors, lists, sizes, *a, SgdStep<__nv_bfloat16>{}, s);
+    case KT_F32: return run<float, 3>(ntensors, lists, sizes, *a, SgdStep{}, s);
+    case KT_F16: return run<__half, 3>(ntensors, lists, sizes, *a, SgdStep{}, s);
+    case KT_BF16: return run<__nv_bfloat16, 3>(ntensors, lists, sizes, *a, SgdStep{}, s);
   }
   return KT_ERR_INVALID;
 }

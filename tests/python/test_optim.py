@@ -139,3 +139,28 @@ def test_gpu_fused_step_matches_torch_optim(cls, kw):
     a, b, _, _ = _run(cls, kw, torch.bfloat16, "cuda", steps=4)
     for x, y in zip(a, b):
         torch.testing.assert_close(x.float(), y.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("cls,kw", [CASES[0], CASES[5]], ids=["AdamW", "SGD-momentum"])
+def test_gpu_many_large_and_unaligned_tensors(cls, kw):
+    """The kernel's launch packing: a tensor of several chunks (65536 elements each),
+    more tensors than one launch carries (64), and a parameter whose storage starts
+    2 elements in (not 16-byte aligned: the one-element path), all against torch.optim."""
+    g = torch.Generator().manual_seed(1)
+    sizes = [3 * 65536 + 13] + [int(s) for s in torch.randint(1, 3000, (70,), generator=g)]
+    a = [torch.randn(s, generator=g).cuda() for s in sizes]
+    a.append(torch.randn(1002, generator=g).cuda()[2:])   # fp32 view at 8 bytes past the allocation
+    assert a[-1].data_ptr() % 16 != 0
+    b = [t.clone() for t in a]
+    ka, tb = KitsuneOptimizer(cls, a, **kw), cls(b, **kw)
+    for _ in range(3):
+        for x, y in zip(a, b):
+            x.grad = torch.randn(x.shape, generator=g).cuda()
+            y.grad = x.grad.clone()
+        ka.step()
+        tb.step()
+    assert ka.get_stats()["path"] == "fused"
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)

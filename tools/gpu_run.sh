@@ -2,7 +2,8 @@
 # One device call: facts, clean build, then the parts named in GPU_RUN_PARTS
 # (default "test bench demo": make gpu-test, make bench, make demo; "pytest" runs
 # only the pytest part of gpu-test, narrowed by KT_PYTEST_ARGS; "data" adds
-# make bench-data, "kernels" make bench-kernels, "profile" tools/profile_train.py). Everything is logged to $OUT/run.log; JSON results and the
+# make bench-data, "kernels" make bench-kernels, "profile" tools/profile_train.py, "gaps"
+# tools/step_gaps.py, "optim" bench/kernels/optimizer.py). Everything is logged to $OUT/run.log; JSON results and the
 # recorded trace also land in $OUT (the device tool brings back at most 8 files).
 # Carry .deps (make gpu-deps).
 set -uo pipefail
@@ -38,6 +39,16 @@ if [[ $parts == *" profile "* ]]; then   # top kernels of one training step, to 
   for v in "gpt2 kitsune" "gpt2 eager" "llama kitsune" "llama eager"; do
     KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python python3 tools/profile_train.py $v
   done > "$OUT/profile.log" 2>&1; tail -5 "$OUT/profile.log"
+fi
+if [[ $parts == *" gaps "* ]]; then   # where the training step's GPU waits, to $OUT/gaps.log
+  echo "== gaps =="
+  for v in "llama kitsune" "llama eager" "gpt2 kitsune" "gpt2 eager"; do
+    KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python python3 tools/step_gaps.py $v
+  done > "$OUT/gaps.log" 2>&1; grep -E "^==|^step|^synchron" "$OUT/gaps.log"
+fi
+if [[ $parts == *" optim "* ]]; then
+  echo "== optimizer bench =="; KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \
+    python3 bench/kernels/optimizer.py --out "$OUT"
 fi
 if [[ $parts == *" demo "* ]]; then
   echo "== demo =="; make demo

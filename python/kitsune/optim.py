@@ -7,8 +7,9 @@ fused multi-tensor kernel.
 It keeps the torch.optim optimizer it was given or built, so ``param_groups``,
 ``state``, ``state_dict`` / ``load_state_dict``, ``zero_grad`` and LR schedulers work
 as with torch.optim, and a checkpoint moves freely between the two. ``step`` runs
-``torch.ops.kitsune.adam_`` / ``sgd_`` (one kernel launch per device, dtype and step
-count on CUDA; the same per-element code on the CPU) for torch.optim.Adam, AdamW and
+``torch.ops.kitsune.adam_step_`` (which counts the steps and calls ``adam_``) / ``sgd_``
+(one kernel launch per device, dtype and step count, or per 64 tensors, on CUDA; the
+same per-element code on the CPU) for torch.optim.Adam, AdamW and
 SGD, and the wrapped optimizer's own step for anything else (another optimizer,
 amsgrad, maximize, capturable, differentiable, a tensor lr, sparse or
 non-contiguous tensors). ``get_stats()`` says which path ran and why, with measured
@@ -36,10 +37,10 @@ def _why_not(opt):
             return "a tensor learning rate is not fused"
         if kind is torch.optim.SGD and g.get("nesterov") and (g["momentum"] <= 0 or g["dampening"] != 0):
             return "nesterov needs momentum > 0 and dampening 0"
-        for p in g["params"]:
-            if p.grad is not None and (p.grad.is_sparse or not p.is_contiguous() or not p.grad.is_contiguous()):
-                return "a sparse or non-contiguous parameter or gradient"
-    return None
+    return None   # the parameters and gradients are checked by the step (optim_fusable, in C++)
+
+
+_NOT_DENSE = "a sparse or non-contiguous parameter or gradient"
 
 
 class KitsuneOptimizer:
@@ -106,8 +107,7 @@ class KitsuneOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        cuda = any(p.is_cuda for g in self.param_groups for p in g["params"])
-        timed = self.profile and cuda
+        timed = self.profile and any(p.is_cuda for g in self.param_groups for p in g["params"])
         if timed:
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
@@ -115,10 +115,8 @@ class KitsuneOptimizer:
         why = "enable_fusion=False" if not self.enable_fusion else _why_not(self.optimizer)
         if why is None:
             with torch.no_grad():
-                if isinstance(self.optimizer, torch.optim.SGD):
-                    self._sgd_step()
-                else:
-                    self._adam_step()
+                why = self._sgd_step() if isinstance(self.optimizer, torch.optim.SGD) else self._adam_step()
+        if why is None:
             self._fused += 1
             self._path = "fused"
             # what calling the wrapped optimizer's step tells an LR scheduler attached to
@@ -138,32 +136,40 @@ class KitsuneOptimizer:
         return loss
 
     def _adam_step(self):
+        """Returns the reason when the step cannot be fused (nothing stepped), else None."""
         opt = self.optimizer
         decoupled_default = isinstance(opt, torch.optim.AdamW)
+        work = []
         for g in opt.param_groups:
-            beta1, beta2 = g["betas"]
-            decoupled = decoupled_default or bool(g.get("decoupled_weight_decay", False))
-            buckets, live = {}, [p for p in g["params"] if p.grad is not None]
-            for p in live:
-                st = opt.state[p]
+            live = [p for p in g["params"] if p.grad is not None]
+            if not live:
+                continue
+            states = [opt.state[p] for p in live]
+            for p, st in zip(live, states):
                 if len(st) == 0:   # as torch.optim.Adam initialises it (non-capturable)
                     st["step"] = torch.tensor(0.0, dtype=torch.get_default_dtype())
                     st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            if live:   # one call for every step count, as torch.optim's foreach path does
-                torch._foreach_add_([opt.state[p]["step"] for p in live], 1)
-            for p in live:
-                st = opt.state[p]
-                key = (p.device, p.dtype, float(st["step"]))
-                lists = buckets.setdefault(key, ([], [], [], []))
-                for lst, t in zip(lists, (p, p.grad, st["exp_avg"], st["exp_avg_sq"])):
-                    lst.append(t)
-            for (_, _, step), (ps, gs, ms, vs) in buckets.items():
-                _lib.adam_(ps, gs, ms, vs, float(g["lr"]), float(beta1), float(beta2), float(g["eps"]),
-                           float(g["weight_decay"]), decoupled, step)
+            work.append((g, live, [p.grad for p in live], states))
+        if not work:
+            return None
+        if not _lib.optim_fusable([p for w in work for p in w[1]], [p for w in work for p in w[2]]):
+            return _NOT_DENSE
+        for g, live, grads, states in work:
+            beta1, beta2 = g["betas"]
+            decoupled = decoupled_default or bool(g.get("decoupled_weight_decay", False))
+            # the steps are counted and the tensors bucketed by (device, dtype, step) in C++
+            _lib.adam_step_(live, grads, [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states],
+                            [st["step"] for st in states], float(g["lr"]), float(beta1), float(beta2),
+                            float(g["eps"]), float(g["weight_decay"]), decoupled)
+        return None
 
     def _sgd_step(self):
+        """Returns the reason when the step cannot be fused (nothing stepped), else None."""
         opt = self.optimizer
+        live = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        if live and not _lib.optim_fusable(live, [p.grad for p in live]):
+            return _NOT_DENSE
         for g in opt.param_groups:
             momentum = float(g["momentum"])
             buckets = {}
@@ -183,6 +189,7 @@ class KitsuneOptimizer:
             for (_, _, first), (ps, gs, bs) in buckets.items():
                 _lib.sgd_(ps, gs, bs, float(g["lr"]), momentum, float(g["dampening"]), float(g["weight_decay"]),
                           bool(g["nesterov"]), first)
+        return None
 
     def get_stats(self):
         """Measured numbers: steps run and fused, the last step's path (with the reason

@@ -103,6 +103,59 @@ def test_unsupported_options_fall_back_with_the_reason():
         torch.testing.assert_close(x, y)
 
 
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.SGD])
+def test_non_contiguous_gradient_falls_back_whole(cls):
+    """A non-contiguous gradient in the second group: the step falls back to
+    torch.optim for both groups (the first is not fused ahead of the check)."""
+    g = torch.Generator().manual_seed(3)
+    a = [torch.randn(8, 4, generator=g), torch.randn(4, 8, generator=g)]
+    b = [t.clone() for t in a]
+    kw = dict(lr=0.1, momentum=0.9) if cls is torch.optim.SGD else dict(lr=0.1)
+    ka = KitsuneOptimizer(cls, [{"params": [a[0]]}, {"params": [a[1]], "lr": 0.05}], **kw)
+    tb = cls([{"params": [b[0]]}, {"params": [b[1]], "lr": 0.05}], **kw)
+    for step in range(3):
+        for x, y in zip(a, b):
+            gr = torch.randn(x.shape[::-1], generator=g).t()   # non-contiguous at step 1
+            x.grad = gr if step == 1 else gr.contiguous()
+            y.grad = gr.clone()
+        ka.step()
+        tb.step()
+        want = "torch.optim (a sparse or non-contiguous parameter or gradient)" if step == 1 else "fused"
+        assert ka.get_stats()["path"] == want, step
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y)
+    if cls is torch.optim.AdamW:   # the step counts, kept by the fused path and torch.optim alike
+        assert [float(ka.state[p]["step"]) for p in a] == [3.0, 3.0]
+
+
+def test_adam_step_op_counts_and_buckets_steps():
+    """kitsune.adam_step_ adds 1 to each step state and updates tensors whose counts
+    differ with their own bias corrections (one adam_ call per count)."""
+    g = torch.Generator().manual_seed(4)
+    ps = [torch.randn(5, generator=g, dtype=torch.float64) for _ in range(3)]
+    gs = [torch.randn(5, generator=g, dtype=torch.float64) for _ in range(3)]
+    ms, vs = [torch.zeros(5, dtype=torch.float64) for _ in ps], [torch.zeros(5, dtype=torch.float64) for _ in ps]
+    steps = [torch.tensor(0.0), torch.tensor(4.0), torch.tensor(0.0, dtype=torch.float64)]
+    want = [p.clone() for p in ps]
+    wm, wv = [m.clone() for m in ms], [v.clone() for v in vs]
+    for i, s in enumerate([1.0, 5.0, 1.0]):
+        torch.ops.kitsune.adam_([want[i]], [gs[i]], [wm[i]], [wv[i]], 1e-2, 0.9, 0.999, 1e-8, 0.1, True, s)
+    torch.ops.kitsune.adam_step_(ps, gs, ms, vs, steps, 1e-2, 0.9, 0.999, 1e-8, 0.1, True)
+    assert [float(s) for s in steps] == [1.0, 5.0, 1.0] and steps[2].dtype == torch.float64
+    for x, y in zip(ps + ms + vs, want + wm + wv):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="state_steps has 2 tensors but params has 3"):
+        torch.ops.kitsune.adam_step_(ps, gs, ms, vs, steps[:2], 1e-2, 0.9, 0.999, 1e-8, 0.1, True)
+    with pytest.raises(RuntimeError, match=r"state_steps\[1\] must have one element"):
+        torch.ops.kitsune.adam_step_(ps, gs, ms, vs, [steps[0], torch.zeros(2), steps[2]], 1e-2, 0.9, 0.999, 1e-8,
+                                     0.1, True)
+    with pytest.raises(RuntimeError, match=r"exp_avgs\[2\] must be a contiguous Double tensor of 5 elements"):
+        torch.ops.kitsune.adam_step_(ps, gs, ms[:2] + [ms[2].float()], vs, steps, 1e-2, 0.9, 0.999, 1e-8, 0.1, True)
+    with pytest.raises(RuntimeError, match="betas in"):
+        torch.ops.kitsune.adam_step_(ps, gs, ms, vs, steps, 1e-2, 1.5, 0.999, 1e-8, 0.1, True)
+    assert [float(s) for s in steps] == [1.0, 5.0, 1.0]   # a bad call changes nothing
+
+
 def test_closure_stats_and_bad_arguments():
     w = torch.randn(4, requires_grad=True)
     k = kitsune.KitsuneOptimizer(torch.optim.SGD, [w], lr=0.1, momentum=0.9)

@@ -3,7 +3,7 @@
 # (default "test bench demo": make gpu-test, make bench, make demo; "pytest" runs
 # only the pytest part of gpu-test, narrowed by KT_PYTEST_ARGS; "data" adds
 # make bench-data, "kernels" make bench-kernels, "profile" tools/profile_train.py, "gaps"
-# tools/step_gaps.py, "optim" bench/kernels/optimizer.py). Everything is logged to $OUT/run.log; JSON results and the
+# tools/step_gaps.py, "optim" bench/kernels/optimizer.py, "ew" bench/kernels/elementwise.py). Everything is logged to $OUT/run.log; JSON results and the
 # recorded trace also land in $OUT (the device tool brings back at most 8 files).
 # Carry .deps (make gpu-deps).
 set -uo pipefail
@@ -44,11 +44,15 @@ if [[ $parts == *" gaps "* ]]; then   # where the training step's GPU waits, to 
   echo "== gaps =="
   for v in "llama kitsune" "llama eager" "gpt2 kitsune" "gpt2 eager"; do
     KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python python3 tools/step_gaps.py $v
-  done > "$OUT/gaps.log" 2>&1; grep -E "^==|^step|^synchron" "$OUT/gaps.log"
+  done > "$OUT/gaps.log" 2>&1; grep -E "^==|^host|^step|^synchron" "$OUT/gaps.log"
 fi
 if [[ $parts == *" optim "* ]]; then
   echo "== optimizer bench =="; KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \
     python3 bench/kernels/optimizer.py --out "$OUT"
+fi
+if [[ $parts == *" ew "* ]]; then   # bench/kernels/elementwise.py alone (BENCH_KERNEL_ARGS)
+  echo "== elementwise =="; time KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \
+    python3 bench/kernels/elementwise.py --out "$OUT" ${BENCH_KERNEL_ARGS:-} 2>&1 | grep -v -i "warn\|online softmax\|split the\|important use\|softmax\.$"
 fi
 if [[ $parts == *" demo "* ]]; then
   echo "== demo =="; make demo

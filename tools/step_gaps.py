@@ -27,6 +27,30 @@ GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaEventSynchronize", "cudaMemcpyAsync")
 
 
+def host_times(m, idx, opt, reps=10):
+    """Host milliseconds of forward, backward and optimizer step (median of reps), each
+    phase called with the GPU idle and its queue empty (a sync before it), so the host
+    never waits: what the host itself spends, without the profiler's overhead."""
+    import statistics
+    import time
+    t = {"forward": [], "backward": [], "step": []}
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = m(idx, idx)
+        t["forward"].append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss.backward()
+        t["backward"].append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t["step"].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) * 1e3 for k, v in t.items()}
+
+
 def trace_step(kind, variant):
     vocab = 50257 if kind == "gpt2" else 32000
     torch.manual_seed(0)
@@ -43,6 +67,9 @@ def trace_step(kind, variant):
 
     for _ in range(5):
         step()
+    h = host_times(m, idx, opt)
+    print("host ms (no profiler, GPU idle before each phase): " + ", ".join(f"{k} {v:.2f}" for k, v in h.items()) +
+          f"; total {sum(h.values()):.2f}")
     torch.cuda.synchronize()
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as p:

@@ -120,63 +120,76 @@ def _bias_dropout_add_check(got, args):
 CHECKS = {"gelu_dropout": _dropout_check(F.gelu), "bias_dropout_add": _bias_dropout_add_check}
 
 
+def measure(name, dtype, size_mb, compiled, flush, reps):
+    """One op at one size: checked, then timed; returns the result row."""
+    kfn, ref, make, moved = OPS[name]
+    n = (size_mb << 20) // torch.tensor([], dtype=dtype).element_size()
+    args = make(n, dtype)
+    x = args[0]
+    key = (name, dtype)
+    if key not in compiled:
+        compiled[key] = torch.compile(ref, dynamic=True)
+    cfn = compiled[key]
+    if name in CHECKS:
+        for label, f in (("kitsune", kfn), ("compile", cfn)):
+            assert CHECKS[name](f(*args), args), f"{label} {name} {dtype} {size_mb} MB wrong"
+    else:
+        # fp32 copies (running stats cloned: the reference must not update the originals)
+        fargs = [v.float() if v.is_floating_point() else v for v in args]
+        fargs = [v.clone() if v is a else v for v, a in zip(fargs, args)]
+        want = _sum(ref(*fargs))
+        for label, f in (("kitsune", kfn), ("compile", cfn)):
+            got = _sum(f(*args))
+            tol = 2e-2 if dtype != torch.float32 else 1e-4
+            assert torch.allclose(got, want, atol=tol, rtol=tol), f"{label} {name} {dtype} {size_mb} MB wrong"
+    nbytes = x.numel() * x.element_size()
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    t = {
+        "copy": cuda_ms(lambda: dst.copy_(src), reps, flush.zero_),
+        "kitsune": cuda_ms(lambda: kfn(*args), reps, flush.zero_),
+        "eager": cuda_ms(lambda: ref(*args), reps, flush.zero_),
+        "compile": cuda_ms(lambda: cfn(*args), reps, flush.zero_),
+    }
+    gbs = {k: (2 if k == "copy" else moved) * nbytes / (v * 1e-3) / 1e9 for k, v in t.items()}
+    return {"op": name, "dtype": str(dtype).replace("torch.", ""), "input_mb": size_mb, "ms": t, "gbs": gbs,
+            "of_copy": gbs["kitsune"] / gbs["copy"], "vs_compile": t["compile"] / t["kitsune"],
+            "vs_eager": t["eager"] / t["kitsune"]}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--ops", default="", help="comma-separated subset of: " + ",".join(OPS))
     a = ap.parse_args()
-    dev = "cuda"
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     reps = 7 if a.quick else 20
     mb = [1, 16, 64, 256, 1024] if not a.quick else [1, 64]
     cases = [(torch.bfloat16, s) for s in mb] + [(torch.float32, 256)]
-    compiled = {}
-    rows = []
-    only = set(a.ops.split(",")) if a.ops else set(OPS)
-    for name, (kfn, ref, make, moved) in OPS.items():
-        if name not in only:
-            continue
+    compiled, rows, failed = {}, [], []
+    names = a.ops.split(",") if a.ops else list(OPS)   # in the order given
+    unknown = [n for n in names if n not in OPS]
+    if unknown:
+        sys.exit(f"elementwise.py: unknown op(s) {unknown}; known: {', '.join(OPS)}")
+    for name in names:
         for dtype, size_mb in cases:
-            n = (size_mb << 20) // torch.tensor([], dtype=dtype).element_size()
-            args = make(n, dtype)
-            x = args[0]
-            key = (name, dtype)
-            if key not in compiled:
-                compiled[key] = torch.compile(ref, dynamic=True)
-            cfn = compiled[key]
-            if name in CHECKS:
-                for label, f in (("kitsune", kfn), ("compile", cfn)):
-                    assert CHECKS[name](f(*args), args), f"{label} {name} {dtype} {size_mb} MB wrong"
-            else:
-                # fp32 copies (running stats cloned: the reference must not update the originals)
-                fargs = [v.float() if v.is_floating_point() else v for v in args]
-                fargs = [v.clone() if v is a else v for v, a in zip(fargs, args)]
-                want = _sum(ref(*fargs))
-                for label, f in (("kitsune", kfn), ("compile", cfn)):
-                    got = _sum(f(*args))
-                    tol = 2e-2 if dtype != torch.float32 else 1e-4
-                    assert torch.allclose(got, want, atol=tol, rtol=tol), f"{label} {name} {dtype} {size_mb} MB wrong"
-            nbytes = x.numel() * x.element_size()
-            src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-            dst = torch.empty_like(src)
-            t = {
-                "copy": cuda_ms(lambda: dst.copy_(src), reps, flush.zero_),
-                "kitsune": cuda_ms(lambda: kfn(*args), reps, flush.zero_),
-                "eager": cuda_ms(lambda: ref(*args), reps, flush.zero_),
-                "compile": cuda_ms(lambda: cfn(*args), reps, flush.zero_),
-            }
-            gbs = {k: (2 if k == "copy" else moved) * nbytes / (v * 1e-3) / 1e9 for k, v in t.items()}
-            row = {"op": name, "dtype": str(dtype).replace("torch.", ""), "input_mb": size_mb, "ms": t, "gbs": gbs,
-                   "of_copy": gbs["kitsune"] / gbs["copy"], "vs_compile": t["compile"] / t["kitsune"],
-                   "vs_eager": t["eager"] / t["kitsune"]}
+            try:
+                row = measure(name, dtype, size_mb, compiled, flush, reps)
+            except (AssertionError, RuntimeError) as e:   # reported, and the other ops still measured
+                failed.append(f"{name} {dtype} {size_mb} MB: {e}")
+                print("FAILED", failed[-1], flush=True)
+                continue
             rows.append(row)
+            gbs = row["gbs"]
             print(f"{name:15s} {row['dtype']:8s} {size_mb:5d} MB  kitsune {gbs['kitsune']:7.0f} GB/s "
                   f"({100 * row['of_copy']:5.1f}% of copy {gbs['copy']:6.0f})  compile {gbs['compile']:7.0f}  "
                   f"eager {gbs['eager']:7.0f}  x{row['vs_compile']:.2f} vs compile, x{row['vs_eager']:.2f} vs eager",
                   flush=True)
-            x = args = src = dst = want = None   # free before the next size
-    write_result(a.out, "kernels_elementwise", {"reps": reps, "rows": rows})
+        # after every op, so a run cut short keeps what it measured
+        write_result(a.out, "kernels_elementwise", {"reps": reps, "rows": rows, "failed": failed})
+    if failed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -533,7 +533,8 @@ def test_batch_norm_relu_opcheck_and_errors():
 @pytest.mark.parametrize("training", [True, False])
 def test_gpu_batch_norm_relu_matches_fp64(dtype, training):
     g = torch.Generator().manual_seed(13)
-    for shape in [(7, 3), (4, 5, 1023), (16, 64, 14, 14), (2, 3, 1, 1), (256, 32, 9, 9)]:
+    # planes of 1 (flat kernels), of >= 64 not a multiple of the vector, and of 1024 (16-byte vectors)
+    for shape in [(7, 3), (4, 5, 1023), (16, 64, 14, 14), (2, 3, 1, 1), (256, 32, 9, 9), (3, 8, 32, 32)]:
         c = shape[1]
         x = _t(shape, dtype, "cuda", g, shift=1.5)
         w, b = _t((c,), dtype, "cuda", g), _t((c,), dtype, "cuda", g)

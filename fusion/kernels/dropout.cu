@@ -5,77 +5,81 @@
 // dropout_backward: grad * keep / (1 - p), the gradient of x and, summed over rows,
 // of the bias in bias_dropout_add).
 //
-// The mask is never stored: element i is kept when Philox word i % 4 of block i / 4
-// under (seed, offset) is >= floor(p * 2^32) (kitsune/philox.h), so the backward
-// regenerates it, and the CPU reference builds the same mask from the same header.
-// One thread handles a block of four consecutive elements (one Philox call), with
-// one vector load per operand when the pointers allow it.
+// The mask is never stored: element i is kept by the rule of kitsune/philox.h (32
+// random bits an element for fp32, 16 for fp16/bf16, from Philox blocks under
+// (seed, offset)), so the backward regenerates it, and the CPU reference builds the
+// same mask from the same header. One thread handles the elements of one Philox
+// call (4 fp32 or 8 fp16/bf16: 16 bytes an operand), with one vector load per
+// operand when the pointers allow it. With 32 bits for every element, bf16 ran at
+// 55-62% of copy bandwidth against 91-94% for fp32 (H100,
+// kernels_elementwise_d3e61a6.json): the Philox rounds, not memory, were the limit.
 #include "gelu.cuh"
 #include "kitsune/philox.h"
 
 namespace {
 
 // ---- reference ----
-// keep_i = philox_block(seed, offset, i / 4)[i % 4] >= threshold; scale = 1 / (1 - p)
+// keep_i = kt_dropout_keep(philox_block(seed, offset, i / E), i % E, bits, threshold)
+// (E = 4 for 32 bits, 8 for 16); scale = 1 / (1 - p)
 
 // ---- kernels ----
-template <typename T> struct Vec4;   // four elements: 16 bytes of fp32, 8 of fp16/bf16
-template <> struct Vec4<float> { using type = float4; };
-template <> struct Vec4<__half> { using type = uint2; };
-template <> struct Vec4<__nv_bfloat16> { using type = uint2; };
+template <typename T> constexpr int kBits = sizeof(T) == 2 ? 16 : 32;
+template <typename T> constexpr int kPer = sizeof(T) == 2 ? 8 : 4;   // elements of one Philox block: 16 bytes
 
-template <typename T> __device__ __forceinline__ void load4(const T *p, int64_t i, bool vec, int64_t n, float *v) {
+template <typename T> __device__ __forceinline__ void load_e(const T *p, int64_t i, bool vec, int64_t n, float *v) {
+  constexpr int E = kPer<T>;
   if (vec) {
-    T t[4];
-    *reinterpret_cast<typename Vec4<T>::type *>(t) = *reinterpret_cast<const typename Vec4<T>::type *>(p + i);
+    T t[E];
+    *reinterpret_cast<uint4 *>(t) = *reinterpret_cast<const uint4 *>(p + i);
 #pragma unroll
-    for (int j = 0; j < 4; j++) v[j] = kt::to_f(t[j]);
+    for (int j = 0; j < E; j++) v[j] = kt::to_f(t[j]);
   } else {
 #pragma unroll
-    for (int j = 0; j < 4; j++) v[j] = i + j < n ? kt::to_f(p[i + j]) : 0.f;
+    for (int j = 0; j < E; j++) v[j] = i + j < n ? kt::to_f(p[i + j]) : 0.f;
   }
 }
-template <typename T> __device__ __forceinline__ void store4(T *p, int64_t i, bool vec, int64_t n, const float *v) {
+template <typename T> __device__ __forceinline__ void store_e(T *p, int64_t i, bool vec, int64_t n, const float *v) {
+  constexpr int E = kPer<T>;
   if (vec) {
-    T t[4];
+    T t[E];
 #pragma unroll
-    for (int j = 0; j < 4; j++) t[j] = kt::from_f<T>(v[j]);
-    *reinterpret_cast<typename Vec4<T>::type *>(p + i) = *reinterpret_cast<typename Vec4<T>::type *>(t);
+    for (int j = 0; j < E; j++) t[j] = kt::from_f<T>(v[j]);
+    *reinterpret_cast<uint4 *>(p + i) = *reinterpret_cast<uint4 *>(t);
   } else {
 #pragma unroll
-    for (int j = 0; j < 4; j++)
+    for (int j = 0; j < E; j++)
       if (i + j < n) p[i + j] = kt::from_f<T>(v[j]);
   }
 }
 
 struct Rng { uint64_t seed, offset, threshold; float scale; };
 
-// f(in[k][j] for k < NI, column value, keep, scale) -> out, for each of the four elements.
+// f(in[k][j] for k < NI, column value, keep, scale) -> out, for each element of a block.
 template <typename T, int NI, typename F>
 __global__ void __launch_bounds__(256) rng_kernel(kt::Ptrs<NI, 1> p, int64_t ncols, int64_t n, bool vec_ok, Rng r,
                                                   F f) {
-  const int64_t blocks = (n + 3) / 4, stride = (int64_t)gridDim.x * blockDim.x;
+  constexpr int E = kPer<T>;
+  const int64_t blocks = (n + E - 1) / E, stride = (int64_t)gridDim.x * blockDim.x;
   const T *col = static_cast<const T *>(p.col);
   T *out = static_cast<T *>(p.out[0]);
   for (int64_t b = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; b < blocks; b += stride) {
-    const int64_t i = b * 4;
-    const bool vec = vec_ok && i + 4 <= n;
-    float in[NI][4], c[4] = {0.f, 0.f, 0.f, 0.f}, o[4];
+    const int64_t i = b * E;
+    const bool vec = vec_ok && i + E <= n;
+    float in[NI][E], c[E], o[E];
 #pragma unroll
-    for (int k = 0; k < NI; k++) load4<T>(static_cast<const T *>(p.in[k]), i, vec, n, in[k]);
-    if (col)
+    for (int k = 0; k < NI; k++) load_e<T>(static_cast<const T *>(p.in[k]), i, vec, n, in[k]);
 #pragma unroll
-      for (int j = 0; j < 4; j++) c[j] = i + j < n ? kt::to_f(col[(i + j) % ncols]) : 0.f;
+    for (int j = 0; j < E; j++) c[j] = col && i + j < n ? kt::to_f(col[(i + j) % ncols]) : 0.f;
     uint32_t w[4];
     kt_philox_block(r.seed, r.offset, (uint64_t)b, w);
 #pragma unroll
-    for (int j = 0; j < 4; j++) {
+    for (int j = 0; j < E; j++) {
       float x[NI];
 #pragma unroll
       for (int k = 0; k < NI; k++) x[k] = in[k][j];
-      o[j] = f(x, c[j], (uint64_t)w[j] >= r.threshold, r.scale);
+      o[j] = f(x, c[j], kt_dropout_keep(w, j, kBits<T>, r.threshold), r.scale);
     }
-    store4<T>(out, i, vec, n, o);
+    store_e<T>(out, i, vec, n, o);
   }
 }
 
@@ -104,22 +108,23 @@ template <typename T, int NI, typename F>
 kt_status run(std::initializer_list<const void *> ins, const void *col, int64_t ncols, void *out, int64_t n, Rng r, F f,
               cudaStream_t s) {
   kt::Ptrs<NI, 1> p{};
-  bool vec = ((uintptr_t)out % (4 * sizeof(T))) == 0 && (!col || ncols % 4 == 0);
+  constexpr int E = kPer<T>;
+  bool vec = ((uintptr_t)out % 16) == 0 && (!col || ncols % E == 0);
   int k = 0;
   for (const void *q : ins) {
     p.in[k++] = q;
-    vec = vec && ((uintptr_t)q % (4 * sizeof(T))) == 0;
+    vec = vec && ((uintptr_t)q % 16) == 0;
   }
   p.out[0] = out;
   p.col = col;
-  const int64_t blocks = (n + 3) / 4;
+  const int64_t blocks = (n + E - 1) / E;
   const int grid = (int)std::min<int64_t>((blocks + 255) / 256, 132 * 16);
   rng_kernel<T, NI, F><<<grid, 256, 0, s>>>(p, ncols, n, vec, r, f);
   return kt::status_of(cudaGetLastError());
 }
 
-Rng rng_of(uint64_t seed, uint64_t offset, double p) {
-  return {seed, offset, kt_dropout_threshold(p), p < 1 ? (float)(1.0 / (1.0 - p)) : 0.f};
+template <typename T> Rng rng_of(uint64_t seed, uint64_t offset, double p) {
+  return {seed, offset, kt_dropout_threshold_bits(p, kBits<T>), p < 1 ? (float)(1.0 / (1.0 - p)) : 0.f};
 }
 
 bool bad(int64_t n, double p) { return n < 0 || !(p >= 0 && p <= 1); }
@@ -132,7 +137,7 @@ extern "C" kt_status kt_gelu_dropout(kt_dtype t, const void *x, void *out, int64
                                      uint64_t offset, int approximate, void *stream) {
   if (bad(n, p) || !x || !out) return KT_ERR_INVALID;
   if (!n) return KT_OK;
-  KT_DISPATCH(t, (run<T, 1>({x}, nullptr, 1, out, n, rng_of(seed, offset, p), GeluDropout<T>{approximate},
+  KT_DISPATCH(t, (run<T, 1>({x}, nullptr, 1, out, n, rng_of<T>(seed, offset, p), GeluDropout<T>{approximate},
                             (cudaStream_t)stream)))
 }
 
@@ -141,7 +146,7 @@ extern "C" kt_status kt_gelu_dropout_backward(kt_dtype t, const void *grad, cons
                                               void *stream) {
   if (bad(n, p) || !grad || !x || !grad_x) return KT_ERR_INVALID;
   if (!n) return KT_OK;
-  KT_DISPATCH(t, (run<T, 2>({grad, x}, nullptr, 1, grad_x, n, rng_of(seed, offset, p),
+  KT_DISPATCH(t, (run<T, 2>({grad, x}, nullptr, 1, grad_x, n, rng_of<T>(seed, offset, p),
                             GeluDropoutBackward<T>{approximate}, (cudaStream_t)stream)))
 }
 
@@ -150,7 +155,7 @@ extern "C" kt_status kt_bias_dropout_add(kt_dtype t, const void *x, const void *
                                          void *stream) {
   if (bad(n, p) || !x || !bias || !residual || !out || nbias <= 0 || (n % nbias)) return KT_ERR_INVALID;
   if (!n) return KT_OK;
-  KT_DISPATCH(t, (run<T, 2>({x, residual}, bias, nbias, out, n, rng_of(seed, offset, p), BiasDropoutAdd{},
+  KT_DISPATCH(t, (run<T, 2>({x, residual}, bias, nbias, out, n, rng_of<T>(seed, offset, p), BiasDropoutAdd{},
                             (cudaStream_t)stream)))
 }
 
@@ -158,6 +163,6 @@ extern "C" kt_status kt_dropout_backward(kt_dtype t, const void *grad, void *gra
                                          uint64_t offset, void *stream) {
   if (bad(n, p) || !grad || !grad_x) return KT_ERR_INVALID;
   if (!n) return KT_OK;
-  KT_DISPATCH(t, (run<T, 1>({grad}, nullptr, 1, grad_x, n, rng_of(seed, offset, p), DropoutBackward{},
+  KT_DISPATCH(t, (run<T, 1>({grad}, nullptr, 1, grad_x, n, rng_of<T>(seed, offset, p), DropoutBackward{},
                             (cudaStream_t)stream)))
 }

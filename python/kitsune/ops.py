@@ -37,7 +37,7 @@ Ops (reference semantics):
                                relu(F.batch_norm(...)), running stats updated as F.batch_norm does
 The dropout ops draw (seed, offset) from PyTorch's default generator of the device
 (torch.manual_seed repeats a mask) and never store the mask: the backward rebuilds it
-with the same Philox code (kitsune/philox.h); ``dropout_mask(rng, n, p)`` gives it.
+with the same Philox code (kitsune/philox.h); ``dropout_mask(rng, n, p, dtype)`` gives it.
 Binary ops broadcast like ``a + b``. dtypes: float32, float16, bfloat16.
 """
 import torch
@@ -352,10 +352,11 @@ def bias_dropout_add(x, bias, residual, p=0.1, training=True):
     return _lib.bias_dropout_add(x, bias, residual, p, training)[0]
 
 
-def dropout_mask(rng, n, p):
+def dropout_mask(rng, n, p, dtype=torch.float32):
     """The keep mask (bool, n elements) of a dropout call from the rng tensor its op
-    returned (torch.ops.kitsune.gelu_dropout(...)[1]), built on the CPU."""
-    return _lib.dropout_mask(rng, n, p)
+    returned (torch.ops.kitsune.gelu_dropout(...)[1]), built on the CPU; dtype is the
+    dropped tensor's (fp16/bf16 masks use 16 random bits an element, others 32)."""
+    return _lib.dropout_mask(rng, n, p, 16 if dtype in (torch.float16, torch.bfloat16) else 32)
 
 
 def batch_norm_relu(x, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-5):

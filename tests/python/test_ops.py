@@ -382,11 +382,11 @@ def test_gpu_linear_cross_entropy_peak_memory_half_of_eager():
 
 # ---- dropout ops: gelu_dropout, bias_dropout_add ----------------------------------
 # The mask comes from (seed, offset) drawn from torch's generator, returned as `rng`;
-# kitsune.ops.dropout_mask(rng, n, p) rebuilds it on the CPU with the same Philox code
+# kitsune.ops.dropout_mask(rng, n, p, dtype) rebuilds it on the CPU with the same Philox code
 # the CUDA kernel runs, so references use exactly the kernel's mask.
 def _dropout_ref(name, args, rng, p, dtype64=torch.float64):
     x = args[0]
-    m = ko.dropout_mask(rng, x.numel(), p).view(x.shape).to(x.device, dtype64) / (1 - p)
+    m = ko.dropout_mask(rng, x.numel(), p, x.dtype).view(x.shape).to(x.device, dtype64) / (1 - p)
     if name == "gelu_dropout":
         return F.gelu(args[0].to(dtype64)) * m
     x, b, r = (a.to(dtype64) for a in args)
@@ -447,6 +447,21 @@ def test_dropout_edge_probabilities_and_eval():
         torch.ops.kitsune.dropout_backward(x, torch.zeros(3), 0.1)
 
 
+def test_dropout_16_bit_mask_on_cpu():
+    """A bf16 tensor's mask uses 16 random bits an element (kitsune/philox.h): the CPU
+    op's zeros are exactly dropout_mask(..., bf16)'s drops, which differ from the
+    32-bit mask of the same rng, and the kept fraction is 1 - p."""
+    n, p = 1 << 16, 0.25
+    x = torch.rand(n, dtype=torch.bfloat16) + 1   # gelu(x) > 0: a zero is a drop
+    out, rng = torch.ops.kitsune.gelu_dropout(x, p, True)
+    keep = ko.dropout_mask(rng, n, p, torch.bfloat16)
+    assert torch.equal(out != 0, keep)
+    assert not torch.equal(keep, ko.dropout_mask(rng, n, p))
+    assert abs(keep.sum().item() - n * (1 - p)) < 5 * (n * p * (1 - p)) ** 0.5
+    with pytest.raises(RuntimeError, match="bits must be 16"):
+        torch.ops.kitsune.dropout_mask(rng, n, p, 8)
+
+
 def test_dropout_fakes():
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode():
@@ -470,7 +485,7 @@ def test_gpu_dropout_uses_the_cpu_mask_and_matches_fp64(name, dtype):
         for p in (0.1, 0.5):
             out, rng = _dropout_call(name, args, p)
             want = _dropout_ref(name, args, rng, p)
-            m = ko.dropout_mask(rng, args[0].numel(), p).view(args[0].shape).cuda()
+            m = ko.dropout_mask(rng, args[0].numel(), p, dtype).view(args[0].shape).cuda()
             torch_ref = _dropout_ref(name, args, rng, p, dtype64=dtype)   # torch ops in the storage dtype
             assert not torch.isnan(out).any(), f"{name} {dtype} {shape}: unwritten outputs"
             if name == "gelu_dropout":

@@ -44,9 +44,22 @@ KT_PHILOX_FN void kt_philox_block(uint64_t seed, uint64_t offset, uint64_t block
                    (uint32_t)key, (uint32_t)(key >> 32), out);
 }
 
-/* floor(p * 2^32), or 2^32 for p >= 1: an element is kept when its word is >= it. */
-KT_PHILOX_FN uint64_t kt_dropout_threshold(double p) {
-  return p <= 0 ? 0 : p >= 1 ? ((uint64_t)1 << 32) : (uint64_t)(p * 4294967296.0);
+/* A dropout draws `bits` random bits an element: 32 for fp32/fp64 tensors (element i:
+ * word i % 4 of block i / 4), 16 for fp16/bf16 (element i: half i % 2 of word
+ * (i % 8) / 2 of block i / 8, low half first), so a 16-bit tensor costs half the
+ * Philox work per byte. The element is kept when its bits, as an unsigned number,
+ * are >= the threshold floor(p * 2^bits) (2^bits for p >= 1: nothing kept). */
+KT_PHILOX_FN uint64_t kt_dropout_threshold_bits(double p, int bits) {
+  const double range = bits == 16 ? 65536.0 : 4294967296.0;
+  return p <= 0 ? 0 : p >= 1 ? (uint64_t)range : (uint64_t)(p * range);
+}
+KT_PHILOX_FN uint64_t kt_dropout_threshold(double p) { return kt_dropout_threshold_bits(p, 32); }
+/* Elements per Philox block: 4 (32 bits each) or 8 (16 bits each). */
+KT_PHILOX_FN int kt_dropout_per_block(int bits) { return bits == 16 ? 8 : 4; }
+/* Whether element j (< kt_dropout_per_block(bits)) of a block with words w is kept. */
+KT_PHILOX_FN int kt_dropout_keep(const uint32_t w[4], int j, int bits, uint64_t threshold) {
+  const uint32_t r = bits == 16 ? (w[j >> 1] >> ((j & 1) * 16)) & 0xffffu : w[j];
+  return (uint64_t)r >= threshold;
 }
 
 #endif

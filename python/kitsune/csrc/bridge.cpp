@@ -1369,26 +1369,32 @@ DropoutDraw dropout_draw(const Tensor& x, double p, bool training, const char* o
 }
 double keep_scale(double p) { return p < 1 ? 1.0 / (1.0 - p) : 0.0; }
 
-// The keep mask (bool, n elements) on the CPU: the reference and the check of the GPU's.
-Tensor keep_mask(std::pair<uint64_t, uint64_t> s, int64_t n, double p) {
+// The keep mask (bool, n elements) on the CPU: the reference and the check of the
+// GPU's. bits: random bits an element, 16 for an fp16/bf16 tensor, else 32
+// (kitsune/philox.h).
+Tensor keep_mask(std::pair<uint64_t, uint64_t> s, int64_t n, double p, int bits) {
   Tensor m = at::empty({n}, at::TensorOptions().dtype(at::kBool));
   bool* d = m.data_ptr<bool>();
-  const uint64_t thr = kt_dropout_threshold(p);
-  for (int64_t b = 0; b * 4 < n; b++) {
+  const uint64_t thr = kt_dropout_threshold_bits(p, bits);
+  const int per = kt_dropout_per_block(bits);
+  for (int64_t b = 0; b * per < n; b++) {
     uint32_t w[4];
     kt_philox_block(s.first, s.second, (uint64_t)b, w);
-    for (int j = 0; j < 4 && b * 4 + j < n; j++) d[b * 4 + j] = w[j] >= thr;
+    for (int j = 0; j < per && b * per + j < n; j++) d[b * per + j] = kt_dropout_keep(w, j, bits, thr);
   }
   return m;
 }
-Tensor dropout_mask(const Tensor& rng, int64_t n, double p) {
+int dropout_bits(const Tensor& x) { return x.element_size() == 2 ? 16 : 32; }
+Tensor dropout_mask(const Tensor& rng, int64_t n, double p, int64_t bits) {
   check_p(p, "dropout_mask");
   TORCH_CHECK(n >= 0, "kitsune.dropout_mask: n must be >= 0, got ", n);
-  return keep_mask(rng_values(rng, "dropout_mask"), n, p);
+  TORCH_CHECK(bits == 16 || bits == 32, "kitsune.dropout_mask: bits must be 16 (an fp16/bf16 tensor's mask) or 32, got ",
+              bits);
+  return keep_mask(rng_values(rng, "dropout_mask"), n, p, (int)bits);
 }
-// mask * scale in the opmath dtype, shaped like x
+// mask * scale in the opmath dtype, shaped like x (x's dtype picks the mask's bits)
 Tensor scaled_mask(std::pair<uint64_t, uint64_t> s, const Tensor& x, double p) {
-  return keep_mask(s, x.numel(), p).view(x.sizes()).to(opmath(x)) * keep_scale(p);
+  return keep_mask(s, x.numel(), p, dropout_bits(x)).view(x.sizes()).to(opmath(x)) * keep_scale(p);
 }
 
 std::tuple<Tensor, Tensor> gelu_dropout_cuda(const Tensor& x, double p, bool training, c10::string_view approximate) {
@@ -2327,7 +2333,7 @@ TORCH_LIBRARY(kitsune, m) {
   m.def("gelu_dropout_backward(Tensor grad, Tensor x, Tensor rng, float p, str approximate='none') -> Tensor");
   m.def("bias_dropout_add(Tensor x, Tensor bias, Tensor residual, float p, bool training=True) -> (Tensor, Tensor)");
   m.def("dropout_backward(Tensor grad, Tensor rng, float p) -> Tensor");
-  m.def("dropout_mask(Tensor rng, int n, float p) -> Tensor");
+  m.def("dropout_mask(Tensor rng, int n, float p, int bits=32) -> Tensor");
   m.def("adam_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, float lr, float beta1, float beta2, float eps, float weight_decay, bool decoupled, float step) -> ()");
   m.def("adam_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] state_steps, float lr, float beta1, float beta2, float eps, float weight_decay, bool decoupled) -> ()");
   m.impl("adam_step_", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &adam_step));

@@ -36,3 +36,27 @@ Test(philox, dropout_threshold_and_rate) {
   double sd = sqrt(n * p * (1 - p));
   cr_assert_lt(fabs(kept - n * (1 - p)), 5 * sd, "kept %ld of %ld", kept, n);
 }
+
+Test(philox, dropout_16_bit_elements) {
+  cr_assert_eq(kt_dropout_threshold_bits(0.5, 16), 32768);
+  cr_assert_eq(kt_dropout_threshold_bits(1.0, 16), 65536);
+  cr_assert_eq(kt_dropout_per_block(16), 8);
+  cr_assert_eq(kt_dropout_per_block(32), 4);
+  /* element j of a block is half j % 2 (low first) of word j / 2 */
+  const uint32_t w[4] = {0x0001ffffu, 0x80007fffu, 0, 0xffffffffu};
+  const uint64_t thr = kt_dropout_threshold_bits(0.5, 16);
+  const int want[8] = {1, 0, 0, 1, 0, 0, 1, 1};
+  for (int j = 0; j < 8; j++) cr_assert_eq(kt_dropout_keep(w, j, 16, thr), want[j], "element %d", j);
+  /* p = 1 keeps nothing, even an all-ones draw; the kept fraction at p = 0.3 is 1 - p within 5 sd */
+  cr_assert_eq(kt_dropout_keep(w, 6, 16, kt_dropout_threshold_bits(1.0, 16)), 0);
+  const double p = 0.3;
+  const uint64_t t3 = kt_dropout_threshold_bits(p, 16);
+  long kept = 0, n = 1 << 20;
+  for (long b = 0; b < n / 8; b++) {
+    uint32_t v[4];
+    kt_philox_block(12345, 7, (uint64_t)b, v);
+    for (int j = 0; j < 8; j++) kept += kt_dropout_keep(v, j, 16, t3);
+  }
+  double sd = sqrt(n * p * (1 - p));
+  cr_assert_lt(fabs(kept - n * (1 - p)), 5 * sd, "kept %ld of %ld", kept, n);
+}

@@ -19,9 +19,8 @@ import tempfile
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench", "kernels"))
-import kitsune  # noqa: E402
-import train_models as tm  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from profile_train import training_step  # noqa: E402
 
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaEventSynchronize", "cudaMemcpyAsync")
@@ -52,19 +51,7 @@ def host_times(m, idx, opt, reps=10):
 
 
 def trace_step(kind, variant):
-    vocab = 50257 if kind == "gpt2" else 32000
-    torch.manual_seed(0)
-    m = tm.LM(kind, vocab=vocab).cuda().to(torch.bfloat16)
-    if variant == "kitsune":
-        m = kitsune.optimize(m, inplace=True)
-    idx = torch.randint(0, vocab, (8, 1024), device="cuda")
-    opt = torch.optim.AdamW(m.parameters(), lr=3e-4, fused=True)
-
-    def step():
-        m(idx, idx).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
+    m, idx, opt, step = training_step(kind, variant)
     for _ in range(5):
         step()
     h = host_times(m, idx, opt)

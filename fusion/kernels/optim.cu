@@ -122,12 +122,7 @@ extern "C" kt_status kt_adam_multi(kt_dtype t, int ntensors, void *const *params
   if (ntensors < 0 || (ntensors && (!params || !grads || !exp_avg || !exp_avg_sq || !sizes)) || !a) return KT_ERR_INVALID;
   void *const *lists[4] = {params, grads, exp_avg, exp_avg_sq};
   cudaStream_t s = (cudaStream_t)stream;
-  switch (t) {
-    case KT_F32: return run<float, 4>(ntensors, lists, sizes, *a, AdamStep{}, s);
-    case KT_F16: return run<__half, 4>(ntensors, lists, sizes, *a, AdamStep{}, s);
-    case KT_BF16: return run<__nv_bfloat16, 4>(ntensors, lists, sizes, *a, AdamStep{}, s);
-  }
-  return KT_ERR_INVALID;
+  KT_DISPATCH(t, (run<T, 4>(ntensors, lists, sizes, *a, AdamStep{}, s)))
 }
 
 extern "C" kt_status kt_sgd_multi(kt_dtype t, int ntensors, void *const *params, void *const *grads,
@@ -137,10 +132,5 @@ extern "C" kt_status kt_sgd_multi(kt_dtype t, int ntensors, void *const *params,
   if (a->momentum != 0 && !momentum_buf) return KT_ERR_INVALID;
   void *const *lists[3] = {params, grads, a->momentum != 0 ? momentum_buf : nullptr};
   cudaStream_t s = (cudaStream_t)stream;
-  switch (t) {
-    case KT_F32: return run<float, 3>(ntensors, lists, sizes, *a, SgdStep{}, s);
-    case KT_F16: return run<__half, 3>(ntensors, lists, sizes, *a, SgdStep{}, s);
-    case KT_BF16: return run<__nv_bfloat16, 3>(ntensors, lists, sizes, *a, SgdStep{}, s);
-  }
-  return KT_ERR_INVALID;
+  KT_DISPATCH(t, (run<T, 3>(ntensors, lists, sizes, *a, SgdStep{}, s)))
 }

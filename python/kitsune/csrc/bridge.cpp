@@ -1370,12 +1370,11 @@ DropoutDraw dropout_draw(const Tensor& x, double p, bool training, const char* o
 double keep_scale(double p) { return p < 1 ? 1.0 / (1.0 - p) : 0.0; }
 
 // The keep mask (bool, n elements) on the CPU: the reference and the check of the
-// GPU's. bits: random bits an element, 16 for an fp16/bf16 tensor, else 32
-// (kitsune/philox.h).
+// GPU's. bits: random bits an element (kitsune/philox.h, dropout_bits).
 Tensor keep_mask(std::pair<uint64_t, uint64_t> s, int64_t n, double p, int bits) {
   Tensor m = at::empty({n}, at::TensorOptions().dtype(at::kBool));
   bool* d = m.data_ptr<bool>();
-  const uint64_t thr = kt_dropout_threshold_bits(p, bits);
+  const uint64_t thr = kt_dropout_threshold(p, bits);
   const int per = kt_dropout_per_block(bits);
   for (int64_t b = 0; b * per < n; b++) {
     uint32_t w[4];
@@ -1384,17 +1383,18 @@ Tensor keep_mask(std::pair<uint64_t, uint64_t> s, int64_t n, double p, int bits)
   }
   return m;
 }
-int dropout_bits(const Tensor& x) { return x.element_size() == 2 ? 16 : 32; }
-Tensor dropout_mask(const Tensor& rng, int64_t n, double p, int64_t bits) {
+// The rule (dropout.cu's kBits): 16 bits for 2-byte elements, else 32.
+int dropout_bits(at::ScalarType dt) { return c10::elementSize(dt) == 2 ? 16 : 32; }
+Tensor dropout_mask(const Tensor& rng, int64_t n, double p, at::ScalarType dtype) {
   check_p(p, "dropout_mask");
   TORCH_CHECK(n >= 0, "kitsune.dropout_mask: n must be >= 0, got ", n);
-  TORCH_CHECK(bits == 16 || bits == 32, "kitsune.dropout_mask: bits must be 16 (an fp16/bf16 tensor's mask) or 32, got ",
-              bits);
-  return keep_mask(rng_values(rng, "dropout_mask"), n, p, (int)bits);
+  TORCH_CHECK(at::isFloatingType(dtype), "kitsune.dropout_mask: dtype must be the dropped tensor's floating dtype, got ",
+              dtype);
+  return keep_mask(rng_values(rng, "dropout_mask"), n, p, dropout_bits(dtype));
 }
 // mask * scale in the opmath dtype, shaped like x (x's dtype picks the mask's bits)
 Tensor scaled_mask(std::pair<uint64_t, uint64_t> s, const Tensor& x, double p) {
-  return keep_mask(s, x.numel(), p, dropout_bits(x)).view(x.sizes()).to(opmath(x)) * keep_scale(p);
+  return keep_mask(s, x.numel(), p, dropout_bits(x.scalar_type())).view(x.sizes()).to(opmath(x)) * keep_scale(p);
 }
 
 std::tuple<Tensor, Tensor> gelu_dropout_cuda(const Tensor& x, double p, bool training, c10::string_view approximate) {
@@ -1484,25 +1484,31 @@ Tensor dropout_backward_cpu(const Tensor& grad, const Tensor& rng, double p) {
 // In place over lists of parameters, gradients and states, all of one device and
 // dtype, contiguous (kitsune.optim groups them). CUDA: the multi-tensor kernel; CPU:
 // the same per-element code (kitsune/optim_math.h), in double for fp64.
+// A registered op, called through the dispatcher.
+template <typename Sig> c10::TypedOperatorHandle<Sig> op_handle(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+// list[i] of an optimizer's lists must match params[i]: device, dtype, size, contiguous.
+void check_entry(const char* op, const char* name, size_t i, const Tensor& t, const Tensor& p) {
+  TORCH_CHECK(t.device() == p.device() && t.scalar_type() == p.scalar_type() && t.numel() == p.numel() &&
+                  t.is_contiguous(),
+              "kitsune.", op, ": ", name, "[", i, "] must be a contiguous ", p.scalar_type(), " tensor of ", p.numel(),
+              " elements on ", p.device(), "; got ", t.scalar_type(), " ", t.sizes(), " on ", t.device());
+}
+void check_sizes(const char* op, at::TensorList params, std::initializer_list<std::pair<const char*, at::TensorList>> rest) {
+  for (const auto& [name, list] : rest)
+    TORCH_CHECK(list.size() == params.size(), "kitsune.", op, ": ", name, " has ", list.size(), " tensors but params has ",
+                params.size());
+}
 void check_lists(const char* op, at::TensorList params, std::initializer_list<std::pair<const char*, at::TensorList>> rest) {
+  check_sizes(op, params, rest);
   for (size_t i = 0; i < params.size(); i++) {
     const Tensor& p = params[i];
     TORCH_CHECK(p.is_contiguous(), "kitsune.", op, ": params[", i, "] is not contiguous");
     TORCH_CHECK(p.device() == params[0].device() && p.scalar_type() == params[0].scalar_type(), "kitsune.", op,
                 ": params[", i, "] is ", p.scalar_type(), " on ", p.device(), " but params[0] is ",
                 params[0].scalar_type(), " on ", params[0].device(), " (one dtype and device a call)");
-  }
-  for (const auto& [name, list] : rest) {
-    TORCH_CHECK(list.size() == params.size(), "kitsune.", op, ": ", name, " has ", list.size(), " tensors but params has ",
-                params.size());
-    for (size_t i = 0; i < list.size(); i++) {
-      const Tensor& t = list[i];
-      TORCH_CHECK(t.device() == params[i].device() && t.scalar_type() == params[i].scalar_type() &&
-                      t.numel() == params[i].numel() && t.is_contiguous(),
-                  "kitsune.", op, ": ", name, "[", i, "] must be a contiguous ", params[i].scalar_type(), " tensor of ",
-                  params[i].numel(), " elements on ", params[i].device(), "; got ", t.scalar_type(), " ", t.sizes(),
-                  " on ", t.device());
-    }
+    for (const auto& [name, list] : rest) check_entry(op, name, i, list[i], p);
   }
 }
 kt::AdamArgs adam_args(double lr, double beta1, double beta2, double eps, double wd, bool decoupled, double step,
@@ -1595,27 +1601,21 @@ double bump_step(const Tensor& s) {
 // 0.6 ms of host time for GPT-2's 148 tensors.
 void adam_step(at::TensorList params, at::TensorList grads, at::TensorList m, at::TensorList v,
                at::TensorList steps, double lr, double beta1, double beta2, double eps, double wd, bool decoupled) {
-  for (const auto& [name, list] : {std::pair<const char*, at::TensorList>{"grads", grads}, {"exp_avgs", m},
-                                   {"exp_avg_sqs", v}, {"state_steps", steps}})
-    TORCH_CHECK(list.size() == params.size(), "kitsune.adam_step_: ", name, " has ", list.size(),
-                " tensors but params has ", params.size());
-  // everything adam_ checks, checked before any step count is changed
-  adam_args(lr, beta1, beta2, eps, wd, decoupled, 1.0, "adam_step_");
+  // everything adam_ checks (but one dtype a call: the buckets make that so), checked
+  // before any step count is changed
+  const char* op = "adam_step_";
+  check_sizes(op, params, {{"grads", grads}, {"exp_avgs", m}, {"exp_avg_sqs", v}, {"state_steps", steps}});
+  adam_args(lr, beta1, beta2, eps, wd, decoupled, 1.0, op);
   for (size_t i = 0; i < params.size(); i++) {
     TORCH_CHECK(steps[i].numel() == 1, "kitsune.adam_step_: state_steps[", i, "] must have one element; got ",
                 steps[i].sizes());
     TORCH_CHECK(params[i].is_contiguous(), "kitsune.adam_step_: params[", i, "] is not contiguous");
-    for (const auto& [name, t] : {std::pair<const char*, const Tensor*>{"grads", &grads[i]}, {"exp_avgs", &m[i]},
-                                  {"exp_avg_sqs", &v[i]}})
-      TORCH_CHECK(t->device() == params[i].device() && t->scalar_type() == params[i].scalar_type() &&
-                      t->numel() == params[i].numel() && t->is_contiguous(),
-                  "kitsune.adam_step_: ", name, "[", i, "] must be a contiguous ", params[i].scalar_type(),
-                  " tensor of ", params[i].numel(), " elements on ", params[i].device(), "; got ", t->scalar_type(),
-                  " ", t->sizes(), " on ", t->device());
+    check_entry(op, "grads", i, grads[i], params[i]);
+    check_entry(op, "exp_avgs", i, m[i], params[i]);
+    check_entry(op, "exp_avg_sqs", i, v[i], params[i]);
   }
-  using AdamSig = void(at::TensorList, at::TensorList, at::TensorList, at::TensorList, double, double, double, double,
-                       double, bool, double);
-  static auto adam = c10::Dispatcher::singleton().findSchemaOrThrow("kitsune::adam_", "").typed<AdamSig>();
+  static auto adam = op_handle<void(at::TensorList, at::TensorList, at::TensorList, at::TensorList, double, double,
+                                    double, double, double, bool, double)>("kitsune::adam_");
   struct Bucket {
     c10::Device dev;
     at::ScalarType dt;
@@ -1818,9 +1818,6 @@ std::tuple<Tensor, Tensor, Tensor> batch_norm_relu_backward_cpu(const Tensor& gr
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-template <typename Sig> c10::TypedOperatorHandle<Sig> op_handle(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
-}
 Tensor sum_to_shape(const Tensor& g, const Tensor& like) {
   return g.sizes() == like.sizes() ? g : at::sum_to(g, like.sizes());
 }
@@ -2333,7 +2330,7 @@ TORCH_LIBRARY(kitsune, m) {
   m.def("gelu_dropout_backward(Tensor grad, Tensor x, Tensor rng, float p, str approximate='none') -> Tensor");
   m.def("bias_dropout_add(Tensor x, Tensor bias, Tensor residual, float p, bool training=True) -> (Tensor, Tensor)");
   m.def("dropout_backward(Tensor grad, Tensor rng, float p) -> Tensor");
-  m.def("dropout_mask(Tensor rng, int n, float p, int bits=32) -> Tensor");
+  m.def("dropout_mask(Tensor rng, int n, float p, ScalarType dtype=float) -> Tensor");
   m.def("adam_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, float lr, float beta1, float beta2, float eps, float weight_decay, bool decoupled, float step) -> ()");
   m.def("adam_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] state_steps, float lr, float beta1, float beta2, float eps, float weight_decay, bool decoupled) -> ()");
   m.impl("adam_step_", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &adam_step));

@@ -24,7 +24,7 @@ namespace {
 
 // ---- kernels ----
 template <typename T> constexpr int kBits = sizeof(T) == 2 ? 16 : 32;
-template <typename T> constexpr int kPer = sizeof(T) == 2 ? 8 : 4;   // elements of one Philox block: 16 bytes
+template <typename T> constexpr int kPer = 128 / kBits<T>;   // elements of one Philox block (128 bits): 16 bytes
 
 template <typename T> __device__ __forceinline__ void load_e(const T *p, int64_t i, bool vec, int64_t n, float *v) {
   constexpr int E = kPer<T>;
@@ -124,7 +124,7 @@ kt_status run(std::initializer_list<const void *> ins, const void *col, int64_t 
 }
 
 template <typename T> Rng rng_of(uint64_t seed, uint64_t offset, double p) {
-  return {seed, offset, kt_dropout_threshold_bits(p, kBits<T>), p < 1 ? (float)(1.0 / (1.0 - p)) : 0.f};
+  return {seed, offset, kt_dropout_threshold(p, kBits<T>), p < 1 ? (float)(1.0 / (1.0 - p)) : 0.f};
 }
 
 bool bad(int64_t n, double p) { return n < 0 || !(p >= 0 && p <= 1); }

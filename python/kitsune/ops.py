@@ -356,7 +356,7 @@ def dropout_mask(rng, n, p, dtype=torch.float32):
     """The keep mask (bool, n elements) of a dropout call from the rng tensor its op
     returned (torch.ops.kitsune.gelu_dropout(...)[1]), built on the CPU; dtype is the
     dropped tensor's (fp16/bf16 masks use 16 random bits an element, others 32)."""
-    return _lib.dropout_mask(rng, n, p, 16 if dtype in (torch.float16, torch.bfloat16) else 32)
+    return _lib.dropout_mask(rng, n, p, dtype)
 
 
 def batch_norm_relu(x, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-5):

@@ -49,11 +49,10 @@ KT_PHILOX_FN void kt_philox_block(uint64_t seed, uint64_t offset, uint64_t block
  * (i % 8) / 2 of block i / 8, low half first), so a 16-bit tensor costs half the
  * Philox work per byte. The element is kept when its bits, as an unsigned number,
  * are >= the threshold floor(p * 2^bits) (2^bits for p >= 1: nothing kept). */
-KT_PHILOX_FN uint64_t kt_dropout_threshold_bits(double p, int bits) {
+KT_PHILOX_FN uint64_t kt_dropout_threshold(double p, int bits) {
   const double range = bits == 16 ? 65536.0 : 4294967296.0;
   return p <= 0 ? 0 : p >= 1 ? (uint64_t)range : (uint64_t)(p * range);
 }
-KT_PHILOX_FN uint64_t kt_dropout_threshold(double p) { return kt_dropout_threshold_bits(p, 32); }
 /* Elements per Philox block: 4 (32 bits each) or 8 (16 bits each). */
 KT_PHILOX_FN int kt_dropout_per_block(int bits) { return bits == 16 ? 8 : 4; }
 /* Whether element j (< kt_dropout_per_block(bits)) of a block with words w is kept. */

@@ -19,44 +19,40 @@ Test(philox, known_answers) {
   }
 }
 
-Test(philox, dropout_threshold_and_rate) {
-  cr_assert_eq(kt_dropout_threshold(0.0), 0);
-  cr_assert_eq(kt_dropout_threshold(-1.0), 0);
-  cr_assert_eq(kt_dropout_threshold(1.0), (uint64_t)1 << 32);
-  cr_assert_eq(kt_dropout_threshold(0.5), (uint64_t)1 << 31);
-  /* the kept fraction over 2^20 elements is 1 - p within 5 standard deviations */
-  const double p = 0.3;
-  const uint64_t thr = kt_dropout_threshold(p);
+/* The kept fraction over 2^20 elements drawn `bits` at a time is 1 - p within 5
+ * standard deviations. */
+static void assert_keep_rate(int bits, double p) {
+  const uint64_t thr = kt_dropout_threshold(p, bits);
+  const int per = kt_dropout_per_block(bits);
   long kept = 0, n = 1 << 20;
-  for (long b = 0; b < n / 4; b++) {
+  for (long b = 0; b < n / per; b++) {
     uint32_t w[4];
     kt_philox_block(12345, 7, (uint64_t)b, w);
-    for (int j = 0; j < 4; j++) kept += w[j] >= thr;
+    for (int j = 0; j < per; j++) kept += kt_dropout_keep(w, j, bits, thr);
   }
   double sd = sqrt(n * p * (1 - p));
-  cr_assert_lt(fabs(kept - n * (1 - p)), 5 * sd, "kept %ld of %ld", kept, n);
+  cr_assert_lt(fabs(kept - n * (1 - p)), 5 * sd, "%d bits: kept %ld of %ld", bits, kept, n);
+}
+
+Test(philox, dropout_threshold_and_rate) {
+  cr_assert_eq(kt_dropout_threshold(0.0, 32), 0);
+  cr_assert_eq(kt_dropout_threshold(-1.0, 32), 0);
+  cr_assert_eq(kt_dropout_threshold(1.0, 32), (uint64_t)1 << 32);
+  cr_assert_eq(kt_dropout_threshold(0.5, 32), (uint64_t)1 << 31);
+  assert_keep_rate(32, 0.3);
 }
 
 Test(philox, dropout_16_bit_elements) {
-  cr_assert_eq(kt_dropout_threshold_bits(0.5, 16), 32768);
-  cr_assert_eq(kt_dropout_threshold_bits(1.0, 16), 65536);
+  cr_assert_eq(kt_dropout_threshold(0.5, 16), 32768);
+  cr_assert_eq(kt_dropout_threshold(1.0, 16), 65536);
   cr_assert_eq(kt_dropout_per_block(16), 8);
   cr_assert_eq(kt_dropout_per_block(32), 4);
   /* element j of a block is half j % 2 (low first) of word j / 2 */
   const uint32_t w[4] = {0x0001ffffu, 0x80007fffu, 0, 0xffffffffu};
-  const uint64_t thr = kt_dropout_threshold_bits(0.5, 16);
+  const uint64_t thr = kt_dropout_threshold(0.5, 16);
   const int want[8] = {1, 0, 0, 1, 0, 0, 1, 1};
   for (int j = 0; j < 8; j++) cr_assert_eq(kt_dropout_keep(w, j, 16, thr), want[j], "element %d", j);
-  /* p = 1 keeps nothing, even an all-ones draw; the kept fraction at p = 0.3 is 1 - p within 5 sd */
-  cr_assert_eq(kt_dropout_keep(w, 6, 16, kt_dropout_threshold_bits(1.0, 16)), 0);
-  const double p = 0.3;
-  const uint64_t t3 = kt_dropout_threshold_bits(p, 16);
-  long kept = 0, n = 1 << 20;
-  for (long b = 0; b < n / 8; b++) {
-    uint32_t v[4];
-    kt_philox_block(12345, 7, (uint64_t)b, v);
-    for (int j = 0; j < 8; j++) kept += kt_dropout_keep(v, j, 16, t3);
-  }
-  double sd = sqrt(n * p * (1 - p));
-  cr_assert_lt(fabs(kept - n * (1 - p)), 5 * sd, "kept %ld of %ld", kept, n);
+  /* p = 1 keeps nothing, even an all-ones draw */
+  cr_assert_eq(kt_dropout_keep(w, 6, 16, kt_dropout_threshold(1.0, 16)), 0);
+  assert_keep_rate(16, 0.3);
 }

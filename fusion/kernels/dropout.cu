@@ -13,6 +13,8 @@
 // operand when the pointers allow it. With 32 bits for every element, bf16 ran at
 // 55-62% of copy bandwidth against 91-94% for fp32 (H100,
 // kernels_elementwise_d3e61a6.json): the Philox rounds, not memory, were the limit.
+// So the launch carries the seed's round keys (each round's key is a constant-memory
+// operand, not two additions), and a bias's column is found once per thread.
 #include "gelu.cuh"
 #include "kitsune/philox.h"
 
@@ -52,7 +54,12 @@ template <typename T> __device__ __forceinline__ void store_e(T *p, int64_t i, b
   }
 }
 
-struct Rng { uint64_t seed, offset, threshold; float scale; };
+// The Philox round keys of the seed travel in the launch parameters (constant memory).
+struct Rng {
+  uint32_t ks[2 * KT_PHILOX_ROUNDS];
+  uint64_t offset, threshold;
+  float scale;
+};
 
 // f(in[k][j] for k < NI, column value, keep, scale) -> out, for each element of a block.
 template <typename T, int NI, typename F>
@@ -62,16 +69,27 @@ __global__ void __launch_bounds__(256) rng_kernel(kt::Ptrs<NI, 1> p, int64_t nco
   const int64_t blocks = (n + E - 1) / E, stride = (int64_t)gridDim.x * blockDim.x;
   const T *col = static_cast<const T *>(p.col);
   T *out = static_cast<T *>(p.out[0]);
+  const bool small = n < ((int64_t)1 << 31);   // 32-bit modulo suffices
   for (int64_t b = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; b < blocks; b += stride) {
     const int64_t i = b * E;
     const bool vec = vec_ok && i + E <= n;
-    float in[NI][E], c[E], o[E];
+    float in[NI][E], c[E] = {}, o[E];
 #pragma unroll
     for (int k = 0; k < NI; k++) load_e<T>(static_cast<const T *>(p.in[k]), i, vec, n, in[k]);
+    if (col) {   // the column of element i, found once: a 64-bit modulo costs tens of instructions
+      int64_t ci = small ? (int64_t)((uint32_t)i % (uint32_t)ncols) : i % ncols;
+      if (vec) {   // ncols is a multiple of E, so the E columns are contiguous
+        load_e<T>(col, ci, true, ncols, c);
+      } else {
 #pragma unroll
-    for (int j = 0; j < E; j++) c[j] = col && i + j < n ? kt::to_f(col[(i + j) % ncols]) : 0.f;
+        for (int j = 0; j < E; j++) {
+          c[j] = i + j < n ? kt::to_f(col[ci]) : 0.f;
+          ci = ci + 1 == ncols ? 0 : ci + 1;
+        }
+      }
+    }
     uint32_t w[4];
-    kt_philox_block(r.seed, r.offset, (uint64_t)b, w);
+    kt_philox_block_ks(r.ks, r.offset, (uint64_t)b, w);
 #pragma unroll
     for (int j = 0; j < E; j++) {
       float x[NI];
@@ -109,7 +127,7 @@ kt_status run(std::initializer_list<const void *> ins, const void *col, int64_t 
               cudaStream_t s) {
   kt::Ptrs<NI, 1> p{};
   constexpr int E = kPer<T>;
-  bool vec = ((uintptr_t)out % 16) == 0 && (!col || ncols % E == 0);
+  bool vec = ((uintptr_t)out % 16) == 0 && (!col || (ncols % E == 0 && (uintptr_t)col % 16 == 0));
   int k = 0;
   for (const void *q : ins) {
     p.in[k++] = q;
@@ -124,7 +142,12 @@ kt_status run(std::initializer_list<const void *> ins, const void *col, int64_t 
 }
 
 template <typename T> Rng rng_of(uint64_t seed, uint64_t offset, double p) {
-  return {seed, offset, kt_dropout_threshold(p, kBits<T>), p < 1 ? (float)(1.0 / (1.0 - p)) : 0.f};
+  Rng r;
+  kt_philox_seed_keys(seed, r.ks);
+  r.offset = offset;
+  r.threshold = kt_dropout_threshold(p, kBits<T>);
+  r.scale = p < 1 ? (float)(1.0 / (1.0 - p)) : 0.f;
+  return r;
 }
 
 bool bad(int64_t n, double p) { return n < 0 || !(p >= 0 && p <= 1); }

@@ -393,11 +393,12 @@ def _dropout_ref(name, args, rng, p, dtype64=torch.float64):
     return r + (x + b) * m
 
 
-def _dropout_args(name, shape, dtype, device, gen):
+def _dropout_args(name, shape, dtype, device, gen, unaligned_bias=False):
     x = _t(shape, dtype, device, gen)
     if name == "gelu_dropout":
         return [x]
-    return [x, _t((shape[-1],), dtype, device, gen), _t(shape, dtype, device, gen)]
+    b = _t((shape[-1] + unaligned_bias,), dtype, device, gen)[int(unaligned_bias):]   # storage offset 1: no 16-byte vectors
+    return [x, b, _t(shape, dtype, device, gen)]
 
 
 def _dropout_call(name, args, p, training=True):
@@ -477,10 +478,10 @@ def test_gpu_dropout_uses_the_cpu_mask_and_matches_fp64(name, dtype):
     """The CUDA kernel's mask is exactly the one the CPU rebuilds from rng; values and
     gradients within 2x torch's own error of an fp64 reference with that mask."""
     g = torch.Generator().manual_seed(9)
-    for shape in [(1,), (3,), (1023,), (4, 1000), (257, 4097), ((1 << 20) + 3,)]:
+    for shape in [(1,), (3,), (1023,), (4, 1000), (3, 1000), (257, 4097), ((1 << 20) + 3,)]:
         if name == "bias_dropout_add" and len(shape) == 1:
             shape = (1,) + shape
-        args = _dropout_args(name, shape, dtype, "cuda", g)
+        args = _dropout_args(name, shape, dtype, "cuda", g, unaligned_bias=shape == (3, 1000))
         _poison(sum(a.numel() for a in args), "cuda")
         for p in (0.1, 0.5):
             out, rng = _dropout_call(name, args, p)

@@ -19,12 +19,22 @@
 #define KT_PHILOX_FN static inline
 #endif
 
-KT_PHILOX_FN void kt_philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1,
-                                   uint32_t out[4]) {
-  for (int r = 0; r < 10; r++) {
-    if (r) k0 += 0x9E3779B9u, k1 += 0xBB67AE85u;
+/* The round keys of key (k0, k1): ks[2r], ks[2r + 1] for round r. A kernel computes
+ * them once on the host and passes them as a launch parameter, so each round reads its
+ * key from constant memory instead of adding it in registers. */
+#define KT_PHILOX_ROUNDS 10
+KT_PHILOX_FN void kt_philox_key_schedule(uint32_t k0, uint32_t k1, uint32_t ks[2 * KT_PHILOX_ROUNDS]) {
+  for (int r = 0; r < KT_PHILOX_ROUNDS; r++, k0 += 0x9E3779B9u, k1 += 0xBB67AE85u) ks[2 * r] = k0, ks[2 * r + 1] = k1;
+}
+
+KT_PHILOX_FN void kt_philox4x32_10_ks(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3,
+                                      const uint32_t ks[2 * KT_PHILOX_ROUNDS], uint32_t out[4]) {
+#ifdef __CUDACC__
+#pragma unroll
+#endif
+  for (int r = 0; r < KT_PHILOX_ROUNDS; r++) {
     const uint64_t p0 = (uint64_t)0xD2511F53u * c0, p1 = (uint64_t)0xCD9E8D57u * c2;
-    const uint32_t n0 = (uint32_t)(p1 >> 32) ^ c1 ^ k0, n2 = (uint32_t)(p0 >> 32) ^ c3 ^ k1;
+    const uint32_t n0 = (uint32_t)(p1 >> 32) ^ c1 ^ ks[2 * r], n2 = (uint32_t)(p0 >> 32) ^ c3 ^ ks[2 * r + 1];
     c1 = (uint32_t)p1;
     c3 = (uint32_t)p0;
     c0 = n0;
@@ -33,15 +43,30 @@ KT_PHILOX_FN void kt_philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32
   out[0] = c0, out[1] = c1, out[2] = c2, out[3] = c3;
 }
 
+KT_PHILOX_FN void kt_philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1,
+                                   uint32_t out[4]) {
+  uint32_t ks[2 * KT_PHILOX_ROUNDS];
+  kt_philox_key_schedule(k0, k1, ks);
+  kt_philox4x32_10_ks(c0, c1, c2, c3, ks, out);
+}
+
 /* The four random words for elements 4 * block .. 4 * block + 3. The key is the seed
  * XOR a Kitsune constant: PyTorch's curand-based kernels draw Philox words under the
  * same seed with counters (offset, thread), which could otherwise coincide with ours
  * and correlate a dropout mask with, say, a torch.rand call. */
 #define KT_PHILOX_KEY_SALT 0x6B697473756E6531ull   /* "kitsune1" */
-KT_PHILOX_FN void kt_philox_block(uint64_t seed, uint64_t offset, uint64_t block, uint32_t out[4]) {
+KT_PHILOX_FN void kt_philox_seed_keys(uint64_t seed, uint32_t ks[2 * KT_PHILOX_ROUNDS]) {
   const uint64_t key = seed ^ KT_PHILOX_KEY_SALT;
-  kt_philox4x32_10((uint32_t)block, (uint32_t)(block >> 32), (uint32_t)offset, (uint32_t)(offset >> 32),
-                   (uint32_t)key, (uint32_t)(key >> 32), out);
+  kt_philox_key_schedule((uint32_t)key, (uint32_t)(key >> 32), ks);
+}
+KT_PHILOX_FN void kt_philox_block_ks(const uint32_t ks[2 * KT_PHILOX_ROUNDS], uint64_t offset, uint64_t block,
+                                     uint32_t out[4]) {
+  kt_philox4x32_10_ks((uint32_t)block, (uint32_t)(block >> 32), (uint32_t)offset, (uint32_t)(offset >> 32), ks, out);
+}
+KT_PHILOX_FN void kt_philox_block(uint64_t seed, uint64_t offset, uint64_t block, uint32_t out[4]) {
+  uint32_t ks[2 * KT_PHILOX_ROUNDS];
+  kt_philox_seed_keys(seed, ks);
+  kt_philox_block_ks(ks, offset, block, out);
 }
 
 /* A dropout draws `bits` random bits an element: 32 for fp32/fp64 tensors (element i:

@@ -1376,9 +1376,11 @@ Tensor keep_mask(std::pair<uint64_t, uint64_t> s, int64_t n, double p, int bits)
   bool* d = m.data_ptr<bool>();
   const uint64_t thr = kt_dropout_threshold(p, bits);
   const int per = kt_dropout_per_block(bits);
+  uint32_t ks[2 * KT_PHILOX_ROUNDS];
+  kt_philox_seed_keys(s.first, ks);
   for (int64_t b = 0; b * per < n; b++) {
     uint32_t w[4];
-    kt_philox_block(s.first, s.second, (uint64_t)b, w);
+    kt_philox_block_ks(ks, s.second, (uint64_t)b, w);
     for (int j = 0; j < per && b * per + j < n; j++) d[b * per + j] = kt_dropout_keep(w, j, bits, thr);
   }
   return m;

@@ -3,7 +3,9 @@
 # (default "test bench demo": make gpu-test, make bench, make demo; "pytest" runs
 # only the pytest part of gpu-test, narrowed by KT_PYTEST_ARGS; "data" adds
 # make bench-data, "kernels" make bench-kernels, "profile" tools/profile_train.py, "gaps"
-# tools/step_gaps.py, "optim" bench/kernels/optimizer.py, "ew" bench/kernels/elementwise.py). Everything is logged to $OUT/run.log; JSON results and the
+# tools/step_gaps.py, "optim" bench/kernels/optimizer.py, "ew" bench/kernels/elementwise.py,
+# "ncu" Nsight Compute on the dropout kernels, "models" bench/models.py; KT_NO_CLEAN=1 keeps
+# the last call's build). Everything is logged to $OUT/run.log; JSON results and the
 # recorded trace also land in $OUT (the device tool brings back at most 8 files).
 # Carry .deps (make gpu-deps).
 set -uo pipefail
@@ -16,7 +18,7 @@ echo "== machine =="; date -u; nvidia-smi --query-gpu=name,driver_version,memory
 lscpu | grep -E "Model name|^CPU\(s\)"; nvcc --version | tail -1; gcc --version | head -1
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 echo "commit: ${KT_COMMIT:-?}  parts:$parts"
-make clean >/dev/null
+[ -n "${KT_NO_CLEAN:-}" ] || make clean >/dev/null   # KT_NO_CLEAN=1: reuse a warm machine's build
 echo "== build =="; make -j16 all 2>&1 | grep -E "error|warning"; [ -f build/libkitsune.so ] || { echo BUILD FAILED; exit 1; }
 if [[ $parts == *" test "* ]]; then
   echo "== gpu-test =="; time make gpu-test 2>&1 | grep -vE "^\[----\] *$|^\[RUN \]|^\[PASS\]"
@@ -53,6 +55,18 @@ fi
 if [[ $parts == *" ew "* ]]; then   # bench/kernels/elementwise.py alone (BENCH_KERNEL_ARGS)
   echo "== elementwise =="; time KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \
     python3 bench/kernels/elementwise.py --out "$OUT" ${BENCH_KERNEL_ARGS:-} 2>&1 | grep -v -i "warn\|online softmax\|split the\|important use\|softmax\.$"
+fi
+if [[ $parts == *" ncu "* ]]; then   # Nsight Compute on the bf16 dropout kernels and bias_gelu (64 MB), to $OUT/ncu.log
+  echo "== ncu =="
+  KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python ncu --clock-control none \
+    --kernel-name regex:'rng_kernel|ew_kernel' --launch-skip 3 --launch-count 6 \
+    --section SpeedOfLight --section ComputeWorkloadAnalysis --section InstructionStats --section WarpStateStats \
+    --section LaunchStats --section Occupancy python3 tools/ncu_dropout.py > "$OUT/ncu.log" 2>&1
+  grep -E "rng_kernel|ew_kernel|Duration|Memory Throughput|Compute \(SM\)|Issue Slots Busy|Executed Ipc A|Registers Per|Achieved Occupancy" "$OUT/ncu.log" | head -80
+fi
+if [[ $parts == *" models "* ]]; then   # bench/models.py (BENCH_MODELS_ARGS)
+  echo "== models =="; time KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \
+    python3 bench/models.py --out "$OUT" ${BENCH_MODELS_ARGS:-} 2>&1 | grep -v -i "warn"
 fi
 if [[ $parts == *" demo "* ]]; then
   echo "== demo =="; make demo

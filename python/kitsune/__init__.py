@@ -8,7 +8,7 @@ from ._native import KitsuneError, KitsuneNotBuiltError, KitsuneOutOfMemoryError
 
 __version__ = "0.1.0"
 __all__ = ["native", "KitsuneError", "KitsuneNotBuiltError", "KitsuneOutOfMemoryError", "allocator", "pinned",
-           "prefetch", "optimize", "explain", "ops", "sched", "KitsuneOptimizer", "__version__"]
+           "prefetch", "optimize", "explain", "ops", "sched", "KitsuneOptimizer", "compile_step", "__version__"]
 
 
 def prefetch(loader, device="cuda", depth=2):
@@ -36,8 +36,15 @@ def KitsuneOptimizer(optimizer, params=None, **kwargs):
     return _K(optimizer, params, **kwargs)
 
 
+def compile_step(model, loss_fn, optimizer, **kwargs):
+    """``step(*batch) -> loss``: forward, backward and optimizer step as one CUDA graph
+    (kitsune.graph)."""
+    from .graph import compile_step as _compile_step
+    return _compile_step(model, loss_fn, optimizer, **kwargs)
+
+
 def __getattr__(name):
-    if name in ("allocator", "pinned", "data", "ops", "fx", "sched", "optim"):   # lazily: nothing native loads on `import kitsune`
+    if name in ("allocator", "pinned", "data", "ops", "fx", "sched", "optim", "graph"):   # lazily: nothing native loads on `import kitsune`
         import importlib
         return importlib.import_module("." + name, __name__)
     raise AttributeError(f"module 'kitsune' has no attribute {name!r}")

@@ -43,6 +43,14 @@ def _why_not(opt):
 _NOT_DENSE = "a sparse or non-contiguous parameter or gradient"
 
 
+class _CapturePlan:
+    """What a captured step updates: groups, [(group index, a CPU step tensor of the
+    group's (None for SGD))]; steps, every CPU step tensor it counts."""
+
+    def __init__(self):
+        self.groups, self.steps = [], []
+
+
 class KitsuneOptimizer:
     """See the module docstring. ``enable_fusion=False`` always runs the wrapped
     optimizer's step; ``profile=True`` times each step with CUDA events (a sync a
@@ -72,6 +80,7 @@ class KitsuneOptimizer:
         self._steps = self._fused = 0
         self._times = []
         self._path = "no step yet"
+        self._hyper, self._hyper_mirror = None, {}   # see capture_step
 
     # ---- torch.optim's interface, from the wrapped optimizer ----
     @property
@@ -190,6 +199,108 @@ class KitsuneOptimizer:
                 _lib.sgd_(ps, gs, bs, float(g["lr"]), momentum, float(g["dampening"]), float(g["weight_decay"]),
                           bool(g["nesterov"]), first)
         return None
+
+    # ---- under a CUDA graph (kitsune.compile_step) ----
+    # A captured step cannot take the learning rate and step count as launch constants,
+    # so it reads them from _hyper (float64 on the device, one row {lr, step} a group),
+    # which sync_hyper() brings up to date before each replay; the CPU step counts that
+    # torch.optim's state_dict shows are counted forward after each replay.
+    def prepare_capture(self, device):
+        """Before a capture, outside it: makes the device rows capture_step reads (once;
+        every graph captured from this optimizer shares them)."""
+        n = len(self.optimizer.param_groups)
+        if self._hyper is None or self._hyper.device != torch.device(device) or self._hyper.shape[0] != n:
+            self._hyper = torch.zeros(n, 2, dtype=torch.float64, device=device)
+            self._hyper_mirror = {}
+
+    def capture_step(self):
+        """Runs the step as torch.ops.kitsune.adam_capturable_ / sgd_capturable_, to be
+        recorded into a CUDA graph (after prepare_capture), and returns the plan that
+        sync_hyper() (before every replay, the first included) and replayed() take;
+        raises RuntimeError with the reason when the step cannot be captured."""
+        opt = self.optimizer
+
+        def refuse(why):
+            raise RuntimeError(f"the optimizer step cannot be captured: {why}")
+
+        why = "enable_fusion=False" if not self.enable_fusion else _why_not(opt)
+        if why is not None:
+            refuse(why)
+        live = [[p for p in g["params"] if p.grad is not None] for g in opt.param_groups]
+        flat = [p for ps in live for p in ps]
+        if flat and not _lib.optim_fusable(flat, [p.grad for p in flat]):
+            refuse(_NOT_DENSE)
+        if any(p.device.type != "cuda" or p.device != flat[0].device for p in flat):
+            refuse("the parameters must be on one CUDA device")
+        sgd = isinstance(opt, torch.optim.SGD)
+        plan = _CapturePlan()
+        for gi, (g, ps) in enumerate(zip(opt.param_groups, live)):
+            if not ps:
+                continue
+            states = [opt.state[p] for p in ps]
+            if sgd and g["momentum"] != 0 and any(st.get("momentum_buffer") is None for st in states):
+                refuse("SGD's momentum buffers are made by a first eager step")
+            if not sgd:
+                if any(len(st) == 0 for st in states):
+                    refuse("Adam's state is made by a first eager step")
+                counts = sorted({float(st["step"]) for st in states})
+                if len(counts) > 1:
+                    refuse(f"a group's parameters are at different step counts {counts}")
+                plan.steps += [st["step"] for st in states]
+            plan.groups.append((gi, None if sgd else states[0]["step"]))
+        if not flat:
+            return plan
+        if self._hyper is None or self._hyper.device != flat[0].device or self._hyper.shape[0] != len(opt.param_groups):
+            refuse("prepare_capture(device) was not called with the parameters' device and groups")
+        self.sync_hyper(plan)
+        with torch.no_grad():
+            for gi, ps in enumerate(live):
+                g = opt.param_groups[gi]
+                by_dtype = {}
+                for p in ps:
+                    by_dtype.setdefault(p.dtype, []).append(p)
+                for group in by_dtype.values():
+                    states = [opt.state[p] for p in group]
+                    grads = [p.grad for p in group]
+                    if sgd:
+                        bufs = [st["momentum_buffer"] for st in states] if g["momentum"] != 0 else []
+                        _lib.sgd_capturable_(group, grads, bufs, self._hyper[gi, :1], float(g["momentum"]),
+                                             float(g["dampening"]), float(g["weight_decay"]), bool(g["nesterov"]))
+                    else:
+                        beta1, beta2 = g["betas"]
+                        decoupled = isinstance(opt, torch.optim.AdamW) or bool(g.get("decoupled_weight_decay", False))
+                        _lib.adam_capturable_(group, grads, [st["exp_avg"] for st in states],
+                                              [st["exp_avg_sq"] for st in states], self._hyper[gi], float(beta1),
+                                              float(beta2), float(g["eps"]), float(g["weight_decay"]), decoupled)
+        return plan
+
+    def sync_hyper(self, plan):
+        """Before a replay: writes a group's lr, and (Adam) its step count before this
+        step, to the device where they changed since the last write (an LR scheduler,
+        an eager step in between)."""
+        for gi, step in plan.groups:
+            lr = self.optimizer.param_groups[gi]["lr"]
+            if isinstance(lr, torch.Tensor) or lr < 0:
+                raise ValueError(f"KitsuneOptimizer: a captured step needs a float lr >= 0; group {gi} has {lr!r}")
+            now = (float(lr), 0.0 if step is None else float(step))
+            if self._hyper_mirror.get(gi) != now:
+                self._hyper[gi, 0].fill_(now[0])
+                self._hyper[gi, 1].fill_(now[1])
+                self._hyper_mirror[gi] = now
+
+    def replayed(self, plan):
+        """After a replay: torch.optim's CPU step counts, and their device mirror, move
+        one step on."""
+        if plan.steps:
+            torch._foreach_add_(plan.steps, 1.0)
+        for gi, step in plan.groups:
+            if step is not None and gi in self._hyper_mirror:
+                lr, n = self._hyper_mirror[gi]
+                self._hyper_mirror[gi] = (lr, n + 1)
+        self._steps += 1
+        self._fused += 1
+        self._path = "fused, in a CUDA graph (kitsune.compile_step)"
+        self.optimizer._opt_called = True
 
     def get_stats(self):
         """Measured numbers: steps run and fused, the last step's path (with the reason

@@ -10,6 +10,12 @@
  * once, as torch.optim's Python floats are.
  * SGD: g += wd * p; buf = first ? g : momentum * buf + (1 - dampening) * g;
  *      g = nesterov ? g + momentum * buf : buf (momentum > 0); p -= lr * g
+ *
+ * Under a CUDA graph the learning rate and step count cannot be launch constants (a
+ * replay would reuse the captured ones), so `dev`, when set, points at them in the
+ * update's own memory (device memory for the kernel): dev[0] = lr, dev[1] = step
+ * (Adam; the count after this update), as doubles; resolve() turns them into the
+ * coefficients above with the host path's formulas.
  */
 #ifndef KITSUNE_OPTIM_MATH_H
 #define KITSUNE_OPTIM_MATH_H
@@ -29,12 +35,27 @@ struct AdamArgs {
   double step_size;         /* lr / (1 - beta1^t) */
   double bias2_sqrt;        /* sqrt(1 - beta2^t) */
   int decoupled;            /* AdamW */
+  const double *dev;        /* NULL, or {lr, step} read when the update runs */
 };
 
 struct SgdArgs {
   double lr, momentum, dampening, weight_decay;
   int nesterov, first;      /* first: the momentum buffer starts as the gradient */
+  const double *dev;        /* NULL, or {lr} read when the update runs */
 };
+
+KT_OPT_FN AdamArgs adam_coefficients(AdamArgs a, double lr, double step) {
+  a.lr = lr;
+  a.step_size = lr / (1 - pow(a.beta1, step));
+  a.bias2_sqrt = sqrt(1 - pow(a.beta2, step));
+  return a;
+}
+KT_OPT_FN AdamArgs resolve(const AdamArgs &a) { return a.dev ? adam_coefficients(a, a.dev[0], a.dev[1]) : a; }
+KT_OPT_FN SgdArgs resolve(const SgdArgs &a) {
+  SgdArgs r = a;
+  if (a.dev) r.lr = a.dev[0];
+  return r;
+}
 
 /* ATen's lerp: exact at both ends. */
 template <typename F> KT_OPT_FN F lerp(F a, F b, F w) { return w < F(0.5) ? a + w * (b - a) : b - (b - a) * (F(1) - w); }

@@ -1519,8 +1519,8 @@ kt::AdamArgs adam_args(double lr, double beta1, double beta2, double eps, double
   TORCH_CHECK(lr >= 0 && eps >= 0 && beta1 >= 0 && beta1 < 1 && beta2 >= 0 && beta2 < 1, "kitsune.", op,
               ": need lr >= 0, eps >= 0 and betas in [0, 1); got lr ", lr, " eps ", eps, " betas (", beta1, ", ", beta2,
               ")");
-  return {lr, beta1, beta2, eps, wd, lr / (1 - std::pow(beta1, step)), std::sqrt(1 - std::pow(beta2, step)),
-          decoupled ? 1 : 0};
+  kt::AdamArgs a{lr, beta1, beta2, eps, wd, 0, 0, decoupled ? 1 : 0, nullptr};
+  return kt::adam_coefficients(a, lr, step);
 }
 template <typename S, typename F> void adam_cpu_one(const Tensor& p, const Tensor& g, const Tensor& m, const Tensor& v,
                                                     const kt::AdamArgs& a) {
@@ -1553,6 +1553,31 @@ template <typename S, typename F> void sgd_cpu_one(const Tensor& p, const Tensor
     default: TORCH_CHECK(false, "kitsune: dtype ", dt, " is not supported by the fused optimizer"); \
   }
 
+// The CUDA launches of adam_ / sgd_ and their capturable forms (lists checked).
+void launch_adam(at::TensorList params, at::TensorList grads, at::TensorList m, at::TensorList v, const kt::AdamArgs& a) {
+  std::vector<void*> pp, gp, mp, vp;
+  std::vector<int64_t> n;
+  for (size_t i = 0; i < params.size(); i++) {
+    pp.push_back(params[i].data_ptr()), gp.push_back(grads[i].data_ptr()), mp.push_back(m[i].data_ptr());
+    vp.push_back(v[i].data_ptr()), n.push_back(params[i].numel());
+  }
+  c10::cuda::CUDAGuard g(params[0].device());
+  check_launch(kt_adam_multi(dtype_of(params[0], "adam_"), (int)pp.size(), pp.data(), gp.data(), mp.data(), vp.data(),
+                             n.data(), &a, stream_of(params[0])),
+               "adam_");
+}
+void launch_sgd(at::TensorList params, at::TensorList grads, at::TensorList bufs, const kt::SgdArgs& a) {
+  std::vector<void*> pp, gp, bp;
+  std::vector<int64_t> n;
+  for (size_t i = 0; i < params.size(); i++) {
+    pp.push_back(params[i].data_ptr()), gp.push_back(grads[i].data_ptr()), n.push_back(params[i].numel());
+    bp.push_back(a.momentum != 0 ? bufs[i].data_ptr() : nullptr);
+  }
+  c10::cuda::CUDAGuard g(params[0].device());
+  check_launch(kt_sgd_multi(dtype_of(params[0], "sgd_"), (int)pp.size(), pp.data(), gp.data(), bp.data(), n.data(), &a,
+                            stream_of(params[0])),
+               "sgd_");
+}
 void adam_cpu(at::TensorList params, at::TensorList grads, at::TensorList m, at::TensorList v, double lr, double beta1,
               double beta2, double eps, double wd, bool decoupled, double step) {
   check_lists("adam_", params, {{"grads", grads}, {"exp_avgs", m}, {"exp_avg_sqs", v}});
@@ -1564,17 +1589,7 @@ void adam_cuda(at::TensorList params, at::TensorList grads, at::TensorList m, at
                double beta2, double eps, double wd, bool decoupled, double step) {
   check_lists("adam_", params, {{"grads", grads}, {"exp_avgs", m}, {"exp_avg_sqs", v}});
   auto a = adam_args(lr, beta1, beta2, eps, wd, decoupled, step, "adam_");
-  if (params.empty()) return;
-  std::vector<void*> pp, gp, mp, vp;
-  std::vector<int64_t> n;
-  for (size_t i = 0; i < params.size(); i++) {
-    pp.push_back(params[i].data_ptr()), gp.push_back(grads[i].data_ptr()), mp.push_back(m[i].data_ptr());
-    vp.push_back(v[i].data_ptr()), n.push_back(params[i].numel());
-  }
-  c10::cuda::CUDAGuard g(params[0].device());
-  check_launch(kt_adam_multi(dtype_of(params[0], "adam_"), (int)pp.size(), pp.data(), gp.data(), mp.data(), vp.data(),
-                             n.data(), &a, stream_of(params[0])),
-               "adam_");
+  if (!params.empty()) launch_adam(params, grads, m, v, a);
 }
 // Whether every parameter and gradient is dense and contiguous (what adam_ / sgd_
 // take); KitsuneOptimizer asks before it changes anything, else it falls back to
@@ -1657,17 +1672,65 @@ void sgd_cuda(at::TensorList params, at::TensorList grads, at::TensorList bufs, 
   auto a = sgd_args(lr, momentum, dampening, wd, nesterov, first);
   if (momentum != 0) check_lists("sgd_", params, {{"grads", grads}, {"momentum_buffers", bufs}});
   else check_lists("sgd_", params, {{"grads", grads}});
+  if (!params.empty()) launch_sgd(params, grads, bufs, a);
+}
+
+// adam_capturable_ / sgd_capturable_: the same updates with the learning rate and
+// (Adam) step count in `hyper`, a float64 tensor on the parameters' device ({lr, step}
+// for Adam, {lr} for SGD), read when the update runs, so a CUDA graph that captured the
+// call follows an LR scheduler and counts its steps on replay. Adam adds 1 to hyper[1]
+// first (on the stream, captured with the rest); SGD's momentum buffers must exist.
+void check_hyper(const Tensor& hyper, const Tensor& p0, int64_t n, const char* op) {
+  TORCH_CHECK(hyper.scalar_type() == at::kDouble && hyper.dim() == 1 && hyper.numel() == n && hyper.is_contiguous() &&
+                  hyper.device() == p0.device(),
+              "kitsune.", op, ": hyper must be a contiguous float64 tensor of ", n, " elements on ", p0.device(),
+              "; got ", hyper.scalar_type(), " ", hyper.sizes(), " on ", hyper.device());
+}
+kt::AdamArgs adam_capturable_args(at::TensorList params, at::TensorList grads, at::TensorList m, at::TensorList v,
+                                  Tensor& hyper, double beta1, double beta2, double eps, double wd, bool decoupled) {
+  const char* op = "adam_capturable_";
+  check_lists(op, params, {{"grads", grads}, {"exp_avgs", m}, {"exp_avg_sqs", v}});
+  kt::AdamArgs a = adam_args(0.0, beta1, beta2, eps, wd, decoupled, 1.0, op);
+  if (params.empty()) return a;
+  check_hyper(hyper, params[0], 2, op);
+  hyper.narrow(0, 1, 1).add_(1);
+  a.dev = hyper.data_ptr<double>();
+  return a;
+}
+void adam_capturable_cpu(at::TensorList params, at::TensorList grads, at::TensorList m, at::TensorList v, Tensor hyper,
+                         double beta1, double beta2, double eps, double wd, bool decoupled) {
+  const kt::AdamArgs a = kt::resolve(adam_capturable_args(params, grads, m, v, hyper, beta1, beta2, eps, wd, decoupled));
+  for (size_t i = 0; i < params.size(); i++)
+    KT_OPT_CPU_DISPATCH(params[i].scalar_type(), adam_cpu_one, params[i], grads[i], m[i], v[i], a);
+}
+void adam_capturable_cuda(at::TensorList params, at::TensorList grads, at::TensorList m, at::TensorList v,
+                          Tensor hyper, double beta1, double beta2, double eps, double wd, bool decoupled) {
+  const kt::AdamArgs a = adam_capturable_args(params, grads, m, v, hyper, beta1, beta2, eps, wd, decoupled);
   if (params.empty()) return;
-  std::vector<void*> pp, gp, bp;
-  std::vector<int64_t> n;
-  for (size_t i = 0; i < params.size(); i++) {
-    pp.push_back(params[i].data_ptr()), gp.push_back(grads[i].data_ptr()), n.push_back(params[i].numel());
-    bp.push_back(momentum != 0 ? bufs[i].data_ptr() : nullptr);
+  launch_adam(params, grads, m, v, a);
+}
+kt::SgdArgs sgd_capturable_args(at::TensorList params, at::TensorList grads, at::TensorList bufs, const Tensor& hyper,
+                                double momentum, double dampening, double wd, bool nesterov) {
+  const char* op = "sgd_capturable_";
+  kt::SgdArgs a = sgd_args(0.0, momentum, dampening, wd, nesterov, false);
+  if (momentum != 0) check_lists(op, params, {{"grads", grads}, {"momentum_buffers", bufs}});
+  else check_lists(op, params, {{"grads", grads}});
+  if (!params.empty()) {
+    check_hyper(hyper, params[0], 1, op);
+    a.dev = hyper.data_ptr<double>();
   }
-  c10::cuda::CUDAGuard g(params[0].device());
-  check_launch(kt_sgd_multi(dtype_of(params[0], "sgd_"), (int)pp.size(), pp.data(), gp.data(), bp.data(), n.data(), &a,
-                            stream_of(params[0])),
-               "sgd_");
+  return a;
+}
+void sgd_capturable_cpu(at::TensorList params, at::TensorList grads, at::TensorList bufs, Tensor hyper,
+                        double momentum, double dampening, double wd, bool nesterov) {
+  const kt::SgdArgs a = kt::resolve(sgd_capturable_args(params, grads, bufs, hyper, momentum, dampening, wd, nesterov));
+  for (size_t i = 0; i < params.size(); i++)
+    KT_OPT_CPU_DISPATCH(params[i].scalar_type(), sgd_cpu_one, params[i], grads[i], momentum != 0 ? &bufs[i] : nullptr, a);
+}
+void sgd_capturable_cuda(at::TensorList params, at::TensorList grads, at::TensorList bufs, Tensor hyper,
+                         double momentum, double dampening, double wd, bool nesterov) {
+  const kt::SgdArgs a = sgd_capturable_args(params, grads, bufs, hyper, momentum, dampening, wd, nesterov);
+  if (!params.empty()) launch_sgd(params, grads, bufs, a);
 }
 
 // ---- batch_norm_relu (fusion/kernels/batch_norm.cu) ----
@@ -2336,6 +2399,8 @@ TORCH_LIBRARY(kitsune, m) {
   m.def("adam_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, float lr, float beta1, float beta2, float eps, float weight_decay, bool decoupled, float step) -> ()");
   m.def("adam_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] state_steps, float lr, float beta1, float beta2, float eps, float weight_decay, bool decoupled) -> ()");
   m.impl("adam_step_", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &adam_step));
+  m.def("adam_capturable_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, Tensor(d!) hyper, float beta1, float beta2, float eps, float weight_decay, bool decoupled) -> ()");
+  m.def("sgd_capturable_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, Tensor hyper, float momentum, float dampening, float weight_decay, bool nesterov) -> ()");
   m.def("optim_fusable(Tensor[] params, Tensor[] grads) -> bool");
   m.impl("optim_fusable", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &optim_fusable));
   m.def("sgd_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, float lr, float momentum, float dampening, float weight_decay, bool nesterov, bool first) -> ()");
@@ -2383,12 +2448,16 @@ TORCH_LIBRARY_IMPL(kitsune, CUDA, m) {
   KT_DEVICE_OPS(KT_IMPL_CUDA)
   m.impl("adam_", &adam_cuda);
   m.impl("sgd_", &sgd_cuda);
+  m.impl("adam_capturable_", &adam_capturable_cuda);
+  m.impl("sgd_capturable_", &sgd_capturable_cuda);
 }
 
 TORCH_LIBRARY_IMPL(kitsune, CPU, m) {
   KT_DEVICE_OPS(KT_IMPL_CPU)
   m.impl("adam_", &adam_cpu);
   m.impl("sgd_", &sgd_cpu);
+  m.impl("adam_capturable_", &adam_capturable_cpu);
+  m.impl("sgd_capturable_", &sgd_capturable_cpu);
   m.impl("dropout_mask", &dropout_mask);   // CPU only: rebuilds a dropout mask for checking
 }
 

@@ -1,0 +1,215 @@
+"""kitsune.compile_step: a whole training step (forward, loss, backward, gradient
+clipping, optimizer step) captured as one CUDA graph and replayed.
+
+    step = kitsune.compile_step(model, loss_fn, optimizer)
+    for x, y in loader:
+        loss = step(x, y)     # zero_grad; loss_fn(model(x), y).backward(); optimizer.step()
+
+A step is ``loss_fn(model(*batch[:-1]), batch[-1])``, or ``model(*batch)`` when
+``loss_fn`` is None (the model returns the loss). The first call for each batch
+signature (the shapes, dtypes and devices of its tensors, and its other values) runs
+the step eagerly on a side stream (a real step: it also creates the optimizer's
+state and warms up cuBLAS and cuDNN), then captures it; later calls copy the batch
+into the graph's static inputs and replay it. Graphs are kept for up to
+``max_shapes`` signatures, least recently used dropped first, and share one memory
+pool: no two replay at once, and nothing a graph leaves in the pool outlives its
+replay but the loss, which is copied out.
+
+The optimizer step is Kitsune's fused kernel (the optimizer is wrapped in a
+KitsuneOptimizer when it is not one already), reading its learning rate and step
+count from device memory, so LR schedulers keep working and torch.optim's state
+(step counts included) stays what an eager run would have; ``state_dict`` works
+between steps.
+
+When a step cannot be captured (no CUDA device, an optimizer the fused kernel does
+not cover, an op that syncs with the host or refuses capture, a batch on another
+device), it runs eagerly from then on: ``stats()["reason"]`` says why, and a warning
+says so once. bf16 autocast: ``autocast_dtype=torch.bfloat16``. fp16 with
+torch.amp.GradScaler cannot be captured (its step reads the inf check on the host);
+run such a step eagerly, or use bf16.
+
+After a step, parameters' ``.grad`` are None: the graph's gradients live in its pool.
+"""
+import collections
+import contextlib
+import time
+import warnings
+
+import torch
+
+from .optim import KitsuneOptimizer
+
+__all__ = ["compile_step", "CompiledStep"]
+
+
+class _Graph:
+    __slots__ = ("graph", "static", "slots", "loss", "plan")
+
+    def __init__(self, graph, static, slots, loss, plan):
+        self.graph, self.static, self.slots, self.loss, self.plan = graph, static, slots, loss, plan
+
+
+class CompiledStep:
+    """A training step as a CUDA graph; see the module docstring."""
+
+    def __init__(self, model, loss_fn, optimizer, *, max_shapes=8, autocast_dtype=None, max_grad_norm=None):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"compile_step: model must be a torch.nn.Module, got {type(model).__name__}")
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"compile_step: loss_fn must be callable or None, got {loss_fn!r}")
+        if isinstance(optimizer, torch.optim.Optimizer):
+            optimizer = KitsuneOptimizer(optimizer)
+        if not isinstance(optimizer, KitsuneOptimizer):
+            raise TypeError(f"compile_step: optimizer must be a torch.optim.Optimizer or KitsuneOptimizer, got "
+                            f"{type(optimizer).__name__}")
+        if isinstance(max_shapes, bool) or not isinstance(max_shapes, int) or max_shapes < 1:
+            raise ValueError(f"compile_step: max_shapes must be an int >= 1, got {max_shapes!r}")
+        if autocast_dtype not in (None, torch.bfloat16, torch.float16):
+            raise ValueError(f"compile_step: autocast_dtype must be None, torch.bfloat16 or torch.float16, got "
+                             f"{autocast_dtype!r}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"compile_step: max_grad_norm must be None or > 0, got {max_grad_norm!r}")
+        self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
+        self.max_shapes, self.autocast_dtype, self.max_grad_norm = max_shapes, autocast_dtype, max_grad_norm
+        self._graphs = collections.OrderedDict()
+        self._pool = None
+        self._groups = len(optimizer.param_groups)
+        self._reason = None
+        self._n = {"replays": 0, "eager_steps": 0, "captures": 0, "evictions": 0}
+        self._setup_s = 0.0
+
+    # ---- one step ----
+    def __call__(self, *batch):
+        if self.loss_fn is not None and len(batch) < 2:
+            raise TypeError(f"compile_step: a step takes the model's inputs and then the target; got {len(batch)} "
+                            f"argument(s)")
+        if self._reason is not None:
+            return self._eager(batch)
+        if len(self.optimizer.param_groups) != self._groups:   # their device rows were sized for the old groups
+            self._graphs.clear()
+            self._groups = len(self.optimizer.param_groups)
+        key = _signature(batch)
+        g = self._graphs.get(key)
+        if g is None:
+            return self._first(key, batch)
+        self._graphs.move_to_end(key)
+        for s, i in zip(g.static, g.slots):
+            s.copy_(batch[i], non_blocking=True)
+        self.optimizer.sync_hyper(g.plan)
+        g.graph.replay()
+        self.optimizer.replayed(g.plan)
+        self._n["replays"] += 1
+        return g.loss.clone()
+
+    def _forward_backward(self, batch):
+        inputs, target = (batch[:-1], batch[-1]) if self.loss_fn is not None else (batch, None)
+        amp = (torch.autocast("cuda", dtype=self.autocast_dtype, cache_enabled=False)   # no cache across a capture
+               if self.autocast_dtype is not None else contextlib.nullcontext())
+        with amp:
+            out = self.model(*inputs)
+            loss = self.loss_fn(out, target) if self.loss_fn is not None else out
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise TypeError(f"compile_step: the loss must be a one-element tensor, got "
+                            f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}")
+        loss.backward()
+        if self.max_grad_norm is not None:
+            params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm, foreach=True)
+        return loss.detach()
+
+    def _eager(self, batch):
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self._forward_backward(batch)
+        self.optimizer.step()
+        self._n["eager_steps"] += 1
+        return loss
+
+    # ---- capture ----
+    def _first(self, key, batch):
+        """The first step of a signature: eager on a side stream, then the capture."""
+        why = self._capture_blocker(batch)
+        if why is not None:
+            self._fall_back(why)
+            return self._eager(batch)
+        t0 = time.perf_counter()
+        here = torch.cuda.current_stream()
+        side = torch.cuda.Stream()
+        side.wait_stream(here)
+        with torch.cuda.stream(side):
+            loss = self._eager(batch)
+        here.wait_stream(side)
+        slots = [i for i, b in enumerate(batch) if isinstance(b, torch.Tensor)]
+        static = [batch[i].detach().clone() for i in slots]   # outside the pool: the graph's inputs
+        args = list(batch)
+        for s, i in zip(static, slots):
+            args[i] = s
+        device = next(self.model.parameters()).device
+        self.optimizer.prepare_capture(device)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                static_loss = self._forward_backward(tuple(args))
+                plan = self.optimizer.capture_step()
+        except Exception as e:   # noqa: BLE001 - any failure inside the capture means: run eagerly
+            self.optimizer.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            self._fall_back(f"the step could not be captured: {type(e).__name__}: {str(e).strip().splitlines()[0]}"
+                            if str(e).strip() else f"the step could not be captured: {type(e).__name__}")
+            return loss
+        self.optimizer.zero_grad(set_to_none=True)   # the graph's gradients stay in its pool
+        self._graphs[key] = _Graph(graph, static, slots, static_loss, plan)
+        if len(self._graphs) > self.max_shapes:
+            self._graphs.popitem(last=False)
+            self._n["evictions"] += 1
+        self._n["captures"] += 1
+        self._setup_s += time.perf_counter() - t0
+        return loss
+
+    def _capture_blocker(self, batch):
+        if not torch.cuda.is_available():
+            return "CUDA is not available"
+        devices = {p.device for p in self.model.parameters()}
+        if len(devices) != 1 or next(iter(devices)).type != "cuda":
+            return f"the model's parameters must be on one CUDA device, found {sorted(map(str, devices))}"
+        device = next(iter(devices))
+        for i, b in enumerate(batch):
+            if isinstance(b, torch.Tensor) and b.device != device:
+                raise ValueError(f"compile_step: batch item {i} is on {b.device}, the model on {device} (move batches "
+                                 f"to the device first: kitsune.prefetch does it on a side stream)")
+        return None
+
+    def _fall_back(self, why):
+        self._reason = why
+        self._graphs.clear()
+        warnings.warn(f"kitsune.compile_step: running eagerly: {why}", stacklevel=3)
+
+    def stats(self):
+        """Counts (replays, eager_steps, captures, evictions), graphs kept, seconds
+        spent in first steps and captures (setup_s), and why the step runs eagerly
+        (reason, None while it is captured)."""
+        return dict(self._n, graphs=len(self._graphs), setup_s=self._setup_s, reason=self._reason)
+
+
+def _signature(batch):
+    key = []
+    for i, b in enumerate(batch):
+        if isinstance(b, torch.Tensor):
+            key.append(("tensor", tuple(b.shape), b.dtype, b.device, b.requires_grad))
+        else:
+            try:
+                hash(b)
+            except TypeError:
+                raise TypeError(f"compile_step: batch item {i} ({type(b).__name__}) is neither a tensor nor "
+                                f"hashable, so it cannot key a captured step") from None
+            key.append(("value", type(b), b))
+    return tuple(key)
+
+
+def compile_step(model, loss_fn, optimizer, *, max_shapes=8, autocast_dtype=None, max_grad_norm=None):
+    """A callable ``step(*batch) -> loss`` running the whole training step as a CUDA
+    graph; see kitsune.graph."""
+    return CompiledStep(model, loss_fn, optimizer, max_shapes=max_shapes, autocast_dtype=autocast_dtype,
+                        max_grad_norm=max_grad_norm)

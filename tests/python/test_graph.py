@@ -1,0 +1,295 @@
+"""kitsune.compile_step (whole training step as one CUDA graph) and the capturable
+optimizer ops it records (adam_capturable_ / sgd_capturable_: lr and step count read
+from a device tensor).
+
+CPU: the capturable ops equal adam_ / sgd_ step for step as the lr changes; bad
+calls are refused before anything changes; compile_step without CUDA runs eagerly,
+says why, and trains exactly as a hand-written loop. GPU: the captured step trains
+as the eager loop does (losses, parameters, optimizer state and step counts), with an
+LR scheduler, gradient clipping, several batch shapes, bf16 autocast, SGD momentum;
+a step that cannot be captured falls back with the reason."""
+import copy
+import warnings
+
+import pytest
+
+from test_torch_allocator import gpu
+
+torch = pytest.importorskip("torch")
+import kitsune  # noqa: E402
+from kitsune.optim import KitsuneOptimizer  # noqa: E402
+
+_lib = torch.ops.kitsune
+
+
+def _lists(dtype, device, gen, shapes=((37, 5), (128,), (3, 4, 5), (1,))):
+    return [torch.randn(s, generator=gen, dtype=torch.float64).to(device, dtype) for s in shapes]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_adam_capturable_equals_adam_as_lr_changes(dtype):
+    g = torch.Generator().manual_seed(1)
+    p = _lists(dtype, "cpu", g)
+    q = [t.clone() for t in p]
+    m1, v1 = [torch.zeros_like(t) for t in p], [torch.zeros_like(t) for t in p]
+    m2, v2 = [torch.zeros_like(t) for t in p], [torch.zeros_like(t) for t in p]
+    hyper = torch.tensor([0.0, 0.0], dtype=torch.float64)
+    for step in range(1, 8):
+        lr = 1e-2 / step
+        grads = _lists(dtype, "cpu", g)
+        hyper[0] = lr
+        _lib.adam_(p, grads, m1, v1, lr, 0.9, 0.99, 1e-8, 0.1, True, float(step))
+        _lib.adam_capturable_(q, grads, m2, v2, hyper, 0.9, 0.99, 1e-8, 0.1, True)
+        assert hyper[1].item() == step   # counted by the op
+    for a, b in zip(p + m1 + v1, q + m2 + v2):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_sgd_capturable_equals_sgd():
+    g = torch.Generator().manual_seed(2)
+    p = _lists(torch.float64, "cpu", g)
+    q = [t.clone() for t in p]
+    grads = _lists(torch.float64, "cpu", g)
+    b1, b2 = [gr.clone() for gr in grads], [gr.clone() for gr in grads]   # buffers after a first step
+    for lr in (0.1, 0.05, 0.2):
+        _lib.sgd_(p, grads, b1, lr, 0.9, 0.1, 1e-2, False, False)
+        _lib.sgd_capturable_(q, grads, b2, torch.tensor([lr], dtype=torch.float64), 0.9, 0.1, 1e-2, False)
+    for a, b in zip(p + b1, q + b2):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_capturable_ops_refuse_bad_hyper_before_changing_anything():
+    p = [torch.ones(4)]
+    grads, m, v = [torch.ones(4)], [torch.zeros(4)], [torch.zeros(4)]
+    for bad, got in [(torch.zeros(2), r"Float \[2\]"), (torch.zeros(3, dtype=torch.float64), r"Double \[3\]")]:
+        with pytest.raises(RuntimeError, match=f"hyper must be a contiguous float64 tensor of 2 elements on cpu; got {got}"):
+            _lib.adam_capturable_(p, grads, m, v, bad, 0.9, 0.99, 1e-8, 0.0, False)
+    hyper = torch.tensor([0.1, 0.0], dtype=torch.float64)
+    with pytest.raises(RuntimeError, match=r"betas in \[0, 1\)"):
+        _lib.adam_capturable_(p, grads, m, v, hyper, 1.5, 0.99, 1e-8, 0.0, False)
+    assert hyper[1].item() == 0 and torch.equal(p[0], torch.ones(4))   # nothing counted, nothing updated
+    with pytest.raises(RuntimeError, match="hyper must be a contiguous float64 tensor of 1 elements"):
+        _lib.sgd_capturable_(p, grads, [], torch.zeros(2, dtype=torch.float64), 0.0, 0.0, 0.0, False)
+
+
+def test_capture_step_refuses_cpu_parameters():
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = KitsuneOptimizer(torch.optim.AdamW, [w], lr=0.1)
+    w.grad = torch.ones(3)
+    opt.step()
+    with pytest.raises(RuntimeError, match="cannot be captured: the parameters must be on one CUDA device"):
+        opt.capture_step()
+    amsgrad = KitsuneOptimizer(torch.optim.Adam, [w], lr=0.1, amsgrad=True)
+    with pytest.raises(RuntimeError, match="cannot be captured: amsgrad=True is not fused"):
+        amsgrad.capture_step()
+
+
+def _mlp(seed, device="cpu", dtype=torch.float32):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.GELU(),
+                               torch.nn.Linear(64, 5)).to(device, dtype)
+
+
+def _batches(n, device, sizes=(16,), seed=3):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        b = sizes[i % len(sizes)]
+        out.append((torch.randn(b, 20, generator=g).to(device), torch.randint(0, 5, (b,), generator=g).to(device)))
+    return out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
+def test_compile_step_without_cuda_runs_eagerly_and_says_why():
+    m1, m2 = _mlp(0), _mlp(0)
+    o1 = KitsuneOptimizer(torch.optim.AdamW, m1.parameters(), lr=1e-2)
+    o2 = KitsuneOptimizer(torch.optim.AdamW, m2.parameters(), lr=1e-2)
+    step = kitsune.compile_step(m1, torch.nn.functional.cross_entropy, o1)
+    with pytest.warns(UserWarning, match="running eagerly: CUDA is not available"):
+        first = step(*_batches(1, "cpu")[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # said once
+        losses = [first] + [step(x, y) for x, y in _batches(6, "cpu")[1:]]
+    want = []
+    for x, y in _batches(6, "cpu"):
+        o2.zero_grad()
+        loss = torch.nn.functional.cross_entropy(m2(x), y)
+        loss.backward()
+        o2.step()
+        want.append(loss.detach())
+    torch.testing.assert_close(torch.stack(losses), torch.stack(want), rtol=0, atol=0)
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    st = step.stats()
+    assert st["reason"] == "CUDA is not available" and st["eager_steps"] == 6 and st["replays"] == 0
+
+
+def test_compile_step_bad_arguments():
+    m = _mlp(0)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        kitsune.compile_step(lambda x: x, None, opt)
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer or KitsuneOptimizer"):
+        kitsune.compile_step(m, None, object())
+    with pytest.raises(ValueError, match="max_shapes must be an int >= 1, got 0"):
+        kitsune.compile_step(m, None, opt, max_shapes=0)
+    with pytest.raises(ValueError, match="autocast_dtype must be None"):
+        kitsune.compile_step(m, None, opt, autocast_dtype=torch.float64)
+    with pytest.raises(ValueError, match="max_grad_norm must be None or > 0, got -1"):
+        kitsune.compile_step(m, None, opt, max_grad_norm=-1)
+    step = kitsune.compile_step(m, torch.nn.functional.cross_entropy, opt)
+    with pytest.raises(TypeError, match="takes the model's inputs and then the target; got 1"):
+        step(torch.randn(2, 20))
+    with pytest.raises(TypeError, match="batch item 2 .list. is neither a tensor nor hashable"):
+        kitsune.graph._signature((torch.ones(1), 3, [1]))
+
+
+# ---- GPU ---------------------------------------------------------------------------
+def _eager_reference(model, opt, batches, loss_fn, sched=None, clip=None, amp=None):
+    losses = []
+    for batch in batches:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=amp or torch.bfloat16, enabled=amp is not None, cache_enabled=False):
+            out = model(*batch[:-1])
+            loss = loss_fn(out, batch[-1])
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], clip, foreach=True)
+        opt.step()
+        if sched is not None:
+            sched.step()
+        losses.append(loss.detach().float())
+    return torch.stack(losses)
+
+
+def _compiled(model, opt, batches, loss_fn, sched=None, **kw):
+    step = kitsune.compile_step(model, loss_fn, opt, **kw)
+    losses = []
+    for batch in batches:
+        losses.append(step(*batch).float())
+        if sched is not None:
+            sched.step()
+    return torch.stack(losses), step
+
+
+def _assert_same_training(m1, o1, m2, o2, l1, l2, rtol=1e-5, atol=1e-6):
+    torch.testing.assert_close(l1, l2, rtol=rtol, atol=atol)
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+    sd1, sd2 = o1.state_dict()["state"], o2.state_dict()["state"]
+    for k in sd1:
+        for name, v in sd1[k].items():
+            torch.testing.assert_close(v, sd2[k][name], rtol=rtol, atol=atol, msg=f"state {k} {name}")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("cls,kw", [(torch.optim.AdamW, dict(lr=3e-3, weight_decay=0.1)),
+                                    (torch.optim.Adam, dict(lr=3e-3)),
+                                    (torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True))],
+                         ids=["adamw", "adam", "sgd_nesterov"])
+def test_gpu_compile_step_trains_as_eager_with_lr_schedule(cls, kw):
+    """40 steps, the LR decaying every step: losses, parameters, optimizer state and
+    step counts equal the eager loop's; 39 of the 40 steps were replays."""
+    m1, m2 = _mlp(0, "cuda"), _mlp(0, "cuda")
+    o1, o2 = KitsuneOptimizer(cls, m1.parameters(), **kw), KitsuneOptimizer(cls, m2.parameters(), **kw)
+    s1 = torch.optim.lr_scheduler.LambdaLR(o1.optimizer, lambda i: 0.95 ** i)
+    s2 = torch.optim.lr_scheduler.LambdaLR(o2.optimizer, lambda i: 0.95 ** i)
+    batches = _batches(40, "cuda")
+    ce = torch.nn.functional.cross_entropy
+    want = _eager_reference(m1, o1, batches, ce, s1)
+    got, step = _compiled(m2, o2, batches, ce, s2)
+    _assert_same_training(m1, o1, m2, o2, want, got)
+    st = step.stats()
+    assert st["replays"] == 39 and st["captures"] == 1 and st["reason"] is None, st
+    assert all(p.grad is None for p in m2.parameters())
+    assert o2.get_stats()["path"].startswith("fused, in a CUDA graph")
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_compile_step_shapes_clipping_and_eviction():
+    """Three batch sizes in turn with max_shapes=2 (so graphs are dropped and captured
+    again) and gradient clipping: the same training as eager."""
+    m1, m2 = _mlp(1, "cuda"), _mlp(1, "cuda")
+    o1 = KitsuneOptimizer(torch.optim.AdamW, m1.parameters(), lr=1e-2)
+    o2 = KitsuneOptimizer(torch.optim.AdamW, m2.parameters(), lr=1e-2)
+    batches = _batches(30, "cuda", sizes=(8, 8, 16, 16, 8, 32))
+    ce = torch.nn.functional.cross_entropy
+    want = _eager_reference(m1, o1, batches, ce, clip=0.5)
+    got, step = _compiled(m2, o2, batches, ce, max_shapes=2, max_grad_norm=0.5)
+    _assert_same_training(m1, o1, m2, o2, want, got)
+    st = step.stats()
+    assert st["graphs"] == 2 and st["evictions"] >= 1 and st["eager_steps"] == st["captures"], st
+    assert st["replays"] + st["eager_steps"] == 30
+
+
+class _TinyLM(torch.nn.Module):
+    def __init__(self, vocab=96, d=64):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.block = torch.nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        return self.head(self.block(self.emb(idx)))
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_compile_step_bf16_autocast_lm():
+    torch.manual_seed(5)
+    m1 = _TinyLM().cuda()
+    m2 = copy.deepcopy(m1)
+    o1 = KitsuneOptimizer(torch.optim.AdamW, m1.parameters(), lr=1e-3)
+    o2 = KitsuneOptimizer(torch.optim.AdamW, m2.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(6)
+    batches = []
+    for _ in range(20):
+        t = torch.randint(0, 96, (4, 33), generator=g).cuda()
+        batches.append((t[:, :-1], t[:, 1:]))
+
+    def lm_loss(logits, target):
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), target.flatten())
+
+    want = _eager_reference(m1, o1, batches, lm_loss, amp=torch.bfloat16)
+    got, step = _compiled(m2, o2, batches, lm_loss, autocast_dtype=torch.bfloat16)
+    assert step.stats()["replays"] == 19
+    _assert_same_training(m1, o1, m2, o2, want, got, rtol=1e-4, atol=1e-5)
+
+
+class _Syncs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(20, 5)
+
+    def forward(self, x):
+        if x.abs().max().item() > 1e9:   # a host sync: cannot be captured
+            raise AssertionError
+        return self.fc(x)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_compile_step_falls_back_with_the_reason():
+    torch.manual_seed(0)
+    m1 = _Syncs().cuda()
+    m2 = copy.deepcopy(m1)
+    o1 = KitsuneOptimizer(torch.optim.AdamW, m1.parameters(), lr=1e-2)
+    o2 = KitsuneOptimizer(torch.optim.AdamW, m2.parameters(), lr=1e-2)
+    batches = _batches(5, "cuda")
+    ce = torch.nn.functional.cross_entropy
+    want = _eager_reference(m1, o1, batches, ce)
+    with pytest.warns(UserWarning, match="running eagerly: the step could not be captured"):
+        got, step = _compiled(m2, o2, batches, ce)
+    _assert_same_training(m1, o1, m2, o2, want, got)
+    st = step.stats()
+    assert st["replays"] == 0 and st["eager_steps"] == 5 and "could not be captured" in st["reason"], st
+    m3 = _mlp(0, "cuda")
+    step2 = kitsune.compile_step(m3, ce, torch.optim.SGD(m3.parameters(), lr=0.1))
+    x, y = _batches(1, "cpu")[0]
+    before = [p.detach().clone() for p in m3.parameters()]
+    with pytest.raises(ValueError, match="batch item 0 is on cpu, the model on cuda:0"):
+        step2(x, y)
+    assert all(torch.equal(a, b) for a, b in zip(before, m3.parameters()))   # nothing stepped
+    assert step2.stats()["reason"] is None   # a bad batch is the caller's error, not a reason to stop capturing

@@ -43,10 +43,7 @@ template <typename T> __device__ __forceinline__ void load_e(const T *p, int64_t
 template <typename T> __device__ __forceinline__ void store_e(T *p, int64_t i, bool vec, int64_t n, const float *v) {
   constexpr int E = kPer<T>;
   if (vec) {
-    T t[E];
-#pragma unroll
-    for (int j = 0; j < E; j++) t[j] = kt::from_f<T>(v[j]);
-    *reinterpret_cast<uint4 *>(p + i) = *reinterpret_cast<uint4 *>(t);
+    kt::store16(p + i, v);
   } else {
 #pragma unroll
     for (int j = 0; j < E; j++)
@@ -55,11 +52,20 @@ template <typename T> __device__ __forceinline__ void store_e(T *p, int64_t i, b
 }
 
 // The Philox round keys of the seed travel in the launch parameters (constant memory).
+// The threshold is kt_dropout_threshold clamped to 32 bits: it differs only for p >= 1
+// (2^32 with 32-bit draws), where scale is 0 and so every output is dropped anyway.
 struct Rng {
   uint32_t ks[2 * KT_PHILOX_ROUNDS];
-  uint64_t offset, threshold;
+  uint64_t offset;
+  uint32_t threshold;
   float scale;
 };
+
+// kt_dropout_keep's rule with the 32-bit threshold: element j's random bits >= threshold.
+template <int Bits> __device__ __forceinline__ bool keep(const uint32_t w[4], int j, uint32_t threshold) {
+  const uint32_t r = Bits == 16 ? (j & 1 ? w[j >> 1] >> 16 : w[j >> 1] & 0xffffu) : w[j];
+  return r >= threshold;
+}
 
 // f(in[k][j] for k < NI, column value, keep, scale) -> out, for each element of a block.
 template <typename T, int NI, typename F>
@@ -95,31 +101,32 @@ __global__ void __launch_bounds__(256) rng_kernel(kt::Ptrs<NI, 1> p, int64_t nco
       float x[NI];
 #pragma unroll
       for (int k = 0; k < NI; k++) x[k] = in[k][j];
-      o[j] = f(x, c[j], kt_dropout_keep(w, j, kBits<T>, r.threshold), r.scale);
+      o[j] = f(x, c[j], keep<kBits<T>>(w, j, r.threshold) ? r.scale : 0.f);
     }
     store_e<T>(out, i, vec, n, o);
   }
 }
 
+// s is the element's mask value: 1 / (1 - p) kept, 0 dropped. Multiplying by it (not
+// branching on keep) is the reference's arithmetic (x * mask * scale: a dropped inf is
+// NaN, as in torch) and leaves the warp no divergent branch.
 template <typename T> struct GeluDropout {   // (x)
   int approximate;
-  __device__ float operator()(const float *x, float, bool keep, float scale) const {
-    return keep ? kt::gelu_ref<sizeof(T) == 2>(x[0], approximate) * scale : 0.f;
+  __device__ float operator()(const float *x, float, float s) const {
+    return kt::gelu_ref<sizeof(T) == 2>(x[0], approximate) * s;
   }
 };
 template <typename T> struct GeluDropoutBackward {   // (grad, x)
   int approximate;
-  __device__ float operator()(const float *x, float, bool keep, float scale) const {
-    return keep ? x[0] * scale * kt::gelu_grad_ref<sizeof(T) == 2>(x[1], approximate) : 0.f;
+  __device__ float operator()(const float *x, float, float s) const {
+    return x[0] * s * kt::gelu_grad_ref<sizeof(T) == 2>(x[1], approximate);
   }
 };
 struct BiasDropoutAdd {   // (x, residual), column = bias
-  __device__ float operator()(const float *x, float bias, bool keep, float scale) const {
-    return x[1] + (keep ? (x[0] + bias) * scale : 0.f);
-  }
+  __device__ float operator()(const float *x, float bias, float s) const { return x[1] + (x[0] + bias) * s; }
 };
 struct DropoutBackward {   // (grad)
-  __device__ float operator()(const float *x, float, bool keep, float scale) const { return keep ? x[0] * scale : 0.f; }
+  __device__ float operator()(const float *x, float, float s) const { return x[0] * s; }
 };
 
 template <typename T, int NI, typename F>
@@ -145,7 +152,7 @@ template <typename T> Rng rng_of(uint64_t seed, uint64_t offset, double p) {
   Rng r;
   kt_philox_seed_keys(seed, r.ks);
   r.offset = offset;
-  r.threshold = kt_dropout_threshold(p, kBits<T>);
+  r.threshold = (uint32_t)std::min<uint64_t>(kt_dropout_threshold(p, kBits<T>), UINT32_MAX);
   r.scale = p < 1 ? (float)(1.0 / (1.0 - p)) : 0.f;
   return r;
 }

@@ -16,6 +16,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #include "kitsune/fusion.h"
 
 // Runs CALL with T bound to the storage type of kt_dtype t and returns its status;
@@ -39,6 +41,31 @@ template <> __device__ __forceinline__ float from_f<float>(float v) { return v; 
 template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
+// Stores V = 16 / sizeof(T) fp32 values as one 16-byte vector at dst (16-byte
+// aligned), each rounded once; 16-bit types convert two at a time (one packing
+// conversion instruction a pair).
+template <typename T> __device__ __forceinline__ void store16(T *dst, const float *v) {
+  constexpr int V = 16 / sizeof(T);
+  uint4 u;
+  uint32_t *w = reinterpret_cast<uint32_t *>(&u);
+  if constexpr (sizeof(T) == 4) {
+#pragma unroll
+    for (int j = 0; j < V; j++) w[j] = __float_as_uint(v[j]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < V / 2; j++) {
+      if constexpr (std::is_same_v<T, __half>) {
+        __half2 h = __floats2half2_rn(v[2 * j], v[2 * j + 1]);
+        w[j] = *reinterpret_cast<uint32_t *>(&h);
+      } else {
+        __nv_bfloat162 h = __floats2bfloat162_rn(v[2 * j], v[2 * j + 1]);
+        w[j] = *reinterpret_cast<uint32_t *>(&h);
+      }
+    }
+  }
+  *reinterpret_cast<uint4 *>(dst) = u;
+}
+
 template <int NI, int NO> struct Ptrs {
   const void *in[NI];
   void *out[NO];
@@ -54,7 +81,8 @@ __global__ void __launch_bounds__(256) ew_kernel(Ptrs<NI, NO> p, int64_t n, int6
   const int64_t nvec = vec ? n / V : 0;
   const bool small = n < ((int64_t)1 << 31);   // 32-bit modulo is much cheaper on the GPU
   for (int64_t v = tid; v < nvec; v += stride) {
-    T in[NX][V], out[NO][V];
+    T in[NX][V];
+    float out[NO][V];
 #pragma unroll
     for (int k = 0; k < NI; k++) *reinterpret_cast<uint4 *>(in[k]) = reinterpret_cast<const uint4 *>(p.in[k])[v];
     if (p.col) {   // ncols is a multiple of V, so the V columns are contiguous
@@ -69,10 +97,10 @@ __global__ void __launch_bounds__(256) ew_kernel(Ptrs<NI, NO> p, int64_t n, int6
       x[NI] = p.col ? to_f(in[NI][j]) : 0.f;
       f(x, y);
 #pragma unroll
-      for (int o = 0; o < NO; o++) out[o][j] = from_f<T>(y[o]);
+      for (int o = 0; o < NO; o++) out[o][j] = y[o];
     }
 #pragma unroll
-    for (int o = 0; o < NO; o++) reinterpret_cast<uint4 *>(p.out[o])[v] = *reinterpret_cast<uint4 *>(out[o]);
+    for (int o = 0; o < NO; o++) store16(static_cast<T *>(p.out[o]) + v * V, out[o]);
   }
   for (int64_t i = nvec * V + tid; i < n; i += stride) {
     float x[NX], y[NO];

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: facts, clean build, then the parts named in GPU_RUN_PARTS
 # (default "test bench demo": make gpu-test, make bench, make demo; "pytest" runs
-# only the pytest part of gpu-test, narrowed by KT_PYTEST_ARGS; "data" adds
+# only the pytest part of gpu-test, on KT_PYTEST_ARGS (paths and options; default tests/python); "data" adds
 # make bench-data, "kernels" make bench-kernels, "profile" tools/profile_train.py, "gaps"
 # tools/step_gaps.py, "optim" bench/kernels/optimizer.py, "ew" bench/kernels/elementwise.py,
 # "ncu" Nsight Compute on the dropout kernels, "models" bench/models.py; KT_NO_CLEAN=1 keeps
@@ -25,7 +25,7 @@ if [[ $parts == *" test "* ]]; then
 fi
 if [[ $parts == *" pytest "* ]]; then
   echo "== gpu pytest (${KT_PYTEST_ARGS:-all}) =="; time KITSUNE_REQUIRE_GPU=1 KITSUNE_LIBRARY=$PWD/build/libkitsune.so \
-    PYTHONPATH=$PWD/python python3 -m pytest -q -rs tests/python ${KT_PYTEST_ARGS:-} 2>&1 | tail -40
+    PYTHONPATH=$PWD/python python3 -m pytest -q -rfEs ${KT_PYTEST_ARGS:-tests/python} 2>&1 | tee "$OUT/pytest.log" | tail -40
 fi
 if [[ $parts == *" bench "* ]]; then
   echo "== bench =="; BENCH_OUT="$OUT" BENCH_TRACE="$OUT/random_10k_4mib.csv" make bench

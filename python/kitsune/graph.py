@@ -156,6 +156,7 @@ class CompiledStep:
         except Exception as e:   # noqa: BLE001 - any failure inside the capture means: run eagerly
             self.optimizer.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
+            _end_generator_capture(device)
             self._fall_back(f"the step could not be captured: {type(e).__name__}: {str(e).strip().splitlines()[0]}"
                             if str(e).strip() else f"the step could not be captured: {type(e).__name__}")
             return loss
@@ -191,6 +192,17 @@ class CompiledStep:
         spent in first steps and captures (setup_s), and why the step runs eagerly
         (reason, None while it is captured)."""
         return dict(self._n, graphs=len(self._graphs), setup_s=self._setup_s, reason=self._reason)
+
+
+def _end_generator_capture(device):
+    """A capture that failed leaves the CUDA generators it registered in capture mode
+    (PyTorch ends it only after a successful end of capture), and every later random
+    op then fails with "Offset increment outside graph capture encountered
+    unexpectedly". A capture that succeeds ends it; this one records a single fill."""
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        torch.empty(1, device=device).zero_()
+    del g
 
 
 def _signature(batch):

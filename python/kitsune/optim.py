@@ -252,7 +252,8 @@ class KitsuneOptimizer:
             return plan
         if self._hyper is None or self._hyper.device != flat[0].device or self._hyper.shape[0] != len(opt.param_groups):
             refuse("prepare_capture(device) was not called with the parameters' device and groups")
-        self.sync_hyper(plan)
+        # no sync_hyper here: its writes would be captured too, and every replay would
+        # put back the lr and step count of the capture
         with torch.no_grad():
             for gi, ps in enumerate(live):
                 g = opt.param_groups[gi]

@@ -4,7 +4,8 @@
 # only the pytest part of gpu-test, on KT_PYTEST_ARGS (paths and options; default tests/python); "data" adds
 # make bench-data, "kernels" make bench-kernels, "profile" tools/profile_train.py, "gaps"
 # tools/step_gaps.py, "optim" bench/kernels/optimizer.py, "ew" bench/kernels/elementwise.py,
-# "ncu" Nsight Compute on the dropout kernels, "models" bench/models.py; KT_NO_CLEAN=1 keeps
+# "ncu" Nsight Compute on the dropout kernels, "models" bench/models.py, "pgraph"
+# tools/profile_graph.py; KT_NO_CLEAN=1 keeps
 # the last call's build). Everything is logged to $OUT/run.log; JSON results and the
 # recorded trace also land in $OUT (the device tool brings back at most 8 files).
 # Carry .deps (make gpu-deps).
@@ -67,6 +68,11 @@ fi
 if [[ $parts == *" models "* ]]; then   # bench/models.py (BENCH_MODELS_ARGS)
   echo "== models =="; time KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \
     python3 bench/models.py --out "$OUT" ${BENCH_MODELS_ARGS:-} 2>&1 | grep -v -i "warn"
+fi
+if [[ $parts == *" pgraph "* ]]; then   # kernels inside the captured step (PGRAPH_MODELS), to $OUT/profile_graph.log
+  echo "== profile graph =="; KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \
+    python3 tools/profile_graph.py ${PGRAPH_MODELS:-mlp resnet18} > "$OUT/profile_graph.log" 2>&1
+  grep -v -i warn "$OUT/profile_graph.log" | head -120
 fi
 if [[ $parts == *" demo "* ]]; then
   echo "== demo =="; make demo

@@ -2,9 +2,13 @@
 // list of tensors (params, grads and states of one dtype), the per-element update
 // being kitsune/optim_math.h, which the CPU path shares.
 //
-// A launch carries up to kMaxTensors tensors, each cut into chunks of kChunk
-// elements; a grid of at most kMaxGrid blocks strides over all the launch's chunks
-// (so one launch covers a 38M-element embedding and the small vectors beside it).
+// A launch carries up to kMaxTensors tensors, each cut into chunks; a grid of at most
+// kMaxGrid blocks strides over all the launch's chunks (so one launch covers a
+// 38M-element embedding and the small vectors beside it). The chunk is the call's
+// total elements over kTargetChunks, as a power of two in [kMinChunk, kMaxChunk]: a
+// small model's step (LeNet-5's 62K parameters) is then spread over ~30 blocks, not
+// ~10 blocks each walking up to 65536 elements (67 us against torch's fused AdamW's
+// 39 us on the H100 with fixed 65536-element chunks; h100_profile_graph_03b49dd.log).
 // Within a chunk each thread updates 16/sizeof(T) consecutive elements at a time with
 // 16-byte loads and stores (every list's pointer 16-byte aligned; otherwise, and for
 // a chunk's tail, one element at a time). Arithmetic is fp32 (fp64 math is the CPU
@@ -16,13 +20,21 @@
 
 namespace {
 
-constexpr int kMaxTensors = 64, kChunk = 65536, kThreads = 256, kMaxGrid = 2048;
+constexpr int kMaxTensors = 64, kThreads = 256, kMaxGrid = 2048;
+constexpr int64_t kMinChunk = 2048, kMaxChunk = 65536, kTargetChunks = 1024;
 
 template <int NP> struct Lists {   // NP pointers per tensor (Adam: p, g, m, v; SGD: p, g, buf); 3 KB for Adam
   void *ptr[NP][kMaxTensors];
   int64_t size[kMaxTensors];
   int64_t chunk_end[kMaxTensors];   // chunks of tensors 0..t, cumulative
+  int64_t chunk;                    // elements a chunk: a power of two, so a multiple of every vector width
 };
+
+int64_t chunk_for(int64_t total) {
+  int64_t c = kMinChunk;
+  while (c < kMaxChunk && c * kTargetChunks < total) c *= 2;
+  return c;
+}
 
 // The update of E elements: v[k][j] is element j of list k (fp32), updated in place;
 // list 1 (the gradient) is read only, an absent list (NULL) is neither read nor written.
@@ -58,8 +70,8 @@ __global__ void __launch_bounds__(kThreads) multi_tensor(Lists<NP> l, int64_t ch
   for (int64_t c = blockIdx.x; c < chunks; c += gridDim.x) {
     int t = 0;
     while (c >= l.chunk_end[t]) t++;
-    const int64_t start = (c - (t ? l.chunk_end[t - 1] : 0)) * kChunk, n = l.size[t];
-    const int64_t end = start + kChunk < n ? start + kChunk : n;
+    const int64_t start = (c - (t ? l.chunk_end[t - 1] : 0)) * l.chunk, n = l.size[t];
+    const int64_t end = start + l.chunk < n ? start + l.chunk : n;
     T *p[NP];
     bool aligned = true;
 #pragma unroll
@@ -68,7 +80,7 @@ __global__ void __launch_bounds__(kThreads) multi_tensor(Lists<NP> l, int64_t ch
       aligned = aligned && ((uintptr_t)p[k] & 15) == 0;
     }
     int64_t i = start;
-    if (aligned) {   // start is a multiple of kChunk, so of E: every vector is aligned
+    if (aligned) {   // start is a multiple of the chunk, so of E: every vector is aligned
       const int64_t nv = (end - start) / E;
       for (int64_t q = threadIdx.x; q < nv; q += kThreads) update<T, NP, E>(p, start + q * E, a, f, true);
       i = start + nv * E;
@@ -93,6 +105,9 @@ struct SgdStep {   // lists p, g, buf (NULL without momentum)
 template <typename T, int NP, typename Args, typename F>
 kt_status run(int ntensors, void *const *const *lists, const int64_t *sizes, const Args &a, F f, cudaStream_t s) {
   Lists<NP> l;
+  int64_t total = 0;
+  for (int i = 0; i < ntensors; i++) total += sizes[i] > 0 ? sizes[i] : 0;
+  l.chunk = chunk_for(total);
   int nt = 0;
   int64_t chunks = 0;
   auto flush = [&]() {
@@ -106,7 +121,7 @@ kt_status run(int ntensors, void *const *const *lists, const int64_t *sizes, con
     if (sizes[i] <= 0) continue;
     for (int k = 0; k < NP; k++) l.ptr[k][nt] = lists[k] ? lists[k][i] : nullptr;
     l.size[nt] = sizes[i];
-    chunks += (sizes[i] + kChunk - 1) / kChunk;
+    chunks += (sizes[i] + l.chunk - 1) / l.chunk;
     l.chunk_end[nt++] = chunks;
     if (nt == kMaxTensors) flush();
   }

@@ -197,12 +197,14 @@ def test_gpu_fused_step_matches_torch_optim(cls, kw):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("cls,kw", [CASES[0], CASES[5]], ids=["AdamW", "SGD-momentum"])
-def test_gpu_many_large_and_unaligned_tensors(cls, kw):
-    """The kernel's launch packing: a tensor of several chunks (65536 elements each),
+@pytest.mark.parametrize("big", [3 * 65536 + 13, 40_000_003])
+def test_gpu_many_large_and_unaligned_tensors(cls, kw, big):
+    """The kernel's launch packing: a tensor of many chunks (the chunk is sized from
+    the call's total elements: 2048 with the smaller big tensor, 65536 with the larger),
     more tensors than one launch carries (64), and a parameter whose storage starts
     2 elements in (not 16-byte aligned: the one-element path), all against torch.optim."""
     g = torch.Generator().manual_seed(1)
-    sizes = [3 * 65536 + 13] + [int(s) for s in torch.randint(1, 3000, (70,), generator=g)]
+    sizes = [big] + [int(s) for s in torch.randint(1, 3000, (70,), generator=g)]
     a = [torch.randn(s, generator=g).cuda() for s in sizes]
     a.append(torch.randn(1002, generator=g).cuda()[2:])   # fp32 view at 8 bytes past the allocation
     assert a[-1].data_ptr() % 16 != 0

@@ -23,12 +23,14 @@ Recipes:
 Each recipe runs --steps steps (default 60). Reported: ms/step (the median over blocks
 of 10 steps between CUDA events, steps 20 on, no sync inside a block), the host's ms
 per step, setup seconds (the first 3 steps' wall time, synchronized, less 3 steady
-steps: compile, capture and warm-up), peak memory allocated and reserved (MiB, reset
-before the recipe; the caches emptied between recipes), and the loss after the last
-step. Writes models.json and models.md (a table) to --out.
+steps: compile, capture and warm-up), peak memory allocated and reserved (MiB, above
+what was allocated and reserved before the recipe, after a gc and emptying the
+caches: the model copy, its gradients and optimizer state, activations, graph pools),
+and the loss after the last step. Writes models.json and models.md (a table) to --out.
 """
 import argparse
 import copy
+import gc
 import os
 import statistics
 import sys
@@ -181,10 +183,12 @@ def make(recipe, model, loss_fn):
 
 
 def run(recipe, base, loss_fn, data, steps):
-    model = copy.deepcopy(base)
+    gc.collect()   # what earlier recipes left (compiled graphs, graph pools) must not count as this one's
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
+    alloc0, reserved0 = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    model = copy.deepcopy(base)
     t0 = time.perf_counter()
     step, extra = make(recipe, model, loss_fn)
     losses, first_s = [], None
@@ -211,8 +215,9 @@ def run(recipe, base, loss_fn, data, steps):
     ms = statistics.median(timed)
     row = {"recipe": recipe, "ms": ms, "host_ms": statistics.median(host[len(host) - len(timed):]),
            "setup_s": max(0.0, first_s - 3 * ms / 1e3), "first_3_steps_s": first_s,
-           "peak_alloc_mib": torch.cuda.max_memory_allocated() / 2**20,
-           "peak_reserved_mib": torch.cuda.max_memory_reserved() / 2**20,
+           "peak_alloc_mib": (torch.cuda.max_memory_allocated() - alloc0) / 2**20,
+           "peak_reserved_mib": (torch.cuda.max_memory_reserved() - reserved0) / 2**20,
+           "left_before_mib": alloc0 / 2**20,
            "final_loss": losses[-1].float().item(), "steps": steps}
     if recipe == "kitsune":
         st = extra.stats()

@@ -34,6 +34,12 @@ Patterns (each intermediate must have no other user, so nothing observable is lo
   r + dropout(linear(x))   -> kitsune.bias_dropout_add(F.linear(x, W), b, r, p, training)
                               (Linear with a bias; nn.Dropout's p and training read
                               at run time; unfused for other shapes, dtypes or autocast)
+  dropout(gelu(x))         -> kitsune.gelu_dropout(x, p, training, approximate) (before
+                              gelu(linear(x)) -> bias_gelu: the Linear keeps its bias in
+                              the GEMM, and one pass does GELU and dropout)
+While a CUDA graph is being captured (kitsune.compile_step), the dropout rewrites run
+their unfused ATen form: its random numbers follow the graph's generator state, which
+the fused kernels' host-side (seed, offset) cannot.
 Spellings: modules (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.LayerNorm, in-place too), functions
 (F.relu, torch.relu, F.gelu, F.silu, torch.tanh, ...), methods (x.relu(), x.tanh(),
 x.relu_(), ...), and + / torch.add / x.add(...) / += (an in-place add only when
@@ -370,6 +376,15 @@ def _dropout_of(gm, node):
     return None
 
 
+def _fused_dropout_ok(t):
+    """Whether a fused dropout kernel may take t: CPU, or CUDA in a kernel dtype while
+    no CUDA graph is being captured (the kernels take (seed, offset) on the host, so a
+    replay would repeat the captured mask; ATen's dropout reads the graph's RNG state)."""
+    if t.device.type == "cpu":
+        return True
+    return t.dtype in (torch.float32, torch.float16, torch.bfloat16) and not torch.cuda.is_current_stream_capturing()
+
+
 def _bias_dropout_add(x, weight, bias, residual, p, training):
     """residual + dropout(F.linear(x, weight, bias)) through bias_dropout_add when the
     operands allow it (one shape and dtype, no autocast), else unfused. `training` is
@@ -379,10 +394,50 @@ def _bias_dropout_add(x, weight, bias, residual, p, training):
         p, training = training.p, training.training
     y = F.linear(x, weight)
     if (y.shape == residual.shape and y.dtype == residual.dtype == bias.dtype and
-            not torch.is_autocast_enabled(y.device.type) and
-            (y.device.type == "cpu" or y.dtype in (torch.float32, torch.float16, torch.bfloat16))):
+            not torch.is_autocast_enabled(y.device.type) and _fused_dropout_ok(y)):
         return ko.bias_dropout_add(y, bias, residual, p, training)
     return residual + F.dropout(y + bias, p, training)
+
+
+def _gelu_dropout(x, p, training, approximate):
+    """F.dropout(F.gelu(x, approximate), p, training) through gelu_dropout (one pass, no
+    mask stored) when x allows it, else unfused; `training` as in _bias_dropout_add."""
+    from . import ops as ko
+    if isinstance(training, nn.Module):
+        p, training = training.p, training.training
+    if x.is_floating_point() and _fused_dropout_ok(x):
+        return ko.gelu_dropout(x, p, training, approximate)
+    return F.dropout(F.gelu(x, approximate=approximate), p, training)
+
+
+def _rewrite_gelu_dropout(gm, g, node, where, report, apply):
+    """dropout(gelu(x)), any spelling of either."""
+    drop = _dropout_of(gm, node)
+    if drop is None or not isinstance(drop[0], tfx.Node):
+        return False
+    act = _act(gm, drop[0])
+    if act is None or act[0] != "gelu":
+        return False
+    gelu_node, (_, x, approximate) = drop[0], act
+    if len(gelu_node.users) != 1:
+        report.left.append((where, f"dropout(gelu): {gelu_node.name} is also used elsewhere"))
+        return True
+    report.fused.append((where, f"dropout(gelu) -> gelu_dropout ({gelu_node.name})"))
+    if apply:
+        _, p, source = drop
+        with g.inserting_before(node):
+            train = g.get_attr(source[1]) if source[0] == "module" else source[1]
+            new = g.call_function(_gelu_dropout, (x, p, train, approximate))
+        node.replace_all_uses_with(new)
+        g.erase_node(node)
+        g.erase_node(gelu_node)
+    return True
+
+
+def _feeds_dropout(gm, node):
+    """Whether node's only user is a dropout the gelu_dropout rewrite takes."""
+    users = list(node.users)
+    return len(users) == 1 and _dropout_of(gm, users[0]) is not None
 
 
 def _rewrite_bias_dropout_add(gm, g, node, where, report, apply):
@@ -500,6 +555,8 @@ def _rewrite(gm, report, prefix, apply):
         # ---- relu(a + b), tanh(a * b), gelu(x + bias), gelu(linear(x)) ----
         if act:
             kind, inner, approximate = act
+            if kind == "gelu" and _feeds_dropout(gm, node):
+                continue   # dropout(gelu(x)) -> gelu_dropout, at the dropout node
             lin = _linear_of(gm, inner) if kind == "relu" and isinstance(inner, tfx.Node) else None
             if lin is not None and lin[2] is not None:
                 _fuse_pair(g, node, inner, where, report, apply, "relu(linear)", "linear_act",
@@ -595,6 +652,8 @@ def _rewrite(gm, report, prefix, apply):
         if _rewrite_add_layer_norm(gm, g, node, where, report, apply):
             continue
         if _rewrite_bias_dropout_add(gm, g, node, where, report, apply):
+            continue
+        if _rewrite_gelu_dropout(gm, g, node, where, report, apply):
             continue
         if _rewrite_attention_score(g, node, where, report, apply):
             continue

@@ -377,6 +377,57 @@ def test_residual_dropout_fuses_and_follows_train_and_eval():
     assert opt.proj.weight.grad is not None and opt.fc.bias.grad is not None
 
 
+class MlpDropout(nn.Module):
+    """GPT-2's MLP with dropout, spelled two ways: nn.GELU + nn.Dropout, and F.gelu(tanh)
+    + F.dropout(self.training)."""
+
+    def __init__(self, d=32, p=0.2):
+        super().__init__()
+        self.fc, self.act, self.drop = nn.Linear(d, 4 * d), nn.GELU(), nn.Dropout(p)
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        h = self.drop(self.act(self.fc(x)))
+        return F.dropout(F.gelu(self.fc2(h), approximate="tanh"), 0.3, self.training)
+
+
+def test_gelu_dropout_fuses_both_spellings_before_bias_gelu():
+    torch.manual_seed(3)
+    m = MlpDropout().double()
+    rep = kitsune.fx.Report()
+    opt = kitsune.optimize(m, report=rep)
+    kinds = [what.split(" -> ")[1].split(" ")[0] for _, what in rep.fused]
+    assert kinds == ["gelu_dropout", "gelu_dropout"], rep   # not bias_gelu: the bias stays in the GEMM
+    x = torch.randn(64, 32, dtype=torch.float64)
+    m.eval(), opt.eval()
+    torch.testing.assert_close(opt(x), m(x))   # eval: no dropout
+    opt.train()
+    torch.manual_seed(4)
+    got = opt(x)
+    torch.manual_seed(4)   # the same draws, through the ops the rewrite calls
+    h = kitsune.ops.gelu_dropout(opt.fc(x), 0.2, True, "none")
+    want = kitsune.ops.gelu_dropout(opt.fc2(h), 0.3, True, "tanh")
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    frac = (got == 0).double().mean().item()
+    assert 0.2 < frac < 0.4, frac
+    opt.drop.p = 0.0   # nn.Dropout's p is read at run time (the traced 0.5 is not used)
+    h = kitsune.fx._gelu_dropout(opt.fc(x), 0.5, opt.drop, "none")
+    torch.testing.assert_close(h, F.gelu(opt.fc(x)))
+    got.sum().backward()
+    assert opt.fc.weight.grad is not None and opt.fc2.bias.grad is not None
+
+
+def test_gelu_with_other_users_is_left():
+    class Two(nn.Module):
+        def forward(self, x):
+            g = F.gelu(x)
+            return F.dropout(g, 0.1, self.training) + g
+
+    rep = kitsune.fx.Report()
+    kitsune.optimize(Two(), report=rep)
+    assert any("dropout(gelu)" in why and "also used elsewhere" in why for _, why in rep.left), rep
+
+
 def test_torch_compile_backend_rewrites_and_matches():
     """torch.compile(model, backend="kitsune"): the Dynamo graph is rewritten (modules
     arrive there as F.linear / F.gelu / torch.relu calls) and Inductor compiles the

@@ -294,3 +294,23 @@ def test_gpu_compile_step_falls_back_with_the_reason():
         step2(x, y)
     assert all(torch.equal(a, b) for a, b in zip(before, m3.parameters()))   # nothing stepped
     assert step2.stats()["reason"] is None   # a bad batch is the caller's error, not a reason to stop capturing
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_compile_step_captures_models_with_fused_dropout():
+    """kitsune.optimize's dropout rewrites (gelu_dropout here) run ATen's dropout while a
+    graph is captured, so the step is captured, and each replay draws a new mask from
+    the generator's graph state (lr 0: the parameters stay, only the masks change)."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(20, 256), torch.nn.GELU(), torch.nn.Dropout(0.5), torch.nn.Linear(256, 5))
+    rep = kitsune.fx.Report()
+    km = kitsune.optimize(m, report=rep).cuda()
+    assert any("gelu_dropout" in what for _, what in rep.fused), rep
+    step = kitsune.compile_step(km, torch.nn.functional.cross_entropy,
+                                KitsuneOptimizer(torch.optim.AdamW, km.parameters(), lr=0.0))
+    x, y = _batches(1, "cuda", sizes=(64,))[0]
+    losses = torch.stack([step(x, y) for _ in range(6)])
+    st = step.stats()
+    assert st["replays"] == 5 and st["reason"] is None, st
+    assert torch.isfinite(losses).all() and len(set(losses[1:].tolist())) > 1, losses

@@ -4,7 +4,8 @@
 
 For each op and size (bytes of one input tensor: 1 MB to 1 GB, bf16; fp32 at 256 MB)
 it times, with CUDA events, the median of 20 repeats with the L2 flushed (a 256 MB
-buffer written) before each:
+buffer written; --flush clean also reads another 256 MB, so no dirty line is left for
+the timed call to write back) before each:
   copy      dst.copy_(src) of the same bytes: the achievable bandwidth, 2 x bytes moved
   kitsune   torch.ops.kitsune.<op>
   eager     the reference expression in PyTorch ops
@@ -120,6 +121,22 @@ def _bias_dropout_add_check(got, args):
 CHECKS = {"gelu_dropout": _dropout_check(F.gelu), "bias_dropout_add": _bias_dropout_add_check}
 
 
+def flusher(kind):
+    """What runs, untimed, before each timed call: "write" zeroes a 256 MB buffer (the
+    L2 then holds dirty lines, whose write-back the timed call pays for); "clean" then
+    also reads another 256 MB buffer, so the L2 holds clean lines only."""
+    dirty = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    if kind == "write":
+        return dirty.zero_
+    clean = torch.ones(64 << 20, dtype=torch.float32, device="cuda")
+    out = torch.empty((), device="cuda")
+
+    def both():
+        dirty.zero_()
+        torch.sum(clean, out=out)
+    return both
+
+
 def measure(name, dtype, size_mb, compiled, flush, reps):
     """One op at one size: checked, then timed; returns the result row."""
     kfn, ref, make, moved = OPS[name]
@@ -146,10 +163,10 @@ def measure(name, dtype, size_mb, compiled, flush, reps):
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     t = {
-        "copy": cuda_ms(lambda: dst.copy_(src), reps, flush.zero_),
-        "kitsune": cuda_ms(lambda: kfn(*args), reps, flush.zero_),
-        "eager": cuda_ms(lambda: ref(*args), reps, flush.zero_),
-        "compile": cuda_ms(lambda: cfn(*args), reps, flush.zero_),
+        "copy": cuda_ms(lambda: dst.copy_(src), reps, flush),
+        "kitsune": cuda_ms(lambda: kfn(*args), reps, flush),
+        "eager": cuda_ms(lambda: ref(*args), reps, flush),
+        "compile": cuda_ms(lambda: cfn(*args), reps, flush),
     }
     gbs = {k: (2 if k == "copy" else moved) * nbytes / (v * 1e-3) / 1e9 for k, v in t.items()}
     return {"op": name, "dtype": str(dtype).replace("torch.", ""), "input_mb": size_mb, "ms": t, "gbs": gbs,
@@ -162,10 +179,13 @@ def main():
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--ops", default="", help="comma-separated subset of: " + ",".join(OPS))
+    ap.add_argument("--flush", choices=["write", "clean"], default="write",
+                    help="how the L2 is flushed before each timed call (see flusher)")
+    ap.add_argument("--sizes", default="", help="comma-separated bf16 sizes in MB (default 1,16,64,256,1024)")
     a = ap.parse_args()
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    flush = flusher(a.flush)
     reps = 7 if a.quick else 20
-    mb = [1, 16, 64, 256, 1024] if not a.quick else [1, 64]
+    mb = [int(v) for v in a.sizes.split(",")] if a.sizes else [1, 16, 64, 256, 1024] if not a.quick else [1, 64]
     cases = [(torch.bfloat16, s) for s in mb] + [(torch.float32, 256)]
     compiled, rows, failed = {}, [], []
     names = a.ops.split(",") if a.ops else list(OPS)   # in the order given
@@ -187,7 +207,7 @@ def main():
                   f"eager {gbs['eager']:7.0f}  x{row['vs_compile']:.2f} vs compile, x{row['vs_eager']:.2f} vs eager",
                   flush=True)
         # after every op, so a run cut short keeps what it measured
-        write_result(a.out, "kernels_elementwise", {"reps": reps, "rows": rows, "failed": failed})
+        write_result(a.out, "kernels_elementwise", {"reps": reps, "flush": a.flush, "rows": rows, "failed": failed})
     if failed:
         sys.exit(1)
 

@@ -133,7 +133,7 @@ def flusher(kind):
 
     def both():
         dirty.zero_()
-        torch.sum(clean, out=out)
+        torch.sum(clean, 0, out=out)
     return both
 
 

@@ -1,5 +1,6 @@
 """make demo's training table: the seed workloads trained eager vs Kitsune side by
-side (Kitsune = kitsune.optimize(model) + kitsune.KitsuneOptimizer).
+side (Kitsune = kitsune.optimize(model) + kitsune.KitsuneOptimizer; on a GPU also
+Kitsune graph = the same under kitsune.compile_step, one CUDA graph a step).
 
     python bench/demo_train.py [--device cuda|cpu] [--steps N]
 
@@ -34,25 +35,33 @@ def workloads(device, dtype):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 784, generator=g).to(device, dtype)
     y = torch.randint(0, 10, (64,), generator=g).to(device)
+    # (label, model, loss of (model, batch), batch, optimizer, compile_step's loss_fn)
     yield ("MLP 784-512-256-10", mlp, lambda m, b: F.cross_entropy(m(b[0]), b[1]), (x, y),
-           lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9))
+           lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9), F.cross_entropy)
     seq = torch.randint(0, 8192, (8, 257), generator=g).to(device)
     yield ("GPT-2-style LM (4 x 256)", lambda: tm.LM("gpt2", layers=4, d=256, h=4, vocab=8192, seq=256),
            lambda m, b: m(b[0], b[1]), (seq[:, :-1].contiguous(), seq[:, 1:].contiguous()),
-           lambda ps: torch.optim.AdamW(ps, lr=3e-4))
+           lambda ps: torch.optim.AdamW(ps, lr=3e-4), None)
 
 
-def run(model, loss_fn, batch, opt, steps, device):
+def eager_step(model, loss_fn, batch, opt):
+    def step():
+        loss = loss_fn(model, batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return step
+
+
+def run(step, steps, device):
     times, loss = [], None
     for i in range(steps + 3):
         if device == "cuda":
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
         t0 = time.perf_counter()
-        loss = loss_fn(model, batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = step()
         if device == "cuda":
             b.record()
             b.synchronize()
@@ -73,29 +82,42 @@ def main():
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     name = torch.cuda.get_device_name(0) if dev == "cuda" else "CPU (times check the script, they are not GPU numbers)"
     print(f"Training eager vs Kitsune on {name}, torch {torch.__version__}, {a.steps} steps each")
-    print(f"{'workload':28s} {'eager ms':>9s} {'kitsune ms':>10s} {'speedup':>8s} {'eager loss':>10s} "
-          f"{'kitsune loss':>12s}" + ("  peak MiB eager / kitsune" if dev == "cuda" else ""))
-    for label, make, loss_fn, batch, make_opt in workloads(dev, dtype):
+    variants = ("eager", "kitsune", "graph") if dev == "cuda" else ("eager", "kitsune")
+    head = f"{'workload':28s} {'eager ms':>9s} {'kitsune ms':>10s} {'speedup':>8s}"
+    if dev == "cuda":
+        head += f" {'graph ms':>9s} {'speedup':>8s}"
+    head += f" {'eager loss':>10s} {'kitsune loss':>12s}" + (f" {'graph loss':>10s}" if dev == "cuda" else "")
+    print(head + ("  peak MiB eager / kitsune / graph" if dev == "cuda" else ""))
+    for label, make, loss_fn, batch, make_opt, step_loss in workloads(dev, dtype):
         torch.manual_seed(1)
         base = make().to(dev, dtype)
         res = {}
-        for variant in ("eager", "kitsune"):
+        for variant in variants:
             m = copy.deepcopy(base)
-            if variant == "kitsune":
+            if variant == "eager":
+                step = eager_step(m, loss_fn, batch, make_opt(m.parameters()))
+            else:
                 m = kitsune.optimize(m, inplace=True)
                 opt = kitsune.KitsuneOptimizer(make_opt(m.parameters()))
-            else:
-                opt = make_opt(m.parameters())
+                if variant == "kitsune":
+                    step = eager_step(m, loss_fn, batch, opt)
+                else:   # the whole step as one CUDA graph
+                    graph = kitsune.compile_step(m, step_loss, opt)
+                    step = lambda graph=graph: graph(*batch)   # noqa: E731
             if dev == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
-            ms, loss = run(m, loss_fn, batch, opt, a.steps, dev)
+            ms, loss = run(step, a.steps, dev)
             peak = torch.cuda.max_memory_allocated() / 2**20 if dev == "cuda" else None
             res[variant] = (ms, loss, peak)
         (em, el, ep), (km, kl, kp) = res["eager"], res["kitsune"]
-        line = f"{label:28s} {em:9.2f} {km:10.2f} {em / km:7.2f}x {el:10.4f} {kl:12.4f}"
+        line = f"{label:28s} {em:9.2f} {km:10.2f} {em / km:7.2f}x"
         if dev == "cuda":
-            line += f"  {ep:.0f} / {kp:.0f}"
+            gm = res["graph"][0]
+            line += f" {gm:9.2f} {em / gm:7.2f}x"
+        line += f" {el:10.4f} {kl:12.4f}"
+        if dev == "cuda":
+            line += f" {res['graph'][1]:10.4f}  {ep:.0f} / {kp:.0f} / {res['graph'][2]:.0f}"
         print(line, flush=True)
 
 

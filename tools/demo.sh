@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# make demo: on a GPU, the allocator benchmark on the CUDA backend; without one,
+# make demo: on a GPU, the allocator benchmark on the CUDA backend and training eager
+# vs Kitsune (kitsune.optimize, KitsuneOptimizer, compile_step); without one,
 # say so and replay a recorded allocation trace on the host fake backend.
 set -uo pipefail
 build=${1:-build}

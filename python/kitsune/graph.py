@@ -29,11 +29,18 @@ torch.amp.GradScaler cannot be captured (its step reads the inf check on the hos
 run such a step eagerly, or use bf16.
 
 After a step, parameters' ``.grad`` are None: the graph's gradients live in its pool.
+The graphs hold the parameters and optimizer state they captured: the optimizer's
+``load_state_dict`` (which replaces its state tensors) and a change to a
+hyperparameter baked into the graph (betas, eps, weight decay, momentum, dampening,
+nesterov) make the next step capture again; ``model.load_state_dict`` copies into the
+same parameters and needs nothing. Assigning new Parameter objects to the model
+after the first step is not followed: make a new compile_step.
 """
 import collections
 import contextlib
 import time
 import warnings
+import weakref
 
 import torch
 
@@ -75,8 +82,11 @@ class CompiledStep:
         self._pool = None
         self._groups = len(optimizer.param_groups)
         self._reason = None
-        self._n = {"replays": 0, "eager_steps": 0, "captures": 0, "evictions": 0}
+        self._n = {"replays": 0, "eager_steps": 0, "captures": 0, "evictions": 0, "recaptures": 0}
         self._setup_s = 0.0
+        # load_state_dict replaces the optimizer's state tensors, which the graphs hold
+        ref = weakref.ref(self)
+        optimizer.optimizer.register_load_state_dict_post_hook(lambda opt: ref() and ref()._invalidate())
 
     # ---- one step ----
     def __call__(self, *batch):
@@ -92,10 +102,13 @@ class CompiledStep:
         g = self._graphs.get(key)
         if g is None:
             return self._first(key, batch)
+        if not self.optimizer.sync_hyper(g.plan):   # betas, weight decay, ... changed: capture again
+            del self._graphs[key]
+            self._n["recaptures"] += 1
+            return self._first(key, batch)
         self._graphs.move_to_end(key)
         for s, i in zip(g.static, g.slots):
             s.copy_(batch[i], non_blocking=True)
-        self.optimizer.sync_hyper(g.plan)
         g.graph.replay()
         self.optimizer.replayed(g.plan)
         self._n["replays"] += 1
@@ -169,6 +182,11 @@ class CompiledStep:
         self._setup_s += time.perf_counter() - t0
         return loss
 
+    def _invalidate(self):
+        """Drops every graph (each is captured again at its signature's next call)."""
+        self._n["recaptures"] += len(self._graphs)
+        self._graphs.clear()
+
     def _capture_blocker(self, batch):
         if not torch.cuda.is_available():
             return "CUDA is not available"
@@ -188,7 +206,9 @@ class CompiledStep:
         warnings.warn(f"kitsune.compile_step: running eagerly: {why}", stacklevel=3)
 
     def stats(self):
-        """Counts (replays, eager_steps, captures, evictions), graphs kept, seconds
+        """Counts (replays, eager_steps, captures, evictions, recaptures: graphs dropped
+        because the optimizer's state was loaded or a baked hyperparameter changed),
+        graphs kept, seconds
         spent in first steps and captures (setup_s), and why the step runs eagerly
         (reason, None while it is captured)."""
         return dict(self._n, graphs=len(self._graphs), setup_s=self._setup_s, reason=self._reason)

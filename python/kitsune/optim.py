@@ -43,12 +43,22 @@ def _why_not(opt):
 _NOT_DENSE = "a sparse or non-contiguous parameter or gradient"
 
 
+# The hyperparameters a captured step bakes in as launch constants (lr and the step
+# count are read from the device instead).
+_BAKED = ("betas", "eps", "weight_decay", "momentum", "dampening", "nesterov", "decoupled_weight_decay")
+
+
+def _baked(group):
+    return tuple(group.get(k) for k in _BAKED)
+
+
 class _CapturePlan:
     """What a captured step updates: groups, [(group index, a CPU step tensor of the
-    group's (None for SGD))]; steps, every CPU step tensor it counts."""
+    group's (None for SGD))]; steps, every CPU step tensor it counts; baked, each
+    group's baked hyperparameters at capture."""
 
     def __init__(self):
-        self.groups, self.steps = [], []
+        self.groups, self.steps, self.baked = [], [], {}
 
 
 class KitsuneOptimizer:
@@ -248,6 +258,7 @@ class KitsuneOptimizer:
                     refuse(f"a group's parameters are at different step counts {counts}")
                 plan.steps += [st["step"] for st in states]
             plan.groups.append((gi, None if sgd else states[0]["step"]))
+            plan.baked[gi] = _baked(g)
         if not flat:
             return plan
         if self._hyper is None or self._hyper.device != flat[0].device or self._hyper.shape[0] != len(opt.param_groups):
@@ -278,9 +289,14 @@ class KitsuneOptimizer:
     def sync_hyper(self, plan):
         """Before a replay: writes a group's lr, and (Adam) its step count before this
         step, to the device where they changed since the last write (an LR scheduler,
-        an eager step in between)."""
+        an eager step in between). Returns False, writing nothing, when a hyperparameter
+        the graph bakes in (betas, eps, weight decay, momentum, ...) has changed since
+        the capture: the caller captures again."""
+        groups = self.optimizer.param_groups
+        if any(_baked(groups[gi]) != baked for gi, baked in plan.baked.items()):
+            return False
         for gi, step in plan.groups:
-            lr = self.optimizer.param_groups[gi]["lr"]
+            lr = groups[gi]["lr"]
             if isinstance(lr, torch.Tensor) or lr < 0:
                 raise ValueError(f"KitsuneOptimizer: a captured step needs a float lr >= 0; group {gi} has {lr!r}")
             now = (float(lr), 0.0 if step is None else float(step))
@@ -288,6 +304,7 @@ class KitsuneOptimizer:
                 self._hyper[gi, 0].fill_(now[0])
                 self._hyper[gi, 1].fill_(now[1])
                 self._hyper_mirror[gi] = now
+        return True
 
     def replayed(self, plan):
         """After a replay: torch.optim's CPU step counts, and their device mirror, move

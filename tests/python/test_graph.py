@@ -314,3 +314,39 @@ def test_gpu_compile_step_captures_models_with_fused_dropout():
     st = step.stats()
     assert st["replays"] == 5 and st["reason"] is None, st
     assert torch.isfinite(losses).all() and len(set(losses[1:].tolist())) > 1, losses
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_compile_step_follows_load_state_dict_and_baked_hyperparameters():
+    """A graph bakes in betas and weight decay and holds the optimizer's state tensors:
+    changing the former and loading a state_dict (which replaces the latter) make the
+    next step capture again, and training stays equal to eager's."""
+    m1, m2 = _mlp(2, "cuda"), _mlp(2, "cuda")
+    o1 = KitsuneOptimizer(torch.optim.AdamW, m1.parameters(), lr=1e-2, weight_decay=0.1)
+    o2 = KitsuneOptimizer(torch.optim.AdamW, m2.parameters(), lr=1e-2, weight_decay=0.1)
+    ce = torch.nn.functional.cross_entropy
+    step = kitsune.compile_step(m2, ce, o2)
+
+    def eager(x, y):
+        o1.zero_grad(set_to_none=True)
+        loss = ce(m1(x), y)
+        loss.backward()
+        o1.step()
+        return loss.detach()
+
+    l1, l2, snaps = [], [], None
+    for i, (x, y) in enumerate(_batches(30, "cuda")):
+        if i == 5:
+            snaps = [copy.deepcopy(v.state_dict()) for v in (o1, m1, o2, m2)]
+        if i == 10:
+            for o in (o1, o2):
+                o.param_groups[0]["weight_decay"], o.param_groups[0]["betas"] = 0.3, (0.8, 0.99)
+        if i == 20:
+            for v, sd in zip((o1, m1, o2, m2), snaps):
+                v.load_state_dict(sd)
+        l1.append(eager(x, y))
+        l2.append(step(x, y))
+    _assert_same_training(m1, o1, m2, o2, torch.stack(l1), torch.stack(l2))
+    st = step.stats()
+    assert st["recaptures"] == 2 and st["captures"] == 3 and st["replays"] == 27, st

@@ -172,6 +172,12 @@ def _compiled(model, opt, batches, loss_fn, sched=None, **kw):
     return torch.stack(losses), step
 
 
+def _twins(model, cls=torch.optim.AdamW, **kw):
+    """model and a copy of it, each with its own KitsuneOptimizer(cls, **kw)."""
+    other = copy.deepcopy(model)
+    return model, KitsuneOptimizer(cls, model.parameters(), **kw), other, KitsuneOptimizer(cls, other.parameters(), **kw)
+
+
 def _assert_same_training(m1, o1, m2, o2, l1, l2, rtol=1e-5, atol=1e-6):
     torch.testing.assert_close(l1, l2, rtol=rtol, atol=atol)
     for a, b in zip(m1.parameters(), m2.parameters()):
@@ -191,8 +197,7 @@ def _assert_same_training(m1, o1, m2, o2, l1, l2, rtol=1e-5, atol=1e-6):
 def test_gpu_compile_step_trains_as_eager_with_lr_schedule(cls, kw):
     """40 steps, the LR decaying every step: losses, parameters, optimizer state and
     step counts equal the eager loop's; 39 of the 40 steps were replays."""
-    m1, m2 = _mlp(0, "cuda"), _mlp(0, "cuda")
-    o1, o2 = KitsuneOptimizer(cls, m1.parameters(), **kw), KitsuneOptimizer(cls, m2.parameters(), **kw)
+    m1, o1, m2, o2 = _twins(_mlp(0, "cuda"), cls, **kw)
     s1 = torch.optim.lr_scheduler.LambdaLR(o1.optimizer, lambda i: 0.95 ** i)
     s2 = torch.optim.lr_scheduler.LambdaLR(o2.optimizer, lambda i: 0.95 ** i)
     batches = _batches(40, "cuda")
@@ -211,9 +216,7 @@ def test_gpu_compile_step_trains_as_eager_with_lr_schedule(cls, kw):
 def test_gpu_compile_step_shapes_clipping_and_eviction():
     """Three batch sizes in turn with max_shapes=2 (so graphs are dropped and captured
     again) and gradient clipping: the same training as eager."""
-    m1, m2 = _mlp(1, "cuda"), _mlp(1, "cuda")
-    o1 = KitsuneOptimizer(torch.optim.AdamW, m1.parameters(), lr=1e-2)
-    o2 = KitsuneOptimizer(torch.optim.AdamW, m2.parameters(), lr=1e-2)
+    m1, o1, m2, o2 = _twins(_mlp(1, "cuda"), lr=1e-2)
     batches = _batches(30, "cuda", sizes=(8, 8, 16, 16, 8, 32))
     ce = torch.nn.functional.cross_entropy
     want = _eager_reference(m1, o1, batches, ce, clip=0.5)
@@ -239,10 +242,7 @@ class _TinyLM(torch.nn.Module):
 @gpu
 def test_gpu_compile_step_bf16_autocast_lm():
     torch.manual_seed(5)
-    m1 = _TinyLM().cuda()
-    m2 = copy.deepcopy(m1)
-    o1 = KitsuneOptimizer(torch.optim.AdamW, m1.parameters(), lr=1e-3)
-    o2 = KitsuneOptimizer(torch.optim.AdamW, m2.parameters(), lr=1e-3)
+    m1, o1, m2, o2 = _twins(_TinyLM().cuda(), lr=1e-3)
     g = torch.Generator().manual_seed(6)
     batches = []
     for _ in range(20):
@@ -273,10 +273,7 @@ class _Syncs(torch.nn.Module):
 @gpu
 def test_gpu_compile_step_falls_back_with_the_reason():
     torch.manual_seed(0)
-    m1 = _Syncs().cuda()
-    m2 = copy.deepcopy(m1)
-    o1 = KitsuneOptimizer(torch.optim.AdamW, m1.parameters(), lr=1e-2)
-    o2 = KitsuneOptimizer(torch.optim.AdamW, m2.parameters(), lr=1e-2)
+    m1, o1, m2, o2 = _twins(_Syncs().cuda(), lr=1e-2)
     batches = _batches(5, "cuda")
     ce = torch.nn.functional.cross_entropy
     want = _eager_reference(m1, o1, batches, ce)
@@ -322,9 +319,7 @@ def test_gpu_compile_step_follows_load_state_dict_and_baked_hyperparameters():
     """A graph bakes in betas and weight decay and holds the optimizer's state tensors:
     changing the former and loading a state_dict (which replaces the latter) make the
     next step capture again, and training stays equal to eager's."""
-    m1, m2 = _mlp(2, "cuda"), _mlp(2, "cuda")
-    o1 = KitsuneOptimizer(torch.optim.AdamW, m1.parameters(), lr=1e-2, weight_decay=0.1)
-    o2 = KitsuneOptimizer(torch.optim.AdamW, m2.parameters(), lr=1e-2, weight_decay=0.1)
+    m1, o1, m2, o2 = _twins(_mlp(2, "cuda"), lr=1e-2, weight_decay=0.1)
     ce = torch.nn.functional.cross_entropy
     step = kitsune.compile_step(m2, ce, o2)
 

@@ -24,9 +24,9 @@ between steps.
 When a step cannot be captured (no CUDA device, an optimizer the fused kernel does
 not cover, an op that syncs with the host or refuses capture, a batch on another
 device), it runs eagerly from then on: ``stats()["reason"]`` says why, and a warning
-says so once. bf16 autocast: ``autocast_dtype=torch.bfloat16``. fp16 with
-torch.amp.GradScaler cannot be captured (its step reads the inf check on the host);
-run such a step eagerly, or use bf16.
+says so once. bf16 autocast: ``autocast_dtype=torch.bfloat16``. fp16 with loss
+scaling (torch.amp.GradScaler, or KitsuneOptimizer(enable_amp=True), which compile_step
+scales and unscales for) runs eagerly: the scaler reads its inf check on the host.
 
 After a step, parameters' ``.grad`` are None: the graph's gradients live in its pool.
 The graphs hold the parameters and optimizer state they captured: the optimizer's
@@ -124,8 +124,11 @@ class CompiledStep:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError(f"compile_step: the loss must be a one-element tensor, got "
                             f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}")
-        loss.backward()
+        amp = self.optimizer.enable_amp
+        (self.optimizer.scale(loss) if amp else loss).backward()
         if self.max_grad_norm is not None:
+            if amp:
+                self.optimizer.unscale_()
             params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
             torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm, foreach=True)
         return loss.detach()
@@ -190,6 +193,9 @@ class CompiledStep:
     def _capture_blocker(self, batch):
         if not torch.cuda.is_available():
             return "CUDA is not available"
+        if self.optimizer.enable_amp:
+            return ("KitsuneOptimizer(enable_amp=True) reads its inf check on the host each step (as "
+                    "torch.amp.GradScaler does), which a CUDA graph cannot hold")
         devices = {p.device for p in self.model.parameters()}
         if len(devices) != 1 or next(iter(devices)).type != "cuda":
             return f"the model's parameters must be on one CUDA device, found {sorted(map(str, devices))}"

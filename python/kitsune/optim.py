@@ -61,15 +61,45 @@ class _CapturePlan:
         self.groups, self.steps, self.baked = [], [], {}
 
 
+class _AmpView:
+    """What torch.amp.GradScaler steps for a KitsuneOptimizer: its parameter groups,
+    and an update that is the fused step (GradScaler keys its per-optimizer state by
+    this object, so there is one per KitsuneOptimizer)."""
+
+    def __init__(self, owner):
+        self._owner = owner
+
+    @property
+    def param_groups(self):
+        return self._owner.param_groups
+
+    @property
+    def state(self):
+        return self._owner.state
+
+    def step(self):
+        self._owner._update()
+
+
 class KitsuneOptimizer:
     """See the module docstring. ``enable_fusion=False`` always runs the wrapped
     optimizer's step; ``profile=True`` times each step with CUDA events (a sync a
     step) instead of host time. ``num_streams`` is accepted for the seed API; the
     fused step is one launch per group and uses the current stream.
-    ``enable_amp=True`` is not supported yet (use torch.amp.GradScaler around step)."""
+    ``enable_amp=True``: dynamic loss scaling for fp16 training, by a
+    ``torch.amp.GradScaler`` the optimizer owns (``amp_options`` are its arguments)::
+
+        opt.scale(loss).backward()
+        opt.unscale_()          # optional: before gradient clipping
+        opt.step()              # unscales, skips the update on inf/NaN gradients, updates the scale
+
+    As with GradScaler, ``step`` reads the inf check on the host (one sync a step), a
+    skipped step changes no parameter, state or step count, and the parameters stay
+    fp32 (fp16 compute comes from ``torch.autocast``; GradScaler refuses fp16
+    gradients). ``opt.scaler`` is the GradScaler (its ``state_dict`` holds the scale)."""
 
     def __init__(self, optimizer, params=None, *, enable_amp=False, enable_fusion=True, num_streams=4,
-                 profile=False, **options):
+                 profile=False, amp_options=None, **options):
         if isinstance(optimizer, torch.optim.Optimizer):
             if params is not None or options:
                 raise TypeError("KitsuneOptimizer: pass either an optimizer instance, or an optimizer class with "
@@ -81,9 +111,8 @@ class KitsuneOptimizer:
             self.optimizer = optimizer(params, **options)
         else:
             raise TypeError(f"KitsuneOptimizer: expected a torch.optim.Optimizer or its class, got {optimizer!r}")
-        if enable_amp:
-            raise ValueError("KitsuneOptimizer: enable_amp=True is not supported yet; scale the loss with "
-                             "torch.amp.GradScaler and call scaler.step(opt)")
+        if amp_options is not None and not enable_amp:
+            raise ValueError("KitsuneOptimizer: amp_options needs enable_amp=True")
         if not isinstance(num_streams, int) or num_streams < 1:
             raise ValueError(f"KitsuneOptimizer: num_streams must be an int >= 1, got {num_streams!r}")
         self.enable_fusion, self.profile, self.num_streams = enable_fusion, profile, num_streams
@@ -91,6 +120,8 @@ class KitsuneOptimizer:
         self._times = []
         self._path = "no step yet"
         self._hyper, self._hyper_mirror = None, {}   # see capture_step
+        self.enable_amp, self._amp_options, self.scaler = bool(enable_amp), dict(amp_options or {}), None
+        self._amp_view, self._skipped = _AmpView(self), 0
 
     # ---- torch.optim's interface, from the wrapped optimizer ----
     @property
@@ -120,6 +151,23 @@ class KitsuneOptimizer:
     def __repr__(self):
         return f"KitsuneOptimizer({self.optimizer!r})"
 
+    # ---- loss scaling (enable_amp=True) ----
+    def _need_amp(self, what):
+        if not self.enable_amp:
+            raise RuntimeError(f"KitsuneOptimizer.{what}: needs enable_amp=True")
+        if self.scaler is None:
+            devices = {p.device.type for g in self.param_groups for p in g["params"]}
+            self.scaler = torch.amp.GradScaler(devices.pop() if len(devices) == 1 else "cuda", **self._amp_options)
+        return self.scaler
+
+    def scale(self, loss):
+        """loss times the current loss scale (enable_amp=True): call backward on this."""
+        return self._need_amp("scale").scale(loss)
+
+    def unscale_(self):
+        """Divides the gradients by the loss scale now (for clipping before step)."""
+        self._need_amp("unscale_").unscale_(self._amp_view)
+
     # ---- the step ----
     def step(self, closure=None):
         loss = None
@@ -131,6 +179,25 @@ class KitsuneOptimizer:
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
         t0 = time.perf_counter()
+        if self.enable_amp:
+            scaler, stepped = self._need_amp("step"), self._steps
+            scaler.step(self._amp_view)   # unscales if not yet, checks for inf/NaN, then calls _update()
+            scaler.update()
+            if self._steps == stepped:
+                self._skipped += 1
+                self._path = "skipped (inf or NaN gradients; the loss scale is lowered)"
+        else:
+            self._update()
+        if timed:
+            b.record()
+            b.synchronize()
+            self._times.append(a.elapsed_time(b))
+        else:
+            self._times.append((time.perf_counter() - t0) * 1e3)
+        return loss
+
+    def _update(self):
+        """One update: fused where it can be, else the wrapped optimizer's step."""
         why = "enable_fusion=False" if not self.enable_fusion else _why_not(self.optimizer)
         if why is None:
             with torch.no_grad():
@@ -145,14 +212,7 @@ class KitsuneOptimizer:
         else:
             self.optimizer.step()
             self._path = f"torch.optim ({why})"
-        if timed:
-            b.record()
-            b.synchronize()
-            self._times.append(a.elapsed_time(b))
-        else:
-            self._times.append((time.perf_counter() - t0) * 1e3)
         self._steps += 1
-        return loss
 
     def _adam_step(self):
         """Returns the reason when the step cannot be fused (nothing stepped), else None."""
@@ -321,15 +381,19 @@ class KitsuneOptimizer:
         self.optimizer._opt_called = True
 
     def get_stats(self):
-        """Measured numbers: steps run and fused, the last step's path (with the reason
-        when not fused), step times in ms (CUDA events with profile=True, else host
-        time), and the optimizer state's tensors and bytes."""
+        """Measured numbers: updates run and fused, the last step's path (with the
+        reason when not fused), step times in ms (CUDA events with profile=True, else
+        host time), the optimizer state's tensors and bytes, and with enable_amp the
+        steps skipped for inf/NaN gradients and the current loss scale."""
         tensors = [t for st in self.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
         stats = {"steps": self._steps, "fused_steps": self._fused, "path": self._path,
                  "timing": "cuda events" if self.profile else "host",
                  "last_step_ms": self._times[-1] if self._times else None,
                  "mean_step_ms": sum(self._times) / len(self._times) if self._times else None,
                  "state_tensors": len(tensors), "state_bytes": sum(t.numel() * t.element_size() for t in tensors)}
+        if self.enable_amp:
+            stats["skipped_steps"] = self._skipped
+            stats["loss_scale"] = self.scaler.get_scale() if self.scaler is not None else None
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             stats["cuda_memory_allocated"] = torch.cuda.memory_allocated()
         return stats

@@ -345,3 +345,38 @@ def test_gpu_compile_step_follows_load_state_dict_and_baked_hyperparameters():
     _assert_same_training(m1, o1, m2, o2, torch.stack(l1), torch.stack(l2))
     st = step.stats()
     assert st["recaptures"] == 2 and st["captures"] == 3 and st["replays"] == 27, st
+
+
+def test_compile_step_with_enable_amp_scales_and_runs_eagerly():
+    """With KitsuneOptimizer(enable_amp=True) the step scales the loss, unscales before
+    clipping, and runs eagerly (on a GPU the reason is the scaler's host-side inf check;
+    here there is no CUDA): the same training as the hand-written GradScaler loop."""
+    m1, o1, m2, o2 = _twins(_mlp(4), lr=1e-2, enable_amp=True, amp_options={"init_scale": 256.0})
+    step = kitsune.compile_step(m2, torch.nn.functional.cross_entropy, o2, max_grad_norm=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = torch.stack([step(x, y) for x, y in _batches(6, "cpu")])
+    want = []
+    for x, y in _batches(6, "cpu"):
+        o1.zero_grad()
+        loss = torch.nn.functional.cross_entropy(m1(x), y)
+        o1.scale(loss).backward()
+        o1.unscale_()
+        torch.nn.utils.clip_grad_norm_(m1.parameters(), 0.5, foreach=True)
+        o1.step()
+        want.append(loss.detach())
+    torch.testing.assert_close(got, torch.stack(want), rtol=0, atol=0)
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert o2.get_stats()["loss_scale"] == o1.get_stats()["loss_scale"] == 256.0   # growth_interval 2000
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_compile_step_with_enable_amp_says_why_it_runs_eagerly():
+    m = _mlp(4, "cuda")   # fp32 parameters, fp16 autocast: GradScaler refuses fp16 gradients
+    opt = KitsuneOptimizer(torch.optim.AdamW, m.parameters(), lr=1e-3, enable_amp=True)
+    step = kitsune.compile_step(m, torch.nn.functional.cross_entropy, opt, autocast_dtype=torch.float16)
+    with pytest.warns(UserWarning, match=r"running eagerly: KitsuneOptimizer\(enable_amp=True\) reads its inf check"):
+        losses = [step(x, y) for x, y in _batches(3, "cuda")]
+    assert all(torch.isfinite(v) for v in losses) and opt.get_stats()["fused_steps"] == 3

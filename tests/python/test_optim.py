@@ -169,8 +169,10 @@ def test_closure_stats_and_bad_arguments():
     assert loss is not None and loss.item() > 0
     st = k.get_stats()
     assert st["steps"] == 1 and st["state_tensors"] == 1 and st["state_bytes"] == 16 and st["last_step_ms"] >= 0
-    with pytest.raises(ValueError, match="enable_amp=True is not supported yet"):
-        KitsuneOptimizer(torch.optim.AdamW, [w], enable_amp=True)
+    with pytest.raises(ValueError, match="amp_options needs enable_amp=True"):
+        KitsuneOptimizer(torch.optim.AdamW, [w], amp_options={"init_scale": 8.0})
+    with pytest.raises(RuntimeError, match="KitsuneOptimizer.scale: needs enable_amp=True"):
+        KitsuneOptimizer(torch.optim.AdamW, [w]).scale(torch.ones(()))
     with pytest.raises(TypeError, match="params is required"):
         KitsuneOptimizer(torch.optim.AdamW)
     with pytest.raises(TypeError, match="either an optimizer instance"):
@@ -219,3 +221,53 @@ def test_gpu_many_large_and_unaligned_tensors(cls, kw, big):
     assert ka.get_stats()["path"] == "fused"
     for x, y in zip(a, b):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+def _amp_run(kitsune, steps=8, inf_at=3, clip=None):
+    """A small model trained with loss scaling, by KitsuneOptimizer(enable_amp=True) or
+    by torch.optim + torch.amp.GradScaler; at step inf_at one gradient is made inf."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    opts = dict(init_scale=1024.0, growth_interval=2)
+    if kitsune:
+        opt = KitsuneOptimizer(torch.optim.AdamW, m.parameters(), lr=1e-2, enable_amp=True, amp_options=opts)
+        scale, unscale, step = opt.scale, opt.unscale_, opt.step
+    else:
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        scaler = torch.amp.GradScaler("cpu", **opts)
+        scale, unscale = scaler.scale, lambda: scaler.unscale_(opt)
+
+        def step():
+            scaler.step(opt)
+            scaler.update()
+    g = torch.Generator().manual_seed(1)
+    for i in range(steps):
+        x, y = torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)
+        opt.zero_grad()
+        scale(torch.nn.functional.cross_entropy(m(x), y)).backward()
+        if i == inf_at:
+            m[0].weight.grad[0, 0] = float("inf")
+        if clip is not None:
+            unscale()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
+        step()
+    return m, opt
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_enable_amp_matches_torch_grad_scaler(clip):
+    """enable_amp is torch.amp.GradScaler around the fused step: the same parameters,
+    state and loss scale as torch.optim under GradScaler, the inf step skipped (no
+    parameter, state or step count moved), with or without unscale_ + clipping."""
+    mk, ok = _amp_run(True, clip=clip)
+    mt, ot = _amp_run(False, clip=clip)
+    for a, b in zip(mk.parameters(), mt.parameters()):
+        torch.testing.assert_close(a, b)
+    for a, b in zip(mk.parameters(), mt.parameters()):
+        for k, v in ot.state[b].items():
+            torch.testing.assert_close(ok.state[a][k], v, msg=k)
+    st = ok.get_stats()
+    assert st["skipped_steps"] == 1 and st["steps"] == 7 and st["fused_steps"] == 7, st
+    assert ok.state[next(mk.parameters())]["step"].item() == 7
+    # 1024, halved by the inf step, doubled every 2 clean steps: 1024 2048 2048 1024 1024 2048 2048 4096
+    assert st["loss_scale"] == 4096.0

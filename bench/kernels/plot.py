@@ -6,8 +6,9 @@ torch version and commit).
 
 Writes kernels_bandwidth.png (bf16 % of copy bandwidth per op at 64 MB / 256 MB /
 1 GB, the 85% target marked), kernels_loss_head.png (forward + backward time and
-peak memory) and kernels_train_models.png (ms/step, eager / kitsune.optimize /
-torch.compile).
+peak memory), kernels_train_models.png (ms/step, eager / kitsune.optimize /
+torch.compile) and models.png (bench/models.py: ms/step of each model by recipe, log
+scale).
 """
 import argparse
 import json
@@ -45,7 +46,8 @@ def bandwidth(d, files, out):
     ax.set_xticks([j + w for j in range(len(ops))], ops, rotation=30, ha="right")
     ax.set_ylabel("% of copy bandwidth (bf16)")
     ax.set_title("\n".join(titles), fontsize=8)
-    ax.legend(fontsize=8)
+    ax.set_ylim(0, 130)   # room for the legend above the bars
+    ax.legend(fontsize=8, ncol=4, loc="upper right")
     fig.tight_layout()
     fig.savefig(os.path.join(d, out), dpi=110)
 
@@ -84,16 +86,35 @@ def train_models(d, name, out):
     fig.savefig(os.path.join(d, out), dpi=110)
 
 
+def models(d, name, out):
+    doc = load(d, name)
+    rows = [r for r in doc["rows"] if "error" not in r]
+    names = list(dict.fromkeys(r["model"] for r in rows))
+    recipes = list(dict.fromkeys(r["recipe"] for r in rows))
+    w = 0.8 / len(recipes)
+    fig, ax = plt.subplots(figsize=(12, 4.5))
+    for i, rc in enumerate(recipes):
+        vals = [next((r["ms"] for r in rows if r["model"] == m and r["recipe"] == rc), 0) for m in names]
+        bars = ax.bar([j + i * w for j in range(len(names))], vals, w, label=rc)
+        ax.bar_label(bars, fmt="%.2f", fontsize=6, rotation=90, padding=2)
+    ax.set_yscale("log")
+    ax.set_xticks([j + 0.4 - w / 2 for j in range(len(names))], names)
+    ax.set_ylabel(f"ms/step (median over blocks of 10, {doc['steps']} steps; log scale)")
+    ax.set_title(source(doc, name), fontsize=8)
+    ax.legend(fontsize=7, ncol=4)
+    fig.tight_layout()
+    fig.savefig(os.path.join(d, out), dpi=110)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--results", default="bench/results")
     a = ap.parse_args()
-    # the dropout and batch-norm rows of the newer run first (the first row of an op and size is drawn)
-    bandwidth(a.results, ["kernels_elementwise_dropout_bn_48c508c.json", "kernels_elementwise_d3e61a6.json"],
-              "kernels_bandwidth.png")
+    bandwidth(a.results, ["kernels_elementwise_bf15c55_run2.json"], "kernels_bandwidth.png")
     loss_head(a.results, "kernels_loss_head_d3e61a6.json", "kernels_loss_head.png")
     train_models(a.results, "kernels_train_models_d3e61a6.json", "kernels_train_models.png")
-    print("wrote kernels_bandwidth.png, kernels_loss_head.png, kernels_train_models.png in", a.results)
+    models(a.results, "models_bf15c55.json", "models.png")
+    print("wrote kernels_bandwidth.png, kernels_loss_head.png, kernels_train_models.png, models.png in", a.results)
 
 
 if __name__ == "__main__":

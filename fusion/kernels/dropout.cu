@@ -14,7 +14,9 @@
 // 55-62% of copy bandwidth against 91-94% for fp32 (H100,
 // kernels_elementwise_d3e61a6.json): the Philox rounds, not memory, were the limit.
 // So the launch carries the seed's round keys (each round's key is a constant-memory
-// operand, not two additions), and a bias's column is found once per thread.
+// operand, not two additions), a bias's column is found once per thread, the mask
+// multiplies (no divergent branch) and 16-bit results are stored in packed pairs:
+// bf16 now runs at 89-95% of copy (kernels_elementwise_bf15c55_run2.json).
 #include "gelu.cuh"
 #include "kitsune/philox.h"
 

@@ -79,7 +79,7 @@ class CompiledStep:
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
         self.max_shapes, self.autocast_dtype, self.max_grad_norm = max_shapes, autocast_dtype, max_grad_norm
         self._graphs = collections.OrderedDict()
-        self._pool = None
+        self._pool = self._side = None
         self._groups = len(optimizer.param_groups)
         self._reason = None
         self._n = {"replays": 0, "eager_steps": 0, "captures": 0, "evictions": 0, "recaptures": 0}
@@ -149,7 +149,9 @@ class CompiledStep:
             return self._eager(batch)
         t0 = time.perf_counter()
         here = torch.cuda.current_stream()
-        side = torch.cuda.Stream()
+        if self._side is None:   # one for every first step: cuBLAS keeps a workspace per stream
+            self._side = torch.cuda.Stream()
+        side = self._side
         side.wait_stream(here)
         with torch.cuda.stream(side):
             loss = self._eager(batch)

@@ -63,12 +63,6 @@ struct Rng {
   float scale;
 };
 
-// kt_dropout_keep's rule with the 32-bit threshold: element j's random bits >= threshold.
-template <int Bits> __device__ __forceinline__ bool keep(const uint32_t w[4], int j, uint32_t threshold) {
-  const uint32_t r = Bits == 16 ? (j & 1 ? w[j >> 1] >> 16 : w[j >> 1] & 0xffffu) : w[j];
-  return r >= threshold;
-}
-
 // f(in[k][j] for k < NI, column value, keep, scale) -> out, for each element of a block.
 template <typename T, int NI, typename F>
 __global__ void __launch_bounds__(256) rng_kernel(kt::Ptrs<NI, 1> p, int64_t ncols, int64_t n, bool vec_ok, Rng r,
@@ -103,7 +97,7 @@ __global__ void __launch_bounds__(256) rng_kernel(kt::Ptrs<NI, 1> p, int64_t nco
       float x[NI];
 #pragma unroll
       for (int k = 0; k < NI; k++) x[k] = in[k][j];
-      o[j] = f(x, c[j], keep<kBits<T>>(w, j, r.threshold) ? r.scale : 0.f);
+      o[j] = f(x, c[j], kt_dropout_bits(w, j, kBits<T>) >= r.threshold ? r.scale : 0.f);
     }
     store_e<T>(out, i, vec, n, o);
   }

@@ -80,10 +80,14 @@ KT_PHILOX_FN uint64_t kt_dropout_threshold(double p, int bits) {
 }
 /* Elements per Philox block: 4 (32 bits each) or 8 (16 bits each). */
 KT_PHILOX_FN int kt_dropout_per_block(int bits) { return bits == 16 ? 8 : 4; }
-/* Whether element j (< kt_dropout_per_block(bits)) of a block with words w is kept. */
+/* The random bits of element j (< kt_dropout_per_block(bits)) of a block with words w. */
+KT_PHILOX_FN uint32_t kt_dropout_bits(const uint32_t w[4], int j, int bits) {
+  return bits == 16 ? (w[j >> 1] >> ((j & 1) * 16)) & 0xffffu : w[j];
+}
+/* Whether that element is kept. (The CUDA kernels compare kt_dropout_bits with the
+ * threshold clamped to 32 bits: it differs only for p >= 1, where their scale is 0.) */
 KT_PHILOX_FN int kt_dropout_keep(const uint32_t w[4], int j, int bits, uint64_t threshold) {
-  const uint32_t r = bits == 16 ? (w[j >> 1] >> ((j & 1) * 16)) & 0xffffu : w[j];
-  return (uint64_t)r >= threshold;
+  return (uint64_t)kt_dropout_bits(w, j, bits) >= threshold;
 }
 
 #endif

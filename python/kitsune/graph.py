@@ -175,8 +175,8 @@ class CompiledStep:
             self.optimizer.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
             _end_generator_capture(device)
-            self._fall_back(f"the step could not be captured: {type(e).__name__}: {str(e).strip().splitlines()[0]}"
-                            if str(e).strip() else f"the step could not be captured: {type(e).__name__}")
+            first = (str(e).strip().splitlines() or [""])[0]
+            self._fall_back(f"the step could not be captured: {type(e).__name__}" + (f": {first}" if first else ""))
             return loss
         self.optimizer.zero_grad(set_to_none=True)   # the graph's gradients stay in its pool
         self._graphs[key] = _Graph(graph, static, slots, static_loss, plan)

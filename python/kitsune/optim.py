@@ -40,6 +40,11 @@ def _why_not(opt):
     return None   # the parameters and gradients are checked by the step (optim_fusable, in C++)
 
 
+def _decoupled(opt, group):
+    """Whether a group's weight decay is AdamW's (decoupled)."""
+    return isinstance(opt, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
+
+
 _NOT_DENSE = "a sparse or non-contiguous parameter or gradient"
 
 
@@ -62,9 +67,9 @@ class _CapturePlan:
 
 
 class _AmpView:
-    """What torch.amp.GradScaler steps for a KitsuneOptimizer: its parameter groups,
-    and an update that is the fused step (GradScaler keys its per-optimizer state by
-    this object, so there is one per KitsuneOptimizer)."""
+    """What torch.amp.GradScaler steps for a KitsuneOptimizer: GradScaler reads only
+    param_groups and calls step, here the fused update. It keys its per-optimizer state
+    by this object, so there is one per KitsuneOptimizer."""
 
     def __init__(self, owner):
         self._owner = owner
@@ -72,10 +77,6 @@ class _AmpView:
     @property
     def param_groups(self):
         return self._owner.param_groups
-
-    @property
-    def state(self):
-        return self._owner.state
 
     def step(self):
         self._owner._update()
@@ -196,9 +197,12 @@ class KitsuneOptimizer:
             self._times.append((time.perf_counter() - t0) * 1e3)
         return loss
 
+    def _why_not_fused(self):
+        return "enable_fusion=False" if not self.enable_fusion else _why_not(self.optimizer)
+
     def _update(self):
         """One update: fused where it can be, else the wrapped optimizer's step."""
-        why = "enable_fusion=False" if not self.enable_fusion else _why_not(self.optimizer)
+        why = self._why_not_fused()
         if why is None:
             with torch.no_grad():
                 why = self._sgd_step() if isinstance(self.optimizer, torch.optim.SGD) else self._adam_step()
@@ -217,7 +221,6 @@ class KitsuneOptimizer:
     def _adam_step(self):
         """Returns the reason when the step cannot be fused (nothing stepped), else None."""
         opt = self.optimizer
-        decoupled_default = isinstance(opt, torch.optim.AdamW)
         work = []
         for g in opt.param_groups:
             live = [p for p in g["params"] if p.grad is not None]
@@ -236,7 +239,7 @@ class KitsuneOptimizer:
             return _NOT_DENSE
         for g, live, grads, states in work:
             beta1, beta2 = g["betas"]
-            decoupled = decoupled_default or bool(g.get("decoupled_weight_decay", False))
+            decoupled = _decoupled(opt, g)
             # the steps are counted and the tensors bucketed by (device, dtype, step) in C++
             _lib.adam_step_(live, grads, [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states],
                             [st["step"] for st in states], float(g["lr"]), float(beta1), float(beta2),
@@ -293,7 +296,7 @@ class KitsuneOptimizer:
         def refuse(why):
             raise RuntimeError(f"the optimizer step cannot be captured: {why}")
 
-        why = "enable_fusion=False" if not self.enable_fusion else _why_not(opt)
+        why = self._why_not_fused()
         if why is not None:
             refuse(why)
         live = [[p for p in g["params"] if p.grad is not None] for g in opt.param_groups]
@@ -340,10 +343,10 @@ class KitsuneOptimizer:
                                              float(g["dampening"]), float(g["weight_decay"]), bool(g["nesterov"]))
                     else:
                         beta1, beta2 = g["betas"]
-                        decoupled = isinstance(opt, torch.optim.AdamW) or bool(g.get("decoupled_weight_decay", False))
                         _lib.adam_capturable_(group, grads, [st["exp_avg"] for st in states],
                                               [st["exp_avg_sq"] for st in states], self._hyper[gi], float(beta1),
-                                              float(beta2), float(g["eps"]), float(g["weight_decay"]), decoupled)
+                                              float(beta2), float(g["eps"]), float(g["weight_decay"]),
+                                              _decoupled(opt, g))
         return plan
 
     def sync_hyper(self, plan):

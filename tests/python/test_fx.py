@@ -16,6 +16,12 @@ import kitsune.ops as ko  # noqa: E402
 nn, F = torch.nn, torch.nn.functional
 
 
+
+def _kinds(report):
+    """The fused op of each entry of a Report, in order ("relu(a + b) -> add_relu" -> "add_relu")."""
+    return [what.split(" -> ")[1].split(" ")[0] for _, what in report.fused]
+
+
 class Spellings(nn.Module):
     def __init__(self, d=16):
         super().__init__()
@@ -47,7 +53,7 @@ def test_every_spelling_is_fused_and_outputs_match():
     report = kitsune.fx.Report()
     opt = kitsune.optimize(m, report=report)
     torch.testing.assert_close(opt(x, y), m(x, y), rtol=1e-5, atol=1e-5)
-    kinds = [what.split(" -> ")[1].split(" ")[0] for _, what in report.fused]
+    kinds = _kinds(report)
     assert kinds.count("add_relu") == 5, report
     assert kinds.count("mul_tanh") == 2, report
     assert kinds.count("bias_gelu") == 2, report
@@ -173,7 +179,7 @@ def test_model_blocks(make, shape, want):
     x = torch.randn(shape)
     rep = kitsune.fx.Report()
     opt = kitsune.optimize(m, report=rep)
-    kinds = [what.split(" -> ")[1].split(" ")[0] for _, what in rep.fused]
+    kinds = _kinds(rep)
     for k, n in want.items():
         assert kinds.count(k) == n, rep
     torch.testing.assert_close(opt(x), m(x), rtol=1e-5, atol=1e-5)
@@ -218,7 +224,7 @@ def test_norm_and_loss_patterns_fuse_and_match():
     m = m.double()
     rep = kitsune.fx.Report()
     opt = kitsune.optimize(m, report=rep)
-    kinds = sorted(what.split(" -> ")[1].split(" ")[0] for _, what in rep.fused)
+    kinds = sorted(_kinds(rep))
     assert kinds == ["add_layer_norm", "add_layer_norm", "kitsune.cross_entropy", "layer_norm_relu",
                      "layer_norm_relu", "linear_cross_entropy", "linear_cross_entropy"], rep
     text = str(rep)
@@ -278,7 +284,7 @@ def test_torchvision_resnets_as_shipped(arch, fusions):
     m = getattr(tvm, arch)()
     rep = kitsune.fx.Report()
     opt = kitsune.optimize(m, report=rep)
-    kinds = Counter(what.split(" -> ")[1].split(" ")[0] for _, what in rep.fused)
+    kinds = Counter(_kinds(rep))
     assert kinds == fusions and not rep.left and not rep.untraced, rep
     m, opt = m.double(), opt.double()   # fp64: differences are the kernels', not fp32 rounding over 50 layers
     x = torch.randn(2, 3, 64, 64, dtype=torch.float64)
@@ -300,7 +306,7 @@ def test_mlp_relu_linear_becomes_linear_act():
     m = _mlp()
     rep = kitsune.fx.Report()
     opt = kitsune.optimize(m, report=rep)
-    kinds = [what.split(" -> ")[1].split(" ")[0] for _, what in rep.fused]
+    kinds = _kinds(rep)
     assert kinds == ["linear_act", "linear_act"], rep
     x = torch.randn(64, 784)
     torch.testing.assert_close(opt(x), m(x), rtol=1e-5, atol=1e-5)
@@ -333,7 +339,7 @@ def test_hand_written_attention_scores_fuse():
     m = HandAttention().double()
     rep = kitsune.fx.Report()
     opt = kitsune.optimize(m, report=rep)
-    kinds = [what.split(" -> ")[1].split(" ")[0] for _, what in rep.fused]
+    kinds = _kinds(rep)
     assert kinds == ["attention_score"] * 3, rep
     x = torch.randn(2, 7, 32, dtype=torch.float64, requires_grad=True)
     torch.testing.assert_close(opt(x), m(x))
@@ -357,7 +363,7 @@ def test_residual_dropout_fuses_and_follows_train_and_eval():
     m = ResidualDropout()
     rep = kitsune.fx.Report()
     opt = kitsune.optimize(m, report=rep)   # traced in train mode
-    kinds = [what.split(" -> ")[1].split(" ")[0] for _, what in rep.fused]
+    kinds = _kinds(rep)
     assert kinds == ["bias_dropout_add", "bias_dropout_add"], rep
     x, y = torch.randn(256, 64, dtype=torch.float64), torch.randn(256, 64, dtype=torch.float64)
     m, opt = m.double(), opt.double()
@@ -396,7 +402,7 @@ def test_gelu_dropout_fuses_both_spellings_before_bias_gelu():
     m = MlpDropout().double()
     rep = kitsune.fx.Report()
     opt = kitsune.optimize(m, report=rep)
-    kinds = [what.split(" -> ")[1].split(" ")[0] for _, what in rep.fused]
+    kinds = _kinds(rep)
     assert kinds == ["gelu_dropout", "gelu_dropout"], rep   # not bias_gelu: the bias stays in the GEMM
     x = torch.randn(64, 32, dtype=torch.float64)
     m.eval(), opt.eval()
@@ -450,7 +456,7 @@ def test_torch_compile_backend_rewrites_and_matches():
     out = comp(x)
     ref = model(x)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    kinds = sorted(what.split(" -> ")[1].split(" ")[0] for _, what in kfx.last_compile_report.fused)
+    kinds = sorted(_kinds(kfx.last_compile_report))
     assert kinds == ["add_relu", "bias_gelu", "kitsune.rms_norm"], kfx.last_compile_report
     g1, = torch.autograd.grad(out.sum(), x)
     g2, = torch.autograd.grad(ref.sum(), x)
@@ -497,7 +503,7 @@ def test_compile_backend_traces_the_newer_ops(make):
     xa = args[0].clone().requires_grad_()
     xb = args[0].clone().requires_grad_()
     out = first(torch.compile(m, backend="kitsune")(xa, *args[1:]))
-    kinds = {w.split(" -> ")[1].split(" ")[0] for _, w in kfx.last_compile_report.fused}
+    kinds = set(_kinds(kfx.last_compile_report))
     assert want <= kinds, kfx.last_compile_report
     ref = first(m(xb, *args[1:]))
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

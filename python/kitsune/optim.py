@@ -363,10 +363,11 @@ class KitsuneOptimizer:
             if isinstance(lr, torch.Tensor) or lr < 0:
                 raise ValueError(f"KitsuneOptimizer: a captured step needs a float lr >= 0; group {gi} has {lr!r}")
             now = (float(lr), 0.0 if step is None else float(step))
-            if self._hyper_mirror.get(gi) != now:
-                self._hyper[gi, 0].fill_(now[0])
-                self._hyper[gi, 1].fill_(now[1])
-                self._hyper_mirror[gi] = now
+            was = self._hyper_mirror.get(gi, (None, None))
+            for k in (0, 1):   # one fill a changed value: an LR schedule changes only the lr
+                if was[k] != now[k]:
+                    self._hyper[gi, k].fill_(now[k])
+            self._hyper_mirror[gi] = now
         return True
 
     def replayed(self, plan):

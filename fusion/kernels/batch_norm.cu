@@ -6,11 +6,13 @@
 // fp32, updated as running = (1 - momentum) * running + momentum * batch (var
 // unbiased). Eval: mean and invstd from the running stats (the caller passes them).
 //
-// Stats: a (C x splits) grid of blocks, each summing a stripe of the N images of one
-// channel into fp32 partials; one thread per channel finishes them. Apply: one pass,
-// a block per (image, channel) plane (the channel's constants loaded once; 16-byte
-// vectors when the plane size allows), or flat elementwise for planes under 64
-// elements. The first version indexed the channel per element with a 64-bit
+// Training: each channel's images split into stripes (a (C x splits) grid, about
+// 1024 blocks); a stats kernel sums every stripe into fp32 partials, and the apply
+// kernel, over the same stripes, finishes its channel's statistics from them before
+// normalising (two kernels, no pass in between). Within a stripe the threads take
+// 16-byte vectors straight across plane boundaries, four loads in flight each.
+// Planes under 64 elements are applied flat (elementwise, after a small finish
+// kernel). The first version indexed the channel per element with a 64-bit
 // division: bf16 ran at 36% of copy bandwidth, eval mode included (H100,
 // kernels_elementwise_17dcbd4.json). Backward: the same reduction for sum(g') and
 // sum(g' * xhat), with g' = g where y > 0, then one pass like the apply:
@@ -25,40 +27,113 @@ namespace {
 // M = N * S; mean_c = sum x / M; var_c = sum (x - mean)^2 / M; invstd = rsqrt(var + eps)
 
 // ---- kernels ----
-// part[c * splits + k] (two sums) over images [n0, n1) of channel c
-template <typename T, bool VEC>
-__global__ void bn_stats(const T *x, int64_t N, int64_t C, int64_t S, float *part) {
-  const int64_t c = blockIdx.x, k = blockIdx.y, splits = gridDim.y;
-  const int64_t per = (N + splits - 1) / splits, n0 = k * per, n1 = n0 + per < N ? n0 + per : N;
-  const float shift = kt::to_f(x[c * S]);
-  float s = 0.f, s2 = 0.f;
-  for (int64_t n = n0; n < n1; n++)
-    kt::Row<T, VEC>::each(x + (n * C + c) * S, S, [&](int64_t, const T *v) {
-#pragma unroll
-      for (int j = 0; j < kt::Row<T, VEC>::V; j++) {
-        const float d = kt::to_f(v[j]) - shift;
-        s += d, s2 += d * d;
-      }
-    });
-  kt::Fv<2> t = kt::block_sum<2>({{s, s2}});
-  if (threadIdx.x == 0) part[(c * splits + k) * 2] = t.v[0], part[(c * splits + k) * 2 + 1] = t.v[1];
+// The training kernels split each channel into gridDim.y stripes of images; block
+// (c, k) owns images [n0, n1) of channel c.
+struct Stripe {
+  int64_t c, n0, n1;
+};
+__device__ __forceinline__ Stripe stripe_of(int64_t N) {
+  const int64_t per = (N + gridDim.y - 1) / gridDim.y, n0 = blockIdx.y * per;
+  return {blockIdx.x, n0, n0 + per < N ? n0 + per : N};
 }
 
-template <typename T>
-__global__ void bn_finish(const T *x, const float *part, int64_t splits, int64_t C, int64_t S, int64_t M, float eps,
-                          float momentum, float *mean, float *invstd, float *run_mean, float *run_var) {
-  const int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= C) return;
-  float s = 0.f, s2 = 0.f;
-  for (int64_t k = 0; k < splits; k++) s += part[(c * splits + k) * 2], s2 += part[(c * splits + k) * 2 + 1];
-  const float m = s / (float)M, var = fmaxf(s2 / (float)M - m * m, 0.f);
-  const float mu = kt::to_f(x[c * S]) + m;
-  mean[c] = mu;
-  invstd[c] = rsqrtf(var + eps);
-  if (run_mean) run_mean[c] = (1.f - momentum) * run_mean[c] + momentum * mu;
+// Visits every V-element vector of a stripe, the planes of S = vs * V contiguous
+// elements starting at element base, CS elements apart: load(off, buf) reads the
+// vector at element offset off into a B, use(off, buf) consumes it. The block's
+// threads take consecutive vectors straight across plane boundaries (a thread per
+// vector, however small the plane), and each issues U loads before it uses any. A
+// block per plane with a vector per thread left most threads idle on small planes
+// (a 4x4 plane is 2 bf16 vectors) and one load in flight on large ones: the stats
+// pass of batch_norm_relu ran at about 79% of copy at 64 MB (H100,
+// kernels_elementwise_bf15c55_run2.json).
+template <int V, int U, typename B, typename L, typename F>
+__device__ __forceinline__ void stripe_each(int64_t base, int64_t count, int64_t vs, int64_t CS, L load, F use) {
+  const int64_t bd = blockDim.x, step = U * bd, sn = step / vs, si = step % vs;
+  int64_t off[U], i[U];
+#pragma unroll
+  for (int u = 0; u < U; u++) {
+    const int64_t k = threadIdx.x + u * bd;
+    i[u] = k % vs, off[u] = base + (k / vs) * CS + i[u] * V;
+  }
+  int64_t k = threadIdx.x;
+  for (; k + (U - 1) * bd < count; k += step) {
+    B buf[U];
+#pragma unroll
+    for (int u = 0; u < U; u++) load(off[u], buf[u]);
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      use(off[u], buf[u]);
+      i[u] += si, off[u] += sn * CS + si * V;
+      if (i[u] >= vs) i[u] -= vs, off[u] += CS - vs * V;
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < U - 1; u++)
+    if (k + u * bd < count) {
+      B buf;
+      load(off[u], buf);
+      use(off[u], buf);
+    }
+}
+constexpr int kUnroll = 4;
+
+// The sums of channel c's splits partial pairs, summed by one warp in a fixed order
+// (every block that asks gets bit-identical sums); every lane gets them.
+__device__ __forceinline__ kt::Fv<2> channel_sums(const float *part, int64_t c, int64_t splits) {
+  float a = 0.f, b = 0.f;
+  for (int64_t k = threadIdx.x & 31; k < splits; k += 32) a += part[(c * splits + k) * 2], b += part[(c * splits + k) * 2 + 1];
+  return kt::warp_sum<2>({{a, b}});
+}
+
+// Training statistics of channel c from its sums of x - shift over M values: the
+// mean and invstd to normalise with; when out, also written to mean/invstd and folded
+// into the running stats.
+__device__ __forceinline__ void finish_channel(kt::Fv<2> t, float shift, int64_t c, int64_t M, float eps,
+                                               float momentum, float *mean, float *invstd, float *run_mean,
+                                               float *run_var, bool out, float *mu, float *is) {
+  const float m = t.v[0] / (float)M, var = fmaxf(t.v[1] / (float)M - m * m, 0.f);
+  *mu = shift + m, *is = rsqrtf(var + eps);
+  if (!out) return;
+  mean[c] = *mu, invstd[c] = *is;
+  if (run_mean) run_mean[c] = (1.f - momentum) * run_mean[c] + momentum * *mu;
   if (run_var) run_var[c] = (1.f - momentum) * run_var[c] + momentum * (M > 1 ? var * (float)M / (float)(M - 1) : var);
 }
 
+// part[(c * splits + k) * 2] (two sums of x - x[c, first]) over stripe k of channel c
+template <typename T, bool VEC>
+__global__ void bn_stats(const T *x, int64_t N, int64_t C, int64_t S, float *part) {
+  constexpr int V = kt::Row<T, VEC>::V;
+  const Stripe st = stripe_of(N);
+  const float shift = kt::to_f(x[st.c * S]);
+  float s = 0.f, s2 = 0.f;
+  struct B { T v[V]; };
+  stripe_each<V, kUnroll, B>(
+      (st.n0 * C + st.c) * S, (st.n1 - st.n0) * (S / V), S / V, C * S,
+      [&](int64_t off, B &b) { kt::load_v<T, VEC>(x, off, b.v); },
+      [&](int64_t, const B &b) {
+#pragma unroll
+        for (int j = 0; j < V; j++) {
+          const float d = kt::to_f(b.v[j]) - shift;
+          s += d, s2 += d * d;
+        }
+      });
+  kt::Fv<2> t = kt::block_sum<2>({{s, s2}});
+  if (threadIdx.x == 0) part[(st.c * gridDim.y + blockIdx.y) * 2] = t.v[0], part[(st.c * gridDim.y + blockIdx.y) * 2 + 1] = t.v[1];
+}
+
+// A warp per channel (the flat apply below needs mean and invstd in memory first)
+template <typename T>
+__global__ void bn_finish(const T *x, const float *part, int64_t splits, int64_t C, int64_t S, int64_t M, float eps,
+                          float momentum, float *mean, float *invstd, float *run_mean, float *run_var) {
+  const int64_t c = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  if (c >= C) return;
+  const kt::Fv<2> t = channel_sums(part, c, splits);
+  float mu, is;
+  finish_channel(t, kt::to_f(x[c * S]), c, M, eps, momentum, mean, invstd, run_mean, run_var, (threadIdx.x & 31) == 0,
+                 &mu, &is);
+}
+
+// Flat elementwise apply, for planes under kPlaneMin elements (a (N, C) input has planes of 1)
 template <typename T>
 __global__ void bn_apply(const T *x, T *y, int64_t n, int64_t C, int64_t S, const float *mean, const float *invstd,
                          const T *w, const T *b, bool relu) {
@@ -71,61 +146,79 @@ __global__ void bn_apply(const T *x, T *y, int64_t n, int64_t C, int64_t S, cons
   }
 }
 
-// The same, a block per (image, channel) plane of S contiguous elements at a time
-// (the channel's constants loaded once, no per-element index division); 16-byte
-// vectors when VEC.
+// The apply over the stats' stripes: the channel's constants found once per block. In
+// training (part set) each block finishes its channel's statistics itself from the
+// partials (no kernel in between), and the stripe-0 block writes them out.
 template <typename T, bool VEC>
-__global__ void bn_apply_planes(const T *x, T *y, int64_t planes, int64_t C, int64_t S, const float *mean,
-                                const float *invstd, const T *w, const T *b, bool relu) {
+__global__ void bn_apply_stripes(const T *x, T *y, int64_t N, int64_t C, int64_t S, const float *part, float eps,
+                                 float momentum, float *mean, float *invstd, float *run_mean, float *run_var,
+                                 const T *w, const T *b, bool relu) {
   constexpr int V = kt::Row<T, VEC>::V;
-  for (int64_t pl = blockIdx.x; pl < planes; pl += gridDim.x) {
-    const int64_t c = pl % C;
-    const float mu = mean[c], sc = invstd[c] * (w ? kt::to_f(w[c]) : 1.f), sh = b ? kt::to_f(b[c]) : 0.f;
-    T *yp = y + pl * S;
-    kt::Row<T, VEC>::each(x + pl * S, S, [&](int64_t i, const T *v) {
-      T o[V];
-#pragma unroll
-      for (int j = 0; j < V; j++) {
-        const float r = (kt::to_f(v[j]) - mu) * sc + sh;
-        o[j] = kt::from_f<T>(relu ? fmaxf(r, 0.f) : r);
-      }
-      kt::store_v<T, VEC>(yp, i, o);
-    });
+  const Stripe st = stripe_of(N);
+  float mu, is;
+  if (part) {
+    __shared__ float stat[2];
+    if (threadIdx.x < 32) {
+      const kt::Fv<2> t = channel_sums(part, st.c, gridDim.y);
+      finish_channel(t, kt::to_f(x[st.c * S]), st.c, N * S, eps, momentum, mean, invstd, run_mean, run_var,
+                     threadIdx.x == 0 && blockIdx.y == 0, &mu, &is);
+      if (threadIdx.x == 0) stat[0] = mu, stat[1] = is;
+    }
+    __syncthreads();
+    mu = stat[0], is = stat[1];
+  } else {
+    mu = mean[st.c], is = invstd[st.c];
   }
+  const float sc = is * (w ? kt::to_f(w[st.c]) : 1.f), sh = b ? kt::to_f(b[st.c]) : 0.f;
+  struct B { T v[V]; };
+  stripe_each<V, kUnroll, B>(
+      (st.n0 * C + st.c) * S, (st.n1 - st.n0) * (S / V), S / V, C * S,
+      [&](int64_t off, B &b) { kt::load_v<T, VEC>(x, off, b.v); },
+      [&](int64_t off, const B &b) {
+        T o[V];
+#pragma unroll
+        for (int j = 0; j < V; j++) {
+          const float r = (kt::to_f(b.v[j]) - mu) * sc + sh;
+          o[j] = kt::from_f<T>(relu ? fmaxf(r, 0.f) : r);
+        }
+        kt::store_v<T, VEC>(y, off, o);
+      });
 }
 
-// part[(c * splits + k) * 2] = sums of g' and g' * xhat over a stripe of images
+// part[(c * splits + k) * 2] = sums of g' and g' * xhat over stripe k of channel c
 template <typename T, bool VEC>
 __global__ void bn_bwd_stats(const T *g, const T *x, const T *y, int64_t N, int64_t C, int64_t S, const float *mean,
                              const float *invstd, bool relu, float *part) {
-  const int64_t c = blockIdx.x, k = blockIdx.y, splits = gridDim.y;
-  const int64_t per = (N + splits - 1) / splits, n0 = k * per, n1 = n0 + per < N ? n0 + per : N;
-  const float mu = mean[c], is = invstd[c];
-  float sg = 0.f, sgx = 0.f;
   constexpr int V = kt::Row<T, VEC>::V;
-  for (int64_t n = n0; n < n1; n++) {
-    const int64_t off = (n * C + c) * S;
-    kt::Row<T, VEC>::each(g + off, S, [&](int64_t i, const T *gv) {
-      T xv[V], yv[V];
-      kt::load_v<T, VEC>(x + off, i, xv);
-      if (relu) kt::load_v<T, VEC>(y + off, i, yv);
+  const Stripe st = stripe_of(N);
+  const float mu = mean[st.c], is = invstd[st.c];
+  float sg = 0.f, sgx = 0.f;
+  struct B { T g[V], x[V], y[V]; };
+  stripe_each<V, kUnroll, B>(
+      (st.n0 * C + st.c) * S, (st.n1 - st.n0) * (S / V), S / V, C * S,
+      [&](int64_t off, B &b) {
+        kt::load_v<T, VEC>(g, off, b.g);
+        kt::load_v<T, VEC>(x, off, b.x);
+        if (relu) kt::load_v<T, VEC>(y, off, b.y);
+      },
+      [&](int64_t, const B &b) {
 #pragma unroll
-      for (int j = 0; j < V; j++) {
-        const float gj = (relu && !(kt::to_f(yv[j]) > 0.f)) ? 0.f : kt::to_f(gv[j]);
-        sg += gj, sgx += gj * (kt::to_f(xv[j]) - mu) * is;
-      }
-    });
-  }
+        for (int j = 0; j < V; j++) {
+          const float gj = (relu && !(kt::to_f(b.y[j]) > 0.f)) ? 0.f : kt::to_f(b.g[j]);
+          sg += gj, sgx += gj * (kt::to_f(b.x[j]) - mu) * is;
+        }
+      });
   kt::Fv<2> t = kt::block_sum<2>({{sg, sgx}});
-  if (threadIdx.x == 0) part[(c * splits + k) * 2] = t.v[0], part[(c * splits + k) * 2 + 1] = t.v[1];
+  if (threadIdx.x == 0)
+    part[(st.c * gridDim.y + blockIdx.y) * 2] = t.v[0], part[(st.c * gridDim.y + blockIdx.y) * 2 + 1] = t.v[1];
 }
 
+// A warp per channel (for the flat backward apply)
 __global__ void bn_sum_parts(const float *part, int64_t splits, int64_t C, float *sum_g, float *sum_gx) {
-  const int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const int64_t c = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   if (c >= C) return;
-  float a = 0.f, b = 0.f;
-  for (int64_t k = 0; k < splits; k++) a += part[(c * splits + k) * 2], b += part[(c * splits + k) * 2 + 1];
-  sum_g[c] = a, sum_gx[c] = b;
+  const kt::Fv<2> t = channel_sums(part, c, splits);
+  if ((threadIdx.x & 31) == 0) sum_g[c] = t.v[0], sum_gx[c] = t.v[1];
 }
 
 template <typename T>
@@ -144,28 +237,43 @@ __global__ void bn_bwd_apply(const T *g, const T *x, const T *y, T *gx, int64_t 
   }
 }
 
+// The backward apply over the stats' stripes; each block sums its channel's partials
+// itself, and the stripe-0 block writes sum_g and sum_gx.
 template <typename T, bool VEC>
-__global__ void bn_bwd_apply_planes(const T *g, const T *x, const T *y, T *gx, int64_t planes, int64_t C, int64_t S,
-                                    int64_t M, const float *mean, const float *invstd, const T *w,
-                                    const float *sum_g, const float *sum_gx, bool relu, bool training) {
+__global__ void bn_bwd_apply_stripes(const T *g, const T *x, const T *y, T *gx, int64_t N, int64_t C, int64_t S,
+                                     const float *mean, const float *invstd, const T *w, const float *part,
+                                     float *sum_g, float *sum_gx, bool relu, bool training) {
   constexpr int V = kt::Row<T, VEC>::V;
-  for (int64_t pl = blockIdx.x; pl < planes; pl += gridDim.x) {
-    const int64_t c = pl % C, off = pl * S;
-    const float is = invstd[c], mu = mean[c], scale = (w ? kt::to_f(w[c]) : 1.f) * is;
-    const float mg = training ? sum_g[c] / (float)M : 0.f, mgx = training ? sum_gx[c] / (float)M : 0.f;
-    kt::Row<T, VEC>::each(g + off, S, [&](int64_t i, const T *gv) {
-      T xv[V], yv[V], o[V];
-      if (training) kt::load_v<T, VEC>(x + off, i, xv);
-      if (relu) kt::load_v<T, VEC>(y + off, i, yv);
-#pragma unroll
-      for (int j = 0; j < V; j++) {
-        float gj = (relu && !(kt::to_f(yv[j]) > 0.f)) ? 0.f : kt::to_f(gv[j]);
-        if (training) gj = gj - mg - (kt::to_f(xv[j]) - mu) * is * mgx;
-        o[j] = kt::from_f<T>(scale * gj);
-      }
-      kt::store_v<T, VEC>(gx + off, i, o);
-    });
+  const Stripe st = stripe_of(N);
+  __shared__ float sums[2];
+  if (threadIdx.x < 32) {
+    const kt::Fv<2> t = channel_sums(part, st.c, gridDim.y);
+    if (threadIdx.x == 0) {
+      sums[0] = t.v[0], sums[1] = t.v[1];
+      if (blockIdx.y == 0) sum_g[st.c] = t.v[0], sum_gx[st.c] = t.v[1];
+    }
   }
+  __syncthreads();
+  const float M = (float)(N * S), is = invstd[st.c], mu = mean[st.c], scale = (w ? kt::to_f(w[st.c]) : 1.f) * is;
+  const float mg = training ? sums[0] / M : 0.f, mgx = training ? sums[1] / M : 0.f;
+  struct B { T g[V], x[V], y[V]; };
+  stripe_each<V, kUnroll, B>(
+      (st.n0 * C + st.c) * S, (st.n1 - st.n0) * (S / V), S / V, C * S,
+      [&](int64_t off, B &b) {
+        kt::load_v<T, VEC>(g, off, b.g);
+        if (training) kt::load_v<T, VEC>(x, off, b.x);
+        if (relu) kt::load_v<T, VEC>(y, off, b.y);
+      },
+      [&](int64_t off, const B &b) {
+        T o[V];
+#pragma unroll
+        for (int j = 0; j < V; j++) {
+          float gj = (relu && !(kt::to_f(b.y[j]) > 0.f)) ? 0.f : kt::to_f(b.g[j]);
+          if (training) gj = gj - mg - (kt::to_f(b.x[j]) - mu) * is * mgx;
+          o[j] = kt::from_f<T>(scale * gj);
+        }
+        kt::store_v<T, VEC>(gx, off, o);
+      });
 }
 
 int64_t splits_for(int64_t N, int64_t C, int64_t S) {   // about 1024 blocks, each >= 4096 elements
@@ -174,36 +282,44 @@ int64_t splits_for(int64_t N, int64_t C, int64_t S) {   // about 1024 blocks, ea
   s = s < N ? s : N;
   return s < 1 ? 1 : s > 65535 ? 65535 : s;
 }
-int threads_for(int64_t S) { return S >= 256 ? 256 : S >= 128 ? 128 : 64; }
+// Threads for a stripe kernel: enough for kUnroll vectors each, 64..256.
+int stripe_threads(int64_t N, int64_t S, int64_t splits, int V) {
+  const int64_t per_thread = (N + splits - 1) / splits * (S / V) / kUnroll;
+  const int64_t t = (per_thread + 31) / 32 * 32;
+  return (int)(t < 64 ? 64 : t > 256 ? 256 : t);
+}
 int grid_for(int64_t n) { int64_t g = (n + 255) / 256; return (int)(g < 132 * 16 ? g : 132 * 16); }
 
-// Planes of at least kPlaneMin elements get the per-plane kernels; smaller ones (a
-// (N, C) input has planes of 1) the flat elementwise kernels.
+// Planes of at least kPlaneMin elements get the stripe apply kernels; smaller ones (a
+// (N, C) input has planes of 1, read with a stride of C by a stripe) the flat
+// elementwise ones.
 constexpr int64_t kPlaneMin = 64;
-unsigned plane_grid(int64_t planes) { return (unsigned)(planes < (1 << 20) ? planes : (1 << 20)); }
+
+unsigned warp_grid(int64_t C) { return (unsigned)((C * 32 + 255) / 256); }   // a warp per channel, 256 threads
 
 template <typename T>
 kt_status fwd(const void *x, void *y, const void *w, const void *b, int64_t N, int64_t C, int64_t S, int training,
               float momentum, float eps, float *mean, float *invstd, float *rm, float *rv, float *work, int relu,
               cudaStream_t s) {
   const bool vec = kt::row_vec_ok<T>(S, {x, y});
+  const int64_t sp = splits_for(N, C, S);
+  const dim3 grid((unsigned)C, (unsigned)sp);
+  const int threads = stripe_threads(N, S, sp, vec ? 16 / sizeof(T) : 1);
+  const T *xt = (const T *)x, *wt = (const T *)w, *bt = (const T *)b;
+  T *yt = (T *)y;
   if (training) {
-    const int64_t sp = splits_for(N, C, S);
-    const dim3 grid((unsigned)C, (unsigned)sp);
-    if (vec) bn_stats<T, true><<<grid, threads_for(S), 0, s>>>((const T *)x, N, C, S, work);
-    else bn_stats<T, false><<<grid, threads_for(S), 0, s>>>((const T *)x, N, C, S, work);
-    bn_finish<T><<<(unsigned)((C + 255) / 256), 256, 0, s>>>((const T *)x, work, sp, C, S, N * S, eps, momentum, mean,
-                                                              invstd, rm, rv);
+    auto stats = vec ? bn_stats<T, true> : bn_stats<T, false>;
+    stats<<<grid, threads, 0, s>>>(xt, N, C, S, work);
+    if (S < kPlaneMin)
+      bn_finish<T><<<warp_grid(C), 256, 0, s>>>(xt, work, sp, C, S, N * S, eps, momentum, mean, invstd, rm, rv);
   }
-  if (S < kPlaneMin)
-    bn_apply<T><<<grid_for(N * C * S), 256, 0, s>>>((const T *)x, (T *)y, N * C * S, C, S, mean, invstd, (const T *)w,
-                                                     (const T *)b, relu);
-  else if (vec)
-    bn_apply_planes<T, true><<<plane_grid(N * C), threads_for(S), 0, s>>>((const T *)x, (T *)y, N * C, C, S, mean,
-                                                                           invstd, (const T *)w, (const T *)b, relu);
-  else
-    bn_apply_planes<T, false><<<plane_grid(N * C), threads_for(S), 0, s>>>((const T *)x, (T *)y, N * C, C, S, mean,
-                                                                            invstd, (const T *)w, (const T *)b, relu);
+  if (S < kPlaneMin) {
+    bn_apply<T><<<grid_for(N * C * S), 256, 0, s>>>(xt, yt, N * C * S, C, S, mean, invstd, wt, bt, relu);
+  } else {
+    auto apply = vec ? bn_apply_stripes<T, true> : bn_apply_stripes<T, false>;
+    apply<<<grid, threads, 0, s>>>(xt, yt, N, C, S, training ? work : nullptr, eps, momentum, mean, invstd, rm, rv,
+                                   wt, bt, relu);
+  }
   return kt::status_of(cudaGetLastError());
 }
 
@@ -214,19 +330,19 @@ kt_status bwd(const void *g, const void *x, const void *y, void *gx, const void 
   const int64_t sp = splits_for(N, C, S);
   const bool vec = kt::row_vec_ok<T>(S, {g, x, y, gx});
   const dim3 grid((unsigned)C, (unsigned)sp);
+  const int threads = stripe_threads(N, S, sp, vec ? 16 / sizeof(T) : 1);
   const T *gt = (const T *)g, *xt = (const T *)x, *yt = (const T *)y, *wt = (const T *)w;
-  if (vec) bn_bwd_stats<T, true><<<grid, threads_for(S), 0, s>>>(gt, xt, yt, N, C, S, mean, invstd, relu, work);
-  else bn_bwd_stats<T, false><<<grid, threads_for(S), 0, s>>>(gt, xt, yt, N, C, S, mean, invstd, relu, work);
-  bn_sum_parts<<<(unsigned)((C + 255) / 256), 256, 0, s>>>(work, sp, C, sum_g, sum_gx);
-  if (S < kPlaneMin)
+  auto stats = vec ? bn_bwd_stats<T, true> : bn_bwd_stats<T, false>;
+  stats<<<grid, threads, 0, s>>>(gt, xt, yt, N, C, S, mean, invstd, relu, work);
+  if (S < kPlaneMin) {
+    bn_sum_parts<<<warp_grid(C), 256, 0, s>>>(work, sp, C, sum_g, sum_gx);
     bn_bwd_apply<T><<<grid_for(N * C * S), 256, 0, s>>>(gt, xt, yt, (T *)gx, N * C * S, C, S, N * S, mean, invstd, wt,
                                                          sum_g, sum_gx, relu, training);
-  else if (vec)
-    bn_bwd_apply_planes<T, true><<<plane_grid(N * C), threads_for(S), 0, s>>>(
-        gt, xt, yt, (T *)gx, N * C, C, S, N * S, mean, invstd, wt, sum_g, sum_gx, relu, training);
-  else
-    bn_bwd_apply_planes<T, false><<<plane_grid(N * C), threads_for(S), 0, s>>>(
-        gt, xt, yt, (T *)gx, N * C, C, S, N * S, mean, invstd, wt, sum_g, sum_gx, relu, training);
+  } else {
+    auto apply = vec ? bn_bwd_apply_stripes<T, true> : bn_bwd_apply_stripes<T, false>;
+    apply<<<grid, threads, 0, s>>>(gt, xt, yt, (T *)gx, N, C, S, mean, invstd, wt, work, sum_g, sum_gx, relu,
+                                   training);
+  }
   return kt::status_of(cudaGetLastError());
 }
 

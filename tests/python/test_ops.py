@@ -207,12 +207,20 @@ OPS2 = {
                         lambda shape, dtype, device, gen: ([_t(shape[:-1], dtype, device, gen),
                                                            _t((shape[-1], shape[-2]), dtype, device, gen, scale=0.1),
                                                            _t((shape[-1],), dtype, device, gen)], []),
-                        [(3, 4, 5), (7, 16, 33), (512, 768, 3072)]),
+                        [(3, 4, 5), (7, 16, 33), (64, 32, 64), (512, 768, 3072)]),
     "linear_act_gelu": (lambda x, w, b: ko.linear_act(x, w, b, "gelu"), lambda x, w, b: F.gelu(F.linear(x, w, b)),
                         lambda shape, dtype, device, gen: ([_t(shape[:-1], dtype, device, gen),
                                                            _t((shape[-1], shape[-2]), dtype, device, gen, scale=0.1),
                                                            _t((shape[-1],), dtype, device, gen)], []),
                         [(3, 4, 5), (7, 16, 33), (512, 768, 3072)]),
+    # out_features % 8 == 0 goes through cuBLASLt's GELU_AUX_BIAS epilogue on CUDA, 33 does not
+    "linear_act_gelu_tanh": (lambda x, w, b: ko.linear_act(x, w, b, "gelu_tanh"),
+                             lambda x, w, b: F.gelu(F.linear(x, w, b), approximate="tanh"),
+                             lambda shape, dtype, device, gen: ([_t(shape[:-1], dtype, device, gen),
+                                                                _t((shape[-1], shape[-2]), dtype, device, gen,
+                                                                   scale=0.1),
+                                                                _t((shape[-1],), dtype, device, gen)], []),
+                             [(3, 4, 8), (7, 16, 33), (64, 32, 64), (512, 768, 3072)]),
     "attention_score": (lambda q, k: ko.attention_score(q, k), lambda q, k: (q @ k.transpose(-2, -1)) / q.shape[-1] ** 0.5,
                         _qk_inputs, [(1, 1, 1, 1), (2, 5, 7, 8), (8, 128, 128, 64)]),
 }
@@ -253,6 +261,7 @@ def test_opcheck_more(name):
         "attention_score": ("attention_score", lambda: (ts[0], ts[1])),
         "linear_act_relu": ("linear_act", lambda: (ts[0], ts[1], ts[2], "relu")),
         "linear_act_gelu": ("linear_act", lambda: (ts[0], ts[1], ts[2], "gelu")),
+        "linear_act_gelu_tanh": ("linear_act", lambda: (ts[0], ts[1], ts[2], "gelu_tanh")),
     }[name]
     torch.library.opcheck(getattr(torch.ops.kitsune, opname).default, args())
 
@@ -549,8 +558,10 @@ def test_batch_norm_relu_opcheck_and_errors():
 @pytest.mark.parametrize("training", [True, False])
 def test_gpu_batch_norm_relu_matches_fp64(dtype, training):
     g = torch.Generator().manual_seed(13)
-    # planes of 1 (flat kernels), of >= 64 not a multiple of the vector, and of 1024 (16-byte vectors)
-    for shape in [(7, 3), (4, 5, 1023), (16, 64, 14, 14), (2, 3, 1, 1), (256, 32, 9, 9), (3, 8, 32, 32)]:
+    # planes of 1 and of 2 vectors (flat apply), of >= 64 not a multiple of the vector, of 1024
+    # (16-byte vectors), and 37 images in 21 stripes of 2 (the last ones empty)
+    for shape in [(7, 3), (64, 4, 4, 4), (4, 5, 1023), (16, 64, 14, 14), (2, 3, 1, 1), (256, 32, 9, 9),
+                  (3, 8, 32, 32), (37, 8, 48, 48)]:
         c = shape[1]
         x = _t(shape, dtype, "cuda", g, shift=1.5)
         w, b = _t((c,), dtype, "cuda", g), _t((c,), dtype, "cuda", g)

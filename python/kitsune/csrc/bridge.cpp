@@ -21,11 +21,12 @@
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ATen.h>
-#include <ATen/ops/_addmm_activation.h>
 #include "kitsune/philox.h"
 #include "kitsune/optim_math.h"
 #include <ATen/ops/gelu_backward.h>
+#include <ATen/cuda/CUDAContextLight.h>
 #include <ATen/cuda/CUDAGeneratorImpl.h>
+#include <cublasLt.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/ExpandUtils.h>
@@ -1839,7 +1840,7 @@ std::tuple<Tensor, Tensor, Tensor> batch_norm_relu_backward_cuda(const Tensor& g
   c10::cuda::CUDAGuard g(x.device());
   Tensor gc = grad.contiguous(), xc = x.contiguous(), oc = out.contiguous(), gx = at::empty_like(xc);
   auto fopt = x.options().dtype(at::kFloat);
-  Tensor sum_g = at::zeros({s.C}, fopt), sum_gx = at::zeros({s.C}, fopt);
+  Tensor sum_g = at::empty({s.C}, fopt), sum_gx = at::empty({s.C}, fopt);   // every channel written
   Tensor ws = at::empty({std::max<int64_t>(1, kt_batch_norm_workspace(s.N, s.C, s.S))}, fopt);
   Tensor wc = w && w->defined() ? w->contiguous() : Tensor();
   Tensor mf = mean.to(at::kFloat).contiguous(), isf = invstd.to(at::kFloat).contiguous();
@@ -2082,11 +2083,19 @@ std::tuple<Tensor, Tensor, Tensor> batch_norm_relu_autograd(const Tensor& x, con
 }
 
 // ---- linear_act: act(x @ W^T + b) ----
-// relu: ATen's _addmm_activation (on CUDA meant to be one GEMM with cuBLASLt's bias +
-// ReLU epilogue; on the CPU, addmm then relu). gelu / gelu_tanh: the GEMM, then
-// kitsune.bias_gelu (ATen's CPU _addmm_activation GELU is exact erf while cuBLASLt's
-// GELU epilogue is used for the tanh approximation, so it is not used for GELU). x (..., in),
-// weight (out, in), bias (out,).
+// On CUDA, one cuBLASLt GEMM with the bias and activation in its epilogue, on
+// PyTorch's cuBLASLt handle and workspace (so one cuBLASLt in the process):
+//   relu:      epilogue RELU_BIAS; the backward masks with the output;
+//   gelu_tanh: epilogue GELU_AUX_BIAS, which also stores the pre-activation
+//              x @ W^T + b for the backward (its leading dimension must be a
+//              multiple of 8: out_features % 8 == 0);
+//   gelu:      the GEMM, then kitsune.bias_gelu. cuBLASLt's GELU epilogue is the
+//              tanh form, and ATen's _addmm_activation(use_gelu) is exact erf on the
+//              CPU but that epilogue on CUDA, so neither gives erf GELU in one GEMM.
+// The backward's weight GEMM takes the bias gradient in its epilogue (BGRADB: the
+// column sums of the activation gradient), so no separate reduction runs.
+// Where cuBLASLt offers no algorithm (odd shapes or alignment), and on the CPU, the
+// op composes ATen ops instead. x (..., in), weight (out, in), bias (out,).
 void check_linear_act(const Tensor& x, const Tensor& w, const Tensor& b, c10::string_view act) {
   TORCH_CHECK(act == "relu" || act == "gelu" || act == "gelu_tanh",
               "kitsune.linear_act: act must be 'relu', 'gelu' or 'gelu_tanh', got '", act, "'");
@@ -2096,32 +2105,132 @@ void check_linear_act(const Tensor& x, const Tensor& w, const Tensor& b, c10::st
               "kitsune.linear_act: need x (..., in), weight (out, in), bias (out,); got ", x.sizes(), ", ", w.sizes(),
               ", ", b.sizes());
 }
-// (out, saved): saved is the GEMM output before bias for GELU (its backward needs it),
-// undefined for ReLU (its backward uses out).
-std::pair<Tensor, Tensor> linear_act_impl(const Tensor& x, const Tensor& w, const Tensor& b, c10::string_view act) {
+
+// A column-major cuBLASLt GEMM D (m, n) = op(A) op(B), with an epilogue. RAII over
+// the descriptors; run() returns false (and launches nothing) when the heuristic
+// has no algorithm.
+struct LtGemm {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
+  cudaDataType_t dt;
+  LtGemm(at::ScalarType st, bool ta, bool tb, int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldd,
+         cublasLtEpilogue_t epi) {
+    dt = st == at::kHalf ? CUDA_R_16F : st == at::kBFloat16 ? CUDA_R_16BF : CUDA_R_32F;
+    const cublasComputeType_t ct = st == at::kFloat && at::globalContext().allowTF32CuBLAS()
+                                       ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+    lt_check(cublasLtMatmulDescCreate(&desc, ct, CUDA_R_32F));
+    const cublasOperation_t opa = ta ? CUBLAS_OP_T : CUBLAS_OP_N, opb = tb ? CUBLAS_OP_T : CUBLAS_OP_N;
+    attr(CUBLASLT_MATMUL_DESC_TRANSA, opa);
+    attr(CUBLASLT_MATMUL_DESC_TRANSB, opb);
+    attr(CUBLASLT_MATMUL_DESC_EPILOGUE, epi);
+    lt_check(cublasLtMatrixLayoutCreate(&a, dt, ta ? k : m, ta ? m : k, lda));
+    lt_check(cublasLtMatrixLayoutCreate(&b, dt, tb ? n : k, tb ? k : n, ldb));
+    lt_check(cublasLtMatrixLayoutCreate(&d, dt, m, n, ldd));
+  }
+  ~LtGemm() {
+    if (d) cublasLtMatrixLayoutDestroy(d);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (desc) cublasLtMatmulDescDestroy(desc);
+  }
+  static void lt_check(cublasStatus_t st) {
+    TORCH_CHECK(st == CUBLAS_STATUS_SUCCESS, "kitsune.linear_act: cuBLASLt call failed with status ", (int)st);
+  }
+  template <typename V> void attr(cublasLtMatmulDescAttributes_t at, const V& v) {
+    lt_check(cublasLtMatmulDescSetAttribute(desc, at, &v, sizeof(v)));
+  }
+  bool run(const void* A, const void* B, void* D) {
+    cublasLtHandle_t h = at::cuda::getCurrentCUDABlasLtHandle();
+    size_t ws_size = at::cuda::getCUDABlasLtWorkspaceSize();
+    void* ws = at::cuda::getCUDABlasLtWorkspace();
+    cublasLtMatmulPreference_t pref;
+    lt_check(cublasLtMatmulPreferenceCreate(&pref));
+    cublasLtMatmulHeuristicResult_t res;
+    int found = 0;
+    cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_size,
+                                                             sizeof(ws_size));
+    if (st == CUBLAS_STATUS_SUCCESS) st = cublasLtMatmulAlgoGetHeuristic(h, desc, a, b, d, d, pref, 1, &res, &found);
+    cublasLtMatmulPreferenceDestroy(pref);
+    if (st != CUBLAS_STATUS_SUCCESS || found == 0) return false;
+    const float one = 1.f, zero = 0.f;
+    lt_check(cublasLtMatmul(h, desc, &one, A, a, B, b, &zero, D, d, D, d, &res.algo, ws, ws_size,
+                            at::cuda::getCurrentCUDAStream().stream()));
+    return true;
+  }
+};
+
+bool lt_dtype_ok(const Tensor& x) {
+  return x.is_cuda() && (x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16 ||
+                         x.scalar_type() == at::kFloat);
+}
+
+// out (M, N) = act(x2 (M, K) @ w (N, K)^T + b) in one cuBLASLt GEMM (D^T = W . x2^T in
+// column-major terms); pre, when defined, receives x2 @ w^T + b. False: no algorithm.
+bool lt_linear_act(const Tensor& x2, const Tensor& w, const Tensor& b, const Tensor& out, const Tensor& pre,
+                   cublasLtEpilogue_t epi) {
+  const int64_t M = x2.size(0), K = x2.size(1), N = w.size(0);
+  c10::cuda::CUDAGuard g(x2.device());
+  LtGemm gemm(x2.scalar_type(), true, false, N, M, K, K, K, N, epi);
+  gemm.attr(CUBLASLT_MATMUL_DESC_BIAS_POINTER, b.data_ptr());
+  if (pre.defined()) {
+    gemm.attr(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, pre.data_ptr());
+    gemm.attr(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, N);
+  }
+  return gemm.run(w.data_ptr(), x2.data_ptr(), out.data_ptr());
+}
+
+// gw (N, K) = gpre (M, N)^T @ x2 (M, K) and gb (N,) = gpre's column sums, in one GEMM
+// (D (K, N) = x2^T . gpre in column-major terms, BGRADB reducing B over M). False:
+// no algorithm.
+bool lt_weight_grad(const Tensor& gpre, const Tensor& x2, const Tensor& gw, const Tensor& gb) {
+  const int64_t M = x2.size(0), K = x2.size(1), N = gpre.size(1);
+  c10::cuda::CUDAGuard g(x2.device());
+  LtGemm gemm(x2.scalar_type(), false, true, K, N, M, K, N, K, CUBLASLT_EPILOGUE_BGRADB);
+  gemm.attr(CUBLASLT_MATMUL_DESC_BIAS_POINTER, gb.data_ptr());
+  return gemm.run(x2.data_ptr(), gpre.data_ptr(), gw.data_ptr());
+}
+
+// The forward's results: out, and what the backward differentiates the activation
+// at: for relu nothing (it masks with out); for gelu_tanh through cuBLASLt the
+// pre-activation x @ W^T + b (pre_has_bias); otherwise the GEMM output before the
+// bias (bias_gelu_backward adds it).
+struct LinearActOut {
+  Tensor out, saved;
+  bool pre_has_bias;
+};
+LinearActOut linear_act_impl(const Tensor& x, const Tensor& w, const Tensor& b, c10::string_view act) {
   check_linear_act(x, w, b, act);
-  Tensor x2 = x.reshape({-1, x.size(-1)});
+  Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
   c10::DimVector shape(x.sizes().begin(), x.sizes().end());
   shape.back() = w.size(0);
-  if (act == "relu") return {at::_addmm_activation(b, x2, w.t()).view(shape), Tensor()};
+  const int64_t N = w.size(0);
+  if (lt_dtype_ok(x) && x2.numel() > 0 && (act == "relu" || (act == "gelu_tanh" && N % 8 == 0))) {
+    Tensor wc = w.contiguous(), bc = b.contiguous(), out = at::empty({x2.size(0), N}, x2.options());
+    Tensor pre = act == "relu" ? Tensor() : at::empty_like(out);
+    if (lt_linear_act(x2, wc, bc, out, pre, act == "relu" ? CUBLASLT_EPILOGUE_RELU_BIAS
+                                                          : CUBLASLT_EPILOGUE_GELU_AUX_BIAS))
+      return {out.view(shape), pre, act != "relu"};
+  }
+  if (act == "relu") return {at::relu(at::addmm(b, x2, w.t())).view(shape), Tensor(), false};
   static auto bias_gelu = op_handle<Tensor(const Tensor&, const Tensor&, c10::string_view)>("kitsune::bias_gelu");
   Tensor mm = at::mm(x2, w.t());
-  return {bias_gelu.call(mm, b, act == "gelu" ? "none" : "tanh").view(shape), mm};
+  return {bias_gelu.call(mm, b, act == "gelu" ? "none" : "tanh").view(shape), mm, false};
 }
 Tensor linear_act_fwd(const Tensor& x, const Tensor& w, const Tensor& b, c10::string_view act) {
-  return linear_act_impl(x, w, b, act).first;
+  return linear_act_impl(x, w, b, act).out;
 }
 
 struct LinearActFn : torch::autograd::Function<LinearActFn> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& w, const Tensor& b, std::string act) {
-    Tensor out, mm;
+    LinearActOut r;
     {
       at::AutoDispatchBelowADInplaceOrView g;
-      std::tie(out, mm) = linear_act_impl(x, w, b, act);
+      r = linear_act_impl(x, w, b, act);
     }
     ctx->saved_data["act"] = act;
-    ctx->save_for_backward({x, w, b, act == "relu" ? out : mm});
-    return out;
+    ctx->saved_data["pre_has_bias"] = r.pre_has_bias;
+    ctx->save_for_backward({x, w, b, act == "relu" ? r.out : r.saved});
+    return r.out;
   }
   static variable_list backward(AutogradContext* ctx, variable_list go) {
     static auto relu_bwd = op_handle<BinarySig>("kitsune::add_relu_backward");
@@ -2130,14 +2239,20 @@ struct LinearActFn : torch::autograd::Function<LinearActFn> {
     auto s = ctx->get_saved_variables();
     const Tensor &x = s[0], &w = s[1], &b = s[2];
     const std::string act = ctx->saved_data["act"].toStringRef();
-    Tensor g2 = go[0].reshape({-1, w.size(0)}), gpre, gb;
-    if (act == "relu") {
-      gpre = relu_bwd.call(g2, s[3].reshape({-1, w.size(0)}));
-      gb = gpre.sum(0, false, at::kFloat).to(b.scalar_type());
-    } else {
+    const int64_t N = w.size(0);
+    Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous(), g2 = go[0].reshape({-1, N}).contiguous(), gpre, gb;
+    if (act == "gelu" || (act == "gelu_tanh" && !ctx->saved_data["pre_has_bias"].toBool())) {
       std::tie(gpre, gb) = gelu_bwd.call(g2, s[3], b, act == "gelu" ? "none" : "tanh");
+    } else {
+      gpre = act == "relu" ? relu_bwd.call(g2, s[3].reshape({-1, N})) : at::gelu_backward(g2, s[3], "tanh");
+      gpre = gpre.contiguous();
+      if (lt_dtype_ok(x) && x2.numel() > 0) {   // the weight gradient and the bias gradient in one GEMM
+        Tensor gw = at::empty({N, x2.size(1)}, x2.options()), gbl = at::empty({N}, x2.options());
+        if (lt_weight_grad(gpre, x2, gw, gbl)) return {at::mm(gpre, w).view(x.sizes()), gw, gbl, Tensor()};
+      }
+      gb = gpre.sum(0, false, at::kFloat).to(b.scalar_type());
     }
-    Tensor gx = at::mm(gpre, w).view(x.sizes()), gw = at::mm(gpre.t(), x.reshape({-1, x.size(-1)}));
+    Tensor gx = at::mm(gpre, w).view(x.sizes()), gw = at::mm(gpre.t(), x2);
     return {gx, gw, gb, Tensor()};
   }
 };

@@ -59,7 +59,7 @@ if [[ $parts == *" ew "* ]]; then   # bench/kernels/elementwise.py alone (BENCH_
 fi
 if [[ $parts == *" lact "* ]]; then   # bench/kernels/linear_act.py
   echo "== linear_act =="; time KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \
-    python3 bench/kernels/linear_act.py --out "$OUT" 2>&1 | grep -v -i "warn"
+    python3 bench/kernels/linear_act.py --out "$OUT" ${BENCH_LACT_ARGS:-} 2>&1 | grep -v -i "warn"
 fi
 if [[ $parts == *" ncu "* ]]; then   # Nsight Compute on the bf16 dropout kernels and bias_gelu (64 MB), to $OUT/ncu.log
   echo "== ncu =="

@@ -7,12 +7,12 @@
 // unbiased). Eval: mean and invstd from the running stats (the caller passes them).
 //
 // Training: each channel's images split into stripes (a (C x splits) grid, about
-// 1024 blocks); a stats kernel sums every stripe into fp32 partials, and the apply
-// kernel, over the same stripes, finishes its channel's statistics from them before
-// normalising (two kernels, no pass in between). Within a stripe the threads take
-// 16-byte vectors straight across plane boundaries, four loads in flight each.
-// Planes under 64 elements are applied flat (elementwise, after a small finish
-// kernel). The first version indexed the channel per element with a 64-bit
+// 1024 blocks); a stats kernel sums every stripe into fp32 partials (its threads
+// take 16-byte vectors straight across plane boundaries, four loads in flight
+// each), and a warp per channel finishes them. The apply streams runs of
+// consecutive (image, channel) planes, contiguous memory, each plane's constants
+// from a table the block fills first. Planes under 64 elements are applied flat
+// (elementwise). The first version indexed the channel per element with a 64-bit
 // division: bf16 ran at 36% of copy bandwidth, eval mode included (H100,
 // kernels_elementwise_17dcbd4.json). Backward: the same reduction for sum(g') and
 // sum(g' * xhat), with g' = g where y > 0, then one pass like the apply:
@@ -27,7 +27,7 @@ namespace {
 // M = N * S; mean_c = sum x / M; var_c = sum (x - mean)^2 / M; invstd = rsqrt(var + eps)
 
 // ---- kernels ----
-// The training kernels split each channel into gridDim.y stripes of images; block
+// The statistics kernels split each channel into gridDim.y stripes of images; block
 // (c, k) owns images [n0, n1) of channel c.
 struct Stripe {
   int64_t c, n0, n1;
@@ -37,23 +37,24 @@ __device__ __forceinline__ Stripe stripe_of(int64_t N) {
   return {blockIdx.x, n0, n0 + per < N ? n0 + per : N};
 }
 
-// Visits every V-element vector of a stripe, the planes of S = vs * V contiguous
-// elements starting at element base, CS elements apart: load(off, buf) reads the
-// vector at element offset off into a B, use(off, buf) consumes it. The block's
-// threads take consecutive vectors straight across plane boundaries (a thread per
-// vector, however small the plane), and each issues U loads before it uses any. A
-// block per plane with a vector per thread left most threads idle on small planes
-// (a 4x4 plane is 2 bf16 vectors) and one load in flight on large ones: the stats
-// pass of batch_norm_relu ran at about 79% of copy at 64 MB (H100,
+// Visits every V-element vector of a stripe: the planes of S = vs * V contiguous
+// elements starting at element base, CS elements apart (CS = S: one contiguous run).
+// load(off, buf) reads the vector at element offset off into a B; use(off, plane,
+// buf) consumes it (plane: its plane's index from base). The block's threads take
+// consecutive vectors straight across plane boundaries (a thread per vector, however
+// small the plane), and each issues U loads before it uses any. A block per plane
+// with a vector per thread left most threads idle on small planes (a 4x4 plane is 2
+// bf16 vectors) and one load in flight on large ones: the statistics pass of
+// batch_norm_relu ran at about 79% of copy at 64 MB (H100,
 // kernels_elementwise_bf15c55_run2.json).
 template <int V, int U, typename B, typename L, typename F>
 __device__ __forceinline__ void stripe_each(int64_t base, int64_t count, int64_t vs, int64_t CS, L load, F use) {
   const int64_t bd = blockDim.x, step = U * bd, sn = step / vs, si = step % vs;
-  int64_t off[U], i[U];
+  int64_t off[U], i[U], n[U];
 #pragma unroll
   for (int u = 0; u < U; u++) {
     const int64_t k = threadIdx.x + u * bd;
-    i[u] = k % vs, off[u] = base + (k / vs) * CS + i[u] * V;
+    n[u] = k / vs, i[u] = k % vs, off[u] = base + n[u] * CS + i[u] * V;
   }
   int64_t k = threadIdx.x;
   for (; k + (U - 1) * bd < count; k += step) {
@@ -62,9 +63,9 @@ __device__ __forceinline__ void stripe_each(int64_t base, int64_t count, int64_t
     for (int u = 0; u < U; u++) load(off[u], buf[u]);
 #pragma unroll
     for (int u = 0; u < U; u++) {
-      use(off[u], buf[u]);
-      i[u] += si, off[u] += sn * CS + si * V;
-      if (i[u] >= vs) i[u] -= vs, off[u] += CS - vs * V;
+      use(off[u], n[u], buf[u]);
+      i[u] += si, n[u] += sn, off[u] += sn * CS + si * V;
+      if (i[u] >= vs) i[u] -= vs, n[u]++, off[u] += CS - vs * V;
     }
   }
 #pragma unroll
@@ -72,7 +73,7 @@ __device__ __forceinline__ void stripe_each(int64_t base, int64_t count, int64_t
     if (k + u * bd < count) {
       B buf;
       load(off[u], buf);
-      use(off[u], buf);
+      use(off[u], n[u], buf);
     }
 }
 constexpr int kUnroll = 4;
@@ -110,7 +111,7 @@ __global__ void bn_stats(const T *x, int64_t N, int64_t C, int64_t S, float *par
   stripe_each<V, kUnroll, B>(
       (st.n0 * C + st.c) * S, (st.n1 - st.n0) * (S / V), S / V, C * S,
       [&](int64_t off, B &b) { kt::load_v<T, VEC>(x, off, b.v); },
-      [&](int64_t, const B &b) {
+      [&](int64_t, int64_t, const B &b) {
 #pragma unroll
         for (int j = 0; j < V; j++) {
           const float d = kt::to_f(b.v[j]) - shift;
@@ -121,7 +122,7 @@ __global__ void bn_stats(const T *x, int64_t N, int64_t C, int64_t S, float *par
   if (threadIdx.x == 0) part[(st.c * gridDim.y + blockIdx.y) * 2] = t.v[0], part[(st.c * gridDim.y + blockIdx.y) * 2 + 1] = t.v[1];
 }
 
-// A warp per channel (the flat apply below needs mean and invstd in memory first)
+// A warp per channel: mean and invstd (and the running stats) from the partials
 template <typename T>
 __global__ void bn_finish(const T *x, const float *part, int64_t splits, int64_t C, int64_t S, int64_t M, float eps,
                           float momentum, float *mean, float *invstd, float *run_mean, float *run_var) {
@@ -146,40 +147,33 @@ __global__ void bn_apply(const T *x, T *y, int64_t n, int64_t C, int64_t S, cons
   }
 }
 
-// The apply over the stats' stripes: the channel's constants found once per block. In
-// training (part set) each block finishes its channel's statistics itself from the
-// partials (no kernel in between), and the stripe-0 block writes them out.
+// The apply over runs of up to kRunMax consecutive (image, channel) planes, one run a
+// block: contiguous memory streamed as by an elementwise kernel, each plane's
+// constants looked up in a table the block fills first. (Stripes of one channel's
+// planes, strided in memory, ran eval mode at 82% of copy at 64 MB against 88% for
+// a block per plane; H100, 707707a.)
+constexpr int kRunMax = 256;
 template <typename T, bool VEC>
-__global__ void bn_apply_stripes(const T *x, T *y, int64_t N, int64_t C, int64_t S, const float *part, float eps,
-                                 float momentum, float *mean, float *invstd, float *run_mean, float *run_var,
-                                 const T *w, const T *b, bool relu) {
+__global__ void bn_apply_runs(const T *x, T *y, int64_t planes, int64_t C, int64_t S, int64_t run,
+                              const float *mean, const float *invstd, const T *w, const T *b, bool relu) {
   constexpr int V = kt::Row<T, VEC>::V;
-  const Stripe st = stripe_of(N);
-  float mu, is;
-  if (part) {
-    __shared__ float stat[2];
-    if (threadIdx.x < 32) {
-      const kt::Fv<2> t = channel_sums(part, st.c, gridDim.y);
-      finish_channel(t, kt::to_f(x[st.c * S]), st.c, N * S, eps, momentum, mean, invstd, run_mean, run_var,
-                     threadIdx.x == 0 && blockIdx.y == 0, &mu, &is);
-      if (threadIdx.x == 0) stat[0] = mu, stat[1] = is;
-    }
-    __syncthreads();
-    mu = stat[0], is = stat[1];
-  } else {
-    mu = mean[st.c], is = invstd[st.c];
+  __shared__ float tab[kRunMax][3];
+  const int64_t p0 = blockIdx.x * run, np = planes - p0 < run ? planes - p0 : run;
+  for (int64_t j = threadIdx.x; j < np; j += blockDim.x) {
+    const int64_t c = (p0 + j) % C;
+    tab[j][0] = mean[c], tab[j][1] = invstd[c] * (w ? kt::to_f(w[c]) : 1.f), tab[j][2] = b ? kt::to_f(b[c]) : 0.f;
   }
-  const float sc = is * (w ? kt::to_f(w[st.c]) : 1.f), sh = b ? kt::to_f(b[st.c]) : 0.f;
+  __syncthreads();
   struct B { T v[V]; };
   stripe_each<V, kUnroll, B>(
-      (st.n0 * C + st.c) * S, (st.n1 - st.n0) * (S / V), S / V, C * S,
-      [&](int64_t off, B &b) { kt::load_v<T, VEC>(x, off, b.v); },
-      [&](int64_t off, const B &b) {
+      p0 * S, np * (S / V), S / V, S, [&](int64_t off, B &b) { kt::load_v<T, VEC>(x, off, b.v); },
+      [&](int64_t off, int64_t j, const B &b) {
+        const float mu = tab[j][0], sc = tab[j][1], sh = tab[j][2];
         T o[V];
 #pragma unroll
-        for (int j = 0; j < V; j++) {
-          const float r = (kt::to_f(b.v[j]) - mu) * sc + sh;
-          o[j] = kt::from_f<T>(relu ? fmaxf(r, 0.f) : r);
+        for (int q = 0; q < V; q++) {
+          const float r = (kt::to_f(b.v[q]) - mu) * sc + sh;
+          o[q] = kt::from_f<T>(relu ? fmaxf(r, 0.f) : r);
         }
         kt::store_v<T, VEC>(y, off, o);
       });
@@ -201,7 +195,7 @@ __global__ void bn_bwd_stats(const T *g, const T *x, const T *y, int64_t N, int6
         kt::load_v<T, VEC>(x, off, b.x);
         if (relu) kt::load_v<T, VEC>(y, off, b.y);
       },
-      [&](int64_t, const B &b) {
+      [&](int64_t, int64_t, const B &b) {
 #pragma unroll
         for (int j = 0; j < V; j++) {
           const float gj = (relu && !(kt::to_f(b.y[j]) > 0.f)) ? 0.f : kt::to_f(b.g[j]);
@@ -213,7 +207,7 @@ __global__ void bn_bwd_stats(const T *g, const T *x, const T *y, int64_t N, int6
     part[(st.c * gridDim.y + blockIdx.y) * 2] = t.v[0], part[(st.c * gridDim.y + blockIdx.y) * 2 + 1] = t.v[1];
 }
 
-// A warp per channel (for the flat backward apply)
+// A warp per channel: sum_g and sum_gx from the partials
 __global__ void bn_sum_parts(const float *part, int64_t splits, int64_t C, float *sum_g, float *sum_gx) {
   const int64_t c = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   if (c >= C) return;
@@ -237,40 +231,36 @@ __global__ void bn_bwd_apply(const T *g, const T *x, const T *y, T *gx, int64_t 
   }
 }
 
-// The backward apply over the stats' stripes; each block sums its channel's partials
-// itself, and the stripe-0 block writes sum_g and sum_gx.
+// The backward apply over runs of planes, as bn_apply_runs
 template <typename T, bool VEC>
-__global__ void bn_bwd_apply_stripes(const T *g, const T *x, const T *y, T *gx, int64_t N, int64_t C, int64_t S,
-                                     const float *mean, const float *invstd, const T *w, const float *part,
-                                     float *sum_g, float *sum_gx, bool relu, bool training) {
+__global__ void bn_bwd_apply_runs(const T *g, const T *x, const T *y, T *gx, int64_t planes, int64_t C, int64_t S,
+                                  int64_t run, int64_t M, const float *mean, const float *invstd, const T *w,
+                                  const float *sum_g, const float *sum_gx, bool relu, bool training) {
   constexpr int V = kt::Row<T, VEC>::V;
-  const Stripe st = stripe_of(N);
-  __shared__ float sums[2];
-  if (threadIdx.x < 32) {
-    const kt::Fv<2> t = channel_sums(part, st.c, gridDim.y);
-    if (threadIdx.x == 0) {
-      sums[0] = t.v[0], sums[1] = t.v[1];
-      if (blockIdx.y == 0) sum_g[st.c] = t.v[0], sum_gx[st.c] = t.v[1];
-    }
+  __shared__ float tab[kRunMax][5];   // mean, invstd, scale, sum_g / M, sum_gx / M
+  const int64_t p0 = blockIdx.x * run, np = planes - p0 < run ? planes - p0 : run;
+  for (int64_t j = threadIdx.x; j < np; j += blockDim.x) {
+    const int64_t c = (p0 + j) % C;
+    tab[j][0] = mean[c], tab[j][1] = invstd[c], tab[j][2] = (w ? kt::to_f(w[c]) : 1.f) * invstd[c];
+    tab[j][3] = training ? sum_g[c] / (float)M : 0.f, tab[j][4] = training ? sum_gx[c] / (float)M : 0.f;
   }
   __syncthreads();
-  const float M = (float)(N * S), is = invstd[st.c], mu = mean[st.c], scale = (w ? kt::to_f(w[st.c]) : 1.f) * is;
-  const float mg = training ? sums[0] / M : 0.f, mgx = training ? sums[1] / M : 0.f;
   struct B { T g[V], x[V], y[V]; };
   stripe_each<V, kUnroll, B>(
-      (st.n0 * C + st.c) * S, (st.n1 - st.n0) * (S / V), S / V, C * S,
+      p0 * S, np * (S / V), S / V, S,
       [&](int64_t off, B &b) {
         kt::load_v<T, VEC>(g, off, b.g);
         if (training) kt::load_v<T, VEC>(x, off, b.x);
         if (relu) kt::load_v<T, VEC>(y, off, b.y);
       },
-      [&](int64_t off, const B &b) {
+      [&](int64_t off, int64_t j, const B &b) {
+        const float mu = tab[j][0], is = tab[j][1], scale = tab[j][2], mg = tab[j][3], mgx = tab[j][4];
         T o[V];
 #pragma unroll
-        for (int j = 0; j < V; j++) {
-          float gj = (relu && !(kt::to_f(b.y[j]) > 0.f)) ? 0.f : kt::to_f(b.g[j]);
-          if (training) gj = gj - mg - (kt::to_f(b.x[j]) - mu) * is * mgx;
-          o[j] = kt::from_f<T>(scale * gj);
+        for (int q = 0; q < V; q++) {
+          float gq = (relu && !(kt::to_f(b.y[q]) > 0.f)) ? 0.f : kt::to_f(b.g[q]);
+          if (training) gq = gq - mg - (kt::to_f(b.x[q]) - mu) * is * mgx;
+          o[q] = kt::from_f<T>(scale * gq);
         }
         kt::store_v<T, VEC>(gx, off, o);
       });
@@ -290,35 +280,35 @@ int stripe_threads(int64_t N, int64_t S, int64_t splits, int V) {
 }
 int grid_for(int64_t n) { int64_t g = (n + 255) / 256; return (int)(g < 132 * 16 ? g : 132 * 16); }
 
-// Planes of at least kPlaneMin elements get the stripe apply kernels; smaller ones (a
-// (N, C) input has planes of 1, read with a stride of C by a stripe) the flat
-// elementwise ones.
+// Planes of at least kPlaneMin elements get the run apply kernels; smaller ones (a
+// (N, C) input has planes of 1) the flat elementwise ones.
 constexpr int64_t kPlaneMin = 64;
 
 unsigned warp_grid(int64_t C) { return (unsigned)((C * 32 + 255) / 256); }   // a warp per channel, 256 threads
+// Planes per run: about 2048 vectors a block, at most kRunMax planes
+int64_t run_for(int64_t vs) { const int64_t r = 2048 / vs; return r < 1 ? 1 : r > kRunMax ? kRunMax : r; }
+unsigned run_grid(int64_t planes, int64_t run) { return (unsigned)((planes + run - 1) / run); }
 
 template <typename T>
 kt_status fwd(const void *x, void *y, const void *w, const void *b, int64_t N, int64_t C, int64_t S, int training,
               float momentum, float eps, float *mean, float *invstd, float *rm, float *rv, float *work, int relu,
               cudaStream_t s) {
   const bool vec = kt::row_vec_ok<T>(S, {x, y});
-  const int64_t sp = splits_for(N, C, S);
-  const dim3 grid((unsigned)C, (unsigned)sp);
-  const int threads = stripe_threads(N, S, sp, vec ? 16 / sizeof(T) : 1);
+  const int V = vec ? 16 / sizeof(T) : 1;
   const T *xt = (const T *)x, *wt = (const T *)w, *bt = (const T *)b;
   T *yt = (T *)y;
   if (training) {
+    const int64_t sp = splits_for(N, C, S);
     auto stats = vec ? bn_stats<T, true> : bn_stats<T, false>;
-    stats<<<grid, threads, 0, s>>>(xt, N, C, S, work);
-    if (S < kPlaneMin)
-      bn_finish<T><<<warp_grid(C), 256, 0, s>>>(xt, work, sp, C, S, N * S, eps, momentum, mean, invstd, rm, rv);
+    stats<<<dim3((unsigned)C, (unsigned)sp), stripe_threads(N, S, sp, V), 0, s>>>(xt, N, C, S, work);
+    bn_finish<T><<<warp_grid(C), 256, 0, s>>>(xt, work, sp, C, S, N * S, eps, momentum, mean, invstd, rm, rv);
   }
   if (S < kPlaneMin) {
     bn_apply<T><<<grid_for(N * C * S), 256, 0, s>>>(xt, yt, N * C * S, C, S, mean, invstd, wt, bt, relu);
   } else {
-    auto apply = vec ? bn_apply_stripes<T, true> : bn_apply_stripes<T, false>;
-    apply<<<grid, threads, 0, s>>>(xt, yt, N, C, S, training ? work : nullptr, eps, momentum, mean, invstd, rm, rv,
-                                   wt, bt, relu);
+    const int64_t run = run_for(S / V);
+    auto apply = vec ? bn_apply_runs<T, true> : bn_apply_runs<T, false>;
+    apply<<<run_grid(N * C, run), 256, 0, s>>>(xt, yt, N * C, C, S, run, mean, invstd, wt, bt, relu);
   }
   return kt::status_of(cudaGetLastError());
 }
@@ -329,19 +319,20 @@ kt_status bwd(const void *g, const void *x, const void *y, void *gx, const void 
               cudaStream_t s) {
   const int64_t sp = splits_for(N, C, S);
   const bool vec = kt::row_vec_ok<T>(S, {g, x, y, gx});
-  const dim3 grid((unsigned)C, (unsigned)sp);
-  const int threads = stripe_threads(N, S, sp, vec ? 16 / sizeof(T) : 1);
+  const int V = vec ? 16 / sizeof(T) : 1;
   const T *gt = (const T *)g, *xt = (const T *)x, *yt = (const T *)y, *wt = (const T *)w;
   auto stats = vec ? bn_bwd_stats<T, true> : bn_bwd_stats<T, false>;
-  stats<<<grid, threads, 0, s>>>(gt, xt, yt, N, C, S, mean, invstd, relu, work);
+  stats<<<dim3((unsigned)C, (unsigned)sp), stripe_threads(N, S, sp, V), 0, s>>>(gt, xt, yt, N, C, S, mean, invstd,
+                                                                                 relu, work);
+  bn_sum_parts<<<warp_grid(C), 256, 0, s>>>(work, sp, C, sum_g, sum_gx);
   if (S < kPlaneMin) {
-    bn_sum_parts<<<warp_grid(C), 256, 0, s>>>(work, sp, C, sum_g, sum_gx);
     bn_bwd_apply<T><<<grid_for(N * C * S), 256, 0, s>>>(gt, xt, yt, (T *)gx, N * C * S, C, S, N * S, mean, invstd, wt,
                                                          sum_g, sum_gx, relu, training);
   } else {
-    auto apply = vec ? bn_bwd_apply_stripes<T, true> : bn_bwd_apply_stripes<T, false>;
-    apply<<<grid, threads, 0, s>>>(gt, xt, yt, (T *)gx, N, C, S, mean, invstd, wt, work, sum_g, sum_gx, relu,
-                                   training);
+    const int64_t run = run_for(S / V);
+    auto apply = vec ? bn_bwd_apply_runs<T, true> : bn_bwd_apply_runs<T, false>;
+    apply<<<run_grid(N * C, run), 256, 0, s>>>(gt, xt, yt, (T *)gx, N * C, C, S, run, N * S, mean, invstd, wt, sum_g,
+                                               sum_gx, relu, training);
   }
   return kt::status_of(cudaGetLastError());
 }

@@ -9,13 +9,12 @@
 // Training: each channel's images split into stripes (a (C x splits) grid, about
 // 1024 blocks); a stats kernel sums every stripe into fp32 partials (its threads
 // take 16-byte vectors straight across plane boundaries, four loads in flight
-// each), and a warp per channel finishes them. The apply streams runs of
-// consecutive (image, channel) planes, contiguous memory, each plane's constants
-// from a table the block fills first. Planes under 64 elements are applied flat
-// (elementwise). The first version indexed the channel per element with a 64-bit
-// division: bf16 ran at 36% of copy bandwidth, eval mode included (H100,
-// kernels_elementwise_17dcbd4.json). Backward: the same reduction for sum(g') and
-// sum(g' * xhat), with g' = g where y > 0, then one pass like the apply:
+// each), and a warp per channel finishes them. The apply is elementwise, a 16-byte
+// vector a thread with its channel found by a 32-bit division. The first version
+// indexed the channel per element with a 64-bit division: bf16 ran at 36% of copy
+// bandwidth, eval mode included (H100, kernels_elementwise_17dcbd4.json).
+// Backward: the same reduction for sum(g') and sum(g' * xhat), with g' = g where
+// y > 0, then one elementwise pass like the apply:
 //   training: gx = w * invstd * (g' - sum(g') / M - xhat * sum(g' * xhat) / M)
 //   eval:     gx = w * invstd * g'
 // and the weight/bias gradients are sum(g' * xhat) and sum(g').
@@ -38,23 +37,22 @@ __device__ __forceinline__ Stripe stripe_of(int64_t N) {
 }
 
 // Visits every V-element vector of a stripe: the planes of S = vs * V contiguous
-// elements starting at element base, CS elements apart (CS = S: one contiguous run).
-// load(off, buf) reads the vector at element offset off into a B; use(off, plane,
-// buf) consumes it (plane: its plane's index from base). The block's threads take
-// consecutive vectors straight across plane boundaries (a thread per vector, however
-// small the plane), and each issues U loads before it uses any. A block per plane
-// with a vector per thread left most threads idle on small planes (a 4x4 plane is 2
-// bf16 vectors) and one load in flight on large ones: the statistics pass of
+// elements starting at element base, CS elements apart. load(off, buf) reads the
+// vector at element offset off into a B; use(buf) consumes it. The block's threads
+// take consecutive vectors straight across plane boundaries (a thread per vector,
+// however small the plane), and each issues U loads before it uses any. A block per
+// plane with a vector per thread left most threads idle on small planes (a 4x4 plane
+// is 2 bf16 vectors) and one load in flight on large ones: the statistics pass of
 // batch_norm_relu ran at about 79% of copy at 64 MB (H100,
 // kernels_elementwise_bf15c55_run2.json).
 template <int V, int U, typename B, typename L, typename F>
 __device__ __forceinline__ void stripe_each(int64_t base, int64_t count, int64_t vs, int64_t CS, L load, F use) {
   const int64_t bd = blockDim.x, step = U * bd, sn = step / vs, si = step % vs;
-  int64_t off[U], i[U], n[U];
+  int64_t off[U], i[U];
 #pragma unroll
   for (int u = 0; u < U; u++) {
     const int64_t k = threadIdx.x + u * bd;
-    n[u] = k / vs, i[u] = k % vs, off[u] = base + n[u] * CS + i[u] * V;
+    i[u] = k % vs, off[u] = base + (k / vs) * CS + i[u] * V;
   }
   int64_t k = threadIdx.x;
   for (; k + (U - 1) * bd < count; k += step) {
@@ -63,9 +61,9 @@ __device__ __forceinline__ void stripe_each(int64_t base, int64_t count, int64_t
     for (int u = 0; u < U; u++) load(off[u], buf[u]);
 #pragma unroll
     for (int u = 0; u < U; u++) {
-      use(off[u], n[u], buf[u]);
-      i[u] += si, n[u] += sn, off[u] += sn * CS + si * V;
-      if (i[u] >= vs) i[u] -= vs, n[u]++, off[u] += CS - vs * V;
+      use(buf[u]);
+      i[u] += si, off[u] += sn * CS + si * V;
+      if (i[u] >= vs) i[u] -= vs, off[u] += CS - vs * V;
     }
   }
 #pragma unroll
@@ -73,7 +71,7 @@ __device__ __forceinline__ void stripe_each(int64_t base, int64_t count, int64_t
     if (k + u * bd < count) {
       B buf;
       load(off[u], buf);
-      use(off[u], n[u], buf);
+      use(buf);
     }
 }
 constexpr int kUnroll = 4;
@@ -111,7 +109,7 @@ __global__ void bn_stats(const T *x, int64_t N, int64_t C, int64_t S, float *par
   stripe_each<V, kUnroll, B>(
       (st.n0 * C + st.c) * S, (st.n1 - st.n0) * (S / V), S / V, C * S,
       [&](int64_t off, B &b) { kt::load_v<T, VEC>(x, off, b.v); },
-      [&](int64_t, int64_t, const B &b) {
+      [&](const B &b) {
 #pragma unroll
         for (int j = 0; j < V; j++) {
           const float d = kt::to_f(b.v[j]) - shift;
@@ -134,49 +132,36 @@ __global__ void bn_finish(const T *x, const float *part, int64_t splits, int64_t
                  &mu, &is);
 }
 
-// Flat elementwise apply, for planes under kPlaneMin elements (a (N, C) input has planes of 1)
-template <typename T>
-__global__ void bn_apply(const T *x, T *y, int64_t n, int64_t C, int64_t S, const float *mean, const float *invstd,
-                         const T *w, const T *b, bool relu) {
-  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t c = (i / S) % C;
-    float v = (kt::to_f(x[i]) - mean[c]) * invstd[c];
-    if (w) v *= kt::to_f(w[c]);
-    if (b) v += kt::to_f(b[c]);
-    y[i] = kt::from_f<T>(relu ? fmaxf(v, 0.f) : v);
-  }
+// The channel of element-vector v (vs vectors a plane): a 32-bit division when the
+// tensor allows (a 64-bit one costs about as much as the rest of the thread's work).
+__device__ __forceinline__ int64_t channel_of(int64_t v, int64_t nvec, int64_t vs, int64_t C) {
+  if (nvec < ((int64_t)1 << 32)) return (uint32_t)v / (uint32_t)vs % (uint32_t)C;
+  return v / vs % C;
 }
 
-// The apply over runs of up to kRunMax consecutive (image, channel) planes, one run a
-// block: contiguous memory streamed as by an elementwise kernel, each plane's
-// constants looked up in a table the block fills first. (Stripes of one channel's
-// planes, strided in memory, ran eval mode at 82% of copy at 64 MB against 88% for
-// a block per plane; H100, 707707a.)
-constexpr int kRunMax = 256;
+// The apply as an elementwise kernel: a V-element vector a thread (V = 1 when the
+// planes or pointers do not allow 16-byte vectors), the channel's constants read
+// through the cache. (A block per plane ran eval mode at 88% of copy at 64 MB,
+// 48c508c; stripes of one channel's planes with four loads in flight a thread at 82%,
+// and runs of consecutive planes with a constants table at 79%, both 76 registers a
+// thread; H100, 707707a and 9743aae.)
 template <typename T, bool VEC>
-__global__ void bn_apply_runs(const T *x, T *y, int64_t planes, int64_t C, int64_t S, int64_t run,
-                              const float *mean, const float *invstd, const T *w, const T *b, bool relu) {
+__global__ void __launch_bounds__(256) bn_apply(const T *x, T *y, int64_t nvec, int64_t vs, int64_t C,
+                                                const float *mean, const float *invstd, const T *w, const T *b,
+                                                bool relu) {
   constexpr int V = kt::Row<T, VEC>::V;
-  __shared__ float tab[kRunMax][3];
-  const int64_t p0 = blockIdx.x * run, np = planes - p0 < run ? planes - p0 : run;
-  for (int64_t j = threadIdx.x; j < np; j += blockDim.x) {
-    const int64_t c = (p0 + j) % C;
-    tab[j][0] = mean[c], tab[j][1] = invstd[c] * (w ? kt::to_f(w[c]) : 1.f), tab[j][2] = b ? kt::to_f(b[c]) : 0.f;
-  }
-  __syncthreads();
-  struct B { T v[V]; };
-  stripe_each<V, kUnroll, B>(
-      p0 * S, np * (S / V), S / V, S, [&](int64_t off, B &b) { kt::load_v<T, VEC>(x, off, b.v); },
-      [&](int64_t off, int64_t j, const B &b) {
-        const float mu = tab[j][0], sc = tab[j][1], sh = tab[j][2];
-        T o[V];
+  const int64_t v = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (v >= nvec) return;
+  const int64_t c = channel_of(v, nvec, vs, C);
+  T in[V], o[V];
+  kt::load_v<T, VEC>(x, v * V, in);
+  const float mu = mean[c], sc = invstd[c] * (w ? kt::to_f(w[c]) : 1.f), sh = b ? kt::to_f(b[c]) : 0.f;
 #pragma unroll
-        for (int q = 0; q < V; q++) {
-          const float r = (kt::to_f(b.v[q]) - mu) * sc + sh;
-          o[q] = kt::from_f<T>(relu ? fmaxf(r, 0.f) : r);
-        }
-        kt::store_v<T, VEC>(y, off, o);
-      });
+  for (int q = 0; q < V; q++) {
+    const float r = (kt::to_f(in[q]) - mu) * sc + sh;
+    o[q] = kt::from_f<T>(relu ? fmaxf(r, 0.f) : r);
+  }
+  kt::store_v<T, VEC>(y, v * V, o);
 }
 
 // part[(c * splits + k) * 2] = sums of g' and g' * xhat over stripe k of channel c
@@ -195,7 +180,7 @@ __global__ void bn_bwd_stats(const T *g, const T *x, const T *y, int64_t N, int6
         kt::load_v<T, VEC>(x, off, b.x);
         if (relu) kt::load_v<T, VEC>(y, off, b.y);
       },
-      [&](int64_t, int64_t, const B &b) {
+      [&](const B &b) {
 #pragma unroll
         for (int j = 0; j < V; j++) {
           const float gj = (relu && !(kt::to_f(b.y[j]) > 0.f)) ? 0.f : kt::to_f(b.g[j]);
@@ -215,55 +200,29 @@ __global__ void bn_sum_parts(const float *part, int64_t splits, int64_t C, float
   if ((threadIdx.x & 31) == 0) sum_g[c] = t.v[0], sum_gx[c] = t.v[1];
 }
 
-template <typename T>
-__global__ void bn_bwd_apply(const T *g, const T *x, const T *y, T *gx, int64_t n, int64_t C, int64_t S, int64_t M,
-                             const float *mean, const float *invstd, const T *w, const float *sum_g,
-                             const float *sum_gx, bool relu, bool training) {
-  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t c = (i / S) % C;
-    float gv = (relu && !(kt::to_f(y[i]) > 0.f)) ? 0.f : kt::to_f(g[i]);
-    const float scale = (w ? kt::to_f(w[c]) : 1.f) * invstd[c];
-    if (training) {
-      const float xh = (kt::to_f(x[i]) - mean[c]) * invstd[c];
-      gv = gv - sum_g[c] / (float)M - xh * sum_gx[c] / (float)M;
-    }
-    gx[i] = kt::from_f<T>(scale * gv);
-  }
-}
-
-// The backward apply over runs of planes, as bn_apply_runs
+// The backward apply, elementwise as bn_apply
 template <typename T, bool VEC>
-__global__ void bn_bwd_apply_runs(const T *g, const T *x, const T *y, T *gx, int64_t planes, int64_t C, int64_t S,
-                                  int64_t run, int64_t M, const float *mean, const float *invstd, const T *w,
-                                  const float *sum_g, const float *sum_gx, bool relu, bool training) {
+__global__ void __launch_bounds__(256) bn_bwd_apply(const T *g, const T *x, const T *y, T *gx, int64_t nvec,
+                                                    int64_t vs, int64_t C, int64_t M, const float *mean,
+                                                    const float *invstd, const T *w, const float *sum_g,
+                                                    const float *sum_gx, bool relu, bool training) {
   constexpr int V = kt::Row<T, VEC>::V;
-  __shared__ float tab[kRunMax][5];   // mean, invstd, scale, sum_g / M, sum_gx / M
-  const int64_t p0 = blockIdx.x * run, np = planes - p0 < run ? planes - p0 : run;
-  for (int64_t j = threadIdx.x; j < np; j += blockDim.x) {
-    const int64_t c = (p0 + j) % C;
-    tab[j][0] = mean[c], tab[j][1] = invstd[c], tab[j][2] = (w ? kt::to_f(w[c]) : 1.f) * invstd[c];
-    tab[j][3] = training ? sum_g[c] / (float)M : 0.f, tab[j][4] = training ? sum_gx[c] / (float)M : 0.f;
-  }
-  __syncthreads();
-  struct B { T g[V], x[V], y[V]; };
-  stripe_each<V, kUnroll, B>(
-      p0 * S, np * (S / V), S / V, S,
-      [&](int64_t off, B &b) {
-        kt::load_v<T, VEC>(g, off, b.g);
-        if (training) kt::load_v<T, VEC>(x, off, b.x);
-        if (relu) kt::load_v<T, VEC>(y, off, b.y);
-      },
-      [&](int64_t off, int64_t j, const B &b) {
-        const float mu = tab[j][0], is = tab[j][1], scale = tab[j][2], mg = tab[j][3], mgx = tab[j][4];
-        T o[V];
+  const int64_t v = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (v >= nvec) return;
+  const int64_t c = channel_of(v, nvec, vs, C);
+  T gv[V], xv[V], yv[V], o[V];
+  kt::load_v<T, VEC>(g, v * V, gv);
+  if (training) kt::load_v<T, VEC>(x, v * V, xv);
+  if (relu) kt::load_v<T, VEC>(y, v * V, yv);
+  const float is = invstd[c], mu = mean[c], scale = (w ? kt::to_f(w[c]) : 1.f) * is;
+  const float mg = training ? sum_g[c] / (float)M : 0.f, mgx = training ? sum_gx[c] / (float)M : 0.f;
 #pragma unroll
-        for (int q = 0; q < V; q++) {
-          float gq = (relu && !(kt::to_f(b.y[q]) > 0.f)) ? 0.f : kt::to_f(b.g[q]);
-          if (training) gq = gq - mg - (kt::to_f(b.x[q]) - mu) * is * mgx;
-          o[q] = kt::from_f<T>(scale * gq);
-        }
-        kt::store_v<T, VEC>(gx, off, o);
-      });
+  for (int q = 0; q < V; q++) {
+    float gq = (relu && !(kt::to_f(yv[q]) > 0.f)) ? 0.f : kt::to_f(gv[q]);
+    if (training) gq = gq - mg - (kt::to_f(xv[q]) - mu) * is * mgx;
+    o[q] = kt::from_f<T>(scale * gq);
+  }
+  kt::store_v<T, VEC>(gx, v * V, o);
 }
 
 int64_t splits_for(int64_t N, int64_t C, int64_t S) {   // about 1024 blocks, each >= 4096 elements
@@ -278,16 +237,8 @@ int stripe_threads(int64_t N, int64_t S, int64_t splits, int V) {
   const int64_t t = (per_thread + 31) / 32 * 32;
   return (int)(t < 64 ? 64 : t > 256 ? 256 : t);
 }
-int grid_for(int64_t n) { int64_t g = (n + 255) / 256; return (int)(g < 132 * 16 ? g : 132 * 16); }
-
-// Planes of at least kPlaneMin elements get the run apply kernels; smaller ones (a
-// (N, C) input has planes of 1) the flat elementwise ones.
-constexpr int64_t kPlaneMin = 64;
-
 unsigned warp_grid(int64_t C) { return (unsigned)((C * 32 + 255) / 256); }   // a warp per channel, 256 threads
-// Planes per run: about 2048 vectors a block, at most kRunMax planes
-int64_t run_for(int64_t vs) { const int64_t r = 2048 / vs; return r < 1 ? 1 : r > kRunMax ? kRunMax : r; }
-unsigned run_grid(int64_t planes, int64_t run) { return (unsigned)((planes + run - 1) / run); }
+unsigned vec_grid(int64_t nvec) { return (unsigned)((nvec + 255) / 256); }   // a vector a thread, 256 threads
 
 template <typename T>
 kt_status fwd(const void *x, void *y, const void *w, const void *b, int64_t N, int64_t C, int64_t S, int training,
@@ -296,20 +247,15 @@ kt_status fwd(const void *x, void *y, const void *w, const void *b, int64_t N, i
   const bool vec = kt::row_vec_ok<T>(S, {x, y});
   const int V = vec ? 16 / sizeof(T) : 1;
   const T *xt = (const T *)x, *wt = (const T *)w, *bt = (const T *)b;
-  T *yt = (T *)y;
   if (training) {
     const int64_t sp = splits_for(N, C, S);
     auto stats = vec ? bn_stats<T, true> : bn_stats<T, false>;
     stats<<<dim3((unsigned)C, (unsigned)sp), stripe_threads(N, S, sp, V), 0, s>>>(xt, N, C, S, work);
     bn_finish<T><<<warp_grid(C), 256, 0, s>>>(xt, work, sp, C, S, N * S, eps, momentum, mean, invstd, rm, rv);
   }
-  if (S < kPlaneMin) {
-    bn_apply<T><<<grid_for(N * C * S), 256, 0, s>>>(xt, yt, N * C * S, C, S, mean, invstd, wt, bt, relu);
-  } else {
-    const int64_t run = run_for(S / V);
-    auto apply = vec ? bn_apply_runs<T, true> : bn_apply_runs<T, false>;
-    apply<<<run_grid(N * C, run), 256, 0, s>>>(xt, yt, N * C, C, S, run, mean, invstd, wt, bt, relu);
-  }
+  const int64_t nvec = N * C * S / V;
+  auto apply = vec ? bn_apply<T, true> : bn_apply<T, false>;
+  apply<<<vec_grid(nvec), 256, 0, s>>>(xt, (T *)y, nvec, S / V, C, mean, invstd, wt, bt, relu);
   return kt::status_of(cudaGetLastError());
 }
 
@@ -325,15 +271,10 @@ kt_status bwd(const void *g, const void *x, const void *y, void *gx, const void 
   stats<<<dim3((unsigned)C, (unsigned)sp), stripe_threads(N, S, sp, V), 0, s>>>(gt, xt, yt, N, C, S, mean, invstd,
                                                                                  relu, work);
   bn_sum_parts<<<warp_grid(C), 256, 0, s>>>(work, sp, C, sum_g, sum_gx);
-  if (S < kPlaneMin) {
-    bn_bwd_apply<T><<<grid_for(N * C * S), 256, 0, s>>>(gt, xt, yt, (T *)gx, N * C * S, C, S, N * S, mean, invstd, wt,
-                                                         sum_g, sum_gx, relu, training);
-  } else {
-    const int64_t run = run_for(S / V);
-    auto apply = vec ? bn_bwd_apply_runs<T, true> : bn_bwd_apply_runs<T, false>;
-    apply<<<run_grid(N * C, run), 256, 0, s>>>(gt, xt, yt, (T *)gx, N * C, C, S, run, N * S, mean, invstd, wt, sum_g,
-                                               sum_gx, relu, training);
-  }
+  const int64_t nvec = N * C * S / V;
+  auto apply = vec ? bn_bwd_apply<T, true> : bn_bwd_apply<T, false>;
+  apply<<<vec_grid(nvec), 256, 0, s>>>(gt, xt, yt, (T *)gx, nvec, S / V, C, N * S, mean, invstd, wt, sum_g, sum_gx,
+                                       relu, training);
   return kt::status_of(cudaGetLastError());
 }
 

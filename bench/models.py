@@ -18,7 +18,9 @@ Recipes:
                  capturable=True) under one manual whole-step torch.cuda.graph (three
                  warm-up steps on a side stream first, as PyTorch's docs do)
   kitsune_eager  kitsune.optimize(model) + KitsuneOptimizer, eager
-  kitsune        kitsune.optimize(model) + kitsune.compile_step (one CUDA graph a step)
+  kitsune        kitsune.optimize(model) + kitsune.compile_step (one CUDA graph a step;
+                 independent branches on up to 4 streams where kitsune.sched's plan gains)
+  kitsune_1s     the same on one stream (compile_step(streams=1))
 
 Each recipe runs --steps steps (default 60). Reported: ms/step (the median over blocks
 of 10 steps between CUDA events, steps 20 on, no sync inside a block), the host's ms
@@ -48,7 +50,7 @@ from benchlib import write_result  # noqa: E402
 import kitsune  # noqa: E402
 from kitsune.sched import Inception  # noqa: E402
 
-RECIPES = ["eager", "eager_fused", "compile", "compile_ro", "stock_graph", "kitsune_eager", "kitsune"]
+RECIPES = ["eager", "eager_fused", "compile", "compile_ro", "stock_graph", "kitsune_eager", "kitsune", "kitsune_1s"]
 
 
 # ---- models and their batches ---------------------------------------------------------
@@ -178,7 +180,7 @@ def make(recipe, model, loss_fn):
     opt = kitsune.KitsuneOptimizer(torch.optim.AdamW, km.parameters(), **adamw)
     if recipe == "kitsune_eager":
         return eager_step(km, loss_fn, opt), opt
-    step = kitsune.compile_step(km, loss_fn, opt)
+    step = kitsune.compile_step(km, loss_fn, opt, streams=1 if recipe == "kitsune_1s" else 4)
     return step, step
 
 
@@ -219,9 +221,10 @@ def run(recipe, base, loss_fn, data, steps):
            "peak_reserved_mib": (torch.cuda.max_memory_reserved() - reserved0) / 2**20,
            "left_before_mib": alloc0 / 2**20,
            "final_loss": losses[-1].float().item(), "steps": steps}
-    if recipe == "kitsune":
+    if recipe in ("kitsune", "kitsune_1s"):
         st = extra.stats()
-        row["compile_step"] = {k: st[k] for k in ("replays", "eager_steps", "captures", "reason")}
+        row["compile_step"] = {k: st[k] for k in ("replays", "eager_steps", "captures", "reason", "streams",
+                                                  "streams_reason")}
     del step, extra, model
     if recipe.startswith("compile") or recipe == "stock_graph":
         torch._dynamo.reset()
@@ -261,7 +264,9 @@ def main():
             else:
                 print(f"{name:10s} {recipe:14s} {row['ms']:8.3f} ms/step  host {row['host_ms']:7.3f}  setup "
                       f"{row['setup_s']:6.2f} s  peak {row['peak_alloc_mib']:8.1f} / {row['peak_reserved_mib']:8.1f} MiB"
-                      f"  loss {row['final_loss']:.4f}", flush=True)
+                      f"  loss {row['final_loss']:.4f}" + (f"  streams {row['compile_step']['streams']} "
+                                                           f"({row['compile_step']['streams_reason']})"
+                                                           if "compile_step" in row else ""), flush=True)
             write_result(args.out, "models", {"steps": args.steps, "rows": rows})
         del base, data
     with open(os.path.join(args.out, "models.md"), "w") as f:

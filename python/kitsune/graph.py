@@ -28,6 +28,12 @@ says so once. bf16 autocast: ``autocast_dtype=torch.bfloat16``. fp16 with loss
 scaling (torch.amp.GradScaler, or KitsuneOptimizer(enable_amp=True), which compile_step
 scales and unscales for) runs eagerly: the scaler reads its inf check on the host.
 
+Streams: the first capture plans the model's forward graph with kitsune.sched
+(``streams`` at most, default 4) and, where the plan gains, captures it with
+independent branches on separate streams (their backward follows them). A model
+torch.fx cannot trace, or whose plan gains under 5%, is captured on one stream;
+``stats()["streams"]`` and ``["streams_reason"]`` say which. ``streams=1`` turns it off.
+
 After a step, parameters' ``.grad`` are None: the graph's gradients live in its pool.
 The graphs hold the parameters and optimizer state they captured: the optimizer's
 ``load_state_dict`` (which replaces its state tensors) and a change to a
@@ -59,7 +65,8 @@ class _Graph:
 class CompiledStep:
     """A training step as a CUDA graph; see the module docstring."""
 
-    def __init__(self, model, loss_fn, optimizer, *, max_shapes=8, autocast_dtype=None, max_grad_norm=None):
+    def __init__(self, model, loss_fn, optimizer, *, max_shapes=8, autocast_dtype=None, max_grad_norm=None,
+                 streams=4):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"compile_step: model must be a torch.nn.Module, got {type(model).__name__}")
         if loss_fn is not None and not callable(loss_fn):
@@ -76,6 +83,8 @@ class CompiledStep:
                              f"{autocast_dtype!r}")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"compile_step: max_grad_norm must be None or > 0, got {max_grad_norm!r}")
+        if isinstance(streams, bool) or not isinstance(streams, int) or not 1 <= streams <= 64:
+            raise ValueError(f"compile_step: streams must be an int in 1..64, got {streams!r}")
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
         self.max_shapes, self.autocast_dtype, self.max_grad_norm = max_shapes, autocast_dtype, max_grad_norm
         self._graphs = collections.OrderedDict()
@@ -84,6 +93,9 @@ class CompiledStep:
         self._reason = None
         self._n = {"replays": 0, "eager_steps": 0, "captures": 0, "evictions": 0, "recaptures": 0}
         self._setup_s = 0.0
+        self.streams = streams
+        self._captured = None   # the model as captured: with its plan's streams (kitsune.sched.streamed)
+        self._stream_info = {"streams": 1, "streams_reason": "not planned yet"}
         # load_state_dict replaces the optimizer's state tensors, which the graphs hold
         ref = weakref.ref(self)
         optimizer.optimizer.register_load_state_dict_post_hook(lambda opt: ref() and ref()._invalidate())
@@ -114,12 +126,13 @@ class CompiledStep:
         self._n["replays"] += 1
         return g.loss.clone()
 
-    def _forward_backward(self, batch):
+    def _forward_backward(self, batch, model=None):
+        model = self.model if model is None else model
         inputs, target = (batch[:-1], batch[-1]) if self.loss_fn is not None else (batch, None)
         amp = (torch.autocast("cuda", dtype=self.autocast_dtype, cache_enabled=False)   # no cache across a capture
                if self.autocast_dtype is not None else contextlib.nullcontext())
         with amp:
-            out = self.model(*inputs)
+            out = model(*inputs)
             loss = self.loss_fn(out, target) if self.loss_fn is not None else out
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError(f"compile_step: the loss must be a one-element tensor, got "
@@ -162,6 +175,8 @@ class CompiledStep:
         for s, i in zip(static, slots):
             args[i] = s
         device = next(self.model.parameters()).device
+        if self._captured is None:
+            self._captured = self._plan_streams(args, device)
         self.optimizer.prepare_capture(device)
         self.optimizer.zero_grad(set_to_none=True)
         if self._pool is None:
@@ -169,9 +184,10 @@ class CompiledStep:
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                static_loss = self._forward_backward(tuple(args))
+                static_loss = self._forward_backward(tuple(args), self._captured)
                 plan = self.optimizer.capture_step()
         except Exception as e:   # noqa: BLE001 - any failure inside the capture means: run eagerly
+            torch.cuda.set_stream(here)   # a streamed forward may have failed on a side stream
             self.optimizer.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
             _end_generator_capture(device)
@@ -186,6 +202,26 @@ class CompiledStep:
         self._n["captures"] += 1
         self._setup_s += time.perf_counter() - t0
         return loss
+
+    def _plan_streams(self, batch, device):
+        """The model to capture: with kitsune.sched's streams when its plan gains, else the
+        model itself (stats() says which and why)."""
+        if self.streams == 1:
+            self._stream_info = {"streams": 1, "streams_reason": "streams=1"}
+            return self.model
+        from . import sched
+        inputs = batch[:-1] if self.loss_fn is not None else batch
+        try:
+            module, plan = sched.streamed(self.model, *inputs, streams=self.streams)
+        except Exception as e:   # noqa: BLE001 - an untraceable model keeps one stream
+            first = (str(e).strip().splitlines() or [""])[0]
+            self._stream_info = {"streams": 1, "streams_reason": f"not planned: {type(e).__name__}: {first}"}
+            return self.model
+        self._stream_info = {"streams": plan.streams_used, "streams_reason": plan.reason or
+                             f"plan: {plan.gain:.2f}x estimated, {len(plan.syncs)} syncs"}
+        if module is not self.model:
+            module._kitsune_streams.prepare(device)
+        return module
 
     def _invalidate(self):
         """Drops every graph (each is captured again at its signature's next call)."""
@@ -218,8 +254,9 @@ class CompiledStep:
         because the optimizer's state was loaded or a baked hyperparameter changed),
         graphs kept, seconds
         spent in first steps and captures (setup_s), and why the step runs eagerly
-        (reason, None while it is captured)."""
-        return dict(self._n, graphs=len(self._graphs), setup_s=self._setup_s, reason=self._reason)
+        (reason, None while it is captured), and the streams the captured forward runs on
+        with the planner's verdict (streams, streams_reason)."""
+        return dict(self._n, graphs=len(self._graphs), setup_s=self._setup_s, reason=self._reason, **self._stream_info)
 
 
 def _end_generator_capture(device):
@@ -248,8 +285,8 @@ def _signature(batch):
     return tuple(key)
 
 
-def compile_step(model, loss_fn, optimizer, *, max_shapes=8, autocast_dtype=None, max_grad_norm=None):
+def compile_step(model, loss_fn, optimizer, *, max_shapes=8, autocast_dtype=None, max_grad_norm=None, streams=4):
     """A callable ``step(*batch) -> loss`` running the whole training step as a CUDA
     graph; see kitsune.graph."""
     return CompiledStep(model, loss_fn, optimizer, max_shapes=max_shapes, autocast_dtype=autocast_dtype,
-                        max_grad_norm=max_grad_norm)
+                        max_grad_norm=max_grad_norm, streams=streams)

@@ -12,8 +12,15 @@ the DAG by critical-path list scheduling onto `streams` streams and gives the fe
 cross-stream syncs. ``plan.streams_used`` is 1 when more streams would not shorten
 the estimated step by at least 5%: a sequential model keeps one stream.
 
-This is the planning half of issue #5's stream scheduler: executing the plan
-(torch.ops.kitsune fork/join with events, inside a captured CUDA graph) is not built yet.
+``streamed(model, example_input, streams=4)`` executes a plan: it returns a copy of the
+model's graph with stream ops inserted (``torch.ops.kitsune.stream_fork``,
+``stream_switch``, ``stream_record``, ``stream_join``: events between streams where the
+plan put a sync, ``record_stream`` on tensors used on another stream than the one that
+made them). The streams run while a CUDA graph is being captured (kitsune.compile_step
+captures the whole step; autograd runs each backward op on its forward op's stream, so
+the backward is spread too). Outside a capture the module runs on one stream: several
+streams in eager mode were measured slower on the H100 (ARCHITECTURE.md, Facts). When
+the plan gains less than ``min_gain``, the model comes back unchanged.
 """
 import ctypes
 from dataclasses import dataclass, field
@@ -157,10 +164,17 @@ def plan(model, *example_inputs, streams=4, roofline=None, min_gain=1.05):
     """Plans ``model``'s forward graph on ``streams`` CUDA streams (1..64); see the
     module docstring. ``example_inputs`` give the shapes (they may live on any
     device; only their shapes and dtypes are used)."""
-    if not isinstance(streams, int) or not 1 <= streams <= 64:
+    return _plan(_traced(model), example_inputs, streams, roofline, min_gain)
+
+
+def _traced(model):
+    return model if isinstance(model, tfx.GraphModule) else tfx.symbolic_trace(model)
+
+
+def _plan(gm, example_inputs, streams, roofline, min_gain):
+    if isinstance(streams, bool) or not isinstance(streams, int) or not 1 <= streams <= 64:
         raise ValueError(f"kitsune.sched.plan: streams must be an int in 1..64, got {streams!r}")
     rl = roofline or Roofline()
-    gm = model if isinstance(model, tfx.GraphModule) else tfx.symbolic_trace(model)
     from torch._subclasses.fake_tensor import FakeTensorMode
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     ShapeProp(gm, fake_mode=mode).propagate(*[mode.from_tensor(t) if isinstance(t, torch.Tensor) else t
@@ -190,6 +204,163 @@ def plan(model, *example_inputs, streams=4, roofline=None, min_gain=1.05):
     used = len(set(stream))
     return Plan(streams, used, mk, one, {names[i]: stream[i] for i in range(len(ops))},
                 [(names[a], names[b]) for a, b in syncs], [names[i] for i in order], "")
+
+
+# ---- executing a plan ----------------------------------------------------------------
+class _Streams:
+    """The streams and events of one streamed module: plan stream 0 is whatever stream is
+    current when the module is called (the capturing stream in a capture), the others
+    come from a per-device set made on first use."""
+
+    def __init__(self, n_streams, n_events, eager):
+        self.n_streams, self.n_events, self.eager = n_streams, n_events, eager
+        self.per_device = {}
+        self.main = None
+        self.active = False
+        self.used = set()
+
+    def prepare(self, device):
+        """Makes this device's streams and events (each recorded once, so none is created
+        during a capture)."""
+        if device.index in self.per_device:
+            return
+        with torch.cuda.device(device):
+            sides = [torch.cuda.Stream() for _ in range(self.n_streams - 1)]
+            events = [torch.cuda.Event() for _ in range(self.n_events + 1)]
+            here = torch.cuda.current_stream()
+            for e in events:
+                e.record(here)
+        self.per_device[device.index] = (sides, events)
+
+    def begin(self, device):
+        """At the module's entry: whether this call runs on several streams."""
+        self.active = device.type == "cuda" and (self.eager or torch.cuda.is_current_stream_capturing())
+        if not self.active:
+            return
+        self.prepare(device)
+        self.sides, self.events = self.per_device[device.index]
+        self.main = torch.cuda.current_stream(device)
+        self.events[-1].record(self.main)   # the fork: side streams start after the inputs
+        self.used = set()
+        self.current = 0
+
+    def stream(self, k):
+        return self.main if k == 0 else self.sides[k - 1]
+
+
+_CONTEXTS = {}   # id -> _Streams, for the ops below (their schemas take ints)
+_LIB = None
+
+
+def _register_ops():
+    global _LIB
+    if _LIB is not None:
+        return
+    _LIB = torch.library.Library("kitsune", "FRAGMENT")
+    _LIB.define("stream_fork(Tensor x, int ctx) -> ()")
+    _LIB.define("stream_switch(Tensor[] cross, int ctx, int stream, int[] waits) -> ()")
+    _LIB.define("stream_record(int ctx, int event) -> ()")
+    _LIB.define("stream_join(int ctx) -> ()")
+
+    def fork(x, ctx):
+        _CONTEXTS[ctx].begin(x.device)
+
+    def switch(cross, ctx, stream, waits):
+        c = _CONTEXTS[ctx]
+        if not c.active:
+            return
+        s = c.stream(stream)
+        if stream != 0 and stream not in c.used:
+            s.wait_event(c.events[-1])
+            c.used.add(stream)
+        for e in waits:
+            s.wait_event(c.events[e])
+        for t in cross:   # made on another stream: not reused before this stream's work on it
+            t.record_stream(s)
+        torch.cuda.set_stream(s)
+        c.current = stream
+
+    def record(ctx, event):
+        c = _CONTEXTS[ctx]
+        if c.active:
+            c.events[event].record(c.stream(c.current))
+
+    def join(ctx):
+        c = _CONTEXTS[ctx]
+        if not c.active:
+            return
+        for k in sorted(c.used):   # every side stream rejoins the caller's (a capture requires it)
+            c.main.wait_stream(c.stream(k))
+        torch.cuda.set_stream(c.main)
+        c.active = False
+
+    for name, fn in (("stream_fork", fork), ("stream_switch", switch), ("stream_record", record),
+                     ("stream_join", join)):
+        _LIB.impl(name, fn, "CompositeExplicitAutograd")
+
+
+def streamed(model, *example_inputs, streams=4, roofline=None, min_gain=1.05, eager=False):
+    """``(module, plan)``: ``model``'s forward with the plan's streams applied (see the
+    module docstring), or ``model`` itself when the plan keeps one stream. ``eager=True``
+    also runs the streams outside a capture (for tests). Raises what torch.fx raises
+    when the model cannot be traced."""
+    gm = _traced(model)
+    p = _plan(gm, example_inputs, streams, roofline, min_gain)
+    if p.streams_used <= 1:
+        return model, p
+    return _apply(gm, p, eager), p
+
+
+def _apply(gm, p, eager):
+    """A new graph: the placeholders and parameters, the fork, then the operations in the
+    plan's order (each stream's operations run in that order, which the plan's minimal
+    syncs rely on) with their switches and records, then the join and the output."""
+    import weakref
+    _register_ops()
+    ops = torch.ops.kitsune
+    old = list(gm.graph.nodes)
+    sources = sorted({a for a, _ in p.syncs})
+    event_of = {name: i for i, name in enumerate(sources)}
+    waits_of = {}
+    for a, b in p.syncs:
+        waits_of.setdefault(b, []).append(event_of[a])
+    stream_of = lambda n: p.stream.get(n.name, 0)   # inputs, parameters, output: the caller's stream
+    tensor = lambda n: len(_meta_val(n)) == 1 and hasattr(n.meta.get("tensor_meta"), "shape")
+    first = next((n for n in old if n.op == "placeholder" and tensor(n)), None)
+    if first is None:
+        raise ValueError("kitsune.sched.streamed: the model takes no tensor input to fork from")
+    ctx = _Streams(p.streams_asked, len(sources), eager)
+    cid = id(ctx)
+    _CONTEXTS[cid] = ctx
+    g, env = tfx.Graph(), {}
+    copy = lambda n: env.__setitem__(n, g.node_copy(n, lambda a: env[a]))
+    for n in old:
+        if n.op in ("placeholder", "get_attr"):
+            copy(n)
+    g.call_function(ops.stream_fork, (env[first], cid))
+    by_name = {n.name: n for n in old}
+    current = 0
+    for name in p.order:
+        n = by_name[name]
+        s = stream_of(n)
+        cross = [env[a] for a in n.all_input_nodes if a.op != "get_attr" and stream_of(a) != s and tensor(a)]
+        waits = waits_of.get(name, [])
+        if s != current or waits or cross:
+            g.call_function(ops.stream_switch, (cross, cid, s, waits))
+            current = s
+        copy(n)
+        if name in event_of:
+            g.call_function(ops.stream_record, (cid, event_of[name]))
+    out = next(n for n in old if n.op == "output")
+    cross = [env[a] for a in out.all_input_nodes if stream_of(a) != 0 and tensor(a)]
+    if cross:
+        g.call_function(ops.stream_switch, (cross, cid, 0, []))
+    g.call_function(ops.stream_join, (cid,))
+    copy(out)
+    new = tfx.GraphModule(gm, g)
+    new._kitsune_streams = ctx   # the context lives as long as the module
+    weakref.finalize(new, _CONTEXTS.pop, cid, None)
+    return new
 
 
 class Inception(torch.nn.Module):

@@ -2,9 +2,12 @@
 join needs, a sequential model keeps one stream, the issue order is topological,
 and bad arguments are refused with the limit named. (The C core has its own tests in
 tests/c/unit/test_sched.c: validity, necessity of each sync, optimality bounds.)"""
+import copy
+
 import pytest
 
 torch = pytest.importorskip("torch")
+import kitsune  # noqa: E402
 import kitsune.sched as ks  # noqa: E402
 
 nn = torch.nn
@@ -57,3 +60,148 @@ def test_bad_stream_counts_are_refused():
     for bad in (0, 65, 2.5):
         with pytest.raises(ValueError, match=r"streams must be an int in 1\.\.64"):
             ks.plan(nn.Linear(2, 2), torch.randn(1, 2), streams=bad)
+
+
+# ---- kitsune.sched.streamed: the plan executed -----------------------------------------------
+def _stream_ops(gm):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and "kitsune.stream_" in str(n.target)]
+
+
+def test_streamed_inserts_fork_switches_records_and_join_and_runs_the_same():
+    torch.manual_seed(0)
+    m = Inception()
+    x = torch.randn(4, 32, 8, 8, requires_grad=True)
+    sm, plan = ks.streamed(m, x, streams=4)
+    assert plan.streams_used == 4 and sm is not m
+    names = [str(n.target).split(".")[-1] for n in _stream_ops(sm)]
+    assert names[0] == "stream_fork" and names[-1] == "stream_join", names
+    assert names.count("stream_record") == len({a for a, _ in plan.syncs}), names
+    # each op runs after its switch: the op order is the plan's, each stream's in plan order
+    order = [n.name for n in sm.graph.nodes if n.name in plan.stream]
+    assert order == plan.order
+    # every sync's event is waited before the op that needs it
+    waited = {}
+    current = None
+    for n in sm.graph.nodes:
+        if n in _stream_ops(sm) and str(n.target).endswith("stream_switch"):
+            current = n.args[2]
+            for e in n.args[3]:
+                waited.setdefault(e, []).append(n)
+        elif n.name in plan.stream:
+            assert plan.stream[n.name] == (current or 0), f"{n.name} runs on {current}, planned {plan.stream[n.name]}"
+    assert sum(len(v) for v in waited.values()) == len(plan.syncs)
+    # on the CPU the stream ops do nothing: same outputs and gradients as the model
+    x2 = x.detach().clone().requires_grad_()
+    y1, y2 = m(x), sm(x2)
+    torch.testing.assert_close(y1, y2, rtol=0, atol=0)
+    y1.square().sum().backward()
+    y2.square().sum().backward()
+    # x's gradient sums the four branches' in the new op order: equal up to rounding
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_streamed_keeps_a_sequential_model_and_refuses_bad_counts():
+    mlp = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    sm, plan = ks.streamed(mlp, torch.randn(2, 8), streams=4)
+    assert sm is mlp and plan.streams_used == 1
+    with pytest.raises(ValueError, match=r"streams must be an int in 1\.\.64"):
+        ks.streamed(mlp, torch.randn(2, 8), streams=0)
+
+
+def test_compile_step_refuses_bad_stream_counts():
+    m = nn.Linear(2, 2)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    for bad in (0, 65, True):
+        with pytest.raises(ValueError, match=r"compile_step: streams must be an int in 1\.\.64"):
+            kitsune.compile_step(m, nn.functional.mse_loss, opt, streams=bad)
+
+
+# ---- on the GPU -----------------------------------------------------------------------------
+from test_torch_allocator import gpu  # noqa: E402
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_streamed_eager_and_captured_match_the_model():
+    """Four streams for real (eager=True runs them outside a capture too): forward and
+    backward match the model's; then forward + backward captured in one CUDA graph with
+    the streams, replayed on new inputs, match as well."""
+    torch.manual_seed(0)
+    torch.backends.cudnn.deterministic = True
+    m = Inception().cuda()
+    x = torch.randn(8, 32, 16, 16, device="cuda")
+    sm, plan = ks.streamed(m, x, streams=4, eager=True)
+    assert plan.streams_used == 4
+
+    def fwd_bwd(mod, inp):
+        for p in m.parameters():
+            p.grad = None
+        xi = inp.detach().clone().requires_grad_()
+        y = mod(xi)
+        y.square().mean().backward()
+        return y.detach(), xi.grad, [p.grad.clone() for p in m.parameters()]
+
+    want = fwd_bwd(m, x)
+    got = fwd_bwd(sm, x)
+    torch.cuda.synchronize()
+    for a, b in zip([want[0], want[1]] + want[2], [got[0], got[1]] + got[2]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    # captured: a graph of forward + backward on the streams
+    cm, _ = ks.streamed(m, x, streams=4)   # streams only inside the capture
+    static_x = x.clone().requires_grad_()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):   # warm-up, as PyTorch's docs do
+        cm(static_x).square().mean().backward()
+    torch.cuda.current_stream().wait_stream(s)
+    for p in m.parameters():
+        p.grad = None
+    static_x.grad = None
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static_y = cm(static_x)
+        static_y.square().mean().backward()
+    for _ in range(3):
+        x_new = torch.randn_like(x)
+        static_x.data.copy_(x_new)
+        g.replay()
+        torch.cuda.synchronize()
+        grads = [p.grad.clone() for p in m.parameters()]
+        xg = static_x.grad.clone()
+        y = static_y.clone()
+        ref = fwd_bwd(m, x_new)
+        torch.testing.assert_close(y, ref[0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(xg, ref[1], rtol=1e-4, atol=1e-5)
+        for a, b in zip(grads, ref[2]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_compile_step_spreads_a_branchy_net_and_trains_as_on_one_stream():
+    torch.manual_seed(0)
+    torch.backends.cudnn.deterministic = True
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Conv2d(3, 32, 3, padding=1)
+            self.block = Inception()
+            self.fc = nn.Linear(128, 10)
+
+        def forward(self, x):
+            return self.fc(self.block(torch.relu(self.stem(x))).mean((2, 3)))
+
+    base = Net().cuda()
+    batches = [(torch.randn(16, 3, 16, 16, device="cuda"), torch.randint(0, 10, (16,), device="cuda"))
+               for _ in range(4)]
+    losses = {}
+    for streams in (4, 1):
+        m = copy.deepcopy(base)
+        step = kitsune.compile_step(m, nn.functional.cross_entropy, torch.optim.AdamW(m.parameters(), lr=1e-3),
+                                    streams=streams)
+        losses[streams] = torch.stack([step(*batches[i % 4]) for i in range(20)]).cpu()
+        st = step.stats()
+        assert st["reason"] is None and st["replays"] == 19, st
+        assert (st["streams"] > 1) == (streams > 1), st
+    torch.testing.assert_close(losses[4], losses[1], rtol=1e-4, atol=1e-5)

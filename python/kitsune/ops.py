@@ -32,7 +32,8 @@ Ops (reference semantics):
   attention_score(q, k, scale=None)         (q @ k^T) * scale, scale = 1/sqrt(d) by default
   gelu_dropout(x, p, training=True, approximate="none")   dropout(gelu(x))
   bias_dropout_add(x, bias, residual, p, training=True)   residual + dropout(x + bias)
-  linear_act(x, weight, bias, act="relu")   act(F.linear(x, weight, bias)); relu via _addmm_activation
+  linear_act(x, weight, bias, act="relu")   act(F.linear(x, weight, bias)); on CUDA one cuBLASLt GEMM
+                                            with a bias + relu / tanh-GELU epilogue
   batch_norm_relu(x, running_mean, running_var, weight, bias, training, momentum, eps)
                                relu(F.batch_norm(...)), running stats updated as F.batch_norm does
 The dropout ops draw (seed, offset) from PyTorch's default generator of the device
@@ -366,7 +367,7 @@ def batch_norm_relu(x, running_mean, running_var, weight=None, bias=None, traini
 
 
 def linear_act(x, weight, bias, act="relu"):
-    """act(F.linear(x, weight, bias)), act "relu" (ATen's _addmm_activation: on CUDA a
-    GEMM with cuBLASLt's bias + ReLU epilogue), "gelu" or "gelu_tanh" (the GEMM, then
-    bias_gelu)."""
+    """act(F.linear(x, weight, bias)), act "relu", "gelu" (erf) or "gelu_tanh". On CUDA,
+    relu and (fp16/bf16) gelu_tanh are one cuBLASLt GEMM with the bias and activation in
+    its epilogue; gelu is the GEMM, then bias_gelu."""
     return _lib.linear_act(x, weight, bias, act)

@@ -129,24 +129,25 @@ def test_gpu_streamed_eager_and_captured_match_the_model():
     torch.manual_seed(0)
     torch.backends.cudnn.deterministic = True
     m = Inception().cuda()
+    ref_m = copy.deepcopy(m)   # the reference: its own parameters and gradients
     x = torch.randn(8, 32, 16, 16, device="cuda")
     sm, plan = ks.streamed(m, x, streams=4, eager=True)
     assert plan.streams_used == 4
 
-    def fwd_bwd(mod, inp):
-        for p in m.parameters():
+    def fwd_bwd(mod, params, inp):
+        for p in params:
             p.grad = None
         xi = inp.detach().clone().requires_grad_()
         y = mod(xi)
         y.square().mean().backward()
-        return y.detach(), xi.grad, [p.grad.clone() for p in m.parameters()]
+        return [y.detach(), xi.grad] + [p.grad.clone() for p in params]
 
-    want = fwd_bwd(m, x)
-    got = fwd_bwd(sm, x)
-    torch.cuda.synchronize()
-    for a, b in zip([want[0], want[1]] + want[2], [got[0], got[1]] + got[2]):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-    # captured: a graph of forward + backward on the streams
+    def check(got, want):
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+    check(fwd_bwd(sm, list(m.parameters()), x), fwd_bwd(ref_m, list(ref_m.parameters()), x))
+    # captured: one graph of forward + backward on the streams
     cm, _ = ks.streamed(m, x, streams=4)   # streams only inside the capture
     static_x = x.clone().requires_grad_()
     s = torch.cuda.Stream()
@@ -161,19 +162,13 @@ def test_gpu_streamed_eager_and_captured_match_the_model():
     with torch.cuda.graph(g):
         static_y = cm(static_x)
         static_y.square().mean().backward()
+    static = [static_y, static_x.grad] + [p.grad for p in m.parameters()]
     for _ in range(3):
         x_new = torch.randn_like(x)
         static_x.data.copy_(x_new)
         g.replay()
         torch.cuda.synchronize()
-        grads = [p.grad.clone() for p in m.parameters()]
-        xg = static_x.grad.clone()
-        y = static_y.clone()
-        ref = fwd_bwd(m, x_new)
-        torch.testing.assert_close(y, ref[0], rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(xg, ref[1], rtol=1e-4, atol=1e-5)
-        for a, b in zip(grads, ref[2]):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        check([t.clone() for t in static], fwd_bwd(ref_m, list(ref_m.parameters()), x_new))
 
 
 @pytest.mark.gpu

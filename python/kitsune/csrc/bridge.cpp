@@ -2159,9 +2159,12 @@ struct LtGemm {
   }
 };
 
+// cuBLASLt takes real CUDA memory: a tensor subclass (a FakeTensor under ShapeProp or
+// torch.compile's tracing, which reaches this code through the C++ autograd kernel)
+// composes ATen ops instead, which dispatch to it.
 bool lt_dtype_ok(const Tensor& x) {
-  return x.is_cuda() && (x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16 ||
-                         x.scalar_type() == at::kFloat);
+  return x.is_cuda() && !x.key_set().has(c10::DispatchKey::Python) &&
+         (x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat);
 }
 
 // out (M, N) = act(x2 (M, K) @ w (N, K)^T + b) in one cuBLASLt GEMM (D^T = W . x2^T in

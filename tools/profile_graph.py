@@ -3,12 +3,15 @@ the stock whole-step graph (bench/models.py's stock_graph), for the models named
 
     python tools/profile_graph.py mlp resnet18
 
-Per model and recipe: GPU ms a step (CUDA events over 20 replays), then the
+Per model and recipe: GPU ms a step (CUDA events over 20 replays) and the host's
+(the calls' wall time, not synchronized: when it is the larger, the step waits on the
+host), then the
 profiler's kernels over 10 replays, as us a step, calls a step and name, the largest
 first. tools/gpu_run.sh runs it as part "pgraph" (to $OUT/profile_graph.log).
 """
 import os
 import sys
+import time
 from collections import defaultdict
 
 import torch
@@ -42,14 +45,17 @@ def main():
             for i in range(5):
                 step(*data[i % len(data)])
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
             a.record()
+            h0 = time.perf_counter()
             for i in range(20):
                 step(*data[i % len(data)])
+            host = (time.perf_counter() - h0) / 20 * 1e3
             b.record()
             torch.cuda.synchronize()
             rows = kernels(step, data[0])
-            print(f"== {name} {recipe}: {a.elapsed_time(b) / 20:.3f} ms a step; kernels {sum(r[0] for r in rows):.1f} us, "
-                  f"{sum(r[1] for r in rows):.0f} launches a step")
+            print(f"== {name} {recipe}: {a.elapsed_time(b) / 20:.3f} ms a step (host {host:.3f} ms a step); kernels "
+                  f"{sum(r[0] for r in rows):.1f} us, {sum(r[1] for r in rows):.0f} launches a step")
             for us, c, k in rows[:18]:
                 print(f"  {us:8.1f} us  {c:5.1f}x  {k[:110]}")
             del step, model

@@ -225,6 +225,135 @@ __global__ void __launch_bounds__(256) bn_bwd_apply(const T *g, const T *x, cons
   kt::store_v<T, VEC>(gx, v * V, o);
 }
 
+// ---- rows: S == 1, x a (R, C) matrix ----
+// A channels-last (NHWC) image batch is (N * H * W, C) rows, and so is a (N, C) input.
+// A channel's values are then C apart: the stripe kernels above would read one
+// element per 32-byte sector. These read rows: a block covers 32 channels (one per
+// lane, consecutive addresses) and a stripe of rows, kRowsY warps deep, four rows in
+// flight a thread.
+constexpr int kRowsY = 8;
+
+// part[(c * splits + k) * 2]: sums of x - x[c] (row 0) over stripe k's rows
+template <typename T>
+__global__ void __launch_bounds__(256) bn_stats_rows(const T *x, int64_t R, int64_t C, float *part) {
+  const int64_t c = (int64_t)blockIdx.x * 32 + threadIdx.x, splits = gridDim.y;
+  const int64_t per = (R + splits - 1) / splits, r0 = blockIdx.y * per, r1 = r0 + per < R ? r0 + per : R;
+  float s = 0.f, s2 = 0.f;
+  if (c < C) {
+    const float shift = kt::to_f(x[c]);
+    int64_t r = r0 + threadIdx.y;
+    for (; r + 3 * kRowsY < r1; r += 4 * kRowsY) {
+      float v[4];
+#pragma unroll
+      for (int u = 0; u < 4; u++) v[u] = kt::to_f(x[(r + u * kRowsY) * C + c]) - shift;
+#pragma unroll
+      for (int u = 0; u < 4; u++) s += v[u], s2 += v[u] * v[u];
+    }
+    for (; r < r1; r += kRowsY) {
+      const float d = kt::to_f(x[r * C + c]) - shift;
+      s += d, s2 += d * d;
+    }
+  }
+  __shared__ float sh[kRowsY][32][2];
+  sh[threadIdx.y][threadIdx.x][0] = s, sh[threadIdx.y][threadIdx.x][1] = s2;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < C) {
+    for (int y = 1; y < kRowsY; y++) s += sh[y][threadIdx.x][0], s2 += sh[y][threadIdx.x][1];
+    part[(c * splits + blockIdx.y) * 2] = s, part[(c * splits + blockIdx.y) * 2 + 1] = s2;
+  }
+}
+
+// part[(c * splits + k) * 2]: sums of g' and g' * xhat over stripe k's rows
+template <typename T>
+__global__ void __launch_bounds__(256) bn_bwd_stats_rows(const T *g, const T *x, const T *y, int64_t R, int64_t C,
+                                                         const float *mean, const float *invstd, bool relu,
+                                                         float *part) {
+  const int64_t c = (int64_t)blockIdx.x * 32 + threadIdx.x, splits = gridDim.y;
+  const int64_t per = (R + splits - 1) / splits, r0 = blockIdx.y * per, r1 = r0 + per < R ? r0 + per : R;
+  float sg = 0.f, sgx = 0.f;
+  if (c < C) {
+    const float mu = mean[c], is = invstd[c];
+    auto add = [&](int64_t i) {
+      const float gi = (relu && !(kt::to_f(y[i]) > 0.f)) ? 0.f : kt::to_f(g[i]);
+      sg += gi, sgx += gi * (kt::to_f(x[i]) - mu) * is;
+    };
+    int64_t r = r0 + threadIdx.y;
+    for (; r + 3 * kRowsY < r1; r += 4 * kRowsY) {
+      float gv[4], xv[4], yv[4];
+#pragma unroll
+      for (int u = 0; u < 4; u++) {
+        const int64_t i = (r + u * kRowsY) * C + c;
+        gv[u] = kt::to_f(g[i]), xv[u] = kt::to_f(x[i]), yv[u] = relu ? kt::to_f(y[i]) : 1.f;
+      }
+#pragma unroll
+      for (int u = 0; u < 4; u++) {
+        const float gi = yv[u] > 0.f ? gv[u] : 0.f;
+        sg += gi, sgx += gi * (xv[u] - mu) * is;
+      }
+    }
+    for (; r < r1; r += kRowsY) add(r * C + c);
+  }
+  __shared__ float sh[kRowsY][32][2];
+  sh[threadIdx.y][threadIdx.x][0] = sg, sh[threadIdx.y][threadIdx.x][1] = sgx;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < C) {
+    for (int yy = 1; yy < kRowsY; yy++) sg += sh[yy][threadIdx.x][0], sgx += sh[yy][threadIdx.x][1];
+    part[(c * splits + blockIdx.y) * 2] = sg, part[(c * splits + blockIdx.y) * 2 + 1] = sgx;
+  }
+}
+
+// The apply over rows with 16-byte vectors (C a multiple of the vector: a vector is
+// V consecutive channels of one row)
+template <typename T>
+__global__ void __launch_bounds__(256) bn_apply_rows(const T *x, T *y, int64_t nvec, int64_t C, const float *mean,
+                                                     const float *invstd, const T *w, const T *b, bool relu) {
+  constexpr int V = 16 / sizeof(T);
+  const int64_t v = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (v >= nvec) return;
+  const int64_t c0 = channel_of(v * V, nvec * V, 1, C);
+  T in[V], o[V];
+  kt::load_v<T, true>(x, v * V, in);
+#pragma unroll
+  for (int q = 0; q < V; q++) {
+    const int64_t c = c0 + q;
+    const float r = (kt::to_f(in[q]) - mean[c]) * invstd[c] * (w ? kt::to_f(w[c]) : 1.f) + (b ? kt::to_f(b[c]) : 0.f);
+    o[q] = kt::from_f<T>(relu ? fmaxf(r, 0.f) : r);
+  }
+  kt::store_v<T, true>(y, v * V, o);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) bn_bwd_apply_rows(const T *g, const T *x, const T *y, T *gx, int64_t nvec,
+                                                         int64_t C, int64_t M, const float *mean, const float *invstd,
+                                                         const T *w, const float *sum_g, const float *sum_gx,
+                                                         bool relu, bool training) {
+  constexpr int V = 16 / sizeof(T);
+  const int64_t v = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (v >= nvec) return;
+  const int64_t c0 = channel_of(v * V, nvec * V, 1, C);
+  T gv[V], xv[V], yv[V], o[V];
+  kt::load_v<T, true>(g, v * V, gv);
+  if (training) kt::load_v<T, true>(x, v * V, xv);
+  if (relu) kt::load_v<T, true>(y, v * V, yv);
+#pragma unroll
+  for (int q = 0; q < V; q++) {
+    const int64_t c = c0 + q;
+    const float is = invstd[c];
+    float gq = (relu && !(kt::to_f(yv[q]) > 0.f)) ? 0.f : kt::to_f(gv[q]);
+    if (training) gq = gq - sum_g[c] / (float)M - (kt::to_f(xv[q]) - mean[c]) * is * sum_gx[c] / (float)M;
+    o[q] = kt::from_f<T>((w ? kt::to_f(w[c]) : 1.f) * is * gq);
+  }
+  kt::store_v<T, true>(gx, v * V, o);
+}
+
+// Row stripes: about 1024 blocks of 32 channels, each at least 64 rows
+int64_t row_splits_for(int64_t R, int64_t C) {
+  const int64_t chunks = (C + 31) / 32;
+  int64_t s = (1024 + chunks - 1) / chunks, most = (R + 63) / 64;
+  s = s < most ? s : most;
+  return s < 1 ? 1 : s > 65535 ? 65535 : s;
+}
+
 int64_t splits_for(int64_t N, int64_t C, int64_t S) {   // about 1024 blocks, each >= 4096 elements
   int64_t s = (1024 + C - 1) / C, most = (N * S + 4095) / 4096;
   s = s < most ? s : most;
@@ -248,10 +377,19 @@ kt_status fwd(const void *x, void *y, const void *w, const void *b, int64_t N, i
   const int V = vec ? 16 / sizeof(T) : 1;
   const T *xt = (const T *)x, *wt = (const T *)w, *bt = (const T *)b;
   if (training) {
-    const int64_t sp = splits_for(N, C, S);
-    auto stats = vec ? bn_stats<T, true> : bn_stats<T, false>;
-    stats<<<dim3((unsigned)C, (unsigned)sp), stripe_threads(N, S, sp, V), 0, s>>>(xt, N, C, S, work);
+    const int64_t sp = S == 1 ? row_splits_for(N, C) : splits_for(N, C, S);
+    if (S == 1) {
+      bn_stats_rows<T><<<dim3((unsigned)((C + 31) / 32), (unsigned)sp), dim3(32, kRowsY), 0, s>>>(xt, N, C, work);
+    } else {
+      auto stats = vec ? bn_stats<T, true> : bn_stats<T, false>;
+      stats<<<dim3((unsigned)C, (unsigned)sp), stripe_threads(N, S, sp, V), 0, s>>>(xt, N, C, S, work);
+    }
     bn_finish<T><<<warp_grid(C), 256, 0, s>>>(xt, work, sp, C, S, N * S, eps, momentum, mean, invstd, rm, rv);
+  }
+  if (S == 1 && kt::row_vec_ok<T>(C, {x, y})) {   // rows of C: vectors of consecutive channels
+    const int64_t nvec = N * C / (16 / sizeof(T));
+    bn_apply_rows<T><<<vec_grid(nvec), 256, 0, s>>>(xt, (T *)y, nvec, C, mean, invstd, wt, bt, relu);
+    return kt::status_of(cudaGetLastError());
   }
   const int64_t nvec = N * C * S / V;
   auto apply = vec ? bn_apply<T, true> : bn_apply<T, false>;
@@ -263,14 +401,25 @@ template <typename T>
 kt_status bwd(const void *g, const void *x, const void *y, void *gx, const void *w, int64_t N, int64_t C, int64_t S,
               int training, const float *mean, const float *invstd, float *sum_g, float *sum_gx, float *work, int relu,
               cudaStream_t s) {
-  const int64_t sp = splits_for(N, C, S);
+  const int64_t sp = S == 1 ? row_splits_for(N, C) : splits_for(N, C, S);
   const bool vec = kt::row_vec_ok<T>(S, {g, x, y, gx});
   const int V = vec ? 16 / sizeof(T) : 1;
   const T *gt = (const T *)g, *xt = (const T *)x, *yt = (const T *)y, *wt = (const T *)w;
-  auto stats = vec ? bn_bwd_stats<T, true> : bn_bwd_stats<T, false>;
-  stats<<<dim3((unsigned)C, (unsigned)sp), stripe_threads(N, S, sp, V), 0, s>>>(gt, xt, yt, N, C, S, mean, invstd,
-                                                                                 relu, work);
+  if (S == 1) {
+    bn_bwd_stats_rows<T><<<dim3((unsigned)((C + 31) / 32), (unsigned)sp), dim3(32, kRowsY), 0, s>>>(
+        gt, xt, yt, N, C, mean, invstd, relu, work);
+  } else {
+    auto stats = vec ? bn_bwd_stats<T, true> : bn_bwd_stats<T, false>;
+    stats<<<dim3((unsigned)C, (unsigned)sp), stripe_threads(N, S, sp, V), 0, s>>>(gt, xt, yt, N, C, S, mean, invstd,
+                                                                                   relu, work);
+  }
   bn_sum_parts<<<warp_grid(C), 256, 0, s>>>(work, sp, C, sum_g, sum_gx);
+  if (S == 1 && kt::row_vec_ok<T>(C, {g, x, y, gx})) {
+    const int64_t nvec = N * C / (16 / sizeof(T));
+    bn_bwd_apply_rows<T><<<vec_grid(nvec), 256, 0, s>>>(gt, xt, yt, (T *)gx, nvec, C, N * S, mean, invstd, wt, sum_g,
+                                                         sum_gx, relu, training);
+    return kt::status_of(cudaGetLastError());
+  }
   const int64_t nvec = N * C * S / V;
   auto apply = vec ? bn_bwd_apply<T, true> : bn_bwd_apply<T, false>;
   apply<<<vec_grid(nvec), 256, 0, s>>>(gt, xt, yt, (T *)gx, nvec, S / V, C, N * S, mean, invstd, wt, sum_g, sum_gx,
@@ -284,7 +433,7 @@ bool bad(int64_t N, int64_t C, int64_t S) { return N <= 0 || C <= 0 || S <= 0 ||
 
 // ---- launchers ----
 extern "C" int64_t kt_batch_norm_workspace(int64_t N, int64_t C, int64_t S) {
-  return N > 0 && C > 0 && S > 0 ? 2 * C * splits_for(N, C, S) : 0;
+  return N > 0 && C > 0 && S > 0 ? 2 * C * (S == 1 ? row_splits_for(N, C) : splits_for(N, C, S)) : 0;
 }
 
 extern "C" kt_status kt_batch_norm(kt_dtype t, const void *x, void *y, const void *w, const void *b, int64_t N,

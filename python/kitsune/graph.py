@@ -34,6 +34,13 @@ independent branches on separate streams (their backward follows them). A model
 torch.fx cannot trace, or whose plan gains under 5%, is captured on one stream;
 ``stats()["streams"]`` and ``["streams_reason"]`` say which. ``streams=1`` turns it off.
 
+Layout: a model with Conv2d layers is captured on channels-last copies of its 4-D
+floating inputs (``channels_last=None``, the default; True or False force it): cuDNN
+runs NHWC kernels on H100s, and on NCHW input it transposes around each convolution.
+The parameters keep their layout. The warm-up step tries it first; a model that
+refuses it (a ``.view`` needing NCHW strides, say) is captured NCHW, and
+``stats()["channels_last_reason"]`` says so.
+
 After a step, parameters' ``.grad`` are None: the graph's gradients live in its pool.
 The graphs hold the parameters and optimizer state they captured: the optimizer's
 ``load_state_dict`` (which replaces its state tensors) and a change to a
@@ -66,7 +73,7 @@ class CompiledStep:
     """A training step as a CUDA graph; see the module docstring."""
 
     def __init__(self, model, loss_fn, optimizer, *, max_shapes=8, autocast_dtype=None, max_grad_norm=None,
-                 streams=4):
+                 streams=4, channels_last=None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"compile_step: model must be a torch.nn.Module, got {type(model).__name__}")
         if loss_fn is not None and not callable(loss_fn):
@@ -85,6 +92,8 @@ class CompiledStep:
             raise ValueError(f"compile_step: max_grad_norm must be None or > 0, got {max_grad_norm!r}")
         if isinstance(streams, bool) or not isinstance(streams, int) or not 1 <= streams <= 64:
             raise ValueError(f"compile_step: streams must be an int in 1..64, got {streams!r}")
+        if channels_last not in (None, True, False):
+            raise ValueError(f"compile_step: channels_last must be None (auto), True or False, got {channels_last!r}")
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
         self.max_shapes, self.autocast_dtype, self.max_grad_norm = max_shapes, autocast_dtype, max_grad_norm
         self._graphs = collections.OrderedDict()
@@ -94,6 +103,11 @@ class CompiledStep:
         self._n = {"replays": 0, "eager_steps": 0, "captures": 0, "evictions": 0, "recaptures": 0}
         self._setup_s = 0.0
         self.streams = streams
+        # channels-last 4-D inputs: None = when the model has a 2-D convolution
+        self._cl = (any(isinstance(m, torch.nn.Conv2d) for m in model.modules()) if channels_last is None
+                    else channels_last)
+        self._cl_reason = "asked" if channels_last else "off" if channels_last is False else (
+            "the model has Conv2d layers" if self._cl else "no Conv2d layer")
         self._captured = None   # the model as captured: with its plan's streams (kitsune.sched.streamed)
         self._stream_info = {"streams": 1, "streams_reason": "not planned yet"}
         # load_state_dict replaces the optimizer's state tensors, which the graphs hold
@@ -166,11 +180,26 @@ class CompiledStep:
             self._side = torch.cuda.Stream()
         side = self._side
         side.wait_stream(here)
+        loss = None
         with torch.cuda.stream(side):
-            loss = self._eager(batch)
+            if self._cl:   # the warm-up step tells whether the model takes channels-last input
+                buffers = list(self.model.buffers())   # a failed try must not move running stats or the rng
+                saved, rng = [b.detach().clone() for b in buffers], torch.cuda.get_rng_state()
+                try:
+                    loss = self._eager(self._layout(batch))
+                except Exception as e:   # noqa: BLE001 - e.g. a .view() that needs NCHW strides
+                    with torch.no_grad():
+                        for b, v in zip(buffers, saved):
+                            b.copy_(v)
+                    torch.cuda.set_rng_state(rng)
+                    first = (str(e).strip().splitlines() or [""])[0]
+                    self._cl, self._cl_reason = False, f"the model refused channels-last input: {type(e).__name__}: {first}"
+            if loss is None:
+                loss = self._eager(batch)
         here.wait_stream(side)
         slots = [i for i, b in enumerate(batch) if isinstance(b, torch.Tensor)]
-        static = [batch[i].detach().clone() for i in slots]   # outside the pool: the graph's inputs
+        laid = self._layout(batch)
+        static = [laid[i].detach().clone() for i in slots]   # outside the pool: the graph's inputs
         args = list(batch)
         for s, i in zip(static, slots):
             args[i] = s
@@ -202,6 +231,14 @@ class CompiledStep:
         self._n["captures"] += 1
         self._setup_s += time.perf_counter() - t0
         return loss
+
+    def _layout(self, batch):
+        """The batch as the graph takes it: 4-D floating tensors channels-last when that
+        is on (cuDNN's convolutions then need no NCHW <-> NHWC transposes)."""
+        if not self._cl:
+            return batch
+        return tuple(b.contiguous(memory_format=torch.channels_last)
+                     if isinstance(b, torch.Tensor) and b.dim() == 4 and b.is_floating_point() else b for b in batch)
 
     def _plan_streams(self, batch, device):
         """The model to capture: with kitsune.sched's streams when its plan gains, else the
@@ -255,8 +292,10 @@ class CompiledStep:
         graphs kept, seconds
         spent in first steps and captures (setup_s), and why the step runs eagerly
         (reason, None while it is captured), and the streams the captured forward runs on
-        with the planner's verdict (streams, streams_reason)."""
-        return dict(self._n, graphs=len(self._graphs), setup_s=self._setup_s, reason=self._reason, **self._stream_info)
+        with the planner's verdict (streams, streams_reason), and whether 4-D inputs are
+        captured channels-last (channels_last, channels_last_reason)."""
+        return dict(self._n, graphs=len(self._graphs), setup_s=self._setup_s, reason=self._reason, **self._stream_info,
+                    channels_last=self._cl, channels_last_reason=self._cl_reason)
 
 
 def _end_generator_capture(device):
@@ -285,8 +324,9 @@ def _signature(batch):
     return tuple(key)
 
 
-def compile_step(model, loss_fn, optimizer, *, max_shapes=8, autocast_dtype=None, max_grad_norm=None, streams=4):
+def compile_step(model, loss_fn, optimizer, *, max_shapes=8, autocast_dtype=None, max_grad_norm=None, streams=4,
+                 channels_last=None):
     """A callable ``step(*batch) -> loss`` running the whole training step as a CUDA
     graph; see kitsune.graph."""
     return CompiledStep(model, loss_fn, optimizer, max_shapes=max_shapes, autocast_dtype=autocast_dtype,
-                        max_grad_norm=max_grad_norm, streams=streams)
+                        max_grad_norm=max_grad_norm, streams=streams, channels_last=channels_last)

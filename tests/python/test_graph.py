@@ -380,3 +380,52 @@ def test_gpu_compile_step_with_enable_amp_says_why_it_runs_eagerly():
     with pytest.warns(UserWarning, match=r"running eagerly: KitsuneOptimizer\(enable_amp=True\) reads its inf check"):
         losses = [step(x, y) for x, y in _batches(3, "cuda")]
     assert all(torch.isfinite(v) for v in losses) and opt.get_stats()["fused_steps"] == 3
+
+
+class _ConvBN(torch.nn.Module):
+    """Conv + BatchNorm + ReLU (kitsune.optimize makes it batch_norm_relu), then a head;
+    view_head=True flattens with .view, which channels-last activations refuse."""
+
+    def __init__(self, view_head=False):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 16, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(16)
+        self.fc = torch.nn.Linear(16 * 8 * 8, 10)
+        self.view_head = view_head
+
+    def forward(self, x):
+        h = torch.relu(self.bn(self.conv(x)))
+        return self.fc(h.view(h.shape[0], -1) if self.view_head else h.flatten(1))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("view_head", [False, True], ids=["flatten", "view"])
+def test_gpu_compile_step_channels_last_trains_as_eager(view_head):
+    """A conv net is captured on channels-last input (batch_norm_relu runs NHWC rows):
+    losses, parameters and optimizer state follow the eager NCHW loop. A .view head
+    refuses channels-last: the warm-up finds it and the step is captured NCHW."""
+    torch.manual_seed(0)
+    torch.backends.cudnn.deterministic = True
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 3, 8, 8, generator=gen).cuda(), torch.randint(0, 10, (8,), generator=gen).cuda())
+               for _ in range(12)]
+    base = kitsune.optimize(_ConvBN(view_head).cuda())
+    m1, o1, m2, o2 = _twins(base, torch.optim.AdamW, lr=1e-3)
+    l1 = _eager_reference(m1, o1, batches, torch.nn.functional.cross_entropy)
+    l2, step = _compiled(m2, o2, batches, torch.nn.functional.cross_entropy)
+    st = step.stats()
+    assert st["reason"] is None and st["replays"] == 11, st
+    assert st["channels_last"] is (not view_head), st
+    if view_head:
+        assert "refused channels-last" in st["channels_last_reason"], st
+    _assert_same_training(m1, o1, m2, o2, l1, l2, rtol=1e-4, atol=1e-5)
+    for a, b in zip(m1.buffers(), m2.buffers()):   # running stats: a refused try left no trace
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_compile_step_refuses_a_bad_channels_last():
+    m = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="channels_last must be None"):
+        kitsune.compile_step(m, torch.nn.functional.mse_loss, torch.optim.SGD(m.parameters(), lr=0.1),
+                             channels_last="yes")

@@ -560,10 +560,14 @@ def test_gpu_batch_norm_relu_matches_fp64(dtype, training):
     g = torch.Generator().manual_seed(13)
     # planes of 1 and of 2 vectors (flat apply), of >= 64 not a multiple of the vector, of 1024
     # (16-byte vectors), and 37 images in 21 stripes of 2 (the last ones empty)
-    for shape in [(7, 3), (64, 4, 4, 4), (4, 5, 1023), (16, 64, 14, 14), (2, 3, 1, 1), (256, 32, 9, 9),
-                  (3, 8, 32, 32), (37, 8, 48, 48)]:
+    # channels-last batches (cl) run as rows of C: vectors of channels, and C = 5 scalar
+    for shape, cl in [((7, 3), 0), ((64, 4, 4, 4), 0), ((4, 5, 1023), 0), ((16, 64, 14, 14), 0), ((2, 3, 1, 1), 0),
+                      ((256, 32, 9, 9), 0), ((3, 8, 32, 32), 0), ((37, 8, 48, 48), 0), ((16, 64, 14, 14), 1),
+                      ((8, 24, 7, 9), 1), ((4, 5, 3, 3), 1), ((300, 40), 0)]:
         c = shape[1]
         x = _t(shape, dtype, "cuda", g, shift=1.5)
+        if cl:
+            x = x.contiguous(memory_format=torch.channels_last)
         w, b = _t((c,), dtype, "cuda", g), _t((c,), dtype, "cuda", g)
         rm, rv = _t((c,), torch.float32, "cuda", g), _t((c,), torch.float32, "cuda", g).abs() + 0.5
         r64 = (rm.double(), rv.double())
@@ -573,7 +577,8 @@ def test_gpu_batch_norm_relu_matches_fp64(dtype, training):
         out = ko.batch_norm_relu(x, rm, rv, w, b, training)
         want = _bn_ref(x.double(), w.double(), b.double(), *r64, training)
         theirs = _bn_ref(x, w, b, *rt, training)
-        _check_close(out, want, theirs, dtype, f"{dtype} {shape} training={training}")
+        _check_close(out, want, theirs, dtype, f"{dtype} {shape} cl={cl} training={training}")
+        assert out.is_contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
         if training:
             torch.testing.assert_close(rm.double(), r64[0], rtol=1e-3, atol=1e-3)
             torch.testing.assert_close(rv.double(), r64[1], rtol=1e-3, atol=1e-3)

@@ -1773,14 +1773,22 @@ BnShape bn_forward_checks(const Tensor& x, const OptTensor& w, const OptTensor& 
     if (*p && (*p)->defined()) check_same(x, **p, op, "x", p == &w ? "weight" : "bias");
   return s;
 }
+// A channels-last (NHWC) batch is run as it lies, as (N * H * W, C, 1) rows: no copy,
+// and the output is channels-last too (convolutions then need no transposes).
+bool bn_channels_last(const Tensor& x) {
+  return x.dim() == 4 && !x.is_contiguous() && x.is_contiguous(at::MemoryFormat::ChannelsLast);
+}
+BnShape bn_kernel_shape(const Tensor& x, BnShape s) {
+  return bn_channels_last(x) ? BnShape{s.N * s.S, s.C, 1} : s;
+}
 std::tuple<Tensor, Tensor, Tensor> batch_norm_relu_cuda(const Tensor& x, const OptTensor& w, const OptTensor& b,
                                                         const OptTensor& rm, const OptTensor& rv, bool training,
                                                         double momentum, double eps) {
   const char* op = "batch_norm_relu";
-  auto s = bn_forward_checks(x, w, b, rm, rv, training, eps, op);
+  auto s = bn_kernel_shape(x, bn_forward_checks(x, w, b, rm, rv, training, eps, op));
   kt_dtype dt = dtype_of(x, op);
   c10::cuda::CUDAGuard g(x.device());
-  Tensor xc = x.contiguous(), out = at::empty_like(xc);
+  Tensor xc = bn_channels_last(x) ? x : x.contiguous(), out = at::empty_like(xc);
   auto fopt = x.options().dtype(at::kFloat);
   Tensor wc = w && w->defined() ? w->contiguous() : Tensor(), bc = b && b->defined() ? b->contiguous() : Tensor();
   Tensor mean, invstd, rmf, rvf, ws;
@@ -1835,10 +1843,11 @@ std::tuple<Tensor, Tensor, Tensor> batch_norm_relu_backward_cuda(const Tensor& g
                                                                  const Tensor& mean, const Tensor& invstd,
                                                                  bool training) {
   const char* op = "batch_norm_relu_backward";
-  auto s = bn_shape(x, {{"weight", &w}}, op);
+  auto s = bn_kernel_shape(x, bn_shape(x, {{"weight", &w}}, op));
   check_same(grad, x, op, "grad", "x");
   c10::cuda::CUDAGuard g(x.device());
-  Tensor gc = grad.contiguous(), xc = x.contiguous(), oc = out.contiguous(), gx = at::empty_like(xc);
+  const auto fmt = bn_channels_last(x) ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+  Tensor gc = grad.contiguous(fmt), xc = x.contiguous(fmt), oc = out.contiguous(fmt), gx = at::empty_like(xc);
   auto fopt = x.options().dtype(at::kFloat);
   Tensor sum_g = at::empty({s.C}, fopt), sum_gx = at::empty({s.C}, fopt);   // every channel written
   Tensor ws = at::empty({std::max<int64_t>(1, kt_batch_norm_workspace(s.N, s.C, s.S))}, fopt);

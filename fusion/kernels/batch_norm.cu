@@ -315,8 +315,9 @@ __global__ void __launch_bounds__(256) bn_apply_rows(const T *x, T *y, int64_t n
   kt::load_v<T, true>(x, v * V, in);
 #pragma unroll
   for (int q = 0; q < V; q++) {
-    const int64_t c = c0 + q;
-    const float r = (kt::to_f(in[q]) - mean[c]) * invstd[c] * (w ? kt::to_f(w[c]) : 1.f) + (b ? kt::to_f(b[c]) : 0.f);
+    const int64_t c = c0 + q;   // bn_apply's arithmetic, so both layouts round alike
+    const float sc = invstd[c] * (w ? kt::to_f(w[c]) : 1.f), sh = b ? kt::to_f(b[c]) : 0.f;
+    const float r = (kt::to_f(in[q]) - mean[c]) * sc + sh;
     o[q] = kt::from_f<T>(relu ? fmaxf(r, 0.f) : r);
   }
   kt::store_v<T, true>(y, v * V, o);
@@ -337,11 +338,11 @@ __global__ void __launch_bounds__(256) bn_bwd_apply_rows(const T *g, const T *x,
   if (relu) kt::load_v<T, true>(y, v * V, yv);
 #pragma unroll
   for (int q = 0; q < V; q++) {
-    const int64_t c = c0 + q;
-    const float is = invstd[c];
+    const int64_t c = c0 + q;   // bn_bwd_apply's arithmetic
+    const float is = invstd[c], scale = (w ? kt::to_f(w[c]) : 1.f) * is;
     float gq = (relu && !(kt::to_f(yv[q]) > 0.f)) ? 0.f : kt::to_f(gv[q]);
-    if (training) gq = gq - sum_g[c] / (float)M - (kt::to_f(xv[q]) - mean[c]) * is * sum_gx[c] / (float)M;
-    o[q] = kt::from_f<T>((w ? kt::to_f(w[c]) : 1.f) * is * gq);
+    if (training) gq = gq - sum_g[c] / (float)M - (kt::to_f(xv[q]) - mean[c]) * is * (sum_gx[c] / (float)M);
+    o[q] = kt::from_f<T>(scale * gq);
   }
   kt::store_v<T, true>(gx, v * V, o);
 }

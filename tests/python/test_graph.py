@@ -388,7 +388,8 @@ class _ConvBN(torch.nn.Module):
 
     def __init__(self, view_head=False):
         super().__init__()
-        self.conv = torch.nn.Conv2d(3, 16, 3, padding=1)
+        self.conv = torch.nn.Conv2d(3, 16, 3, padding=1, bias=False)   # a bias before BN has no gradient
+                                                                         # but rounding, which Adam would amplify
         self.bn = torch.nn.BatchNorm2d(16)
         self.fc = torch.nn.Linear(16 * 8 * 8, 10)
         self.view_head = view_head

@@ -586,7 +586,11 @@ def test_gpu_batch_norm_relu_matches_fp64(dtype, training):
         go = torch.randn(shape, generator=g, dtype=torch.float64).to("cuda", dtype)
         got = torch.autograd.grad(ko.batch_norm_relu(ts[0], rm.clone(), rv.clone(), ts[1], ts[2], training), ts, go)
         t64 = [t.detach().double().requires_grad_() for t in ts]
-        want = torch.autograd.grad(_bn_ref(*t64, rm.double(), rv.double(), training), t64, go.double())
+        # the reference takes our output's ReLU mask: where a 16-bit output rounds to 0 the masks
+        # differ (seen once, fp16 (8, 24, 7, 9), in both layouts alike); the forward check covers the mask
+        mask = (out > 0).double()
+        want = torch.autograd.grad(F.batch_norm(t64[0], rm.double(), rv.double(), t64[1], t64[2], training) * mask,
+                                   t64, go.double())
         tt = [t.detach().clone().requires_grad_() for t in ts]
         theirs = torch.autograd.grad(_bn_ref(*tt, rm.to(dtype), rv.to(dtype), training), tt, go)
         for k, (a, w_, th) in enumerate(zip(got, want, theirs)):

@@ -596,3 +596,26 @@ def test_gpu_batch_norm_relu_matches_fp64(dtype, training):
         for k, (a, w_, th) in enumerate(zip(got, want, theirs)):
             _check_close(a, w_, th, dtype, f"{dtype} {shape} training={training} grad{k}",
                          max(1.0, w_.abs().max().item()))
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_binary_ops_keep_a_shared_channels_last_layout():
+    """Operands of one dense layout (channels-last activations) run as they lie and the
+    output keeps the layout; mixed layouts are made contiguous. Values as the reference."""
+    g = torch.Generator().manual_seed(21)
+    a, b = (torch.randn(4, 16, 5, 7, generator=g).cuda().contiguous(memory_format=torch.channels_last)
+            for _ in range(2))
+    for op, ref in ((ko.add_relu, lambda a, b: torch.relu(a + b)), (ko.mul_tanh, lambda a, b: torch.tanh(a * b)),
+                    (ko.swiglu, lambda a, b: F.silu(a) * b)):
+        out = op(a, b)
+        assert out.is_contiguous(memory_format=torch.channels_last)
+        torch.testing.assert_close(out, ref(a, b))
+        torch.testing.assert_close(op(a, b.contiguous()), ref(a, b))
+        ta, tb = a.clone().requires_grad_(), b.clone().requires_grad_()
+        ra, rb = a.clone().requires_grad_(), b.clone().requires_grad_()
+        go = torch.randn(a.shape, generator=g).cuda().contiguous(memory_format=torch.channels_last)
+        got = torch.autograd.grad(op(ta, tb), (ta, tb), go)
+        want = torch.autograd.grad(ref(ra, rb), (ra, rb), go)
+        for x, y in zip(got, want):
+            torch.testing.assert_close(x, y)

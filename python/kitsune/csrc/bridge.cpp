@@ -661,13 +661,19 @@ void check_launch(kt_status st, const char* op) {
 
 void* stream_of(const Tensor& t) { return at::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
 
-// Operands broadcast to one shape, contiguous. The common case (same shapes,
-// contiguous) returns the inputs as they are: no view, no copy on the launch path.
+// Operands broadcast to one shape, dense. The common case (same shapes, contiguous)
+// returns the inputs as they are: no view, no copy on the launch path. So do operands
+// that share one dense layout (channels-last activations, say): an elementwise op
+// runs over their memory in order, and empty_like gives the output that layout.
 std::vector<Tensor> broadcast_dense(std::initializer_list<Tensor> ts) {
   std::vector<Tensor> v(ts);
-  bool same = true;
-  for (const auto& t : v) same = same && t.sizes() == v[0].sizes();
+  bool same = true, one_layout = true;
+  for (const auto& t : v) {
+    same = same && t.sizes() == v[0].sizes();
+    one_layout = one_layout && t.strides() == v[0].strides() && t.is_non_overlapping_and_dense();
+  }
   if (same) {
+    if (one_layout) return v;
     for (auto& t : v) t = t.contiguous();   // a no-op for contiguous tensors
     return v;
   }

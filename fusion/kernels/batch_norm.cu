@@ -230,6 +230,18 @@ __global__ void __launch_bounds__(256) bn_bwd_apply(const T *g, const T *x, cons
 // flight a thread.
 constexpr int kRowsY = 8;
 
+// Sums a rows block's two per-thread sums over its kRowsY warps and writes channel c's
+// partial pair for this stripe.
+__device__ __forceinline__ void rows_block_partial(float a, float b, int64_t c, int64_t C, float *part) {
+  __shared__ float sh[kRowsY][32][2];
+  sh[threadIdx.y][threadIdx.x][0] = a, sh[threadIdx.y][threadIdx.x][1] = b;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < C) {
+    for (int y = 1; y < kRowsY; y++) a += sh[y][threadIdx.x][0], b += sh[y][threadIdx.x][1];
+    part[(c * gridDim.y + blockIdx.y) * 2] = a, part[(c * gridDim.y + blockIdx.y) * 2 + 1] = b;
+  }
+}
+
 // part[(c * splits + k) * 2]: sums of x - x[c] (row 0) over stripe k's rows
 template <typename T>
 __global__ void __launch_bounds__(256) bn_stats_rows(const T *x, int64_t R, int64_t C, float *part) {
@@ -251,13 +263,7 @@ __global__ void __launch_bounds__(256) bn_stats_rows(const T *x, int64_t R, int6
       s += d, s2 += d * d;
     }
   }
-  __shared__ float sh[kRowsY][32][2];
-  sh[threadIdx.y][threadIdx.x][0] = s, sh[threadIdx.y][threadIdx.x][1] = s2;
-  __syncthreads();
-  if (threadIdx.y == 0 && c < C) {
-    for (int y = 1; y < kRowsY; y++) s += sh[y][threadIdx.x][0], s2 += sh[y][threadIdx.x][1];
-    part[(c * splits + blockIdx.y) * 2] = s, part[(c * splits + blockIdx.y) * 2 + 1] = s2;
-  }
+  rows_block_partial(s, s2, c, C, part);
 }
 
 // part[(c * splits + k) * 2]: sums of g' and g' * xhat over stripe k's rows
@@ -290,13 +296,7 @@ __global__ void __launch_bounds__(256) bn_bwd_stats_rows(const T *g, const T *x,
     }
     for (; r < r1; r += kRowsY) add(r * C + c);
   }
-  __shared__ float sh[kRowsY][32][2];
-  sh[threadIdx.y][threadIdx.x][0] = sg, sh[threadIdx.y][threadIdx.x][1] = sgx;
-  __syncthreads();
-  if (threadIdx.y == 0 && c < C) {
-    for (int yy = 1; yy < kRowsY; yy++) sg += sh[yy][threadIdx.x][0], sgx += sh[yy][threadIdx.x][1];
-    part[(c * splits + blockIdx.y) * 2] = sg, part[(c * splits + blockIdx.y) * 2 + 1] = sgx;
-  }
+  rows_block_partial(sg, sgx, c, C, part);
 }
 
 // The apply over rows with 16-byte vectors (C a multiple of the vector: a vector is

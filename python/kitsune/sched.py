@@ -23,6 +23,7 @@ streams in eager mode were measured slower on the H100 (ARCHITECTURE.md, Facts).
 the plan gains less than ``min_gain``, the model comes back unchanged.
 """
 import ctypes
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -219,6 +220,11 @@ class _Streams:
         self.active = False
         self.used = set()
 
+    def __deepcopy__(self, memo):
+        """Copies of a streamed module share its streams and events (the ids in their
+        code name this context); calls on one thread run one after another."""
+        return self
+
     def prepare(self, device):
         """Makes this device's streams and events (each recorded once, so none is created
         during a capture)."""
@@ -248,7 +254,9 @@ class _Streams:
         return self.main if k == 0 else self.sides[k - 1]
 
 
-_CONTEXTS = {}   # id -> _Streams, for the ops below (their schemas take ints)
+# id -> _Streams, for the ops below (their schemas take ints); a context lives as long
+# as a module holding it
+_CONTEXTS = weakref.WeakValueDictionary()
 _LIB = None
 
 
@@ -315,7 +323,6 @@ def _apply(gm, p, eager):
     """A new graph: the placeholders and parameters, the fork, then the operations in the
     plan's order (each stream's operations run in that order, which the plan's minimal
     syncs rely on) with their switches and records, then the join and the output."""
-    import weakref
     _register_ops()
     ops = torch.ops.kitsune
     old = list(gm.graph.nodes)
@@ -358,8 +365,10 @@ def _apply(gm, p, eager):
     g.call_function(ops.stream_join, (cid,))
     copy(out)
     new = tfx.GraphModule(gm, g)
-    new._kitsune_streams = ctx   # the context lives as long as the module
-    weakref.finalize(new, _CONTEXTS.pop, cid, None)
+    # the context lives as long as the module and its copies (GraphModule's deepcopy keeps
+    # the attributes listed in meta["_user_preserved_attributes"])
+    new._kitsune_streams = ctx
+    new.meta.setdefault("_user_preserved_attributes", {})["_kitsune_streams"] = ctx
     return new
 
 

@@ -100,6 +100,18 @@ def test_streamed_inserts_fork_switches_records_and_join_and_runs_the_same():
     torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-5)
 
 
+def test_a_copy_of_a_streamed_module_outlives_the_original():
+    import gc
+    m = Inception()
+    x = torch.randn(2, 32, 8, 8)
+    sm, _ = ks.streamed(m, x, streams=4)
+    twin = copy.deepcopy(sm)
+    want = m(x)
+    del sm
+    gc.collect()
+    torch.testing.assert_close(twin(x), want, rtol=0, atol=0)
+
+
 def test_streamed_keeps_a_sequential_model_and_refuses_bad_counts():
     mlp = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
     sm, plan = ks.streamed(mlp, torch.randn(2, 8), streams=4)

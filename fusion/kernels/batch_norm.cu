@@ -250,18 +250,19 @@ __global__ void __launch_bounds__(256) bn_stats_rows(const T *x, int64_t R, int6
   float s = 0.f, s2 = 0.f;
   if (c < C) {
     const float shift = kt::to_f(x[c]);
+    auto add = [&](float v) {
+      const float d = v - shift;
+      s += d, s2 += d * d;
+    };
     int64_t r = r0 + threadIdx.y;
-    for (; r + 3 * kRowsY < r1; r += 4 * kRowsY) {
+    for (; r + 3 * kRowsY < r1; r += 4 * kRowsY) {   // four loads, then their sums
       float v[4];
 #pragma unroll
-      for (int u = 0; u < 4; u++) v[u] = kt::to_f(x[(r + u * kRowsY) * C + c]) - shift;
+      for (int u = 0; u < 4; u++) v[u] = kt::to_f(x[(r + u * kRowsY) * C + c]);
 #pragma unroll
-      for (int u = 0; u < 4; u++) s += v[u], s2 += v[u] * v[u];
+      for (int u = 0; u < 4; u++) add(v[u]);
     }
-    for (; r < r1; r += kRowsY) {
-      const float d = kt::to_f(x[r * C + c]) - shift;
-      s += d, s2 += d * d;
-    }
+    for (; r < r1; r += kRowsY) add(kt::to_f(x[r * C + c]));
   }
   rows_block_partial(s, s2, c, C, part);
 }
@@ -276,25 +277,21 @@ __global__ void __launch_bounds__(256) bn_bwd_stats_rows(const T *g, const T *x,
   float sg = 0.f, sgx = 0.f;
   if (c < C) {
     const float mu = mean[c], is = invstd[c];
-    auto add = [&](int64_t i) {
-      const float gi = (relu && !(kt::to_f(y[i]) > 0.f)) ? 0.f : kt::to_f(g[i]);
-      sg += gi, sgx += gi * (kt::to_f(x[i]) - mu) * is;
+    struct GXY { float g, x, y; };
+    auto load = [&](int64_t i) { return GXY{kt::to_f(g[i]), kt::to_f(x[i]), relu ? kt::to_f(y[i]) : 1.f}; };
+    auto add = [&](GXY v) {   // g' = g where y > 0 (y = 1 without the ReLU)
+      const float gi = v.y > 0.f ? v.g : 0.f;
+      sg += gi, sgx += gi * (v.x - mu) * is;
     };
     int64_t r = r0 + threadIdx.y;
-    for (; r + 3 * kRowsY < r1; r += 4 * kRowsY) {
-      float gv[4], xv[4], yv[4];
+    for (; r + 3 * kRowsY < r1; r += 4 * kRowsY) {   // four loads, then their sums
+      GXY v[4];
 #pragma unroll
-      for (int u = 0; u < 4; u++) {
-        const int64_t i = (r + u * kRowsY) * C + c;
-        gv[u] = kt::to_f(g[i]), xv[u] = kt::to_f(x[i]), yv[u] = relu ? kt::to_f(y[i]) : 1.f;
-      }
+      for (int u = 0; u < 4; u++) v[u] = load((r + u * kRowsY) * C + c);
 #pragma unroll
-      for (int u = 0; u < 4; u++) {
-        const float gi = yv[u] > 0.f ? gv[u] : 0.f;
-        sg += gi, sgx += gi * (xv[u] - mu) * is;
-      }
+      for (int u = 0; u < 4; u++) add(v[u]);
     }
-    for (; r < r1; r += kRowsY) add(r * C + c);
+    for (; r < r1; r += kRowsY) add(load(r * C + c));
   }
   rows_block_partial(sg, sgx, c, C, part);
 }

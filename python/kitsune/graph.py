@@ -180,22 +180,8 @@ class CompiledStep:
             self._side = torch.cuda.Stream()
         side = self._side
         side.wait_stream(here)
-        loss = None
         with torch.cuda.stream(side):
-            if self._cl:   # the warm-up step tells whether the model takes channels-last input
-                buffers = list(self.model.buffers())   # a failed try must not move running stats or the rng
-                saved, rng = [b.detach().clone() for b in buffers], torch.cuda.get_rng_state()
-                try:
-                    loss = self._eager(self._layout(batch))
-                except Exception as e:   # noqa: BLE001 - e.g. a .view() that needs NCHW strides
-                    with torch.no_grad():
-                        for b, v in zip(buffers, saved):
-                            b.copy_(v)
-                    torch.cuda.set_rng_state(rng)
-                    first = (str(e).strip().splitlines() or [""])[0]
-                    self._cl, self._cl_reason = False, f"the model refused channels-last input: {type(e).__name__}: {first}"
-            if loss is None:
-                loss = self._eager(batch)
+            loss = self._warm_up(batch)
         here.wait_stream(side)
         slots = [i for i, b in enumerate(batch) if isinstance(b, torch.Tensor)]
         laid = self._layout(batch)
@@ -220,8 +206,7 @@ class CompiledStep:
             self.optimizer.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
             _end_generator_capture(device)
-            first = (str(e).strip().splitlines() or [""])[0]
-            self._fall_back(f"the step could not be captured: {type(e).__name__}" + (f": {first}" if first else ""))
+            self._fall_back(f"the step could not be captured: {_describe(e)}")
             return loss
         self.optimizer.zero_grad(set_to_none=True)   # the graph's gradients stay in its pool
         self._graphs[key] = _Graph(graph, static, slots, static_loss, plan)
@@ -231,6 +216,23 @@ class CompiledStep:
         self._n["captures"] += 1
         self._setup_s += time.perf_counter() - t0
         return loss
+
+    def _warm_up(self, batch):
+        """The first step of a signature, eager. With channels-last on it tries that layout
+        first; a model that refuses it (a .view() needing NCHW strides, say) gets its
+        buffers and the CUDA rng put back, and the step runs NCHW from then on."""
+        if self._cl:
+            buffers = list(self.model.buffers())
+            saved, rng = [b.detach().clone() for b in buffers], torch.cuda.get_rng_state()
+            try:
+                return self._eager(self._layout(batch))
+            except Exception as e:   # noqa: BLE001 - whatever the model raises on that layout
+                with torch.no_grad():
+                    for b, v in zip(buffers, saved):
+                        b.copy_(v)
+                torch.cuda.set_rng_state(rng)
+                self._cl, self._cl_reason = False, f"the model refused channels-last input: {_describe(e)}"
+        return self._eager(batch)
 
     def _layout(self, batch):
         """The batch as the graph takes it: 4-D floating tensors channels-last when that
@@ -251,8 +253,7 @@ class CompiledStep:
         try:
             module, plan = sched.streamed(self.model, *inputs, streams=self.streams)
         except Exception as e:   # noqa: BLE001 - an untraceable model keeps one stream
-            first = (str(e).strip().splitlines() or [""])[0]
-            self._stream_info = {"streams": 1, "streams_reason": f"not planned: {type(e).__name__}: {first}"}
+            self._stream_info = {"streams": 1, "streams_reason": f"not planned: {_describe(e)}"}
             return self.model
         self._stream_info = {"streams": plan.streams_used, "streams_reason": plan.reason or
                              f"plan: {plan.gain:.2f}x estimated, {len(plan.syncs)} syncs"}
@@ -296,6 +297,12 @@ class CompiledStep:
         captured channels-last (channels_last, channels_last_reason)."""
         return dict(self._n, graphs=len(self._graphs), setup_s=self._setup_s, reason=self._reason, **self._stream_info,
                     channels_last=self._cl, channels_last_reason=self._cl_reason)
+
+
+def _describe(e):
+    """An exception as its type and first line."""
+    first = (str(e).strip().splitlines() or [""])[0]
+    return type(e).__name__ + (f": {first}" if first else "")
 
 
 def _end_generator_capture(device):

@@ -226,8 +226,8 @@ class _Streams:
         return self
 
     def prepare(self, device):
-        """Makes this device's streams and events (each recorded once, so none is created
-        during a capture)."""
+        """Makes this device's streams and the events of the plan's syncs (each recorded
+        once, so their CUDA events exist before a capture begins)."""
         if device.index in self.per_device:
             return
         with torch.cuda.device(device):
@@ -332,7 +332,7 @@ def _apply(gm, p, eager):
     for a, b in p.syncs:
         waits_of.setdefault(b, []).append(event_of[a])
     stream_of = lambda n: p.stream.get(n.name, 0)   # inputs, parameters, output: the caller's stream
-    tensor = lambda n: len(_meta_val(n)) == 1 and hasattr(n.meta.get("tensor_meta"), "shape")
+    tensor = lambda n: hasattr(n.meta.get("tensor_meta"), "shape")   # one tensor, not a tuple
     first = next((n for n in old if n.op == "placeholder" and tensor(n)), None)
     if first is None:
         raise ValueError("kitsune.sched.streamed: the model takes no tensor input to fork from")

@@ -2107,8 +2107,9 @@ std::tuple<Tensor, Tensor, Tensor> batch_norm_relu_autograd(const Tensor& x, con
 //   gelu:      the GEMM, then kitsune.bias_gelu. cuBLASLt's GELU epilogue is the
 //              tanh form, and ATen's _addmm_activation(use_gelu) is exact erf on the
 //              CPU but that epilogue on CUDA, so neither gives erf GELU in one GEMM.
-// The backward's weight GEMM takes the bias gradient in its epilogue (BGRADB: the
-// column sums of the activation gradient), so no separate reduction runs.
+// The backward's weight GEMM is asked for the bias gradient too (BGRADB: the column
+// sums of the activation gradient). cuBLASLt ran that as a kernel of its own after the
+// GEMM at 8192 x 3072 bf16 (25 us against ATen's 33 us sum; H100, 9743aae).
 // Where cuBLASLt offers no algorithm (odd shapes or alignment), and on the CPU, the
 // op composes ATen ops instead. x (..., in), weight (out, in), bias (out,).
 void check_linear_act(const Tensor& x, const Tensor& w, const Tensor& b, c10::string_view act) {
@@ -2127,10 +2128,9 @@ void check_linear_act(const Tensor& x, const Tensor& w, const Tensor& b, c10::st
 struct LtGemm {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
-  cudaDataType_t dt;
   LtGemm(at::ScalarType st, bool ta, bool tb, int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldd,
          cublasLtEpilogue_t epi) {
-    dt = st == at::kHalf ? CUDA_R_16F : st == at::kBFloat16 ? CUDA_R_16BF : CUDA_R_32F;
+    const cudaDataType_t dt = st == at::kHalf ? CUDA_R_16F : st == at::kBFloat16 ? CUDA_R_16BF : CUDA_R_32F;
     const cublasComputeType_t ct = st == at::kFloat && at::globalContext().allowTF32CuBLAS()
                                        ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
     lt_check(cublasLtMatmulDescCreate(&desc, ct, CUDA_R_32F));
@@ -2262,20 +2262,19 @@ struct LinearActFn : torch::autograd::Function<LinearActFn> {
     const Tensor &x = s[0], &w = s[1], &b = s[2];
     const std::string act = ctx->saved_data["act"].toStringRef();
     const int64_t N = w.size(0);
-    Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous(), g2 = go[0].reshape({-1, N}).contiguous(), gpre, gb;
+    Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous(), g2 = go[0].reshape({-1, N}).contiguous(), gpre, gw, gb;
     if (act == "gelu" || (act == "gelu_tanh" && !ctx->saved_data["pre_has_bias"].toBool())) {
       std::tie(gpre, gb) = gelu_bwd.call(g2, s[3], b, act == "gelu" ? "none" : "tanh");
     } else {
-      gpre = act == "relu" ? relu_bwd.call(g2, s[3].reshape({-1, N})) : at::gelu_backward(g2, s[3], "tanh");
-      gpre = gpre.contiguous();
-      if (lt_dtype_ok(x) && x2.numel() > 0) {   // the weight gradient and the bias gradient in one GEMM
-        Tensor gw = at::empty({N, x2.size(1)}, x2.options()), gbl = at::empty({N}, x2.options());
-        if (lt_weight_grad(gpre, x2, gw, gbl)) return {at::mm(gpre, w).view(x.sizes()), gw, gbl, Tensor()};
+      gpre = (act == "relu" ? relu_bwd.call(g2, s[3].reshape({-1, N})) : at::gelu_backward(g2, s[3], "tanh")).contiguous();
+      if (lt_dtype_ok(x) && x2.numel() > 0) {   // the weight gradient and the bias gradient from one call
+        gw = at::empty({N, x2.size(1)}, x2.options()), gb = at::empty({N}, x2.options());
+        if (!lt_weight_grad(gpre, x2, gw, gb)) gw = gb = Tensor();
       }
-      gb = gpre.sum(0, false, at::kFloat).to(b.scalar_type());
+      if (!gb.defined()) gb = gpre.sum(0, false, at::kFloat).to(b.scalar_type());
     }
-    Tensor gx = at::mm(gpre, w).view(x.sizes()), gw = at::mm(gpre.t(), x2);
-    return {gx, gw, gb, Tensor()};
+    if (!gw.defined()) gw = at::mm(gpre.t(), x2);
+    return {at::mm(gpre, w).view(x.sizes()), gw, gb, Tensor()};
   }
 };
 Tensor linear_act_autograd(const Tensor& x, const Tensor& w, const Tensor& b, c10::string_view act) {

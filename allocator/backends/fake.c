@@ -5,18 +5,23 @@
  * Every call is counted so tests can prove the fast path never gets here.
  */
 #include <pthread.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "kitsune/backend.h"
 
-typedef struct range { uintptr_t base; size_t size; } range;
+/* A segment (g == NULL) or a reserved address range with one byte a granule
+ * (1: mapped). */
+typedef struct range { uintptr_t base; size_t size; uint8_t *g; } range;
 
 typedef struct fake {
   kt_backend vt;
   pthread_mutex_t mu;
   size_t capacity;
   int fail_next, fail_next_host, misalign_host, hold;
+  int dirty;                    /* a map or an event record since the last synchronize */
+  uint64_t unsynced_unmaps;
   uint64_t issued, completed;   /* event tickets */
   range *r;                     /* sorted by base */
   size_t n, cap;
@@ -28,21 +33,12 @@ typedef struct fake_event { uint64_t ticket; } fake_event;
 #define FAKE_BASE ((uintptr_t)1 << 36)
 #define FAKE_END ((uintptr_t)1 << 47)
 
-static kt_status f_reserve(void *ctx, int device, size_t size, void **out) {
-  (void)device;
-  fake *f = ctx;
-  kt_status st = KT_OK;
-  pthread_mutex_lock(&f->mu);
-  if (f->fail_next > 0 || (f->capacity && f->c.reserved_bytes + size > f->capacity)) {
-    if (f->fail_next > 0) f->fail_next--;
-    f->c.failed_reserves++;
-    st = KT_ERR_OOM;
-    goto out;
-  }
+/* First fit in [FAKE_BASE, FAKE_END) at 2 MiB alignment; under f->mu. */
+static kt_status place(fake *f, size_t size, uint8_t *g, void **out) {
   if (f->n == f->cap) {
     size_t cap = f->cap ? 2 * f->cap : 64;
     range *nr = realloc(f->r, cap * sizeof *nr);
-    if (!nr) { st = KT_ERR_BACKEND; goto out; }
+    if (!nr) return KT_ERR_BACKEND;
     f->r = nr; f->cap = cap;
   }
   uintptr_t at = FAKE_BASE;
@@ -51,16 +47,52 @@ static kt_status f_reserve(void *ctx, int device, size_t size, void **out) {
     if (at + size <= f->r[i].base) break;
     at = f->r[i].base + f->r[i].size;
   }
-  if (at + size > FAKE_END) { st = KT_ERR_OOM; f->c.failed_reserves++; goto out; }
+  if (at + size > FAKE_END) return KT_ERR_OOM;
   memmove(&f->r[i + 1], &f->r[i], (f->n - i) * sizeof *f->r);
-  f->r[i] = (range){at, size};
+  f->r[i] = (range){at, size, g};
   f->n++;
-  f->c.reserves++;
-  f->c.reserved_bytes += size;
   *out = (void *)at;
-out:
+  return KT_OK;
+}
+
+/* An injected failure or no room for size more bytes of memory; under f->mu. */
+static bool refuse(fake *f, size_t size) {
+  if (f->fail_next > 0 || (f->capacity && f->c.reserved_bytes + size > f->capacity)) {
+    if (f->fail_next > 0) f->fail_next--;
+    f->c.failed_reserves++;
+    return true;
+  }
+  return false;
+}
+
+static kt_status f_reserve(void *ctx, int device, size_t size, void **out) {
+  (void)device;
+  fake *f = ctx;
+  kt_status st = KT_ERR_OOM;
+  pthread_mutex_lock(&f->mu);
+  if (!refuse(f, size)) {
+    st = place(f, size, NULL, out);
+    if (st == KT_ERR_OOM) f->c.failed_reserves++;   /* no address space left */
+  }
+  if (st == KT_OK) {
+    f->c.reserves++;
+    f->c.reserved_bytes += size;
+  }
   pthread_mutex_unlock(&f->mu);
   return st;
+}
+
+/* The range ptr starts, of the kind asked for (segment or address range); under f->mu. */
+static range *find_start(fake *f, const void *ptr, bool va, size_t *index) {
+  for (size_t i = 0; i < f->n; i++)
+    if (f->r[i].base == (uintptr_t)ptr && (f->r[i].g != NULL) == va) { *index = i; return &f->r[i]; }
+  return NULL;
+}
+
+static void drop(fake *f, size_t i) {
+  free(f->r[i].g);
+  memmove(&f->r[i], &f->r[i + 1], (f->n - i - 1) * sizeof *f->r);
+  f->n--;
 }
 
 static kt_status f_release(void *ctx, int device, void *ptr, size_t size) {
@@ -68,15 +100,103 @@ static kt_status f_release(void *ctx, int device, void *ptr, size_t size) {
   fake *f = ctx;
   kt_status st = KT_ERR_INVALID;
   pthread_mutex_lock(&f->mu);
-  for (size_t i = 0; i < f->n; i++) {
-    if (f->r[i].base != (uintptr_t)ptr) continue;
-    if (f->r[i].size != size) break;
-    memmove(&f->r[i], &f->r[i + 1], (f->n - i - 1) * sizeof *f->r);
-    f->n--;
+  size_t i;
+  range *r = find_start(f, ptr, false, &i);
+  if (r && r->size == size) {
+    drop(f, i);
     f->c.releases++;
     f->c.reserved_bytes -= size;
     st = KT_OK;
-    break;
+  }
+  pthread_mutex_unlock(&f->mu);
+  return st;
+}
+
+#define GRANULE KT_SEGMENT_ALIGN
+
+static kt_status f_va_reserve(void *ctx, int device, size_t size, void **out) {
+  (void)device;
+  fake *f = ctx;
+  if (!size || size % GRANULE) return KT_ERR_INVALID;
+  uint8_t *g = calloc(size / GRANULE, 1);
+  if (!g) return KT_ERR_BACKEND;
+  pthread_mutex_lock(&f->mu);
+  kt_status st = place(f, size, g, out);
+  if (st == KT_OK) { f->c.va_reserves++; f->c.va_bytes += size; }
+  pthread_mutex_unlock(&f->mu);
+  if (st != KT_OK) free(g);
+  return st;
+}
+
+static kt_status f_va_release(void *ctx, int device, void *ptr, size_t size) {
+  (void)device;
+  fake *f = ctx;
+  kt_status st = KT_ERR_INVALID;
+  pthread_mutex_lock(&f->mu);
+  size_t i;
+  range *r = find_start(f, ptr, true, &i);
+  if (r && r->size == size && !memchr(r->g, 1, size / GRANULE)) {   /* nothing may stay mapped */
+    drop(f, i);
+    f->c.va_releases++;
+    f->c.va_bytes -= size;
+    st = KT_OK;
+  }
+  pthread_mutex_unlock(&f->mu);
+  return st;
+}
+
+/* The address range holding [ptr, ptr+size), granule-aligned; under f->mu. */
+static range *va_holding(fake *f, const void *ptr, size_t size) {
+  uintptr_t a = (uintptr_t)ptr;
+  if (!size || a % GRANULE || size % GRANULE) return NULL;
+  for (size_t i = 0; i < f->n; i++)
+    if (f->r[i].g && a >= f->r[i].base && a + size <= f->r[i].base + f->r[i].size) return &f->r[i];
+  return NULL;
+}
+
+/* Every granule of [first, first+n) of r in state want? */
+static bool granules_are(const range *r, size_t first, size_t n, uint8_t want) {
+  for (size_t k = first; k < first + n; k++)
+    if (r->g[k] != want) return false;
+  return true;
+}
+
+static kt_status f_map(void *ctx, int device, void *ptr, size_t size) {
+  (void)device;
+  fake *f = ctx;
+  kt_status st = KT_ERR_INVALID;
+  pthread_mutex_lock(&f->mu);
+  range *r = va_holding(f, ptr, size);
+  size_t first = r ? ((uintptr_t)ptr - r->base) / GRANULE : 0, n = size / GRANULE;
+  if (r && granules_are(r, first, n, 0)) {
+    st = KT_ERR_OOM;
+    if (!refuse(f, size)) {
+      memset(r->g + first, 1, n);
+      f->c.maps++;
+      f->c.mapped_bytes += size;
+      f->c.reserved_bytes += size;
+      f->dirty = 1;
+      st = KT_OK;
+    }
+  }
+  pthread_mutex_unlock(&f->mu);
+  return st;
+}
+
+static kt_status f_unmap(void *ctx, int device, void *ptr, size_t size) {
+  (void)device;
+  fake *f = ctx;
+  kt_status st = KT_ERR_INVALID;
+  pthread_mutex_lock(&f->mu);
+  range *r = va_holding(f, ptr, size);
+  size_t first = r ? ((uintptr_t)ptr - r->base) / GRANULE : 0, n = size / GRANULE;
+  if (r && granules_are(r, first, n, 1)) {
+    memset(r->g + first, 0, n);
+    f->c.unmaps++;
+    f->c.mapped_bytes -= size;
+    f->c.reserved_bytes -= size;
+    if (f->dirty) f->unsynced_unmaps++;
+    st = KT_OK;
   }
   pthread_mutex_unlock(&f->mu);
   return st;
@@ -109,6 +229,7 @@ static kt_status f_event_record(void *ctx, int device, kt_event_t ev, kt_stream_
   fake *f = ctx;
   pthread_mutex_lock(&f->mu);
   f->c.event_records++;
+  f->dirty = 1;
   ((fake_event *)ev)->ticket = f->hold ? ++f->issued : 0;
   pthread_mutex_unlock(&f->mu);
   return KT_OK;
@@ -130,6 +251,7 @@ static kt_status f_synchronize(void *ctx, int device) {
   pthread_mutex_lock(&f->mu);
   f->c.syncs++;
   f->completed = f->issued;
+  f->dirty = 0;
   pthread_mutex_unlock(&f->mu);
   return KT_OK;
 }
@@ -185,6 +307,15 @@ static kt_status f_host_free(void *ctx, void *ptr, size_t size) {
 }
 
 kt_backend *kt_fake_backend_create(size_t capacity) {
+  kt_backend *b = kt_fake_backend_create_novmm(capacity);
+  if (b) {
+    b->va_reserve = f_va_reserve; b->va_release = f_va_release;
+    b->map = f_map; b->unmap = f_unmap;
+  }
+  return b;
+}
+
+kt_backend *kt_fake_backend_create_novmm(size_t capacity) {
   fake *f = calloc(1, sizeof *f);
   if (!f) return NULL;
   pthread_mutex_init(&f->mu, NULL);
@@ -201,6 +332,7 @@ void kt_fake_backend_destroy(kt_backend *b) {
   if (!b) return;
   fake *f = b->ctx;
   pthread_mutex_destroy(&f->mu);
+  for (size_t i = 0; i < f->n; i++) free(f->r[i].g);
   free(f->r);
   free(f);
 }
@@ -258,8 +390,23 @@ int kt_fake_owns(const kt_backend *b, const void *ptr, size_t size) {
   fake *f = b->ctx;
   int own = 0;
   pthread_mutex_lock(&f->mu);
-  for (size_t i = 0; i < f->n; i++)
-    if ((uintptr_t)ptr >= f->r[i].base && (uintptr_t)ptr + size <= f->r[i].base + f->r[i].size) { own = 1; break; }
+  uintptr_t a = (uintptr_t)ptr;
+  for (size_t i = 0; i < f->n; i++) {
+    const range *r = &f->r[i];
+    if (a < r->base || a + size > r->base + r->size) continue;
+    if (!r->g) { own = 1; break; }
+    size_t first = (a - r->base) / GRANULE, last = (a + (size ? size : 1) - 1 - r->base) / GRANULE;
+    own = granules_are(r, first, last - first + 1, 1);
+    break;
+  }
   pthread_mutex_unlock(&f->mu);
   return own;
+}
+
+uint64_t kt_fake_unsynced_unmaps(const kt_backend *b) {
+  fake *f = b->ctx;
+  pthread_mutex_lock(&f->mu);
+  uint64_t n = f->unsynced_unmaps;
+  pthread_mutex_unlock(&f->mu);
+  return n;
 }

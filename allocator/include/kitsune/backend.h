@@ -52,6 +52,24 @@ typedef struct kt_backend {
    * host_free gets exactly what host_alloc returned. */
   kt_status (*host_alloc)(void *ctx, size_t size, void **out);
   kt_status (*host_free)(void *ctx, void *ptr, size_t size);
+  /* Virtual memory; all four or none (NULL: the pool uses segments only). A VMM pool
+   * reserves address space once and backs granules of KT_SEGMENT_ALIGN bytes with
+   * device memory as blocks need them, so its free space coalesces across what
+   * would be separate segments and idle granules can go back one by one.
+   * va_reserve: size a multiple of KT_SEGMENT_ALIGN; *out aligned to it and below
+   *   2^48; no memory behind it. KT_ERR_UNAVAILABLE when the device cannot map at
+   *   that granularity (the pool then falls back to segments).
+   * va_release: gets exactly what va_reserve gave; every granule unmapped.
+   * map: [ptr, ptr+size) granule-aligned inside one reserved range, none of it
+   *   mapped; backs it with device memory the device may read and write. KT_ERR_OOM
+   *   when the device (or the fake's capacity) has no room; on any failure nothing
+   *   of the range stays mapped. Each granule can later be unmapped on its own.
+   * unmap: every granule of the range mapped; the caller has synchronized the
+   *   device, so no work still touches it. Gives the memory back. */
+  kt_status (*va_reserve)(void *ctx, int device, size_t size, void **out);
+  kt_status (*va_release)(void *ctx, int device, void *ptr, size_t size);
+  kt_status (*map)(void *ctx, int device, void *ptr, size_t size);
+  kt_status (*unmap)(void *ctx, int device, void *ptr, size_t size);
 } kt_backend;
 
 /* ---- host fake backend ---------------------------------------------------- */
@@ -61,9 +79,12 @@ kt_backend *kt_fake_backend_create(size_t capacity);
 void kt_fake_backend_destroy(kt_backend *b);
 
 typedef struct kt_fake_counts {
-  uint64_t reserves, releases, failed_reserves;
+  uint64_t reserves, releases, failed_reserves;   /* failed_reserves counts refused maps too */
+  uint64_t va_reserves, va_releases, maps, unmaps;
+  size_t va_bytes;           /* address space reserved now (no memory behind it) */
+  size_t mapped_bytes;       /* device memory mapped into it now (also in reserved_bytes) */
   uint64_t event_creates, event_destroys, event_records, event_queries, syncs;
-  size_t reserved_bytes;     /* held now */
+  size_t reserved_bytes;     /* device memory held now: segments + mapped granules */
   uint64_t live_events;
   uint64_t host_allocs, host_frees, failed_host_allocs;
   size_t host_bytes;         /* host memory held now */
@@ -81,8 +102,14 @@ void kt_fake_misalign_host(kt_backend *b, int on);
 /* While held, recorded events stay incomplete until kt_fake_complete_events. */
 void kt_fake_hold_events(kt_backend *b, int hold);
 void kt_fake_complete_events(kt_backend *b);
-/* 1 when [ptr, ptr+size) lies inside one live reservation. */
+/* 1 when [ptr, ptr+size) lies inside one live segment, or inside one reserved
+ * address range with every granule it touches mapped. */
 int kt_fake_owns(const kt_backend *b, const void *ptr, size_t size);
+/* Off: the fake has no VMM entries (as a backend without them). On by default. */
+kt_backend *kt_fake_backend_create_novmm(size_t capacity);
+/* Unmaps since the last synchronize of a granule that a recorded, uncompleted
+ * event could still cover: the pool must synchronize before unmapping. */
+uint64_t kt_fake_unsynced_unmaps(const kt_backend *b);
 
 /* ---- CUDA backend --------------------------------------------------------- */
 /* The process-wide CUDA backend (statically linked runtime). Never NULL. */

@@ -8,6 +8,15 @@
  * stream S looks at S's extents, then untagged ones; it never takes another
  * stream's. Neighbours coalesce when their tags agree or one is untagged (the
  * merged extent keeps the tag: confining fresh memory to S is always safe).
+ *
+ * A VMM pool (kt_pool_options.vmm) grows by reserving address space, not memory: a
+ * range of twice the device's memory is one segment whose extents split and
+ * coalesce like any other, and a granule (2 MiB) is mapped when an extent that
+ * overlaps it is taken. Every granule a taken extent touches is mapped; a free
+ * extent's may or may not be. Before the mapped total passes its highest value so
+ * far, granules that lie wholly in free space are unmapped (after one device
+ * synchronization) until the growth fits under it, so the pool's peak follows the
+ * peak of live bytes instead of the history of its segments.
  * Everything here runs under pool->arena_lock.
  */
 #include <stdlib.h>
@@ -105,10 +114,10 @@ static kt_extent *split_back(kt_pool_t *p, kt_extent *e, size_t keep) {
   return f;
 }
 
-/* Carve [aligned start, +size) out of free extent e; returns it unbinned. */
-static kt_status carve(kt_pool_t *p, kt_extent *e, size_t size, size_t align, kt_extent **out) {
+/* Carve [start, +size) out of free extent e (start aligned, inside e); returns it unbinned. */
+static kt_status carve(kt_pool_t *p, kt_extent *e, uintptr_t start, size_t size, kt_extent **out) {
   kt__bins_remove(kt__bins_for(p, e->tag), e);
-  size_t front = align_up(e->addr, align) - e->addr;
+  size_t front = start - e->addr;
   if (front && !split_front(p, e, front)) goto nomem;
   if (e->size > size && !split_back(p, e, size)) goto nomem;
   *out = e;
@@ -116,6 +125,210 @@ static kt_status carve(kt_pool_t *p, kt_extent *e, size_t size, size_t align, kt
 nomem:
   kt__bins_insert(kt__bins_for(p, e->tag), e);
   return KT_ERR_HOST_OOM;
+}
+
+/* ---- VMM ranges ---------------------------------------------------------------- */
+#define KT_GRANULE KT_SEGMENT_ALIGN
+
+static void link_segment(kt_pool_t *p, kt_segment *s, kt_extent *e) {
+  s->first = e;
+  s->next = p->segments; if (p->segments) p->segments->prev = s; p->segments = s;
+  s->nvtx_heap = kt__nvtx_heap_register(p, s->base, s->size);
+  if (s->nvtx_heap && !p->nvtx_regions) {     /* a tool reads NVTX memory: register blocks too */
+    p->nvtx_regions = 1;
+    atomic_fetch_or(&p->hooks, KT_HOOK_NVTX);
+  }
+  e->addr = s->base; e->size = s->size; e->seg = s; e->kind = KT_EXT_FREE;
+  kt__bins_insert(&p->untagged, e);
+  p->nsegments++; p->nsegments_total++;
+  if (p->nsegments > p->nsegments_peak) p->nsegments_peak = p->nsegments;
+}
+
+/* Address space for a VMM range: twice the device's memory (free space in it is
+ * never short of room to coalesce), 64 GiB when the backend cannot say. Records
+ * the device's memory, if known, in p->vmm_device. */
+static size_t range_bytes(kt_pool_t *p, size_t size) {
+  if (!p->vmm_range) {
+    size_t free_b = 0, total = 0;
+    if (p->be->mem_info && p->be->mem_info(p->be->ctx, p->device, &free_b, &total) == KT_OK && total)
+      p->vmm_device = total;
+    else
+      total = (size_t)32 << 30;
+    p->vmm_range = align_up(2 * total, KT_GRANULE);
+  }
+  size_t need = align_up(size, KT_GRANULE);
+  return need > p->vmm_range ? need : p->vmm_range;
+}
+
+/* A new VMM range as one free extent; KT_ERR_UNAVAILABLE when the backend cannot
+ * map, KT_ERR_OOM for a request larger than the device. */
+static kt_status grow_range(kt_pool_t *p, size_t size, kt_extent **out) {
+  size_t bytes = range_bytes(p, size);
+  if (p->vmm_device && size > p->vmm_device) return KT_ERR_OOM;   /* no range for what cannot be mapped */
+  kt_segment *s = calloc(1, sizeof *s);
+  kt_extent *e = extent_new();
+  uint8_t *gmap = calloc(bytes / KT_GRANULE, 1);
+  if (!s || !e || !gmap) { free(s); free(e); free(gmap); return KT_ERR_HOST_OOM; }
+  void *base = NULL;
+  kt_status st = p->be->va_reserve(p->be->ctx, p->device, bytes, &base);
+  if (st == KT_OK && (!base || ((uintptr_t)base & (KT_GRANULE - 1)) || ((uintptr_t)base + bytes) >> KT_VA_BITS)) {
+    p->be->va_release(p->be->ctx, p->device, base, bytes);   /* a backend bug; never hand it out */
+    st = KT_ERR_BACKEND;
+  }
+  if (st != KT_OK) { free(s); free(e); free(gmap); return st; }
+  s->base = (uintptr_t)base; s->size = bytes; s->gmap = gmap;
+  link_segment(p, s, e);
+  *out = e;
+  return KT_OK;
+}
+
+static void count_mapped(kt_pool_t *p, kt_segment *s, size_t first, size_t n, int mapped) {
+  memset(s->gmap + first, mapped, n);
+  size_t bytes = n * KT_GRANULE;
+  if (mapped) {
+    s->mapped += bytes;
+    p->reserved += (int64_t)bytes; p->reserved_total += (int64_t)bytes;
+    if (p->reserved > p->reserved_peak) p->reserved_peak = p->reserved;
+    if (p->reserved > p->vmm_high) p->vmm_high = p->reserved;
+    p->n_reserves++;
+  } else {
+    s->mapped -= bytes;
+    p->reserved -= (int64_t)bytes; p->released_total += (int64_t)bytes;
+    p->n_releases++;
+  }
+}
+
+/* Granule indices [*g0, *g1) of s lying wholly inside [a, b). */
+static bool inner_granules(const kt_segment *s, uintptr_t a, uintptr_t b, size_t *g0, size_t *g1) {
+  *g0 = (align_up(a, KT_GRANULE) - s->base) / KT_GRANULE;
+  *g1 = ((b & ~(uintptr_t)(KT_GRANULE - 1)) - s->base) / KT_GRANULE;
+  return b - a >= KT_GRANULE && *g1 > *g0;
+}
+
+/* Visits, from the top of s down, each run of address-adjacent free extents as
+ * [a, b); stops when fn returns false. */
+static void free_runs_top_down(kt_segment *s, bool (*fn)(kt_pool_t *, kt_segment *, uintptr_t, uintptr_t, void *),
+                               kt_pool_t *p, void *arg) {
+  kt_extent *last = s->first;
+  while (last && last->anext) last = last->anext;
+  for (kt_extent *e = last; e;) {
+    if (e->kind != KT_EXT_FREE) { e = e->aprev; continue; }
+    uintptr_t b = e->addr + e->size;
+    while (e->aprev && e->aprev->kind == KT_EXT_FREE) e = e->aprev;
+    if (!fn(p, s, e->addr, b, arg)) return;
+    e = e->aprev;
+  }
+}
+
+typedef struct { size_t want, done; int pass; } trim_state;   /* pass 0 counts, 1 unmaps */
+
+static bool trim_run(kt_pool_t *p, kt_segment *s, uintptr_t a, uintptr_t b, void *arg) {
+  trim_state *t = arg;
+  size_t g0, g1;
+  if (!inner_granules(s, a, b, &g0, &g1)) return true;
+  for (size_t k = g1; k > g0 && t->done < t->want;) {   /* runs of mapped granules, top down */
+    if (!s->gmap[k - 1]) { k--; continue; }
+    size_t hi = k;
+    while (k > g0 && s->gmap[k - 1] && t->done + (hi - k) * KT_GRANULE < t->want) k--;
+    if (t->pass == 1) {
+      if (p->be->unmap(p->be->ctx, p->device, (void *)(s->base + k * KT_GRANULE), (hi - k) * KT_GRANULE) != KT_OK)
+        return false;   /* a backend failure: what stays mapped stays counted */
+      count_mapped(p, s, k, hi - k, 0);
+    }
+    t->done += (hi - k) * KT_GRANULE;
+  }
+  return t->done < t->want;
+}
+
+size_t kt__arena_trim(kt_pool_t *p, size_t want) {
+  trim_state t = {want, 0, 0};
+  for (kt_segment *s = p->segments; s && t.done < t.want; s = s->next)
+    if (s->gmap && s->mapped) free_runs_top_down(s, trim_run, p, &t);
+  if (!t.done) return 0;
+  /* freed memory may still be in use by work enqueued before its free */
+  kt__nvtx_push(p, "kitsune:unmap_idle");
+  kt_status st = p->be->synchronize(p->be->ctx, p->device);
+  t.done = 0; t.pass = 1;
+  for (kt_segment *s = p->segments; st == KT_OK && s && t.done < t.want; s = s->next)
+    if (s->gmap && s->mapped) free_runs_top_down(s, trim_run, p, &t);
+  kt__nvtx_pop(p);
+  p->n_trims++;
+  return t.done;
+}
+
+/* Maps every granule that taken extent e touches. Growth past the highest mapped
+ * total so far (or past the limit) first unmaps idle granules to make room. */
+static kt_status back_extent(kt_pool_t *p, kt_extent *e, kt_oom_info *oom) {
+  kt_segment *s = e->seg;
+  size_t g0 = (e->addr - s->base) / KT_GRANULE;
+  size_t g1 = (align_up(e->addr + e->size, KT_GRANULE) - s->base) / KT_GRANULE;
+  size_t need = 0;
+  for (size_t k = g0; k < g1; k++) need += s->gmap[k] ? 0 : KT_GRANULE;
+  if (!need) return KT_OK;
+  if (p->vmm_device && need > p->vmm_device) {   /* more than the device has: no granule-by-granule failure */
+    if (oom) oom->rounded = need;
+    return KT_ERR_OOM;
+  }
+  int64_t room = INT64_MAX;   /* mapping more than this first unmaps idle granules */
+  if (p->release_on_grow && !atomic_load(&p->hold_releases)) room = p->vmm_high - p->reserved;
+  if (p->limit && (int64_t)p->limit - p->reserved < room) room = (int64_t)p->limit - p->reserved;
+  if ((int64_t)need > room) kt__arena_trim(p, (size_t)((int64_t)need - room));
+  if (p->limit && (size_t)p->reserved + need > p->limit) {
+    if (oom) { oom->hit_limit = 1; oom->rounded = need; }
+    return KT_ERR_OOM;
+  }
+  kt__nvtx_push(p, "kitsune:map");
+  kt_status st = KT_OK;
+  for (size_t k = g0; k < g1 && st == KT_OK;) {   /* runs of unmapped granules */
+    if (s->gmap[k]) { k++; continue; }
+    size_t run = k;
+    while (run < g1 && !s->gmap[run]) run++;
+    st = p->be->map(p->be->ctx, p->device, (void *)(s->base + k * KT_GRANULE), (run - k) * KT_GRANULE);
+    if (st == KT_OK) count_mapped(p, s, k, run - k, 1);   /* kept on a later failure: idle, trimmable */
+    k = run;
+  }
+  kt__nvtx_pop(p);
+  if (st != KT_OK && oom) oom->rounded = need;
+  return st;
+}
+
+/* Where in free extent e of a VMM range a block of size goes: at the start of the
+ * first run of mapped granules that holds it, else where it overlaps the longest
+ * run, else at e's start (an aligned start always exists: e fits). */
+static uintptr_t place_in_range(const kt_extent *e, size_t size, size_t align) {
+  const kt_segment *s = e->seg;
+  uintptr_t lo = e->addr, hi = e->addr + e->size;
+  uintptr_t last = (hi - size) & ~(uintptr_t)(align - 1);   /* the highest aligned start */
+  size_t g = (lo - s->base) / KT_GRANULE, gend = (hi - 1 - s->base) / KT_GRANULE + 1;
+  uintptr_t best = align_up(lo, align);
+  size_t best_len = 0;
+  while (g < gend) {
+    const uint8_t *m = memchr(s->gmap + g, 1, gend - g);
+    if (!m) break;
+    size_t r0 = (size_t)(m - s->gmap), r1 = r0;
+    const uint8_t *z = memchr(s->gmap + r0, 0, gend - r0);
+    r1 = z ? (size_t)(z - s->gmap) : gend;
+    uintptr_t a = s->base + r0 * KT_GRANULE, b = s->base + r1 * KT_GRANULE;
+    if (a < lo) a = lo;
+    if (b > hi) b = hi;
+    uintptr_t at = align_up(a, align);
+    if (at + size <= b) return at;
+    if (b - a > best_len) { best_len = b - a; best = at < last ? at : last; }
+    g = r1;
+  }
+  return best;
+}
+
+/* Largest run of mapped granules wholly inside [a, b): what a free extent of a VMM
+ * range can give without mapping. */
+static size_t mapped_within(const kt_segment *s, uintptr_t a, uintptr_t b) {
+  size_t g0, g1, best = 0, cur = 0;
+  if (!inner_granules(s, a, b, &g0, &g1)) return 0;
+  for (size_t k = g0; k < g1; k++) {
+    cur = s->gmap[k] ? cur + KT_GRANULE : 0;
+    if (cur > best) best = cur;
+  }
+  return best;
 }
 
 /* Growth: a request under KT_SHARED_SEGMENT/2 gets a KT_SHARED_SEGMENT segment that
@@ -153,19 +366,10 @@ static kt_status grow(kt_pool_t *p, size_t size, kt_extent **out, kt_oom_info *o
     free(s); free(e);
     return KT_ERR_BACKEND;
   }
-  s->base = (uintptr_t)base; s->size = seg; s->first = e;
-  s->next = p->segments; if (p->segments) p->segments->prev = s; p->segments = s;
-  s->nvtx_heap = kt__nvtx_heap_register(p, s->base, seg);
-  if (s->nvtx_heap && !p->nvtx_regions) {     /* a tool reads NVTX memory: register blocks too */
-    p->nvtx_regions = 1;
-    atomic_fetch_or(&p->hooks, KT_HOOK_NVTX);
-  }
-  e->addr = s->base; e->size = seg; e->seg = s; e->kind = KT_EXT_FREE;
-  kt__bins_insert(&p->untagged, e);
+  s->base = (uintptr_t)base; s->size = seg;
+  link_segment(p, s, e);
   p->reserved += (int64_t)seg; p->reserved_total += (int64_t)seg;
   if (p->reserved > p->reserved_peak) p->reserved_peak = p->reserved;
-  p->nsegments++; p->nsegments_total++;
-  if (p->nsegments > p->nsegments_peak) p->nsegments_peak = p->nsegments;
   p->n_reserves++;
   *out = e;
   return KT_OK;
@@ -175,6 +379,7 @@ static kt_status grow(kt_pool_t *p, size_t size, kt_extent **out, kt_oom_info *o
 static size_t idle_bytes(kt_pool_t *p) {
   size_t n = 0;
   for (kt_segment *s = p->segments; s; s = s->next) {
+    if (s->gmap) continue;
     kt_extent *e = s->first;
     while (e && e->kind == KT_EXT_FREE) e = e->anext;
     if (!e) n += s->size;
@@ -186,7 +391,7 @@ kt_status kt__arena_take(kt_pool_t *p, kt_heap *tag, size_t size, size_t align, 
                          kt_extent **out, kt_oom_info *oom) {
   kt_extent *e = tag ? best_fit(&tag->bins, size, align) : NULL;
   if (!e) e = best_fit(&p->untagged, size, align);
-  if (!e && p->release_on_grow && idle_bytes(p) >= size) {
+  if (!e && p->release_on_grow && !atomic_load(&p->hold_releases) && idle_bytes(p) >= size) {
     /* Nothing fits but whole idle segments add up to the request: give them back
      * before reserving more (their cudaFree synchronizes). */
     kt_segment *idle = kt__arena_collect_idle(p);
@@ -196,13 +401,22 @@ kt_status kt__arena_take(kt_pool_t *p, kt_heap *tag, size_t size, size_t align, 
       kt__segment_release(p, sg);
     }
   }
+  if (!e && p->vmm) {   /* on failure a segment is tried, which fills the OOM info if it fails too */
+    kt_status st = grow_range(p, size, &e);
+    if (st == KT_ERR_UNAVAILABLE) p->vmm = 0;   /* the device cannot map: segments from now on */
+    if (st != KT_OK) e = NULL;
+  }
   if (!e) {
     kt_status st = grow(p, size, &e, oom);
     if (st != KT_OK) return st;
   }
-  kt_status st = carve(p, e, size, align, out);
+  kt_heap *was = e->tag;
+  uintptr_t start = e->seg->gmap ? place_in_range(e, size, align) : align_up(e->addr, align);
+  kt_status st = carve(p, e, start, size, out);
+  if (st != KT_OK) return st;
   /* marked in use before arena_lock is dropped: never mergeable while unlocked */
-  if (st == KT_OK) { (*out)->tag = tag; (*out)->kind = (uint8_t)kind; }
+  (*out)->tag = tag; (*out)->kind = (uint8_t)kind;
+  if ((*out)->seg->gmap && (st = back_extent(p, *out, oom)) != KT_OK) kt__arena_put(p, *out, was);
   return st;
 }
 
@@ -238,6 +452,7 @@ kt_segment *kt__arena_collect_idle(kt_pool_t *p) {
   kt_segment *idle = NULL, *next;
   for (kt_segment *s = p->segments; s; s = next) {
     next = s->next;
+    if (s->gmap) continue;
     /* idle = every extent free, whatever stream each is confined to */
     kt_extent *e = s->first;
     while (e && e->kind == KT_EXT_FREE) e = e->anext;
@@ -261,19 +476,40 @@ kt_segment *kt__arena_collect_idle(kt_pool_t *p) {
 void kt__segment_release(kt_pool_t *p, kt_segment *s) {
   kt__nvtx_heap_unregister(p, s->nvtx_heap);
   kt__nvtx_push(p, "kitsune:segment_release");
-  p->be->release(p->be->ctx, p->device, (void *)s->base, s->size);
+  if (s->gmap) {   /* a VMM range (pool teardown): unmap what is mapped, then the range */
+    size_t n = s->size / KT_GRANULE;
+    if (s->mapped) p->be->synchronize(p->be->ctx, p->device);
+    for (size_t k = 0; k < n;) {
+      if (!s->gmap[k]) { k++; continue; }
+      size_t run = k;
+      while (run < n && s->gmap[run]) run++;
+      p->be->unmap(p->be->ctx, p->device, (void *)(s->base + k * KT_GRANULE), (run - k) * KT_GRANULE);
+      k = run;
+    }
+    p->be->va_release(p->be->ctx, p->device, (void *)s->base, s->size);
+    free(s->gmap);
+  } else {
+    p->be->release(p->be->ctx, p->device, (void *)s->base, s->size);
+  }
   kt__nvtx_pop(p);
   free(s);
 }
 
+/* A VMM range's free extents count only their mapped granules, so every bin may
+ * need a look; a plain segment's largest extent is in the highest non-empty bin. */
 static size_t largest_in(const kt_bins *b) {
   size_t best = 0;
   for (int i = KT_NUM_BINS - 1; i >= 0; i--) {
     if (!(b->bits[i >> 6] & ((uint64_t)1 << (i & 63)))) continue;
-    for (kt_extent *e = b->head[i]; e; e = e->fnext) if (e->size > best) best = e->size;
-    return best;
+    bool plain = false;
+    for (kt_extent *e = b->head[i]; e; e = e->fnext) {
+      size_t n = e->seg->gmap ? mapped_within(e->seg, e->addr, e->addr + e->size) : e->size;
+      plain |= !e->seg->gmap;
+      if (n > best) best = n;
+    }
+    if (plain) return best;   /* lower bins hold smaller extents */
   }
-  return 0;
+  return best;
 }
 
 size_t kt__arena_largest_free(kt_pool_t *p) {
@@ -310,10 +546,18 @@ kt_status kt__arena_validate(kt_pool_t *p) {
   for (kt_segment *s = p->segments; s; s = s->next) {
     CHECK(!(s->base & (KT_PAGE - 1)) && s->size % KT_SEGMENT_ALIGN == 0);
     CHECK(!s->next || s->next->prev == s);
+    if (s->gmap) {   /* mapped bytes agree with the granule map */
+      size_t n = 0;
+      for (size_t k = 0; k < s->size / KT_GRANULE; k++) n += s->gmap[k];
+      CHECK(n * KT_GRANULE == s->mapped);
+    }
     uintptr_t at = s->base;
     for (kt_extent *e = s->first; e; e = e->anext) {
       CHECK(e->seg == s && e->addr == at && e->size > 0 && e->size % KT_QUANTUM == 0);
       CHECK(!e->anext || e->anext->aprev == e);
+      if (s->gmap && e->kind != KT_EXT_FREE)   /* what is handed out is mapped */
+        for (uintptr_t g = e->addr & ~(uintptr_t)(KT_GRANULE - 1); g < e->addr + e->size; g += KT_GRANULE)
+          CHECK(s->gmap[(g - s->base) / KT_GRANULE]);
       if (e->kind == KT_EXT_FREE) {
         nfree++;
         CHECK(!e->anext || !mergeable(e, e->anext));
@@ -329,7 +573,7 @@ kt_status kt__arena_validate(kt_pool_t *p) {
       at += e->size;
     }
     CHECK(at == s->base + s->size);
-    reserved += (int64_t)s->size; nseg++;
+    reserved += (int64_t)(s->gmap ? s->mapped : s->size); nseg++;
   }
   CHECK(reserved == p->reserved && nseg == p->nsegments);
   kt_status st = bins_validate(p, &p->untagged, NULL, &binned);

@@ -145,7 +145,9 @@ struct kt_extent {
 
 struct kt_segment {
   uintptr_t base;
-  size_t size;
+  size_t size;               /* bytes of memory, or of address space for a VMM range */
+  uint8_t *gmap;             /* VMM range: a byte a granule, 1 = mapped; NULL: backend segment */
+  size_t mapped;             /* VMM range: bytes mapped */
   kt_extent *first;
   kt_segment *prev, *next;
   void *nvtx_heap;
@@ -218,6 +220,8 @@ struct kt_pool {
   int track;                           /* lifetimes */
   uint64_t slack_units;                /* peak_slack / 512 */
   int release_on_grow;                 /* options: release idle segments before growing */
+  int vmm;                             /* growth maps granules of address ranges (kt_pool_options.vmm) */
+  _Atomic int hold_releases;           /* kt_pool_hold_releases: growth releases nothing */
   _Atomic int hooks;                   /* trace on | nvtx regions on */
   _Atomic uintptr_t *_Atomic radix[1u << KT_RADIX_ROOT_BITS];
   kt_heap_slot heaps[KT_HEAP_TABLE];
@@ -233,7 +237,11 @@ struct kt_pool {
   size_t limit;
   int64_t reserved, reserved_peak, reserved_total, released_total;
   int64_t nsegments, nsegments_peak, nsegments_total;
-  uint64_t n_reserves, n_releases, n_retries, n_ooms;
+  uint64_t n_reserves, n_releases, n_retries, n_ooms;   /* VMM: map and unmap calls */
+  size_t vmm_range;                    /* address space a VMM range reserves (0: not yet known) */
+  size_t vmm_device;                   /* the device's memory (0: unknown): larger requests fail at once */
+  int64_t vmm_high;                    /* most bytes ever mapped: growth past it unmaps idle granules first */
+  uint64_t n_trims;                    /* synchronizations to unmap idle granules */
   int64_t large_req_alloc, large_req_freed, large_bytes_alloc, large_bytes_freed;
   uint64_t large_nalloc, large_nfree;
   kt_slab *retired[KT_NUM_CLASSES];    /* slab descriptors kept for reuse */
@@ -331,8 +339,13 @@ kt_status kt__arena_take(kt_pool_t *p, kt_heap *tag, size_t size, size_t align, 
                          kt_extent **out, kt_oom_info *oom);
 /* Returns an extent to the free bins with tag, coalescing. */
 void kt__arena_put(kt_pool_t *p, kt_extent *e, kt_heap *tag);
-/* Unlinks segments whose extents are all free; caller releases them unlocked. */
+/* Unlinks segments whose extents are all free; caller releases them unlocked.
+ * VMM ranges stay; their idle granules go back through kt__arena_trim. */
 kt_segment *kt__arena_collect_idle(kt_pool_t *p);
+/* Unmaps granules of VMM ranges that lie wholly in free space, from the top of each
+ * range down, until at least want bytes went back (SIZE_MAX: all). Synchronizes the
+ * device first when there is anything to unmap. Returns the bytes unmapped. */
+size_t kt__arena_trim(kt_pool_t *p, size_t want);
 void kt__segment_release(kt_pool_t *p, kt_segment *s);
 size_t kt__arena_largest_free(kt_pool_t *p);
 kt_status kt__arena_validate(kt_pool_t *p);

@@ -117,6 +117,7 @@ kt_status kt_pool_create(const kt_pool_options *opt, const kt_backend *be, kt_po
   p->track = opt->track_lifetimes;
   p->slack_units = KT_UNITS(opt->peak_slack);
   p->release_on_grow = opt->release_on_grow;
+  p->vmm = opt->vmm && be->va_reserve && be->va_release && be->map && be->unmap;
   p->limit = opt->memory_limit;
   pthread_mutex_init(&p->arena_lock, NULL);
   pthread_mutex_init(&p->heap_lock, NULL);
@@ -563,6 +564,7 @@ static void release_cached(kt_pool_t *p, int sync) {
     s->ext = NULL;
     s->next = p->retired[s->cls]; p->retired[s->cls] = s;
   }
+  kt__arena_trim(p, SIZE_MAX);
   kt_segment *idle = kt__arena_collect_idle(p);
   pthread_mutex_unlock(&p->arena_lock);
   while (idle) {
@@ -578,6 +580,16 @@ kt_status kt_empty_cache(kt_pool_t *p) {
   release_cached(p, 0);
   kt__nvtx_pop(p);
   if (atomic_load_explicit(&p->hooks, memory_order_relaxed) & KT_HOOK_TRACE) kt__trace(p, "empty_cache", 0, 0, NULL);
+  return KT_OK;
+}
+
+kt_status kt_pool_hold_releases(kt_pool_t *p, int hold) {
+  if (!p) return KT_ERR_INVALID;
+  if (hold) atomic_fetch_add(&p->hold_releases, 1);
+  else if (atomic_fetch_sub(&p->hold_releases, 1) <= 0) {
+    atomic_fetch_add(&p->hold_releases, 1);
+    return KT_ERR_INVALID;   /* not held */
+  }
   return KT_OK;
 }
 
@@ -1056,6 +1068,8 @@ kt_status kt_get_stats(kt_pool_t *p, kt_stats *o) {
   }
   o->memory_limit = p->limit;
   o->largest_free_block = kt__arena_largest_free(p);
+  o->num_release_syncs = p->n_trims;
+  o->vmm = p->vmm;
   acc_subtract(o, &p->acc_base);
   pthread_mutex_unlock(&p->arena_lock);
   pthread_mutex_lock(&p->pending_lock);
@@ -1078,6 +1092,7 @@ static void acc_subtract(kt_stats *o, const kt_stats *b) {
   o->num_alloc_retries -= b->num_alloc_retries; o->num_ooms -= b->num_ooms;
   o->num_backend_reserves -= b->num_backend_reserves; o->num_backend_releases -= b->num_backend_releases;
   o->num_large_allocs -= b->num_large_allocs; o->num_pending_frees -= b->num_pending_frees;
+  o->num_release_syncs -= b->num_release_syncs;
   for (int c = 0; c < KT_NUM_CLASSES; c++) o->class_allocs[c] -= b->class_allocs[c];
 }
 

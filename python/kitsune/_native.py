@@ -58,12 +58,13 @@ class Stats(ctypes.Structure):
                 ("num_backend_reserves", ctypes.c_uint64), ("num_backend_releases", ctypes.c_uint64),
                 ("num_large_allocs", ctypes.c_uint64), ("num_pending_frees", ctypes.c_uint64),
                 ("class_allocs", ctypes.c_uint64 * NUM_CLASSES), ("class_live", ctypes.c_uint64 * NUM_CLASSES),
-                ("memory_limit", ctypes.c_size_t), ("largest_free_block", ctypes.c_size_t)]
+                ("memory_limit", ctypes.c_size_t), ("largest_free_block", ctypes.c_size_t),
+                ("num_release_syncs", ctypes.c_uint64), ("vmm", ctypes.c_int)]
 
 
 class PoolOptions(ctypes.Structure):
     _fields_ = [("device", ctypes.c_int), ("memory_limit", ctypes.c_size_t), ("track_lifetimes", ctypes.c_int),
-                ("peak_slack", ctypes.c_size_t), ("release_on_grow", ctypes.c_int)]
+                ("peak_slack", ctypes.c_size_t), ("release_on_grow", ctypes.c_int), ("vmm", ctypes.c_int)]
 
 
 class Sync(ctypes.Structure):

@@ -82,12 +82,19 @@ static inline void test_release(void) {
   }
 }
 
+/* KT_TEST_VMM=1: the suites' pools map granules of address ranges (kt_pool_options.vmm). */
+static inline int test_vmm(void) {
+  const char *v = getenv("KT_TEST_VMM");
+  return v && *v == '1';
+}
+
 /* A pool that keeps idle segments cached (release_on_grow = 0): for tests that
  * check which address a stream gets back or when an OOM retry happens. */
 static inline kt_pool_t *test_pool_keep(const kt_backend *be) {
   kt_pool_options o;
   kt_pool_options_default(&o);
   o.release_on_grow = 0;
+  o.vmm = test_vmm();
   kt_pool_t *p = NULL;
   cr_assert_eq(kt_pool_create(&o, be, &p), KT_OK);
   return p;
@@ -97,6 +104,7 @@ static inline kt_pool_t *test_pool(const kt_backend *be, size_t limit) {
   kt_pool_options o;
   kt_pool_options_default(&o);
   o.memory_limit = limit;
+  o.vmm = test_vmm();
   kt_pool_t *p = NULL;
   cr_assert_eq(kt_pool_create(&o, be, &p), KT_OK);
   return p;

@@ -64,6 +64,13 @@ typedef struct kt_pool_options {
    * this held 1.13x the live bytes instead of 1.89x, for a synchronizing release
    * now and then (bench/results/alloc_shapes.json). 0 keeps every segment cached. */
   int release_on_grow;
+  /* 1: when the backend has virtual-memory entries, the pool reserves address space
+   * (twice the device's memory, or the request if larger) and maps 2 MiB granules
+   * as blocks need them. Free space then coalesces across what would have been
+   * separate segments, and before the mapped total passes its highest value so far
+   * the pool unmaps idle granules (one device synchronization) instead. reserved
+   * counts mapped bytes. 0 (default): cudaMalloc-style segments. */
+  int vmm;
 } kt_pool_options;
 
 #define KT_DEFAULT_PEAK_SLACK ((size_t)2 << 20)
@@ -86,6 +93,10 @@ kt_status kt_record_stream(kt_pool_t *pool, void *ptr, kt_stream_t stream);
 
 /* Returns cached memory that is truly idle to the backend. */
 kt_status kt_empty_cache(kt_pool_t *pool);
+/* While held (calls nest), growth never gives idle memory back first: no device
+ * synchronization and no cudaFree, which a CUDA graph capture under way elsewhere
+ * would not survive. The pool grows past its high mark instead. */
+kt_status kt_pool_hold_releases(kt_pool_t *pool, int hold);
 /* 0 removes the limit. A limit below what is reserved now takes effect as memory is freed. */
 kt_status kt_set_memory_limit(kt_pool_t *pool, size_t bytes);
 /* fraction in (0, 1] of the device's total memory (asks the backend). */
@@ -106,6 +117,7 @@ typedef struct kt_stats {
    *   active_bytes.current    == allocated_bytes.current + bytes of freed blocks
    *                              still waiting for other streams' events
    *   reserved_bytes.current  == sum of segment sizes held from the backend
+   *                              (VMM: of granules mapped)
    *   reserved >= active, and x.current == x.allocated - x.freed for each stat. */
   kt_stat allocated_bytes;
   kt_stat active_bytes;
@@ -122,7 +134,9 @@ typedef struct kt_stats {
   uint64_t class_allocs[KT_NUM_CLASSES];  /* cumulative allocations per size class */
   uint64_t class_live[KT_NUM_CLASSES];    /* live blocks per size class */
   size_t memory_limit;
-  size_t largest_free_block;   /* largest free range in the arena (not slabs) */
+  size_t largest_free_block;   /* largest free range in the arena (not slabs); VMM: mapped */
+  uint64_t num_release_syncs;  /* device synchronizations to unmap idle granules (VMM) */
+  int vmm;                     /* 1: the pool maps granules (kt_pool_options.vmm, backend permitting) */
 } kt_stats;
 
 kt_status kt_get_stats(kt_pool_t *pool, kt_stats *out);

@@ -11,6 +11,11 @@ expandable_segments, Kitsune) runs in its own process. Reported per allocator:
                  read after every step, minus what was in use before the model)
   peak reserved  torch.cuda.max_memory_reserved()
   ms/step        median wall time of a step (loss.item() synchronizes), steps 5..N
+  release_syncs  device synchronizations the allocator made to give memory back
+                 (torch's num_sync_all_streams)
+Kitsune runs three ways: the default (VMM: 2 MiB granules of one address range),
+segments released before growing (KITSUNE_VMM=0), and segments kept (also
+KITSUNE_RELEASE_ON_GROW=0).
 Writes alloc_shapes.json.
 """
 import argparse
@@ -26,8 +31,9 @@ CONFIGS = {
     "native": {},
     "cudaMallocAsync": {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"},
     "expandable_segments": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
-    "kitsune": {"KT_BENCH_KITSUNE": "1"},
-    "kitsune_keep_segments": {"KT_BENCH_KITSUNE": "1", "KITSUNE_RELEASE_ON_GROW": "0"},
+    "kitsune": {"KT_BENCH_KITSUNE": "1"},                                  # VMM: granules of one range
+    "kitsune_segments": {"KT_BENCH_KITSUNE": "1", "KITSUNE_VMM": "0"},       # segments, released before growing
+    "kitsune_keep_segments": {"KT_BENCH_KITSUNE": "1", "KITSUNE_VMM": "0", "KITSUNE_RELEASE_ON_GROW": "0"},
 }
 
 
@@ -82,7 +88,8 @@ def child(steps):
         del x, logits, loss
     print(json.dumps({"peak_live": torch.cuda.max_memory_allocated(), "peak_device": device_peak,
                       "peak_reserved": torch.cuda.max_memory_reserved(),
-                      "ms_per_step": 1e3 * statistics.median(times[5:]), "final_loss": losses[-1]}))
+                      "ms_per_step": 1e3 * statistics.median(times[5:]), "final_loss": losses[-1],
+                      "release_syncs": torch.cuda.memory_stats().get("num_sync_all_streams", 0)}))
 
 
 def main():

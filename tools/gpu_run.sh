@@ -5,7 +5,8 @@
 # make bench-data, "kernels" make bench-kernels, "profile" tools/profile_train.py, "gaps"
 # tools/step_gaps.py, "optim" bench/kernels/optimizer.py, "ew" bench/kernels/elementwise.py, "lact" bench/kernels/linear_act.py, "train" bench/kernels/train_models.py,
 # "ncu" Nsight Compute on the dropout kernels, "models" bench/models.py, "pgraph"
-# tools/profile_graph.py; KT_NO_CLEAN=1 keeps
+# tools/profile_graph.py, "alloc" the VMM C suites on CUDA, the allocator pytest,
+# bench/alloc_shapes.py and bench/alloc_torch.py; KT_NO_CLEAN=1 keeps
 # the last call's build). Everything is logged to $OUT/run.log; JSON results and the
 # recorded trace also land in $OUT (the device tool brings back at most 8 files).
 # Carry .deps (make gpu-deps).
@@ -81,6 +82,16 @@ if [[ $parts == *" pgraph "* ]]; then   # kernels inside the captured step (PGRA
   echo "== profile graph =="; KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \
     python3 tools/profile_graph.py ${PGRAPH_MODELS:-mlp resnet18} > "$OUT/profile_graph.log" 2>&1
   grep -v -i warn "$OUT/profile_graph.log" | head -120
+fi
+if [[ $parts == *" alloc "* ]]; then   # allocator under torch: VMM suites, its pytest, alloc_shapes + alloc_torch
+  echo "== C suites, VMM pools on CUDA =="
+  KT_TEST_VMM=1 KT_TEST_BACKEND=cuda KT_REQUIRE_GPU=1 bash tools/run_c_tests.sh build/tests conformance stress
+  echo "== allocator pytest =="; KITSUNE_REQUIRE_GPU=1 KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \
+    python3 -m pytest -q -rfEs -s tests/python/test_torch_allocator.py 2>&1 | grep -v -i "warn" | tail -25
+  echo "== alloc_shapes =="; time KT_COMMIT=${KT_COMMIT:-?} KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \
+    python3 bench/alloc_shapes.py --out "$OUT" ${BENCH_SHAPES_ARGS:-}
+  echo "== alloc_torch =="; time KT_COMMIT=${KT_COMMIT:-?} KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \
+    python3 bench/alloc_torch.py --out "$OUT" ${BENCH_ATORCH_ARGS:-}
 fi
 if [[ $parts == *" demo "* ]]; then
   echo "== demo =="; make demo

@@ -79,6 +79,8 @@ def _stats_dict(lib, st):
     out["num_device_free"] = st.num_backend_releases
     out["memory_limit"] = st.memory_limit
     out["largest_free_block"] = st.largest_free_block
+    out["num_sync_all_streams"] = st.num_release_syncs
+    out["vmm"] = bool(st.vmm)
     out["size_classes"] = {lib.kt_class_size(c): (st.class_allocs[c], st.class_live[c])
                            for c in range(_native.NUM_CLASSES) if st.class_allocs[c]}
     return out
@@ -139,9 +141,11 @@ def use_stats(device=0):
 
 
 class Pool:
-    """A Kitsune pool. backend: "cuda" or "fake". Streams are cudaStream_t values (ints)."""
+    """A Kitsune pool. backend: "cuda" or "fake". Streams are cudaStream_t values (ints).
+    vmm=True maps 2 MiB granules of one address range instead of reserving segments
+    (kt_pool_options.vmm; segments where the device cannot map)."""
 
-    def __init__(self, backend="cuda", device=0, memory_limit=0):
+    def __init__(self, backend="cuda", device=0, memory_limit=0, vmm=False):
         self._pool, self._fake = ctypes.c_void_p(), None   # close() is safe from here on
         lib = native()
         self._lib = lib
@@ -160,7 +164,7 @@ class Pool:
             raise ValueError(f"Pool(memory_limit={memory_limit}): must be >= 0 bytes (0 = no limit)")
         opt = _native.PoolOptions()
         lib.kt_pool_options_default(ctypes.byref(opt))
-        opt.device, opt.memory_limit = device, memory_limit
+        opt.device, opt.memory_limit, opt.vmm = device, memory_limit, int(bool(vmm))
         check(lib.kt_pool_create(ctypes.byref(opt), be, ctypes.byref(self._pool)), "kt_pool_create")
 
     def close(self):

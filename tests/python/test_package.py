@@ -59,6 +59,26 @@ def test_pool_alloc_free_and_pytorch_style_stats(pool):
     assert pool.alloc(0) == 0
 
 
+def test_vmm_pool_maps_granules_and_gives_idle_ones_back():
+    from kitsune.allocator import Pool
+    with Pool(backend="fake", vmm=True) as p:
+        assert p.stats()["vmm"] is True
+        a, b = p.alloc(20 << 20), p.alloc(20 << 20)
+        p.free(a)                       # a 20 MiB hole: too small for what comes next
+        c = p.alloc(30 << 20)
+        st = p.stats()
+        assert st["reserved_bytes.all.current"] == 50 << 20, st["reserved_bytes.all.current"]
+        assert st["num_sync_all_streams"] == 1
+        assert st["segment.all.current"] == 1       # one address range, not three segments
+        p.validate()
+        p.free(b)
+        p.free(c)
+        p.empty_cache()
+        assert p.stats()["reserved_bytes.all.current"] == 0
+    with Pool(backend="fake") as p:
+        assert p.stats()["vmm"] is False
+
+
 def test_errors_name_the_bad_value(pool):
     import kitsune
     with pytest.raises(ValueError, match=r"free\(ptr=0x1234"):

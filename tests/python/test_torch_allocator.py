@@ -23,9 +23,9 @@ def env():
     return e
 
 
-def run(code, timeout=600):
+def run(code, timeout=600, **extra_env):
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                       env=env(), timeout=timeout)
+                       env=dict(env(), **extra_env), timeout=timeout)
     assert r.returncode == 0, r.stdout + r.stderr
     return r.stdout
 
@@ -104,6 +104,45 @@ def test_memory_stats_api_reports_kitsune_numbers():
     assert r["reserved_after_empty"] == 0
     assert r["max_reserved"] >= 4096 + (3 << 20)
     assert r["acc_after_reset"] == 4096
+
+
+VMM_CHURN = """
+    import json, random, torch, kitsune.allocator as ka
+    ka.install()
+    rng = random.Random(7)
+    live = {}
+    for r in range(12):
+        for i in range(24):                       # sizes grow round by round: old holes fit nothing
+            t = torch.empty(rng.randint(1, 32 + 16 * r) << 18, dtype=torch.float32, device="cuda")
+            v = float(r * 1000 + i)
+            t.fill_(v)
+            live[(r, i)] = (t, v)
+        for k in rng.sample(sorted(live), len(live) // 2):
+            del live[k]
+        for t, v in live.values():                # every live tensor still holds its value
+            assert bool((t == v).all()), "a live tensor changed"
+    torch.cuda.synchronize()
+    s = torch.cuda.memory_stats()
+    print(json.dumps({k: s[k] for k in ("allocated_bytes.all.peak", "reserved_bytes.all.peak",
+                                        "num_sync_all_streams", "segment.all.current")}))
+"""
+
+
+@pytest.mark.gpu
+@gpu
+def test_vmm_pool_keeps_live_data_and_reserves_near_the_live_peak():
+    r = {}
+    for vmm in ("1", "0"):
+        r[vmm] = json.loads(run(VMM_CHURN, KITSUNE_VMM=vmm).strip().splitlines()[-1])
+    v, seg = r["1"], r["0"]
+    print("peak reserved / peak allocated: vmm %.3f, segments %.3f" % (
+        v["reserved_bytes.all.peak"] / v["allocated_bytes.all.peak"],
+        seg["reserved_bytes.all.peak"] / seg["allocated_bytes.all.peak"]))
+    assert v["segment.all.current"] == 1, "one address range"
+    assert v["num_sync_all_streams"] >= 1, "idle granules were unmapped"
+    # a block shares at most two granules (2 MiB each) with free space
+    assert v["reserved_bytes.all.peak"] <= v["allocated_bytes.all.peak"] + (48 * 4 << 20), v
+    assert v["reserved_bytes.all.peak"] < seg["reserved_bytes.all.peak"], r
 
 
 @pytest.mark.gpu
@@ -311,7 +350,7 @@ def test_nvtx_records_kitsune_ranges_heaps_and_regions_during_training(tmp_path)
     lines = rec.read_text().splitlines()
     count = lambda prefix: sum(l.startswith(prefix) for l in lines)
     assert count("domain kitsune") == 1
-    assert count("push kitsune kitsune:segment_reserve") >= 1
+    assert count("push kitsune kitsune:map") >= 1, "the device's pool maps granules (VMM)"
     assert count("push kitsune kitsune:empty_cache") >= 1
     assert count("push kitsune") == count("pop kitsune")
     assert count("heap_register kitsune") >= 1

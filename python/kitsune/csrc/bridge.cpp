@@ -78,11 +78,15 @@ int env_int(const char* name, int dflt) {
 
 // A Kitsune pool on the CUDA backend for `device` with the process's options: every
 // pool the bridge makes (per device, private, MemPool segments) comes from here.
-kt_status create_device_pool(int device, kt_pool_t** out) {
+// vmm: the device's own pool maps granules of one address range (KITSUNE_VMM=0
+// turns it off); private pools keep segments, since unmapping synchronizes the
+// device, which a capture filling such a pool would not survive.
+kt_status create_device_pool(int device, kt_pool_t** out, bool vmm = false) {
   kt_pool_options o;
   kt_pool_options_default(&o);
   o.device = device;
   o.release_on_grow = env_int("KITSUNE_RELEASE_ON_GROW", o.release_on_grow) != 0;
+  o.vmm = vmm && env_int("KITSUNE_VMM", 1) != 0;
   return kt_pool_create(&o, kt_cuda_backend(), out);
 }
 
@@ -138,7 +142,7 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
     while (static_cast<int>(pools_.size()) < device_count) {
       int dev = static_cast<int>(pools_.size());
       kt_pool_t* p = nullptr;
-      kt_status st = create_device_pool(dev, &p);
+      kt_status st = create_device_pool(dev, &p, /*vmm=*/true);
       TORCH_CHECK(st == KT_OK, "Kitsune: creating the pool for device ", dev, " failed: ", kt_status_str(st));
       pools_.push_back(p);
     }
@@ -213,6 +217,7 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
     out.num_ooms = static_cast<int64_t>(st.num_ooms);
     out.num_device_alloc = static_cast<int64_t>(st.num_backend_reserves);
     out.num_device_free = static_cast<int64_t>(st.num_backend_releases);
+    out.num_sync_all_streams = static_cast<int64_t>(st.num_release_syncs);
     return out;
   }
   void resetAccumulatedStats(c10::DeviceIndex device) override {
@@ -250,6 +255,7 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
       st->num_ooms += x.num_ooms;
       st->num_backend_reserves += x.num_backend_reserves;
       st->num_backend_releases += x.num_backend_releases;
+      st->num_release_syncs += x.num_release_syncs;
     }
   }
   std::vector<cca::StreamSegmentSize> getExpandableSegmentSizes(c10::DeviceIndex) override { return {}; }
@@ -263,6 +269,8 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
     TORCH_CHECK(!p->filter, "Kitsune: memory pool (", id.first, ", ", id.second, ") is already being allocated to");
     p->filter = std::move(filter);
     capturing_.fetch_add(1, std::memory_order_relaxed);
+    // eager allocations beside a capture must not synchronize the device
+    if (dev >= 0 && dev < static_cast<int>(pools_.size())) kt_pool_hold_releases(pools_[dev], 1);
   }
   // torch.cuda.MemPool(): the pool exists (and counts one use) before anything is
   // allocated to it.
@@ -310,6 +318,7 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
     if (!p || !p->filter) return;
     p->filter = nullptr;
     capturing_.fetch_sub(1, std::memory_order_relaxed);
+    if (dev >= 0 && dev < static_cast<int>(pools_.size())) kt_pool_hold_releases(pools_[dev], 0);
   }
   // One use fewer; the last release frees the pool's cache, and the pool goes
   // once its last block is freed.

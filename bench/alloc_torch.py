@@ -5,8 +5,9 @@
 Allocators: PyTorch's native caching allocator, backend:cudaMallocAsync,
 expandable_segments:True, and Kitsune (kitsune.allocator.install()). Each process
 warms up, then times N pairs per size (median of 5 repeats, time.perf_counter_ns),
-from Python (what a user sees) and, through the bridge, from C++ (allocate() + free
-through torch's allocator interface, no interpreter). The allocators run in turn,
+from Python (what a user sees) and, through the bridge, from C++: at::empty + release
+(the same op without the interpreter) and allocate() + free through torch's
+allocator interface. The allocators run in turn,
 R rounds, each in a fresh process; the table gives the median over rounds and the
 spread (max-min). Writes alloc_torch.json and alloc_torch.png.
 """
@@ -20,6 +21,9 @@ import subprocess
 import sys
 
 SIZES = [4096, 1 << 20, 64 << 20]
+KINDS = {"python": "torch.empty + del from Python",
+         "aten": "at::empty + release from C++ (the op torch.empty runs, no interpreter)",
+         "cpp": "allocate() + free through torch's allocator interface, from C++"}
 CONFIGS = {
     "native": {},
     "cudaMallocAsync": {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"},
@@ -55,7 +59,10 @@ def child(iters):
     b.kt_bridge_time_torch_allocate.restype = ctypes.c_double
     b.kt_bridge_time_torch_allocate.argtypes = [ctypes.c_size_t, ctypes.c_int]
     cpp = {n: b.kt_bridge_time_torch_allocate(n, iters) for n in SIZES}
-    print(json.dumps({"python": out, "cpp": cpp}))
+    b.kt_bridge_time_aten_empty.restype = ctypes.c_double
+    b.kt_bridge_time_aten_empty.argtypes = [ctypes.c_size_t, ctypes.c_int]
+    aten = {n: statistics.median(b.kt_bridge_time_aten_empty(n, iters) for _ in range(5)) for n in SIZES}
+    print(json.dumps({"python": out, "aten": aten, "cpp": cpp}))
 
 
 def main():
@@ -81,7 +88,7 @@ def main():
             if r.returncode != 0:
                 raise SystemExit(f"{name} failed:\n{r.stderr}")
             d = json.loads(r.stdout.strip().splitlines()[-1])
-            runs[name].append({k: {int(s): v for s, v in d[k].items()} for k in ("python", "cpp")})
+            runs[name].append({k: {int(s): v for s, v in d[k].items()} for k in KINDS})
 
     def med(name, kind, s):
         return statistics.median(x[kind][s] for x in runs[name])
@@ -90,13 +97,12 @@ def main():
         v = [x[kind][s] for x in runs[name]]
         return max(v) - min(v)
 
-    results = {kind: {n: {s: med(n, kind, s) for s in SIZES} for n in CONFIGS} for kind in ("python", "cpp")}
+    results = {kind: {n: {s: med(n, kind, s) for s in SIZES} for n in CONFIGS} for kind in KINDS}
     # Kitsune over native, round by round (each pair ran minutes apart at most), then the median
     paired = {kind: {s: statistics.median(k[kind][s] / n_[kind][s] for k, n_ in zip(runs["kitsune"], runs["native"]))
-                     for s in SIZES} for kind in ("python", "cpp")}
+                     for s in SIZES} for kind in KINDS}
     device = torch.cuda.get_device_name(0)
-    for kind, title in (("python", "torch.empty + del from Python"),
-                        ("cpp", "allocate() + free through torch's allocator interface, from C++")):
+    for kind, title in KINDS.items():
         print(f"\n{title}: ns per pair, median over {a.rounds} rounds (spread); {device}, torch {torch.__version__}")
         print(f"{'size':>10}" + "".join(f"{n:>26}" for n in CONFIGS) + f"{'kitsune/native':>16}")
         for s in SIZES:

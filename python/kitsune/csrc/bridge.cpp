@@ -568,6 +568,18 @@ __attribute__((visibility("default"))) double kt_bridge_time_torch_allocate(size
   return std::chrono::duration<double, std::nano>(t1 - t0).count() / iters;
 }
 
+// ns per at::empty({n}, uint8, cuda) + its release: the op torch.empty runs, dispatcher
+// included, without the interpreter.
+__attribute__((visibility("default"))) double kt_bridge_time_aten_empty(size_t n, int iters) {
+  const auto opts = at::TensorOptions().dtype(at::kByte).device(at::kCUDA);
+  const int64_t len = static_cast<int64_t>(n);
+  for (int i = 0; i < 1000; i++) (void)at::empty({len}, opts);
+  auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < iters; i++) (void)at::empty({len}, opts);   // the tensor dies at once
+  auto t1 = std::chrono::steady_clock::now();
+  return std::chrono::duration<double, std::nano>(t1 - t0).count() / iters;
+}
+
 // ns per kt_alloc+kt_free pair on the installed allocator's device-0 pool, current stream.
 __attribute__((visibility("default"))) double kt_bridge_time_kt_pair(size_t n, int iters) {
   if (!g_allocator) return -1;

@@ -91,11 +91,14 @@ static double run_pairs(size_t size, int threads, int shared, long iters) {
   return runs[2];
 }
 
+static int bench_vmm;   /* --vmm: pools map granules of one address range */
+
 typedef struct rnd { double ns_per_op; size_t peak_reserved, peak_live, peak_allocated; long ops; } rnd;
 
 static rnd run_random(long n, size_t max, size_t cap, uint64_t seed, const char *trace) {
   kt_pool_options o;
   kt_pool_options_default(&o);
+  o.vmm = bench_vmm;
   kt_pool_t *p;
   if (kt_pool_create(&o, be, &p) != KT_OK) { fprintf(stderr, "pool create failed\n"); exit(1); }
   if (trace && kt_trace_start(p, trace) != KT_OK) { fprintf(stderr, "cannot write %s\n", trace); exit(1); }
@@ -160,9 +163,10 @@ int main(int argc, char **argv) {
     else if (!strcmp(argv[i], "--quick")) quick = 1;
     else if (!strcmp(argv[i], "--no-lifetimes")) lifetimes = 0;
     else if (!strcmp(argv[i], "--pairs-only")) pairs_only = 1;
+    else if (!strcmp(argv[i], "--vmm")) bench_vmm = 1;
     else if (!strcmp(argv[i], "--peak-slack") && i + 1 < argc) slack = (size_t)atoll(argv[++i]);
     else if (!strcmp(argv[i], "--probe")) { printf("%d\n", kt_cuda_device_count()); return 0; }
-    else { fprintf(stderr, "usage: %s [--backend fake|cuda] [--json FILE] [--trace FILE] [--quick]\n", argv[0]); return 2; }
+    else { fprintf(stderr, "usage: %s [--backend fake|cuda] [--json FILE] [--trace FILE] [--quick] [--vmm]\n", argv[0]); return 2; }
   }
   char device[256], cpu[256], date[32];
   be = bench_backend(backend, device, sizeof device);
@@ -174,6 +178,7 @@ int main(int argc, char **argv) {
   kt_pool_options_default(&o);
   o.track_lifetimes = lifetimes;
   o.peak_slack = slack;
+  o.vmm = bench_vmm;
   if (kt_pool_create(&o, be, &pool) != KT_OK) { fprintf(stderr, "pool create failed\n"); return 1; }
 
   printf("Kitsune allocator benchmark\n  backend: %s\n  device:  %s\n  cpu:     %s\n  date:    %s  commit %s\n\n",

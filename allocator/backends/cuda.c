@@ -269,8 +269,10 @@ static kt_status c_unmap(void *ctx, int device, void *ptr, size_t size) {
   int prev = enter(device, &st);
   if (st == KT_OK) {
     CUdeviceptr base = (CUdeviceptr)(uintptr_t)ptr;
-    for (size_t i = 0; i < size / KT_SEGMENT_ALIGN && st == KT_OK; i++)
-      st = dmap(drv.unmap(base + i * KT_SEGMENT_ALIGN, KT_SEGMENT_ALIGN));
+    for (size_t i = 0; i < size / KT_SEGMENT_ALIGN; i++) {   /* every granule tried; the first error kept */
+      kt_status e = dmap(drv.unmap(base + i * KT_SEGMENT_ALIGN, KT_SEGMENT_ALIGN));
+      if (st == KT_OK) st = e;
+    }
   }
   leave(device, prev);
   return st;

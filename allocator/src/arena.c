@@ -322,11 +322,16 @@ static uintptr_t place_in_range(const kt_extent *e, size_t size, size_t align) {
 /* Largest run of mapped granules wholly inside [a, b): what a free extent of a VMM
  * range can give without mapping. */
 static size_t mapped_within(const kt_segment *s, uintptr_t a, uintptr_t b) {
-  size_t g0, g1, best = 0, cur = 0;
+  size_t g0, g1, best = 0;
   if (!inner_granules(s, a, b, &g0, &g1)) return 0;
-  for (size_t k = g0; k < g1; k++) {
-    cur = s->gmap[k] ? cur + KT_GRANULE : 0;
-    if (cur > best) best = cur;
+  for (size_t k = g0; k < g1;) {   /* memchr: a range's tail is tens of thousands of unmapped granules */
+    const uint8_t *m = memchr(s->gmap + k, 1, g1 - k);
+    if (!m) break;
+    size_t r0 = (size_t)(m - s->gmap);
+    const uint8_t *z = memchr(m, 0, g1 - r0);
+    size_t r1 = z ? (size_t)(z - s->gmap) : g1;
+    if ((r1 - r0) * KT_GRANULE > best) best = (r1 - r0) * KT_GRANULE;
+    k = r1;
   }
   return best;
 }

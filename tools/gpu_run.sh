@@ -9,7 +9,10 @@
 # bench/alloc_shapes.py and bench/alloc_torch.py; KT_NO_CLEAN=1 keeps
 # the last call's build). Everything is logged to $OUT/run.log; JSON results and the
 # recorded trace also land in $OUT (the device tool brings back at most 8 files).
-# Carry .deps (make gpu-deps).
+# Carry .deps (make gpu-deps). The whole make gpu-test (build included) takes more than
+# one 600 s device call since a2f459b: split it, e.g. part "test" with
+# KT_PYTEST_ARGS="--ignore=tests/python/test_fx.py --ignore=...test_ops.py ...", then part
+# "pytest" with KT_NO_CLEAN=1 on the ignored files (bench/results/h100_gputest_a2f459b_part*.log).
 set -uo pipefail
 OUT=${OUT:-/tmp/kt_out}; mkdir -p "$OUT"
 cd "$(dirname "$0")/.."

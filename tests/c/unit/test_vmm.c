@@ -244,3 +244,43 @@ Test(vmm, random_churn_keeps_blocks_mapped_and_the_peak_near_live) {
   cr_assert_eq(counts().mapped_bytes, 0);
   check(vp);
 }
+
+Test(vmm, held_releases_grow_past_the_mark_without_synchronizing) {
+  void *a, *b, *c;
+  cr_assert_eq(kt_pool_hold_releases(vp, 0), KT_ERR_INVALID, "not held");
+  cr_assert_eq(kt_pool_hold_releases(vp, 1), KT_OK);
+  cr_assert_eq(kt_alloc(vp, 20 * MiB, NULL, &a), KT_OK);
+  cr_assert_eq(kt_alloc(vp, 20 * MiB, NULL, &b), KT_OK);
+  cr_assert_eq(kt_free(vp, a, 0, NULL), KT_OK);
+  uint64_t syncs = counts().syncs;
+  cr_assert_eq(kt_alloc(vp, 30 * MiB, NULL, &c), KT_OK);
+  cr_assert_eq(counts().syncs, syncs, "a capture elsewhere would not survive a synchronization");
+  cr_assert_eq(vp->reserved, (int64_t)(70 * MiB));
+  check(vp);
+  cr_assert_eq(kt_pool_hold_releases(vp, 0), KT_OK);
+  cr_assert_eq(kt_free(vp, c, 0, NULL), KT_OK);   /* 70 MiB mapped, b live: 50 idle */
+  void *d;
+  cr_assert_eq(kt_alloc(vp, 60 * MiB, NULL, &d), KT_OK);   /* fits no mapped run: needs the mark's room */
+  cr_assert_eq(counts().syncs, syncs + 1);
+  cr_assert_leq(vp->reserved, (int64_t)(82 * MiB), "b + d and at most a granule of each hole's edges");
+  check(vp);
+}
+
+Test(vmm, blocks_waiting_for_other_streams_stay_mapped_through_an_unmap) {
+  kt_stream_t s = (kt_stream_t)(uintptr_t)0x5040, t = (kt_stream_t)(uintptr_t)0x5080;
+  void *a, *b;
+  cr_assert_eq(kt_alloc(vp, 20 * MiB, s, &a), KT_OK);
+  cr_assert_eq(kt_record_stream(vp, a, t), KT_OK);
+  kt_fake_hold_events(vbe, 1);
+  cr_assert_eq(kt_free(vp, a, 0, s), KT_OK);          /* pending: t's work may still use it */
+  cr_assert_eq(kt_alloc(vp, 30 * MiB, s, &b), KT_OK);
+  cr_assert(kt_fake_owns(vbe, a, 20 * MiB), "a pending block is never unmapped");
+  cr_assert(kt_fake_owns(vbe, b, 30 * MiB));
+  check(vp);
+  kt_fake_complete_events(vbe);
+  kt_fake_hold_events(vbe, 0);
+  cr_assert_eq(kt_free(vp, b, 0, s), KT_OK);
+  cr_assert_eq(kt_empty_cache(vp), KT_OK);
+  cr_assert_eq(counts().mapped_bytes, 0, "once its event completed, a went back with the rest");
+  check(vp);
+}

@@ -95,21 +95,26 @@ static void drop(fake *f, size_t i) {
   f->n--;
 }
 
-static kt_status f_release(void *ctx, int device, void *ptr, size_t size) {
-  (void)device;
-  fake *f = ctx;
+/* Releases the segment (va false) or address range (va true) ptr starts, of exactly
+ * size bytes; an address range must have nothing mapped. */
+static kt_status release_range(fake *f, void *ptr, size_t size, bool va) {
   kt_status st = KT_ERR_INVALID;
   pthread_mutex_lock(&f->mu);
   size_t i;
-  range *r = find_start(f, ptr, false, &i);
-  if (r && r->size == size) {
+  range *r = find_start(f, ptr, va, &i);
+  if (r && r->size == size && (!va || !memchr(r->g, 1, size / KT_SEGMENT_ALIGN))) {
     drop(f, i);
-    f->c.releases++;
-    f->c.reserved_bytes -= size;
+    if (va) { f->c.va_releases++; f->c.va_bytes -= size; }
+    else { f->c.releases++; f->c.reserved_bytes -= size; }
     st = KT_OK;
   }
   pthread_mutex_unlock(&f->mu);
   return st;
+}
+
+static kt_status f_release(void *ctx, int device, void *ptr, size_t size) {
+  (void)device;
+  return release_range(ctx, ptr, size, false);
 }
 
 #define GRANULE KT_SEGMENT_ALIGN
@@ -130,19 +135,7 @@ static kt_status f_va_reserve(void *ctx, int device, size_t size, void **out) {
 
 static kt_status f_va_release(void *ctx, int device, void *ptr, size_t size) {
   (void)device;
-  fake *f = ctx;
-  kt_status st = KT_ERR_INVALID;
-  pthread_mutex_lock(&f->mu);
-  size_t i;
-  range *r = find_start(f, ptr, true, &i);
-  if (r && r->size == size && !memchr(r->g, 1, size / GRANULE)) {   /* nothing may stay mapped */
-    drop(f, i);
-    f->c.va_releases++;
-    f->c.va_bytes -= size;
-    st = KT_OK;
-  }
-  pthread_mutex_unlock(&f->mu);
-  return st;
+  return release_range(ctx, ptr, size, true);
 }
 
 /* The address range holding [ptr, ptr+size), granule-aligned; under f->mu. */
@@ -161,45 +154,42 @@ static bool granules_are(const range *r, size_t first, size_t n, uint8_t want) {
   return true;
 }
 
-static kt_status f_map(void *ctx, int device, void *ptr, size_t size) {
-  (void)device;
-  fake *f = ctx;
+/* Maps (map = 1) or unmaps granules of [ptr, ptr+size): every one must be in the
+ * other state; a map may be refused like a reserve. */
+static kt_status set_mapped(fake *f, void *ptr, size_t size, uint8_t map) {
   kt_status st = KT_ERR_INVALID;
   pthread_mutex_lock(&f->mu);
   range *r = va_holding(f, ptr, size);
   size_t first = r ? ((uintptr_t)ptr - r->base) / GRANULE : 0, n = size / GRANULE;
-  if (r && granules_are(r, first, n, 0)) {
-    st = KT_ERR_OOM;
-    if (!refuse(f, size)) {
-      memset(r->g + first, 1, n);
-      f->c.maps++;
-      f->c.mapped_bytes += size;
-      f->c.reserved_bytes += size;
-      f->dirty = 1;
-      st = KT_OK;
+  if (r && granules_are(r, first, n, !map)) {
+    st = map && refuse(f, size) ? KT_ERR_OOM : KT_OK;
+    if (st == KT_OK) {
+      memset(r->g + first, map, n);
+      if (map) {
+        f->c.maps++;
+        f->c.mapped_bytes += size;
+        f->c.reserved_bytes += size;
+        f->dirty = 1;
+      } else {
+        f->c.unmaps++;
+        f->c.mapped_bytes -= size;
+        f->c.reserved_bytes -= size;
+        if (f->dirty) f->unsynced_unmaps++;
+      }
     }
   }
   pthread_mutex_unlock(&f->mu);
   return st;
 }
 
+static kt_status f_map(void *ctx, int device, void *ptr, size_t size) {
+  (void)device;
+  return set_mapped(ctx, ptr, size, 1);
+}
+
 static kt_status f_unmap(void *ctx, int device, void *ptr, size_t size) {
   (void)device;
-  fake *f = ctx;
-  kt_status st = KT_ERR_INVALID;
-  pthread_mutex_lock(&f->mu);
-  range *r = va_holding(f, ptr, size);
-  size_t first = r ? ((uintptr_t)ptr - r->base) / GRANULE : 0, n = size / GRANULE;
-  if (r && granules_are(r, first, n, 1)) {
-    memset(r->g + first, 0, n);
-    f->c.unmaps++;
-    f->c.mapped_bytes -= size;
-    f->c.reserved_bytes -= size;
-    if (f->dirty) f->unsynced_unmaps++;
-    st = KT_OK;
-  }
-  pthread_mutex_unlock(&f->mu);
-  return st;
+  return set_mapped(ctx, ptr, size, 0);
 }
 
 static kt_status f_event_create(void *ctx, int device, kt_event_t *out) {

@@ -269,10 +269,11 @@ static kt_status back_extent(kt_pool_t *p, kt_extent *e, kt_oom_info *oom) {
     if (oom) oom->rounded = need;
     return KT_ERR_OOM;
   }
+  bool held = atomic_load(&p->hold_releases) > 0;   /* no synchronization: grow, or fail at the limit */
   int64_t room = INT64_MAX;   /* mapping more than this first unmaps idle granules */
-  if (p->release_on_grow && !atomic_load(&p->hold_releases)) room = p->vmm_high - p->reserved;
+  if (p->release_on_grow) room = p->vmm_high - p->reserved;
   if (p->limit && (int64_t)p->limit - p->reserved < room) room = (int64_t)p->limit - p->reserved;
-  if ((int64_t)need > room) kt__arena_trim(p, (size_t)((int64_t)need - room));
+  if ((int64_t)need > room && !held) kt__arena_trim(p, (size_t)((int64_t)need - room));
   if (p->limit && (size_t)p->reserved + need > p->limit) {
     if (oom) { oom->hit_limit = 1; oom->rounded = need; }
     return KT_ERR_OOM;

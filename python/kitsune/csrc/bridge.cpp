@@ -78,15 +78,19 @@ int env_int(const char* name, int dflt) {
 
 // A Kitsune pool on the CUDA backend for `device` with the process's options: every
 // pool the bridge makes (per device, private, MemPool segments) comes from here.
-// vmm: the device's own pool maps granules of one address range (KITSUNE_VMM=0
-// turns it off); private pools keep segments, since unmapping synchronizes the
-// device, which a capture filling such a pool would not survive.
-kt_status create_device_pool(int device, kt_pool_t** out, bool vmm = false) {
+// device_pool: the device's own pool, which maps granules of one address range
+// (VMM) when the process sees one device; KITSUNE_VMM=0/1 overrides. With several
+// devices it keeps segments by default: VMM memory is readable by other devices
+// only once cuMemSetAccess grants them, which the backend does not do yet (peer
+// copies and kernels would fault). Private pools always keep segments, since
+// unmapping synchronizes the device, which a capture filling such a pool would not
+// survive.
+kt_status create_device_pool(int device, kt_pool_t** out, bool device_pool = false, int device_count = 1) {
   kt_pool_options o;
   kt_pool_options_default(&o);
   o.device = device;
   o.release_on_grow = env_int("KITSUNE_RELEASE_ON_GROW", o.release_on_grow) != 0;
-  o.vmm = vmm && env_int("KITSUNE_VMM", 1) != 0;
+  o.vmm = device_pool && env_int("KITSUNE_VMM", device_count == 1) != 0;
   return kt_pool_create(&o, kt_cuda_backend(), out);
 }
 
@@ -142,7 +146,7 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
     while (static_cast<int>(pools_.size()) < device_count) {
       int dev = static_cast<int>(pools_.size());
       kt_pool_t* p = nullptr;
-      kt_status st = create_device_pool(dev, &p, /*vmm=*/true);
+      kt_status st = create_device_pool(dev, &p, /*device_pool=*/true, device_count);
       TORCH_CHECK(st == KT_OK, "Kitsune: creating the pool for device ", dev, " failed: ", kt_status_str(st));
       pools_.push_back(p);
     }

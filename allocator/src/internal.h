@@ -242,6 +242,8 @@ struct kt_pool {
   size_t vmm_device;                   /* the device's memory (0: unknown): larger requests fail at once */
   int64_t vmm_high;                    /* most bytes ever mapped: growth past it unmaps idle granules first */
   uint64_t n_trims;                    /* synchronizations to unmap idle granules */
+  kt_extent *spare_extents;            /* recycled descriptors, linked by anext */
+  int nspare_extents;
   int64_t large_req_alloc, large_req_freed, large_bytes_alloc, large_bytes_freed;
   uint64_t large_nalloc, large_nfree;
   kt_slab *retired[KT_NUM_CLASSES];    /* slab descriptors kept for reuse */
@@ -346,6 +348,8 @@ kt_segment *kt__arena_collect_idle(kt_pool_t *p);
  * range down, until at least want bytes went back (SIZE_MAX: all). Synchronizes the
  * device first when there is anything to unmap. Returns the bytes unmapped. */
 size_t kt__arena_trim(kt_pool_t *p, size_t want);
+/* Frees the recycled extent descriptors (pool teardown). */
+void kt__arena_free_spares(kt_pool_t *p);
 void kt__segment_release(kt_pool_t *p, kt_segment *s);
 size_t kt__arena_largest_free(kt_pool_t *p);
 kt_status kt__arena_validate(kt_pool_t *p);

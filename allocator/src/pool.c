@@ -160,6 +160,7 @@ void kt_pool_destroy(kt_pool_t *p) {
     }
     kt__segment_release(p, s);
   }
+  kt__arena_free_spares(p);
   for (int c = 0; c < KT_NUM_CLASSES; c++)
     for (kt_slab *s = p->retired[c], *sn; s; s = sn) { sn = s->next; free(s); }
   for (int i = 0; i < p->nevents; i++) p->be->event_destroy(p->be->ctx, p->device, p->event_cache[i]);

@@ -609,7 +609,11 @@ static kt_status take_extent(kt_pool_t *p, kt_heap *h, size_t size, size_t align
   kt_oom_info oom = {0};
   pthread_mutex_lock(&p->arena_lock);
   kt_status st = kt__arena_take(p, h, size, align, kind, out, &oom);
-  if (st == KT_ERR_OOM) {
+  if (st == KT_ERR_OOM && atomic_load(&p->hold_releases)) {   /* held: no release, no retry */
+    p->n_ooms++;
+    fill_oom(p, &oom, requested);
+    last_oom = oom;
+  } else if (st == KT_ERR_OOM) {
     p->n_retries++;
     pthread_mutex_unlock(&p->arena_lock);
     kt__nvtx_push(p, "kitsune:oom_retry");

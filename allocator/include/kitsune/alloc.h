@@ -94,8 +94,12 @@ kt_status kt_record_stream(kt_pool_t *pool, void *ptr, kt_stream_t stream);
 /* Returns cached memory that is truly idle to the backend. */
 kt_status kt_empty_cache(kt_pool_t *pool);
 /* While held (calls nest), growth never gives idle memory back first: no device
- * synchronization and no cudaFree, which a CUDA graph capture under way elsewhere
- * would not survive. The pool grows past its high mark instead. */
+ * synchronization and no cudaFree, which a CUDA graph capture would not survive.
+ * The pool grows past its high mark instead, and an out-of-memory is reported
+ * without the retry that releases cache. kt_empty_cache still releases. The torch
+ * bridge holds a device's pool while a private pool is being filled, and holds
+ * every private pool for its whole life: a block freed during a capture stays in
+ * use by the graph, so an idle segment of a graph's pool is not idle. */
 kt_status kt_pool_hold_releases(kt_pool_t *pool, int hold);
 /* 0 removes the limit. A limit below what is reserved now takes effect as memory is freed. */
 kt_status kt_set_memory_limit(kt_pool_t *pool, size_t bytes);

@@ -442,6 +442,11 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
       kt_pool_t* kp = nullptr;
       kt_status st = create_device_pool(dev, &kp);
       TORCH_CHECK(st == KT_OK, "Kitsune: creating a private pool on device ", dev, " failed: ", kt_status_str(st));
+      // A block freed during a capture is still used by the graph's replays, so a
+      // segment whose blocks are all free is not idle: never release one on growth
+      // or on an OOM retry (a cudaFree would also end the capture). releasePool's
+      // kt_empty_cache, once the graph is gone, releases them.
+      kt_pool_hold_releases(kp, 1);
       private_.push_back(Private{dev, id, kp, nullptr, false, 0});
       p = &private_.back();
       has_private_.store(true, std::memory_order_relaxed);

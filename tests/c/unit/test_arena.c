@@ -206,3 +206,33 @@ Test(arena, release_on_grow_gives_idle_segments_back_first) {
   cr_assert_eq(st.reserved_bytes.current, 44 * MiB);
   kt_pool_destroy(q);
 }
+
+Test(arena, held_releases_keep_idle_segments_and_skip_the_oom_retry) {
+  /* a CUDA graph's private pool: a segment whose blocks were freed during the capture
+   * is still used by the graph, so it must not be released */
+  void *a, *b, *c;
+  cr_assert_eq(kt_pool_hold_releases(pool, 1), KT_OK);
+  cr_assert_eq(kt_alloc(pool, 12 * MiB, NULL, &a), KT_OK);
+  cr_assert_eq(kt_alloc(pool, 12 * MiB, NULL, &b), KT_OK);
+  cr_assert_eq(kt_free(pool, a, 0, NULL), KT_OK);
+  cr_assert_eq(kt_free(pool, b, 0, NULL), KT_OK);     /* two idle 12 MiB segments */
+  cr_assert_eq(kt_alloc(pool, 20 * MiB, NULL, &c), KT_OK);
+  kt_stats st;
+  kt_get_stats(pool, &st);
+  cr_assert_eq(st.reserved_bytes.current, 44 * MiB, "nothing released while held");
+  cr_assert_eq(st.num_backend_releases, 0);
+  kt_fake_set_capacity(be, 44 * MiB);
+  void *d;
+  cr_assert_eq(kt_alloc(pool, 13 * MiB, NULL, &d), KT_ERR_OOM);   /* fits neither idle segment */
+  kt_get_stats(pool, &st);
+  cr_assert_eq(st.num_alloc_retries, 0, "no retry: it would release the idle segments");
+  cr_assert_eq(st.num_ooms, 1);
+  cr_assert_eq(st.num_backend_releases, 0);
+  cr_assert_eq(kt_pool_validate(pool), KT_OK);
+  cr_assert_eq(kt_pool_hold_releases(pool, 0), KT_OK);
+  cr_assert_eq(kt_alloc(pool, 13 * MiB, NULL, &d), KT_OK, "no longer held: the idle segments go first");
+  kt_get_stats(pool, &st);
+  cr_assert_eq(st.num_backend_releases, 2);
+  cr_assert_eq(st.reserved_bytes.current, 34 * MiB);
+  cr_assert_eq(kt_pool_validate(pool), KT_OK);
+}

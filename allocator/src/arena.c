@@ -155,6 +155,19 @@ nomem:
 /* ---- VMM ranges ---------------------------------------------------------------- */
 #define KT_GRANULE KT_SEGMENT_ALIGN
 
+/* The first run of granules in state v (1 mapped, 0 not) within [from, end) of s:
+ * [*r0, *r1), found with memchr (a range's tail is tens of thousands of unmapped
+ * granules). false when there is none. */
+static bool next_run(const kt_segment *s, size_t from, size_t end, uint8_t v, size_t *r0, size_t *r1) {
+  if (from >= end) return false;
+  const uint8_t *m = memchr(s->gmap + from, v, end - from);
+  if (!m) return false;
+  *r0 = (size_t)(m - s->gmap);
+  const uint8_t *z = memchr(m, !v, end - *r0);
+  *r1 = z ? (size_t)(z - s->gmap) : end;
+  return true;
+}
+
 static void link_segment(kt_pool_t *p, kt_segment *s, kt_extent *e) {
   s->first = e;
   s->next = p->segments; if (p->segments) p->segments->prev = s; p->segments = s;
@@ -245,7 +258,7 @@ static void free_runs_top_down(kt_segment *s, bool (*fn)(kt_pool_t *, kt_segment
   }
 }
 
-typedef struct { size_t want, done; int pass; } trim_state;   /* pass 0 counts, 1 unmaps */
+typedef struct { size_t want, done; int pass; } trim_state;   /* pass 0 looks, 1 unmaps */
 
 static bool trim_run(kt_pool_t *p, kt_segment *s, uintptr_t a, uintptr_t b, void *arg) {
   trim_state *t = arg;
@@ -266,10 +279,11 @@ static bool trim_run(kt_pool_t *p, kt_segment *s, uintptr_t a, uintptr_t b, void
 }
 
 size_t kt__arena_trim(kt_pool_t *p, size_t want) {
-  trim_state t = {want, 0, 0};
+  trim_state t = {KT_GRANULE, 0, 0};   /* pass 0: is there one idle granule to unmap? */
   for (kt_segment *s = p->segments; s && t.done < t.want; s = s->next)
     if (s->gmap && s->mapped) free_runs_top_down(s, trim_run, p, &t);
   if (!t.done) return 0;
+  t.want = want;
   /* freed memory may still be in use by work enqueued before its free */
   kt__nvtx_push(p, "kitsune:unmap_idle");
   kt_status st = p->be->synchronize(p->be->ctx, p->device);
@@ -305,13 +319,9 @@ static kt_status back_extent(kt_pool_t *p, kt_extent *e, kt_oom_info *oom) {
   }
   kt__nvtx_push(p, "kitsune:map");
   kt_status st = KT_OK;
-  for (size_t k = g0; k < g1 && st == KT_OK;) {   /* runs of unmapped granules */
-    if (s->gmap[k]) { k++; continue; }
-    size_t run = k;
-    while (run < g1 && !s->gmap[run]) run++;
-    st = p->be->map(p->be->ctx, p->device, (void *)(s->base + k * KT_GRANULE), (run - k) * KT_GRANULE);
-    if (st == KT_OK) count_mapped(p, s, k, run - k, 1);   /* kept on a later failure: idle, trimmable */
-    k = run;
+  for (size_t k = g0, r0, r1; st == KT_OK && next_run(s, k, g1, 0, &r0, &r1); k = r1) {
+    st = p->be->map(p->be->ctx, p->device, (void *)(s->base + r0 * KT_GRANULE), (r1 - r0) * KT_GRANULE);
+    if (st == KT_OK) count_mapped(p, s, r0, r1 - r0, 1);   /* kept on a later failure: idle, trimmable */
   }
   kt__nvtx_pop(p);
   if (st != KT_OK && oom) oom->rounded = need;
@@ -328,19 +338,13 @@ static uintptr_t place_in_range(const kt_extent *e, size_t size, size_t align) {
   size_t g = (lo - s->base) / KT_GRANULE, gend = (hi - 1 - s->base) / KT_GRANULE + 1;
   uintptr_t best = align_up(lo, align);
   size_t best_len = 0;
-  while (g < gend) {
-    const uint8_t *m = memchr(s->gmap + g, 1, gend - g);
-    if (!m) break;
-    size_t r0 = (size_t)(m - s->gmap), r1 = r0;
-    const uint8_t *z = memchr(s->gmap + r0, 0, gend - r0);
-    r1 = z ? (size_t)(z - s->gmap) : gend;
+  for (size_t r0, r1; next_run(s, g, gend, 1, &r0, &r1); g = r1) {
     uintptr_t a = s->base + r0 * KT_GRANULE, b = s->base + r1 * KT_GRANULE;
     if (a < lo) a = lo;
     if (b > hi) b = hi;
     uintptr_t at = align_up(a, align);
     if (at + size <= b) return at;
     if (b - a > best_len) { best_len = b - a; best = at < last ? at : last; }
-    g = r1;
   }
   return best;
 }
@@ -350,15 +354,8 @@ static uintptr_t place_in_range(const kt_extent *e, size_t size, size_t align) {
 static size_t mapped_within(const kt_segment *s, uintptr_t a, uintptr_t b) {
   size_t g0, g1, best = 0;
   if (!inner_granules(s, a, b, &g0, &g1)) return 0;
-  for (size_t k = g0; k < g1;) {   /* memchr: a range's tail is tens of thousands of unmapped granules */
-    const uint8_t *m = memchr(s->gmap + k, 1, g1 - k);
-    if (!m) break;
-    size_t r0 = (size_t)(m - s->gmap);
-    const uint8_t *z = memchr(m, 0, g1 - r0);
-    size_t r1 = z ? (size_t)(z - s->gmap) : g1;
+  for (size_t k = g0, r0, r1; next_run(s, k, g1, 1, &r0, &r1); k = r1)
     if ((r1 - r0) * KT_GRANULE > best) best = (r1 - r0) * KT_GRANULE;
-    k = r1;
-  }
   return best;
 }
 
@@ -508,15 +505,9 @@ void kt__segment_release(kt_pool_t *p, kt_segment *s) {
   kt__nvtx_heap_unregister(p, s->nvtx_heap);
   kt__nvtx_push(p, "kitsune:segment_release");
   if (s->gmap) {   /* a VMM range (pool teardown): unmap what is mapped, then the range */
-    size_t n = s->size / KT_GRANULE;
     if (s->mapped) p->be->synchronize(p->be->ctx, p->device);
-    for (size_t k = 0; k < n;) {
-      if (!s->gmap[k]) { k++; continue; }
-      size_t run = k;
-      while (run < n && s->gmap[run]) run++;
-      p->be->unmap(p->be->ctx, p->device, (void *)(s->base + k * KT_GRANULE), (run - k) * KT_GRANULE);
-      k = run;
-    }
+    for (size_t k = 0, r0, r1; next_run(s, k, s->size / KT_GRANULE, 1, &r0, &r1); k = r1)
+      p->be->unmap(p->be->ctx, p->device, (void *)(s->base + r0 * KT_GRANULE), (r1 - r0) * KT_GRANULE);
     p->be->va_release(p->be->ctx, p->device, (void *)s->base, s->size);
     free(s->gmap);
   } else {

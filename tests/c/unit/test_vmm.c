@@ -178,7 +178,7 @@ Test(vmm, largest_free_block_counts_mapped_granules_only) {
   pthread_mutex_lock(&vp->arena_lock);
   size_t largest = kt__arena_largest_free(vp);
   pthread_mutex_unlock(&vp->arena_lock);
-  cr_assert_eq(largest, 30 * MiB, "not the terabytes of address space above b");
+  cr_assert_eq(largest, 30 * MiB, "not the 160 GiB of address space above b");
   cr_assert_eq(kt_free(vp, b, 0, NULL), KT_OK);
 }
 

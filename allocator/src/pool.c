@@ -603,17 +603,14 @@ static void oom_subtract_credits(kt_pool_t *p) {
   last_oom.cached = last_oom.reserved > last_oom.live ? last_oom.reserved - last_oom.live : 0;
 }
 
-/* arena_take with one retry after releasing cache; fills the thread's OOM info. */
+/* arena_take with one retry after releasing cache (none while releases are held);
+ * fills the thread's OOM info. */
 static kt_status take_extent(kt_pool_t *p, kt_heap *h, size_t size, size_t align, int kind, size_t requested,
                              kt_extent **out) {
   kt_oom_info oom = {0};
   pthread_mutex_lock(&p->arena_lock);
   kt_status st = kt__arena_take(p, h, size, align, kind, out, &oom);
-  if (st == KT_ERR_OOM && atomic_load(&p->hold_releases)) {   /* held: no release, no retry */
-    p->n_ooms++;
-    fill_oom(p, &oom, requested);
-    last_oom = oom;
-  } else if (st == KT_ERR_OOM) {
+  if (st == KT_ERR_OOM && !atomic_load(&p->hold_releases)) {
     p->n_retries++;
     pthread_mutex_unlock(&p->arena_lock);
     kt__nvtx_push(p, "kitsune:oom_retry");
@@ -622,11 +619,11 @@ static kt_status take_extent(kt_pool_t *p, kt_heap *h, size_t size, size_t align
     memset(&oom, 0, sizeof oom);
     pthread_mutex_lock(&p->arena_lock);
     st = kt__arena_take(p, h, size, align, kind, out, &oom);
-    if (st == KT_ERR_OOM) {
-      p->n_ooms++;
-      fill_oom(p, &oom, requested);
-      last_oom = oom;
-    }
+  }
+  if (st == KT_ERR_OOM) {
+    p->n_ooms++;
+    fill_oom(p, &oom, requested);
+    last_oom = oom;
   }
   pthread_mutex_unlock(&p->arena_lock);
   if (st == KT_ERR_OOM && last_oom.requested == requested) oom_subtract_credits(p);

@@ -476,6 +476,21 @@ void kt__arena_put(kt_pool_t *p, kt_extent *e, kt_heap *tag) {
   kt__bins_insert(kt__bins_for(p, e->tag), e);
 }
 
+void kt__arena_untag_all(kt_pool_t *p) {
+  for (kt_segment *s = p->segments; s; s = s->next) {
+    for (kt_extent *e = s->first; e; e = e->anext)
+      if (e->kind == KT_EXT_FREE) {
+        kt__bins_remove(kt__bins_for(p, e->tag), e);
+        e->tag = NULL;
+      }
+    for (kt_extent *e = s->first; e; e = e->anext) {   /* coalesce, then bin */
+      if (e->kind != KT_EXT_FREE) continue;
+      while (e->anext && e->anext->kind == KT_EXT_FREE) merge_next(p, e, e->anext);
+      kt__bins_insert(&p->untagged, e);
+    }
+  }
+}
+
 kt_segment *kt__arena_collect_idle(kt_pool_t *p) {
   kt_segment *idle = NULL, *next;
   for (kt_segment *s = p->segments; s; s = next) {
@@ -533,6 +548,8 @@ static size_t largest_in(const kt_bins *b) {
   }
   return best;
 }
+
+size_t kt__arena_largest_untagged(kt_pool_t *p) { return largest_in(&p->untagged); }
 
 size_t kt__arena_largest_free(kt_pool_t *p) {
   size_t best = largest_in(&p->untagged);

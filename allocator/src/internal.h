@@ -341,6 +341,10 @@ kt_status kt__arena_take(kt_pool_t *p, kt_heap *tag, size_t size, size_t align, 
                          kt_extent **out, kt_oom_info *oom);
 /* Returns an extent to the free bins with tag, coalescing. */
 void kt__arena_put(kt_pool_t *p, kt_extent *e, kt_heap *tag);
+/* Every free extent becomes untagged (usable by any stream) and coalesces with its
+ * free neighbours. Only after a device synchronization made under arena_lock: the
+ * work of every stream that freed one has then finished. */
+void kt__arena_untag_all(kt_pool_t *p);
 /* Unlinks segments whose extents are all free; caller releases them unlocked.
  * VMM ranges stay; their idle granules go back through kt__arena_trim. */
 kt_segment *kt__arena_collect_idle(kt_pool_t *p);
@@ -352,6 +356,8 @@ size_t kt__arena_trim(kt_pool_t *p, size_t want);
 void kt__arena_free_spares(kt_pool_t *p);
 void kt__segment_release(kt_pool_t *p, kt_segment *s);
 size_t kt__arena_largest_free(kt_pool_t *p);
+/* Largest free range any stream may take now (VMM: its mapped granules). */
+size_t kt__arena_largest_untagged(kt_pool_t *p);
 kt_status kt__arena_validate(kt_pool_t *p);
 
 /* ---- nvtx.c ---------------------------------------------------------------- */

@@ -823,7 +823,9 @@ KT_INLINE kt_block *slab_block(kt_slab *s, uintptr_t addr) {
   return (i < s->nblocks && b->addr == addr) ? b : NULL;
 }
 
-static KT_NOINLINE kt_status free_large(kt_pool_t *p, uintptr_t addr, uintptr_t ent, size_t size) {
+/* idle: no work can still touch the block (the caller synchronized), so it goes back
+ * untagged, usable by every stream at once. */
+static KT_NOINLINE kt_status free_large(kt_pool_t *p, uintptr_t addr, uintptr_t ent, size_t size, int idle) {
   kt_extent *e = (kt_extent *)ent;
   pthread_mutex_lock(&p->arena_lock);
   if (e->addr != addr || e->kind != KT_EXT_LARGE || e->blk.state != KT_BLOCK_LIVE ||
@@ -844,7 +846,7 @@ static KT_NOINLINE kt_status free_large(kt_pool_t *p, uintptr_t addr, uintptr_t 
   }
   b->state = KT_BLOCK_FREE;
   kt__radix_set(p, addr, 0);
-  kt__arena_put(p, e, h);
+  kt__arena_put(p, e, idle ? NULL : h);
   pthread_mutex_unlock(&p->arena_lock);
   kt__count_free(p, bytes);
   if (kt_unlikely(atomic_load_explicit(&p->hooks, memory_order_relaxed))) on_free(p, addr, req, h->stream);
@@ -916,7 +918,7 @@ kt_status kt_free(kt_pool_t *p, void *ptr, size_t size, kt_stream_t stream) {
   if (kt_unlikely(!ptr || !p)) return p ? KT_OK : KT_ERR_INVALID;
   uintptr_t addr = (uintptr_t)ptr;
   uintptr_t ent = kt__radix_get(p, addr);
-  if (kt_unlikely(!(ent & 1))) return ent ? free_large(p, addr, ent, size) : KT_ERR_INVALID;
+  if (kt_unlikely(!(ent & 1))) return ent ? free_large(p, addr, ent, size, 0) : KT_ERR_INVALID;
   kt_block *b = slab_block((kt_slab *)(ent & ~(uintptr_t)1), addr);
   if (kt_unlikely(!b || (size && (size > KT_LARGE_THRESHOLD || kt__class_of(size) != b->cls))))
     return KT_ERR_INVALID;
@@ -924,6 +926,41 @@ kt_status kt_free(kt_pool_t *p, void *ptr, size_t size, kt_stream_t stream) {
   if (kt_unlikely(!tc || tc->heap != b->heap || atomic_load_explicit(&tc->pool, memory_order_relaxed) != p))
     return free_switch(p, b);
   return free_to(p, tc, b);
+}
+
+kt_status kt_free_idle(kt_pool_t *p, void *ptr, size_t size) {
+  if (!p || !ptr) return p ? KT_OK : KT_ERR_INVALID;
+  uintptr_t ent = kt__radix_get(p, (uintptr_t)ptr);
+  if (ent && !(ent & 1)) return free_large(p, (uintptr_t)ptr, ent, size, 1);
+  return kt_free(p, ptr, size, NULL);
+}
+
+/* ---- CUDA graph captures --------------------------------------------------------- */
+kt_status kt_pool_prepare_capture(kt_pool_t *p, size_t bytes, size_t *ready) {
+  if (!p) return KT_ERR_INVALID;
+  if (ready) *ready = 0;
+  if (atomic_load(&p->hold_releases)) return KT_ERR_UNAVAILABLE;   /* a capture may be under way */
+  kt__nvtx_push(p, "kitsune:prepare_capture");
+  drain_pending(p, 1);
+  pthread_mutex_lock(&p->arena_lock);
+  /* under the lock: every extent freed so far was freed after its stream's work was
+   * enqueued, so once this returns nothing touches any of them */
+  kt_status st = p->be->synchronize(p->be->ctx, p->device);
+  if (st == KT_OK) {
+    kt__arena_untag_all(p);
+    size_t have = kt__arena_largest_untagged(p);
+    if (bytes > KT_MAX_ALLOC) bytes = KT_MAX_ALLOC;
+    bytes = (bytes + KT_SEGMENT_ALIGN - 1) & ~(KT_SEGMENT_ALIGN - 1);
+    kt_extent *e;
+    if (have < bytes && kt__arena_take(p, NULL, bytes, KT_QUANTUM, KT_EXT_LARGE, &e, NULL) == KT_OK) {
+      kt__arena_put(p, e, NULL);   /* stays mapped (VMM) or reserved, free for any stream */
+      have = kt__arena_largest_untagged(p);
+    }
+    if (ready) *ready = have;   /* growth the limit or the device refuses is not an error */
+  }
+  pthread_mutex_unlock(&p->arena_lock);
+  kt__nvtx_pop(p);
+  return st;
 }
 
 /* ---- record_stream ----------------------------------------------------------- */

@@ -88,6 +88,10 @@ void kt_pool_destroy(kt_pool_t *pool);
 kt_status kt_alloc(kt_pool_t *pool, size_t size, kt_stream_t stream, void **out);
 /* size may be 0 (unknown); otherwise it must round to the block's size. */
 kt_status kt_free(kt_pool_t *pool, void *ptr, size_t size, kt_stream_t stream);
+/* As kt_free, for a block no work can touch any more (the caller synchronized the
+ * device after its last use): a large block (> KT_LARGE_THRESHOLD) is at once
+ * usable by allocations on every stream; a smaller one returns to its stream. */
+kt_status kt_free_idle(kt_pool_t *pool, void *ptr, size_t size);
 /* Declares that the live block containing ptr (its start) is used on stream. */
 kt_status kt_record_stream(kt_pool_t *pool, void *ptr, kt_stream_t stream);
 
@@ -101,6 +105,28 @@ kt_status kt_empty_cache(kt_pool_t *pool);
  * every private pool for its whole life: a block freed during a capture stays in
  * use by the graph, so an idle segment of a graph's pool is not idle. */
 kt_status kt_pool_hold_releases(kt_pool_t *pool, int hold);
+/* ---- CUDA graph captures ---------------------------------------------------
+ * A capture must not allocate device memory (cudaMalloc and cuMemCreate are not
+ * captured: a graph depending on them would be invalid), nor synchronize. The
+ * torch bridge gives each graph a private pool whose segments are blocks of the
+ * device's pool (kt_pool_backend_create), and before the capture begins calls:
+ *
+ * kt_pool_prepare_capture: synchronizes the device, makes every free range of the
+ * pool's arena usable by any stream (no work touches them now), and grows the
+ * pool, within its limit, until one free range of at least `bytes` is ready (VMM:
+ * mapped). Growth the device or the limit refuses is not an error: *ready (may be
+ * NULL) says the largest range ready. KT_ERR_UNAVAILABLE while releases are held
+ * (another capture may be under way; nothing is done). */
+kt_status kt_pool_prepare_capture(kt_pool_t *pool, size_t bytes, size_t *ready);
+
+/* A backend whose segments are large blocks of parent (allocated on a stream of
+ * their own), so a pool on it draws from parent's cache instead of the device.
+ * Releasing one synchronizes the device and returns it to parent for any stream
+ * (kt_free_idle). Events, synchronization and memory info are parent's backend's.
+ * parent must outlive the backend, and the backend every pool on it. */
+kt_backend *kt_pool_backend_create(kt_pool_t *parent);
+void kt_pool_backend_destroy(kt_backend *backend);
+
 /* 0 removes the limit. A limit below what is reserved now takes effect as memory is freed. */
 kt_status kt_set_memory_limit(kt_pool_t *pool, size_t bytes);
 /* fraction in (0, 1] of the device's total memory (asks the backend). */

@@ -3,12 +3,15 @@
 // The only C++ in Kitsune: PyTorch's allocator interface is a C++ class. This file
 // converts types and errors and calls the C core; the logic lives in allocator/.
 //   - one kt pool per device (CUDA backend), created by init();
-//   - a DataPtr's context is the block pointer with the device in its low 9 bits
-//     (blocks are 512-byte aligned), so a free needs no lookup table or lock;
+//   - a DataPtr's context is the block pointer with the device in its low 8 bits
+//     and a private-pool flag above them (blocks are 512-byte aligned), so a free
+//     of an eager tensor needs no lookup table or lock;
 //   - stats map onto torch.cuda.memory_stats() keys (the "all" aggregate);
 //   - a failed allocation throws c10::OutOfMemoryError (torch.OutOfMemoryError)
 //     with the pool's diagnosis;
-//   - CUDA graphs and MemPools get private pools (one kt pool per MempoolId).
+//   - CUDA graphs and MemPools get private pools (one kt pool per MempoolId) whose
+//     segments are blocks of the device's pool, made ready before a capture begins,
+//     so a capture allocates no device memory when the device's pool holds enough.
 // Entry points for Python (ctypes): kt_bridge_install, kt_bridge_installed.
 // It also owns the process's pinned host pool (kitsune/pinned.h) and registers
 // torch.ops.kitsune.pinned_empty, which returns CPU tensors backed by it.
@@ -64,7 +67,9 @@ using c10::CachingDeviceAllocator::DeviceStats;
 using c10::CachingDeviceAllocator::Stat;
 using c10::CachingDeviceAllocator::StatType;
 
-constexpr uintptr_t kDeviceMask = KT_QUANTUM - 1;  // low bits of a block pointer
+constexpr uintptr_t kDeviceMask = 0xff;           // DataPtr context: device in the low 8 bits,
+constexpr uintptr_t kPrivateBit = 0x100;          // a private pool's block (bit 8; blocks are
+static_assert(KT_QUANTUM == 0x200, "context bits");  // 512-byte aligned)
 
 class KitsuneAllocator;
 KitsuneAllocator* g_allocator = nullptr;
@@ -76,22 +81,22 @@ int env_int(const char* name, int dflt) {
   return v && *v ? std::atoi(v) : dflt;
 }
 
-// A Kitsune pool on the CUDA backend for `device` with the process's options: every
-// pool the bridge makes (per device, private, MemPool segments) comes from here.
+// A Kitsune pool for `device` with the process's options: every pool the bridge
+// makes (per device, private, MemPool segments) comes from here. be: the CUDA
+// backend, or a device pool's (kt_pool_backend_create) for a private pool.
 // device_pool: the device's own pool, which maps granules of one address range
 // (VMM) when the process sees one device; KITSUNE_VMM=0/1 overrides. With several
 // devices it keeps segments by default: VMM memory is readable by other devices
 // only once cuMemSetAccess grants them, which the backend does not do yet (peer
-// copies and kernels would fault). Private pools always keep segments, since
-// unmapping synchronizes the device, which a capture filling such a pool would not
-// survive.
-kt_status create_device_pool(int device, kt_pool_t** out, bool device_pool = false, int device_count = 1) {
+// copies and kernels would fault). Other pools keep segments.
+kt_status create_device_pool(int device, kt_pool_t** out, bool device_pool = false, int device_count = 1,
+                             const kt_backend* be = nullptr) {
   kt_pool_options o;
   kt_pool_options_default(&o);
   o.device = device;
   o.release_on_grow = env_int("KITSUNE_RELEASE_ON_GROW", o.release_on_grow) != 0;
   o.vmm = device_pool && env_int("KITSUNE_VMM", device_count == 1) != 0;
-  return kt_pool_create(&o, kt_cuda_backend(), out);
+  return kt_pool_create(&o, be ? be : kt_cuda_backend(), out);
 }
 
 Stat to_stat(const kt_stat& s) {
@@ -120,9 +125,10 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
   c10::DataPtr allocate(size_t n) override {
     c10::DeviceIndex dev = c10::cuda::current_device();
     cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
-    void* p = alloc_on(dev, n, stream);
-    return {p, reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(p) | static_cast<uintptr_t>(dev)),
-            &kitsune_delete, c10::Device(c10::DeviceType::CUDA, dev)};
+    bool priv = false;
+    void* p = alloc_on(dev, n, stream, &priv);
+    uintptr_t ctx = reinterpret_cast<uintptr_t>(p) | static_cast<uintptr_t>(dev) | (priv ? kPrivateBit : 0);
+    return {p, reinterpret_cast<void*>(ctx), &kitsune_delete, c10::Device(c10::DeviceType::CUDA, dev)};
   }
   c10::DeleterFnPtr raw_deleter() const override { return &kitsune_delete; }
 
@@ -133,22 +139,40 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
   void* raw_alloc_with_stream(size_t n, cudaStream_t stream) override {
     return alloc_on(c10::cuda::current_device(), n, stream);
   }
-  void raw_delete(void* ptr) override { free_any(ptr, c10::cuda::current_device()); }  // device: a guess
+  // No context here: a private pool's block may start where the device pool's block
+  // holding that pool's segment starts, so private pools are asked first.
+  void raw_delete(void* ptr) override {
+    int dev = c10::cuda::current_device();   // a guess
+    if (has_private_.load(std::memory_order_relaxed) && ptr && free_private(ptr, dev) == KT_OK) return;
+    free_any(ptr, dev);
+  }
 
   void free_ctx(void* ctx) {
     uintptr_t v = reinterpret_cast<uintptr_t>(ctx);
-    free_any(reinterpret_cast<void*>(v & ~kDeviceMask), static_cast<int>(v & kDeviceMask));
+    void* ptr = reinterpret_cast<void*>(v & ~(kDeviceMask | kPrivateBit));
+    int dev = static_cast<int>(v & kDeviceMask);
+    if (C10_UNLIKELY(v & kPrivateBit)) {
+      if (free_private(ptr, dev) != KT_OK) TORCH_WARN("Kitsune: free of ", ptr, " (a graph or MemPool block) on device ",
+                                                      dev, " failed: no private pool holds it");
+      return;
+    }
+    free_any(ptr, dev);
   }
 
   // ---- lifecycle -----------------------------------------------------------
   void init(int device_count) override {
     std::lock_guard<std::mutex> g(mu_);
+    TORCH_CHECK(device_count <= static_cast<int>(kDeviceMask) + 1, "Kitsune: ", device_count,
+                " devices; at most ", kDeviceMask + 1, " are supported");
     while (static_cast<int>(pools_.size()) < device_count) {
       int dev = static_cast<int>(pools_.size());
       kt_pool_t* p = nullptr;
       kt_status st = create_device_pool(dev, &p, /*device_pool=*/true, device_count);
       TORCH_CHECK(st == KT_OK, "Kitsune: creating the pool for device ", dev, " failed: ", kt_status_str(st));
+      kt_backend* sub = kt_pool_backend_create(p);
+      TORCH_CHECK(sub, "Kitsune: out of host memory creating device ", dev, "'s graph-pool backend");
       pools_.push_back(p);
+      subs_.push_back(sub);
     }
     initialized_ = true;
   }
@@ -161,7 +185,14 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
   // ---- cache, limits, streams -------------------------------------------------
   void emptyCache(c10::cuda::MempoolId_t mempool_id) override {
     if (mempool_id.first == 0 && mempool_id.second == 0) {
-      for (kt_pool_t* p : pools_) kt_empty_cache(p);
+      for (size_t d = 0; d < pools_.size(); d++) {
+        kt_stats before, after;
+        kt_get_stats(pools_[d], &before);
+        kt_empty_cache(pools_[d]);
+        kt_get_stats(pools_[d], &after);
+        int64_t freed = before.reserved_bytes.current - after.reserved_bytes.current;
+        if (freed > 0) emptied_[d].store(freed, std::memory_order_relaxed);   // a capture's hint
+      }
       return;
     }
     std::lock_guard<std::mutex> g(mu_);
@@ -194,7 +225,15 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
   }
   void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override {
     if (ptr.get_deleter() != &kitsune_delete || !ptr.get()) return;  // not one of ours
-    kt_status st = kt_record_stream(pool(ptr.device().index()), ptr.get(), stream.stream());
+    kt_status st;
+    if (reinterpret_cast<uintptr_t>(ptr.get_context()) & kPrivateBit) {
+      std::lock_guard<std::mutex> g(mu_);
+      st = KT_ERR_INVALID;
+      for (auto& p : private_)
+        if (p.device == ptr.device().index() && (st = kt_record_stream(p.pool, ptr.get(), stream.stream())) == KT_OK) break;
+    } else {
+      st = kt_record_stream(pool(ptr.device().index()), ptr.get(), stream.stream());
+    }
     TORCH_CHECK(st == KT_OK, "Kitsune: record_stream failed: ", kt_status_str(st));
   }
   void* getBaseAllocation(void* ptr, size_t* size) override {
@@ -238,28 +277,25 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
   }
 
   // The device's numbers include its private pools (graphs' memory is the device's).
-  // Peaks add up per pool, so with private pools the device peak is an upper bound.
+  // A private pool's segments are blocks of the device's pool, so they are in its
+  // reserved bytes already; in its allocated, active and requested bytes and its
+  // block count they stand in for the private pool's own blocks. Peaks and
+  // cumulative values stay the device pool's: a peak counts a graph's whole pool as
+  // allocated (an upper bound of the blocks live in it). Device calls are the device
+  // pool's (a private pool's reserves are blocks of it).
   void add_private_stats(c10::DeviceIndex device, kt_stats* st) {
     std::lock_guard<std::mutex> g(mu_);
     for (auto& p : private_) {
       if (p.device != device) continue;
       kt_stats x;
       kt_get_stats(p.pool, &x);
-      kt_stat* a[] = {&st->allocated_bytes, &st->active_bytes, &st->reserved_bytes, &st->requested_bytes,
-                      &st->allocations, &st->segments};
-      const kt_stat* b[] = {&x.allocated_bytes, &x.active_bytes, &x.reserved_bytes, &x.requested_bytes,
-                            &x.allocations, &x.segments};
-      for (size_t i = 0; i < sizeof a / sizeof *a; i++) {
-        a[i]->current += b[i]->current;
-        a[i]->peak += b[i]->peak;
-        a[i]->allocated += b[i]->allocated;
-        a[i]->freed += b[i]->freed;
-      }
+      int64_t seg = x.reserved_bytes.current;
+      st->allocated_bytes.current += x.allocated_bytes.current - seg;
+      st->active_bytes.current += x.active_bytes.current - seg;
+      st->requested_bytes.current += x.requested_bytes.current - seg;
+      st->allocations.current += x.allocations.current - x.segments.current;
       st->num_alloc_retries += x.num_alloc_retries;
       st->num_ooms += x.num_ooms;
-      st->num_backend_reserves += x.num_backend_reserves;
-      st->num_backend_releases += x.num_backend_releases;
-      st->num_release_syncs += x.num_release_syncs;
     }
   }
   std::vector<cca::StreamSegmentSize> getExpandableSegmentSizes(c10::DeviceIndex) override { return {}; }
@@ -271,10 +307,24 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
     std::lock_guard<std::mutex> g(mu_);
     Private* p = incref_private_locked(dev, id);
     TORCH_CHECK(!p->filter, "Kitsune: memory pool (", id.first, ", ", id.second, ") is already being allocated to");
+    // Before the capture begins (PyTorch calls this first), while the device may
+    // still synchronize: memory streams freed becomes usable by the graph's pool,
+    // and the device's pool gets one free range ready of
+    //   what its last releasing empty_cache gave back (torch.cuda.graph empties the
+    //   cache just before capturing: the warm-up's working memory), plus a quarter
+    //   for the private pool's own layout, one 20 MiB segment of it, and a cuBLAS
+    //   and a cuBLASLt workspace (PyTorch allocates them per stream, so the capture
+    //   stream's first capture makes new ones).
+    // A capture that needs more maps or reserves the rest as it goes; what it does
+    // not use stays in the device's cache. Best effort; skipped beside another capture.
+    int64_t hint = emptied_[dev].exchange(0, std::memory_order_relaxed);   // used once
+    hint += hint / 4 + (int64_t{20} << 20);
+    hint += static_cast<int64_t>(at::cuda::getChosenWorkspaceSize() + at::cuda::getCUDABlasLtWorkspaceSize());
+    kt_pool_prepare_capture(pools_[dev], static_cast<size_t>(hint), nullptr);
     p->filter = std::move(filter);
     capturing_.fetch_add(1, std::memory_order_relaxed);
     // eager allocations beside a capture must not synchronize the device
-    if (dev >= 0 && dev < static_cast<int>(pools_.size())) kt_pool_hold_releases(pools_[dev], 1);
+    kt_pool_hold_releases(pools_[dev], 1);
   }
   // torch.cuda.MemPool(): the pool exists (and counts one use) before anything is
   // allocated to it.
@@ -322,7 +372,7 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
     if (!p || !p->filter) return;
     p->filter = nullptr;
     capturing_.fetch_sub(1, std::memory_order_relaxed);
-    if (dev >= 0 && dev < static_cast<int>(pools_.size())) kt_pool_hold_releases(pools_[dev], 0);
+    kt_pool_hold_releases(pools_[dev], 0);
   }
   // One use fewer; the last release frees the pool's cache, and the pool goes
   // once its last block is freed.
@@ -391,10 +441,14 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
     return pools_[device];
   }
 
-  void* alloc_on(c10::DeviceIndex dev, size_t n, cudaStream_t stream) {
+  // priv (may be null): set when the block comes from a private pool.
+  void* alloc_on(c10::DeviceIndex dev, size_t n, cudaStream_t stream, bool* priv = nullptr) {
     void* p = nullptr;
     kt_pool_t* target = pool(dev);
-    if (C10_UNLIKELY(capturing_.load(std::memory_order_relaxed))) target = capture_target(dev, stream, target);
+    if (C10_UNLIKELY(capturing_.load(std::memory_order_relaxed))) {
+      target = capture_target(dev, stream, target);
+      if (priv) *priv = target != pools_[dev];
+    }
     kt_status st = kt_alloc(target, n, stream, &p);
     if (C10_UNLIKELY(st != KT_OK)) {
       if (st == KT_ERR_OOM) notify_oom(dev, n);
@@ -440,7 +494,9 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
     Private* p = find_private(dev, id);
     if (!p) {
       kt_pool_t* kp = nullptr;
-      kt_status st = create_device_pool(dev, &kp);
+      TORCH_CHECK(dev >= 0 && dev < static_cast<int>(pools_.size()), "Kitsune: device ", dev,
+                  " has no pool (", pools_.size(), " devices initialised)");
+      kt_status st = create_device_pool(dev, &kp, false, 1, subs_[dev]);
       TORCH_CHECK(st == KT_OK, "Kitsune: creating a private pool on device ", dev, " failed: ", kt_status_str(st));
       // A block freed during a capture is still used by the graph's replays, so a
       // segment whose blocks are all free is not idle: never release one on growth
@@ -504,6 +560,8 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
 
   std::mutex mu_;
   std::vector<kt_pool_t*> pools_;
+  std::vector<kt_backend*> subs_;             // per device: private pools' backend (its pool's blocks)
+  std::atomic<int64_t> emptied_[kDeviceMask + 1] = {};  // per device: what its last releasing empty_cache gave back
   std::vector<Private> private_;             // under mu_
   std::atomic<int> capturing_{0};             // private pools being allocated to
   std::atomic<bool> has_private_{false};

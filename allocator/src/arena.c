@@ -329,9 +329,9 @@ static kt_status back_extent(kt_pool_t *p, kt_extent *e, kt_oom_info *oom) {
 }
 
 /* Where in free extent e of a VMM range a block of size goes: at the start of the
- * first run of mapped granules that holds it, else where it overlaps the longest
- * run, else at e's start (an aligned start always exists: e fits). */
-static uintptr_t place_in_range(const kt_extent *e, size_t size, size_t align) {
+ * first run of mapped granules that holds it (returns true), else where it overlaps
+ * the longest run, else at e's start (an aligned start always exists: e fits). */
+static bool place_in_range(const kt_extent *e, size_t size, size_t align, uintptr_t *out) {
   const kt_segment *s = e->seg;
   uintptr_t lo = e->addr, hi = e->addr + e->size;
   uintptr_t last = (hi - size) & ~(uintptr_t)(align - 1);   /* the highest aligned start */
@@ -343,10 +343,31 @@ static uintptr_t place_in_range(const kt_extent *e, size_t size, size_t align) {
     if (a < lo) a = lo;
     if (b > hi) b = hi;
     uintptr_t at = align_up(a, align);
-    if (at + size <= b) return at;
+    if (at + size <= b) { *out = at; return true; }
     if (b - a > best_len) { best_len = b - a; best = at < last ? at : last; }
   }
-  return best;
+  *out = best;
+  return false;
+}
+
+/* Best fit among the extents of b where size goes without mapping a granule (VMM
+ * ranges: a mapped run holds it; a segment: anywhere it fits). Extents of a VMM
+ * range include their unmapped parts, so a fit by size alone could pick a small,
+ * half-unmapped hole and map it while a mapped run elsewhere sat free: a device
+ * allocation the pool did not need (one inside a CUDA graph capture, where the
+ * graph's pool relies on the range kt_pool_prepare_capture made ready). */
+static kt_extent *best_fit_mapped(kt_bins *b, size_t size, size_t align) {
+  if (!b->count) return NULL;
+  for (int i = next_bin(b, kt__bin_of(size)); i >= 0; i = next_bin(b, i + 1)) {
+    kt_extent *best = NULL;
+    uintptr_t at;
+    for (kt_extent *e = b->head[i]; e; e = e->fnext)
+      if (fits(e, size, align) && (!best || e->size < best->size || (e->size == best->size && e->addr < best->addr)) &&
+          (!e->seg->gmap || place_in_range(e, size, align, &at)))
+        best = e;
+    if (best) return best;
+  }
+  return NULL;
 }
 
 /* Largest run of mapped granules wholly inside [a, b): what a free extent of a VMM
@@ -417,7 +438,12 @@ static size_t idle_bytes(kt_pool_t *p) {
 
 kt_status kt__arena_take(kt_pool_t *p, kt_heap *tag, size_t size, size_t align, int kind,
                          kt_extent **out, kt_oom_info *oom) {
-  kt_extent *e = tag ? best_fit(&tag->bins, size, align) : NULL;
+  kt_extent *e = NULL;
+  if (p->vmm_range) {   /* a VMM pool: mapped room first, the stream's then anyone's */
+    if (tag) e = best_fit_mapped(&tag->bins, size, align);
+    if (!e) e = best_fit_mapped(&p->untagged, size, align);
+  }
+  if (!e && tag) e = best_fit(&tag->bins, size, align);
   if (!e) e = best_fit(&p->untagged, size, align);
   if (!e && p->release_on_grow && !atomic_load(&p->hold_releases) && idle_bytes(p) >= size) {
     /* Nothing fits but whole idle segments add up to the request: give them back
@@ -439,7 +465,8 @@ kt_status kt__arena_take(kt_pool_t *p, kt_heap *tag, size_t size, size_t align, 
     if (st != KT_OK) return st;
   }
   kt_heap *was = e->tag;
-  uintptr_t start = e->seg->gmap ? place_in_range(e, size, align) : align_up(e->addr, align);
+  uintptr_t start = align_up(e->addr, align);
+  if (e->seg->gmap) place_in_range(e, size, align, &start);
   kt_status st = carve(p, e, start, size, out);
   if (st != KT_OK) return st;
   /* marked in use before arena_lock is dropped: never mergeable while unlocked */

@@ -248,6 +248,8 @@ def test_cuda_graph_training_step_matches_eager_and_keeps_its_memory():
                 F.cross_entropy(m(sx), sy).backward()
         torch.cuda.current_stream().wait_stream(side)
         opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch._C._cuda_clearCublasWorkspaces()           # counted alike before and after
         before = torch.cuda.memory_stats()["allocated_bytes.all.current"]
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):                    # the whole step as one graph
@@ -320,6 +322,11 @@ CAPTURE_STEP = """
     graph.replay()
     torch.cuda.synchronize()
     out = {k: s1.get(k, 0) - s0.get(k, 0) for k in keys}
+    mib = lambda s, k: s.get(k, 0) / 2**20
+    out["capture_mib"] = {"reserved_at_start": mib(s0, "reserved_bytes.all.current"),
+                          "reserved_at_end": mib(s1, "reserved_bytes.all.current"),
+                          "allocated_at_start": mib(s0, "allocated_bytes.all.current"),
+                          "allocated_at_end": mib(s1, "allocated_bytes.all.current")}
     out["loss"] = sloss.item()
     out["reserved_mib"] = torch.cuda.memory_reserved() / 2**20
     print(json.dumps(out))

@@ -211,3 +211,27 @@ Test(capture, free_idle_hands_a_large_block_to_every_stream_at_once) {
 }
 
 Test(capture, a_backend_needs_a_parent) { cr_assert_null(kt_pool_backend_create(NULL)); }
+
+/* A VMM range's free extents count their unmapped parts too: a block goes where a
+ * mapped run holds it, not into a smaller, half-unmapped hole that would need maps. */
+Test(capture, a_block_goes_to_a_mapped_run_before_a_smaller_unmapped_hole) {
+  void *a, *b, *c, *d, *x;
+  cr_assert_eq(kt_alloc(parent, 20 * MiB, NULL, &a), KT_OK);
+  cr_assert_eq(kt_alloc(parent, 5 * MiB, NULL, &b), KT_OK);
+  cr_assert_eq(kt_alloc(parent, 20 * MiB, NULL, &c), KT_OK);
+  cr_assert_eq(kt_alloc(parent, 8 * MiB, NULL, &d), KT_OK);
+  cr_assert_eq(kt_free(parent, b, 0, NULL), KT_OK);
+  cr_assert_eq(kt_free(parent, d, 0, NULL), KT_OK);
+  cr_assert_eq(kt_empty_cache(parent), KT_OK);   /* b's hole keeps one mapped granule, shared with c */
+  size_t ready = 0;
+  cr_assert_eq(kt_pool_prepare_capture(parent, 8 * MiB, &ready), KT_OK);
+  cr_assert_geq(ready, 8 * MiB);
+  uint64_t maps = counts().maps;
+  cr_assert_eq(kt_alloc(parent, 4 * MiB, NULL, &x), KT_OK);
+  cr_assert_eq(counts().maps, maps, "the 5 MiB hole fits by size but would map two granules");
+  cr_assert_neq(x, b);
+  cr_assert_eq(kt_free(parent, x, 0, NULL), KT_OK);
+  cr_assert_eq(kt_free(parent, a, 0, NULL), KT_OK);
+  cr_assert_eq(kt_free(parent, c, 0, NULL), KT_OK);
+  assert_stats_identities(parent);
+}

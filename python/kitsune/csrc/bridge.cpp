@@ -51,6 +51,7 @@
 #include <cstdlib>
 #include <functional>
 #include <mutex>
+#include <shared_mutex>
 #include <unordered_set>
 #include <vector>
 
@@ -304,6 +305,7 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
   // ---- not supported yet: clear errors, never silent misbehaviour ---------------
   void beginAllocateToPool(c10::DeviceIndex dev, c10::cuda::MempoolId_t id,
                            std::function<bool(cudaStream_t)> filter) override {
+    int64_t workspaces = static_cast<int64_t>(workspace_hint(dev));   // before mu_: see workspace_hint
     std::lock_guard<std::mutex> g(mu_);
     Private* p = incref_private_locked(dev, id);
     TORCH_CHECK(!p->filter, "Kitsune: memory pool (", id.first, ", ", id.second, ") is already being allocated to");
@@ -313,13 +315,13 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
     //   what its last releasing empty_cache gave back (torch.cuda.graph empties the
     //   cache just before capturing: the warm-up's working memory), plus a quarter
     //   for the private pool's own layout, one 20 MiB segment of it, and a cuBLAS
-    //   and a cuBLASLt workspace (PyTorch allocates them per stream, so the capture
-    //   stream's first capture makes new ones).
+    //   and a cuBLASLt workspace (PyTorch allocates them per handle and stream, so
+    //   the capture stream's first capture makes new ones).
     // A capture that needs more maps or reserves the rest as it goes; what it does
     // not use stays in the device's cache. Best effort; skipped beside another capture.
     int64_t hint = emptied_[dev].exchange(0, std::memory_order_relaxed);   // used once
     hint += hint / 4 + (int64_t{20} << 20);
-    hint += static_cast<int64_t>(at::cuda::getChosenWorkspaceSize() + at::cuda::getCUDABlasLtWorkspaceSize());
+    hint += workspaces;
     kt_pool_prepare_capture(pools_[dev], static_cast<size_t>(hint), nullptr);
     p->filter = std::move(filter);
     capturing_.fetch_add(1, std::memory_order_relaxed);
@@ -439,6 +441,26 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
     TORCH_CHECK(device >= 0 && device < static_cast<int>(pools_.size()), "Kitsune: device ", device,
                 " has no pool (", pools_.size(), " devices initialised)");
     return pools_[device];
+  }
+
+  // Bytes of one cuBLAS plus one cuBLASLt workspace on dev: the largest of each that
+  // PyTorch holds now (a warm-up made them on its streams), else the sizes PyTorch
+  // says it would choose. Called without mu_: PyTorch allocates a workspace while it
+  // holds its map's lock, and that allocation may need mu_.
+  size_t workspace_hint(c10::DeviceIndex dev) {
+    if (dev < 0 || dev >= static_cast<int>(pools_.size())) return 0;
+    auto largest = [&](at::cuda::WorkspaceMapWithMutex& w, size_t dflt) {
+      size_t best = 0;
+      std::shared_lock<std::shared_mutex> lock(w.mutex);
+      for (auto& kv : w.map) {
+        kt_block_info bi;
+        if (kv.second.device().index() == dev && kt_block_query(pools_[dev], kv.second.get(), &bi) == KT_OK)
+          best = std::max(best, bi.size);
+      }
+      return best ? best : dflt;
+    };
+    return largest(at::cuda::cublas_handle_stream_to_workspace(), at::cuda::getChosenWorkspaceSize()) +
+           largest(at::cuda::cublaslt_handle_stream_to_workspace(), at::cuda::getCUDABlasLtWorkspaceSize());
   }
 
   // priv (may be null): set when the block comes from a private pool.

@@ -62,6 +62,24 @@ def trace(path, device=0):
         check(b.kt_bridge_trace(device, None), "trace stop")
 
 
+def capture_info(device=0):
+    """What Kitsune prepared for the last CUDA graph capture (or MemPool use) on
+    ``device``, in bytes: ``emptied`` (what the last releasing ``empty_cache`` gave
+    back, the warm-up's working memory when torch.cuda.graph emptied the cache),
+    ``workspaces`` (cuBLAS and cuBLASLt workspaces of one stream), ``asked`` (the
+    range made ready: emptied x 1.25 + 20 MiB + workspaces), ``ready`` (the largest
+    free range ready when the capture began) and ``status`` (0, or the kt_status of a
+    preparation that could not run). All zero before the first capture."""
+    if not installed():
+        raise RuntimeError("kitsune.allocator.capture_info() describes the installed allocator: call "
+                           "kitsune.allocator.install() first")
+    b = _native.bridge()
+    out = (ctypes.c_int64 * 5)()
+    b.kt_bridge_capture_info.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int64)]
+    check(b.kt_bridge_capture_info(device, out), f"capture_info(device={device})")
+    return dict(zip(("emptied", "workspaces", "asked", "ready", "status"), list(out)))
+
+
 _use_pools = {}   # device -> torch.cuda.MemPool whose segments come from Kitsune
 
 

@@ -47,6 +47,17 @@ def test_install_without_gpu_fails_cleanly():
     assert "installed False" in out
 
 
+def test_capture_info_needs_the_installed_allocator():
+    out = run("""
+        import kitsune.allocator as ka
+        try:
+            ka.capture_info()
+        except RuntimeError as e:
+            print("ERR", e)
+    """)
+    assert "ERR kitsune.allocator.capture_info() describes the installed allocator" in out
+
+
 def test_bridge_is_built_and_loads_after_torch():
     out = run("""
         import kitsune._native as n
@@ -329,6 +340,8 @@ CAPTURE_STEP = """
                           "allocated_at_end": mib(s1, "allocated_bytes.all.current")}
     out["loss"] = sloss.item()
     out["reserved_mib"] = torch.cuda.memory_reserved() / 2**20
+    if kit:
+        out["prepared"] = ka.capture_info()
     print(json.dumps(out))
 """
 
@@ -350,6 +363,7 @@ def test_a_warmed_up_capture_allocates_no_device_memory(workload):
         res[who] = json.loads(r.stdout.strip().splitlines()[-1])
     print(workload, json.dumps(res))
     k = res["kitsune"]
+    assert k["prepared"]["status"] == 0 and k["prepared"]["ready"] >= k["prepared"]["asked"] > 0, res
     assert k["num_device_alloc"] == 0, res
     assert k["num_device_free"] == 0 and k["num_sync_all_streams"] == 0, res
     assert abs(k["loss"] - res["native"]["loss"]) <= 1e-3 * max(1.0, abs(res["native"]["loss"])), res

@@ -50,6 +50,7 @@
 #include <cstring>
 #include <cstdlib>
 #include <functional>
+#include <map>
 #include <mutex>
 #include <shared_mutex>
 #include <unordered_set>
@@ -319,10 +320,11 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
     //   the capture stream's first capture makes new ones).
     // A capture that needs more maps or reserves the rest as it goes; what it does
     // not use stays in the device's cache. Best effort; skipped beside another capture.
-    int64_t hint = emptied_[dev].exchange(0, std::memory_order_relaxed);   // used once
-    hint += hint / 4 + (int64_t{20} << 20);
-    hint += workspaces;
-    kt_pool_prepare_capture(pools_[dev], static_cast<size_t>(hint), nullptr);
+    int64_t emptied = emptied_[dev].exchange(0, std::memory_order_relaxed);   // used once
+    int64_t hint = emptied + emptied / 4 + (int64_t{20} << 20) + workspaces;
+    size_t ready = 0;
+    kt_status st = kt_pool_prepare_capture(pools_[dev], static_cast<size_t>(hint), &ready);
+    prepared_[dev] = {emptied, workspaces, hint, static_cast<int64_t>(ready), st};
     p->filter = std::move(filter);
     capturing_.fetch_add(1, std::memory_order_relaxed);
     // eager allocations beside a capture must not synchronize the device
@@ -443,25 +445,39 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
     return pools_[device];
   }
 
-  // Bytes of one cuBLAS plus one cuBLASLt workspace on dev: the largest of each that
-  // PyTorch holds now (a warm-up made them on its streams), else the sizes PyTorch
-  // says it would choose. Called without mu_: PyTorch allocates a workspace while it
-  // holds its map's lock, and that allocation may need mu_.
+  // Bytes of the cuBLAS and cuBLASLt workspaces one stream gets on dev: the most
+  // that any stream holds now (PyTorch keys them by handle and stream; a warm-up
+  // made them on its streams), else the sizes PyTorch says it would choose. Called
+  // without mu_: PyTorch allocates a workspace while it holds its map's lock, and
+  // that allocation may need mu_.
   size_t workspace_hint(c10::DeviceIndex dev) {
     if (dev < 0 || dev >= static_cast<int>(pools_.size())) return 0;
-    auto largest = [&](at::cuda::WorkspaceMapWithMutex& w, size_t dflt) {
-      size_t best = 0;
-      std::shared_lock<std::shared_mutex> lock(w.mutex);
-      for (auto& kv : w.map) {
+    std::map<void*, size_t> per_stream;
+    for (auto* w : {&at::cuda::cublas_handle_stream_to_workspace(), &at::cuda::cublaslt_handle_stream_to_workspace()}) {
+      std::shared_lock<std::shared_mutex> lock(w->mutex);
+      for (auto& kv : w->map) {
         kt_block_info bi;
         if (kv.second.device().index() == dev && kt_block_query(pools_[dev], kv.second.get(), &bi) == KT_OK)
-          best = std::max(best, bi.size);
+          per_stream[std::get<1>(kv.first)] += bi.size;
       }
-      return best ? best : dflt;
-    };
-    return largest(at::cuda::cublas_handle_stream_to_workspace(), at::cuda::getChosenWorkspaceSize()) +
-           largest(at::cuda::cublaslt_handle_stream_to_workspace(), at::cuda::getCUDABlasLtWorkspaceSize());
+    }
+    size_t most = 0;
+    for (auto& kv : per_stream) most = std::max(most, kv.second);
+    return most ? most : at::cuda::getChosenWorkspaceSize() + at::cuda::getCUDABlasLtWorkspaceSize();
   }
+
+ public:
+  // What beginAllocateToPool prepared on dev last (kitsune.allocator.capture_info).
+  struct Prepared {
+    int64_t emptied = 0, workspaces = 0, hint = 0, ready = 0;
+    kt_status status = KT_OK;
+  };
+  Prepared prepared(c10::DeviceIndex dev) {
+    std::lock_guard<std::mutex> g(mu_);
+    return dev >= 0 && dev <= static_cast<int>(kDeviceMask) ? prepared_[dev] : Prepared{};
+  }
+
+ private:
 
   // priv (may be null): set when the block comes from a private pool.
   void* alloc_on(c10::DeviceIndex dev, size_t n, cudaStream_t stream, bool* priv = nullptr) {
@@ -584,6 +600,7 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
   std::vector<kt_pool_t*> pools_;
   std::vector<kt_backend*> subs_;             // per device: private pools' backend (its pool's blocks)
   std::atomic<int64_t> emptied_[kDeviceMask + 1] = {};  // per device: what its last releasing empty_cache gave back
+  Prepared prepared_[kDeviceMask + 1];                  // under mu_
   std::vector<Private> private_;             // under mu_
   std::atomic<int> capturing_{0};             // private pools being allocated to
   std::atomic<bool> has_private_{false};
@@ -626,6 +643,16 @@ __attribute__((visibility("default"))) int kt_bridge_install(char* err, size_t l
 }
 
 __attribute__((visibility("default"))) int kt_bridge_installed(void) { return g_allocator != nullptr; }
+
+// What the last capture (or MemPool use) on device prepared: out[0..4] = bytes the
+// last releasing empty_cache gave back, workspace bytes, bytes asked to be ready,
+// bytes ready, kt_status. KT_ERR_UNAVAILABLE when Kitsune is not installed.
+__attribute__((visibility("default"))) int kt_bridge_capture_info(int device, int64_t* out) {
+  if (!g_allocator) return KT_ERR_UNAVAILABLE;
+  auto p = g_allocator->prepared(static_cast<c10::DeviceIndex>(device));
+  out[0] = p.emptied; out[1] = p.workspaces; out[2] = p.hint; out[3] = p.ready; out[4] = p.status;
+  return KT_OK;
+}
 
 // Starts (path != NULL) or stops (path == NULL) the allocation trace of the
 // installed allocator's pool for device. Returns a kt_status.

@@ -370,6 +370,21 @@ static void tcaches_release(kt_pool_t *p) {
 static __thread kt_oom_info last_oom;
 const kt_oom_info *kt_last_oom(void) { return &last_oom; }
 
+/* A pool on kt_pool_backend_create reserves by allocating from its parent on this
+ * thread. The parent's out-of-memory is then the child's: the parent neither counts
+ * nor traces it, and leaves its diagnosis here for the child's report, which then
+ * describes the memory that ran out (the parent's live, cached, reserved, limit). */
+static __thread int nested_depth;
+static __thread int nested_oom_set;
+static __thread kt_oom_info nested_oom;
+
+kt_status kt__alloc_nested(kt_pool_t *parent, size_t size, kt_stream_t stream, void **out) {
+  nested_depth++;
+  kt_status st = kt_alloc(parent, size, stream, out);
+  nested_depth--;
+  return st;
+}
+
 static void human(char *buf, size_t len, size_t b) {
   const char *u[] = {"B", "KiB", "MiB", "GiB", "TiB"};
   double v = (double)b; int i = 0;
@@ -620,13 +635,27 @@ static kt_status take_extent(kt_pool_t *p, kt_heap *h, size_t size, size_t align
     pthread_mutex_lock(&p->arena_lock);
     st = kt__arena_take(p, h, size, align, kind, out, &oom);
   }
+  int nested = nested_depth > 0;
   if (st == KT_ERR_OOM) {
-    p->n_ooms++;
     fill_oom(p, &oom, requested);
+    if (nested_oom_set) {   /* a child's: the parent it reserves from ran out */
+      size_t rounded = oom.rounded;
+      oom = nested_oom;
+      oom.requested = requested;
+      if (rounded) oom.rounded = rounded;
+      nested_oom_set = 0;
+    }
+    if (!nested) p->n_ooms++;
     last_oom = oom;
   }
+  if (!nested) nested_oom_set = 0;   /* a parent's failure that a retry got past */
   pthread_mutex_unlock(&p->arena_lock);
   if (st == KT_ERR_OOM && last_oom.requested == requested) oom_subtract_credits(p);
+  if (st == KT_ERR_OOM && nested) {
+    nested_oom = last_oom;
+    nested_oom_set = 1;
+    return st;
+  }
   if (st == KT_ERR_OOM && (atomic_load_explicit(&p->hooks, memory_order_relaxed) & KT_HOOK_TRACE))
     kt__trace(p, "oom", 0, requested, h->stream);
   return st;

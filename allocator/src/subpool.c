@@ -23,7 +23,7 @@ static int pdev(void *ctx) { return ((sub_backend *)ctx)->parent->device; }
 
 static kt_status sub_reserve(void *ctx, int device, size_t size, void **out) {
   (void)device;
-  return kt_alloc(((sub_backend *)ctx)->parent, size, &token, out);
+  return kt__alloc_nested(((sub_backend *)ctx)->parent, size, &token, out);
 }
 
 /* The contract of release: work enqueued before the call may still use the memory.

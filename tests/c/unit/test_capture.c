@@ -182,7 +182,17 @@ Test(capture, a_child_out_of_memory_leaves_the_parent_whole) {
   void *a, *b;
   cr_assert_eq(kt_alloc(child, 40 * MiB, NULL, &a), KT_OK);
   cr_assert_eq(kt_alloc(child, 40 * MiB, NULL, &b), KT_ERR_OOM);
-  cr_assert_eq(kt_last_oom()->requested, 40 * MiB);
+  const kt_oom_info *o = kt_last_oom();
+  cr_assert_eq(o->requested, 40 * MiB);
+  cr_assert(o->hit_limit && o->limit == 64 * MiB, "the report is of the parent, whose limit ran out");
+  cr_assert_eq(o->reserved, (size_t)stats(parent).reserved_bytes.current);
+  cr_assert_eq(o->live, 40 * MiB, "the parent's live bytes: the child's one segment");
+  cr_assert_eq(stats(child).num_ooms, 1);
+  cr_assert_eq(stats(parent).num_ooms, 0, "one out-of-memory, counted once (by the child)");
+  void *e;   /* a later failure of the parent alone reports the parent as itself */
+  cr_assert_eq(kt_alloc(parent, 30 * MiB, NULL, &e), KT_ERR_OOM);
+  cr_assert_eq(kt_last_oom()->requested, 30 * MiB);
+  cr_assert_eq(stats(parent).num_ooms, 1);
   cr_assert_eq(stats(parent).allocated_bytes.current, (int64_t)(40 * MiB), "only the first segment");
   cr_assert_eq(stats(child).reserved_bytes.current, (int64_t)(40 * MiB));
   cr_assert_eq(kt_free(child, a, 0, NULL), KT_OK);
@@ -247,3 +257,28 @@ static void mapped_run_or_hole(int held) {
 }
 Test(capture, held_a_block_goes_to_a_mapped_run_before_a_smaller_unmapped_hole) { mapped_run_or_hole(1); }
 Test(capture, not_held_a_block_takes_the_snug_hole_and_maps_it) { mapped_run_or_hole(0); }
+
+/* The child's shared-segment reservation fails and its exact one succeeds: the
+ * parent's failure is not reported later as someone else's. */
+Test(capture, a_parent_failure_the_child_got_past_is_forgotten) {
+  kt_pool_destroy(parent);
+  parent = make_parent(1, 32 * MiB);
+  kt_backend *sub = kt_pool_backend_create(parent);
+  kt_pool_t *child = make_child(sub);
+  void *s, *t, *m, *e;
+  cr_assert_eq(kt_alloc(child, 9 * MiB + 512 * KiB, NULL, &s), KT_OK);   /* one 20 MiB shared segment */
+  cr_assert_eq(kt_alloc(child, 9 * MiB + 512 * KiB, NULL, &t), KT_OK);   /* fills it */
+  cr_assert_eq(kt_alloc(child, 9 * MiB + 512 * KiB, NULL, &m), KT_OK);   /* a second shared one fails; 10 MiB fits */
+  cr_assert_eq(stats(parent).allocated_bytes.current, (int64_t)(30 * MiB));
+  cr_assert_eq(kt_alloc(parent, 100 * MiB, NULL, &e), KT_ERR_OOM);
+  const kt_oom_info *o = kt_last_oom();
+  cr_assert_eq(o->requested, 100 * MiB);
+  cr_assert_eq(o->live, 30 * MiB, "the parent as it is now, not the child's earlier failure");
+  cr_assert_eq(stats(child).num_ooms, 0);
+  cr_assert_eq(stats(parent).num_ooms, 1);
+  cr_assert_eq(kt_free(child, s, 0, NULL), KT_OK);
+  cr_assert_eq(kt_free(child, t, 0, NULL), KT_OK);
+  cr_assert_eq(kt_free(child, m, 0, NULL), KT_OK);
+  kt_pool_destroy(child);
+  kt_pool_backend_destroy(sub);
+}

@@ -638,7 +638,7 @@ static kt_status take_extent(kt_pool_t *p, kt_heap *h, size_t size, size_t align
   int nested = nested_depth > 0;
   if (st == KT_ERR_OOM) {
     fill_oom(p, &oom, requested);
-    if (nested_oom_set) {   /* a child's: the parent it reserves from ran out */
+    if (!nested && nested_oom_set) {   /* a child's: the parent it reserves from ran out */
       size_t rounded = oom.rounded;
       oom = nested_oom;
       oom.requested = requested;

@@ -1,0 +1,46 @@
+/* kitsune/memplan.h — offsets for blocks whose lifetimes are known (pure C).
+ *
+ * The planning half of a capture pool laid out ahead of time: a CUDA graph's
+ * allocations, recorded once as (size, allocated at event `start`, freed at event
+ * `end`), are packed into one arena so that two blocks share bytes only when their
+ * lifetimes do not overlap. First fit: each block, in turn, at the lowest aligned
+ * offset where it overlaps no placed block whose lifetime meets its own; four
+ * orders are tried (size, size x lifetime, lifetime, start; larger first) and the
+ * smallest arena kept. The arena is never smaller than the peak of live bytes
+ * (kt_memplan_peak), the bound the tests hold it against; finding the smallest
+ * arena is NP-hard in general. On 200 training-step-shaped traces
+ * (tests/c/unit/test_memplan.c) the arena was 1.047x the live peak on average and
+ * 1.16x at worst; size order alone gave 1.20x at worst.
+ *
+ * Not yet used by compile_step or the torch bridge: see docs/issue5.md.
+ * Functions return KT_OK, KT_ERR_INVALID (NULL, n < 0, start >= end, align not a
+ * power of two, a size that overflows when aligned) or KT_ERR_HOST_OOM; on error
+ * nothing is written.
+ */
+#ifndef KITSUNE_MEMPLAN_H
+#define KITSUNE_MEMPLAN_H
+
+#include <stdint.h>
+
+#include "kitsune/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct kt_memplan_block {
+  uint64_t size;          /* bytes; 0 is allowed (offset 0, takes no room) */
+  int64_t start, end;     /* live over events [start, end); end > start */
+} kt_memplan_block;
+
+/* offsets[i] for block i, each a multiple of align; *total = the arena's bytes. */
+kt_status kt_memplan(const kt_memplan_block *blocks, int32_t n, uint64_t align, uint64_t *offsets,
+                     uint64_t *total);
+
+/* The most bytes live at one event, sizes rounded up to align: no plan is smaller. */
+kt_status kt_memplan_peak(const kt_memplan_block *blocks, int32_t n, uint64_t align, uint64_t *peak);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

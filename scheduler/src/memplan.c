@@ -1,0 +1,133 @@
+/* scheduler/src/memplan.c — first-fit offsets for blocks with known lifetimes, best
+ * of four orders. O(n^2 log n) an order: for each block, the placed blocks whose
+ * lifetimes meet it, sorted by offset. */
+#include <stdlib.h>
+
+#include "kitsune/memplan.h"
+
+#define KT_MEMPLAN_MAX_BYTES ((uint64_t)1 << 62)   /* every sum of aligned sizes stays below this */
+
+static uint64_t up(uint64_t x, uint64_t a) { return (x + a - 1) & ~(a - 1); }
+
+static int valid(const kt_memplan_block *b, int32_t n, uint64_t align) {
+  if ((n && !b) || n < 0 || !align || (align & (align - 1)) || align > KT_MEMPLAN_MAX_BYTES) return 0;
+  uint64_t sum = 0;
+  for (int32_t i = 0; i < n; i++) {
+    if (b[i].start >= b[i].end || b[i].size > KT_MEMPLAN_MAX_BYTES) return 0;
+    sum += up(b[i].size, align);
+    if (sum > KT_MEMPLAN_MAX_BYTES) return 0;
+  }
+  return 1;
+}
+
+/* Orders tried; the smallest arena wins (ties: the earlier order). */
+enum { BY_SIZE, BY_AREA, BY_LENGTH, BY_START, KT_MEMPLAN_ORDERS };
+
+typedef struct { double k0; uint64_t k1; int64_t start; int32_t i; } key;
+
+static int by_key(const void *a, const void *b) {   /* k0 desc, k1 desc, start asc, index */
+  const key *x = a, *y = b;
+  if (x->k0 != y->k0) return x->k0 < y->k0 ? 1 : -1;
+  if (x->k1 != y->k1) return x->k1 < y->k1 ? 1 : -1;
+  if (x->start != y->start) return x->start < y->start ? -1 : 1;
+  return (x->i > y->i) - (x->i < y->i);
+}
+
+static key key_of(const kt_memplan_block *b, int32_t i, int order) {
+  double len = (double)(b->end - b->start), size = (double)b->size;
+  switch (order) {
+    case BY_AREA: return (key){size * len, b->size, b->start, i};
+    case BY_LENGTH: return (key){len, b->size, b->start, i};
+    case BY_START: return (key){-(double)b->start, b->size, b->start, i};
+    default: return (key){size, 0, b->start, i};
+  }
+}
+
+typedef struct { uint64_t off, end; } span;
+
+static int by_offset(const void *a, const void *b) {
+  const span *x = a, *y = b;
+  return x->off < y->off ? -1 : x->off > y->off;
+}
+
+/* First fit in the given order: each block at the lowest aligned offset where it
+ * overlaps no placed block live at the same time. Returns the arena's bytes. */
+static uint64_t first_fit(const kt_memplan_block *b, int32_t n, uint64_t align, const key *order,
+                          int32_t *placed, span *meet, uint64_t *off) {
+  uint64_t arena = 0;
+  for (int32_t k = 0; k < n; k++) {
+    int32_t i = order[k].i;
+    uint64_t size = up(b[i].size, align);
+    int32_t m = 0;
+    for (int32_t q = 0; q < k; q++) {   /* placed blocks alive at the same time as i */
+      int32_t j = placed[q];
+      if (b[j].start < b[i].end && b[i].start < b[j].end && b[j].size)
+        meet[m++] = (span){off[j], off[j] + up(b[j].size, align)};
+    }
+    qsort(meet, (size_t)m, sizeof *meet, by_offset);
+    uint64_t at = 0;   /* the lowest gap that holds i */
+    for (int32_t q = 0; q < m && size; q++) {
+      if (at + size <= meet[q].off) break;
+      if (meet[q].end > at) at = meet[q].end;
+    }
+    off[i] = at;   /* at + size <= the sum of all sizes: no overflow (valid) */
+    placed[k] = i;
+    if (at + size > arena) arena = at + size;
+  }
+  return arena;
+}
+
+kt_status kt_memplan(const kt_memplan_block *b, int32_t n, uint64_t align, uint64_t *offsets, uint64_t *total) {
+  if (!valid(b, n, align) || (n && !offsets) || !total) return KT_ERR_INVALID;
+  size_t cap = (size_t)(n ? n : 1);
+  key *order = malloc(sizeof *order * cap);
+  int32_t *placed = malloc(sizeof *placed * cap);
+  uint64_t *off = malloc(sizeof *off * cap), *best = malloc(sizeof *best * cap);
+  span *meet = malloc(sizeof *meet * cap);
+  if (!order || !placed || !off || !best || !meet) {
+    free(order); free(placed); free(off); free(best); free(meet);
+    return KT_ERR_HOST_OOM;
+  }
+  uint64_t arena = UINT64_MAX;
+  for (int o = 0; o < KT_MEMPLAN_ORDERS; o++) {
+    for (int32_t i = 0; i < n; i++) order[i] = key_of(&b[i], i, o);
+    qsort(order, (size_t)n, sizeof *order, by_key);
+    uint64_t a = first_fit(b, n, align, order, placed, meet, off);
+    if (a < arena) {
+      arena = a;
+      for (int32_t i = 0; i < n; i++) best[i] = off[i];
+    }
+  }
+  for (int32_t i = 0; i < n; i++) offsets[i] = best[i];
+  *total = n ? arena : 0;
+  free(order); free(placed); free(off); free(best); free(meet);
+  return KT_OK;
+}
+
+typedef struct { int64_t t; int64_t delta; } change;
+
+static int by_time(const void *a, const void *b) {
+  const change *x = a, *y = b;
+  if (x->t != y->t) return x->t < y->t ? -1 : 1;
+  return (x->delta > y->delta) - (x->delta < y->delta);   /* frees before allocations at one event */
+}
+
+kt_status kt_memplan_peak(const kt_memplan_block *b, int32_t n, uint64_t align, uint64_t *peak) {
+  if (!valid(b, n, align) || !peak) return KT_ERR_INVALID;
+  change *c = malloc(sizeof *c * (size_t)(2 * n + 1));
+  if (!c) return KT_ERR_HOST_OOM;
+  for (int32_t i = 0; i < n; i++) {
+    int64_t s = (int64_t)up(b[i].size, align);
+    c[2 * i] = (change){b[i].start, s};
+    c[2 * i + 1] = (change){b[i].end, -s};
+  }
+  qsort(c, (size_t)(2 * n), sizeof *c, by_time);
+  int64_t live = 0, most = 0;
+  for (int32_t i = 0; i < 2 * n; i++) {
+    live += c[i].delta;
+    if (live > most) most = live;
+  }
+  free(c);
+  *peak = (uint64_t)most;
+  return KT_OK;
+}

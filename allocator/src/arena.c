@@ -70,12 +70,27 @@ static bool fits(const kt_extent *e, size_t size, size_t align) {
   return start + size <= e->addr + e->size;
 }
 
-static kt_extent *best_fit(kt_bins *b, size_t size, size_t align) {
+static bool place_in_range(const kt_extent *e, size_t size, size_t align, uintptr_t *out);
+
+/* Best fit for size in b. mapped: only extents where size goes without mapping a
+ * granule (a VMM range's mapped run holds it; a segment's extent, wherever it fits).
+ * Extents of a VMM range include their unmapped parts, so a fit by size alone can
+ * pick a small, half-unmapped hole and map it while a mapped run elsewhere sits
+ * free. That is the better trade while the pool may trim (the snug hole keeps
+ * fragmentation down, and growth past the high mark unmaps idle granules first:
+ * on the H100, shape-varying training held 1.017x its live bytes with the mapped
+ * search always first, 1.013x without, bench/results/h100_alloc_shapes_f0e05ef.log
+ * against alloc_shapes.json), but not while releases are held: nothing can be
+ * trimmed then, and a map there is a device allocation inside a CUDA graph
+ * capture, whose pool relies on the range kt_pool_prepare_capture made ready. */
+static kt_extent *best_fit(kt_bins *b, size_t size, size_t align, bool mapped) {
   if (!b->count) return NULL;
   for (int i = next_bin(b, kt__bin_of(size)); i >= 0; i = next_bin(b, i + 1)) {
     kt_extent *best = NULL;
+    uintptr_t at;
     for (kt_extent *e = b->head[i]; e; e = e->fnext)
-      if (fits(e, size, align) && (!best || e->size < best->size || (e->size == best->size && e->addr < best->addr)))
+      if (fits(e, size, align) && (!best || e->size < best->size || (e->size == best->size && e->addr < best->addr)) &&
+          (!mapped || !e->seg->gmap || place_in_range(e, size, align, &at)))
         best = e;
     if (best) return best;
   }
@@ -350,31 +365,6 @@ static bool place_in_range(const kt_extent *e, size_t size, size_t align, uintpt
   return false;
 }
 
-/* Best fit among the extents of b where size goes without mapping a granule (VMM
- * ranges: a mapped run holds it; a segment: anywhere it fits). Extents of a VMM
- * range include their unmapped parts, so a fit by size alone can pick a small,
- * half-unmapped hole and map it while a mapped run elsewhere sits free. That is
- * the better trade while the pool may trim (the snug hole keeps fragmentation
- * down, and growth past the high mark unmaps idle granules first: shape-varying
- * training held 1.017x its live bytes with this search first, 1.013x without,
- * bench/results/h100_alloc_shapes_f0e05ef.log against alloc_shapes.json at
- * ac5ca55), but not while releases are held: nothing can be trimmed then, and a
- * map there is a device allocation inside a CUDA graph capture, whose pool relies
- * on the range kt_pool_prepare_capture made ready. */
-static kt_extent *best_fit_mapped(kt_bins *b, size_t size, size_t align) {
-  if (!b->count) return NULL;
-  for (int i = next_bin(b, kt__bin_of(size)); i >= 0; i = next_bin(b, i + 1)) {
-    kt_extent *best = NULL;
-    uintptr_t at;
-    for (kt_extent *e = b->head[i]; e; e = e->fnext)
-      if (fits(e, size, align) && (!best || e->size < best->size || (e->size == best->size && e->addr < best->addr)) &&
-          (!e->seg->gmap || place_in_range(e, size, align, &at)))
-        best = e;
-    if (best) return best;
-  }
-  return NULL;
-}
-
 /* Largest run of mapped granules wholly inside [a, b): what a free extent of a VMM
  * range can give without mapping. */
 static size_t mapped_within(const kt_segment *s, uintptr_t a, uintptr_t b) {
@@ -444,13 +434,14 @@ static size_t idle_bytes(kt_pool_t *p) {
 kt_status kt__arena_take(kt_pool_t *p, kt_heap *tag, size_t size, size_t align, int kind,
                          kt_extent **out, kt_oom_info *oom) {
   kt_extent *e = NULL;
-  if (p->vmm_range && atomic_load(&p->hold_releases)) {   /* held VMM pool: mapped room first */
-    if (tag) e = best_fit_mapped(&tag->bins, size, align);
-    if (!e) e = best_fit_mapped(&p->untagged, size, align);
+  bool held = atomic_load(&p->hold_releases) > 0;
+  if (p->vmm_range && held) {   /* held VMM pool: mapped room first (see best_fit) */
+    if (tag) e = best_fit(&tag->bins, size, align, true);
+    if (!e) e = best_fit(&p->untagged, size, align, true);
   }
-  if (!e && tag) e = best_fit(&tag->bins, size, align);
-  if (!e) e = best_fit(&p->untagged, size, align);
-  if (!e && p->release_on_grow && !atomic_load(&p->hold_releases) && idle_bytes(p) >= size) {
+  if (!e && tag) e = best_fit(&tag->bins, size, align, false);
+  if (!e) e = best_fit(&p->untagged, size, align, false);
+  if (!e && p->release_on_grow && !held && idle_bytes(p) >= size) {
     /* Nothing fits but whole idle segments add up to the request: give them back
      * before reserving more (their cudaFree synchronizes). */
     kt_segment *idle = kt__arena_collect_idle(p);

@@ -99,7 +99,7 @@ kt_status kt_memplan(const kt_memplan_block *b, int32_t n, uint64_t align, uint6
     }
   }
   for (int32_t i = 0; i < n; i++) offsets[i] = best[i];
-  *total = n ? arena : 0;
+  *total = arena;   /* first_fit gives 0 for no blocks */
   free(order); free(placed); free(off); free(best); free(meet);
   return KT_OK;
 }

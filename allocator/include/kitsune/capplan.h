@@ -1,0 +1,134 @@
+/* kitsune/capplan.h — a CUDA graph's memory laid out from its recorded lifetimes.
+ *
+ * A graph captured into an ordinary pool keeps every segment its capture touched,
+ * laid out by the order blocks happened to be freed in. compile_step captures a
+ * step twice instead:
+ *   1. into a private pool while a kt_caprec records each allocation (size, stream),
+ *      free and cross-stream use;
+ *   2. kt_capplan_create packs the recorded lifetimes into one arena (kt_memplan);
+ *   3. the step is captured again, and a kt_placer serves its allocations at the
+ *      planned offsets of an arena it reserves from a backend (the device pool's:
+ *      kt_pool_backend_create); the first graph is dropped.
+ *
+ * The plan is a guess about the second capture; safety never rests on it. Each
+ * placement is checked against the blocks already placed in the same capture: it
+ * is refused (KT_ERR_UNAVAILABLE: the caller allocates from its pool instead) when
+ * it would overlap a block that is live, that another stream used (kt_placer_use),
+ * or that was allocated on another stream, since no stream order covers reuse then.
+ *
+ * Contract of a placer (what compile_step guarantees): the graphs captured through
+ * one placer replay one at a time, and whatever an earlier capture left live in the
+ * arena (a graph's output) is read before another of its graphs replays. So a new
+ * capture may lay blocks over an earlier capture's live ones; those are still
+ * tracked, so their frees are recognised, and a placement never starts at one's
+ * address.
+ *
+ * Recorded blocks still live when the plan is made (a cuBLAS workspace the capture
+ * created and PyTorch keeps) are left out: the second capture will not allocate them
+ * again. Blocks freed after the capture ended live to the plan's end.
+ *
+ * Errors: KT_ERR_INVALID (NULL, unknown or duplicate pointer), KT_ERR_HOST_OOM, and
+ * what the backend returns for the arena. On error nothing changes. None of these
+ * functions lock: the caller serialises calls on one object.
+ */
+#ifndef KITSUNE_CAPPLAN_H
+#define KITSUNE_CAPPLAN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kitsune/backend.h"
+#include "kitsune/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Sizes are rounded up to this; offsets are multiples of it. */
+#define KT_CAPPLAN_ALIGN 512u
+/* A placement takes the first unplaced planned block of its size among the next
+ * this many, so one allocation the plan did not see does not derail the rest. */
+#define KT_CAPPLAN_WINDOW 64
+
+/* ---- recording --------------------------------------------------------------- */
+typedef struct kt_caprec kt_caprec;
+
+kt_status kt_caprec_create(kt_caprec **out);
+void kt_caprec_destroy(kt_caprec *rec);
+/* size 0 is ignored. */
+kt_status kt_caprec_alloc(kt_caprec *rec, const void *ptr, size_t size, kt_stream_t stream);
+kt_status kt_caprec_free(kt_caprec *rec, const void *ptr);
+/* ptr (a live block's start) is used on stream too (Tensor.record_stream). */
+kt_status kt_caprec_use(kt_caprec *rec, const void *ptr, kt_stream_t stream);
+/* The capture ended: later frees count as lasting to the plan's end. */
+kt_status kt_caprec_end(kt_caprec *rec);
+
+typedef struct kt_caprec_info {
+  int32_t blocks;        /* allocations recorded */
+  int32_t live;          /* of them, still live */
+  int32_t freed_after;   /* freed after kt_caprec_end */
+} kt_caprec_info;
+kt_status kt_caprec_get_info(const kt_caprec *rec, kt_caprec_info *out);
+
+/* ---- the plan ------------------------------------------------------------------ */
+typedef struct kt_capplan kt_capplan;
+
+/* Lifetimes from rec: a block freed during the capture lives over [alloc, free) in
+ * the order of recorded events; one freed after it, or used on another stream, to
+ * the end; one allocated on a stream other than the one most allocations were on,
+ * over the whole capture (nothing shares its bytes). Live blocks are left out.
+ * rec may be destroyed afterwards. */
+kt_status kt_capplan_create(const kt_caprec *rec, kt_capplan **out);
+void kt_capplan_destroy(kt_capplan *plan);
+
+typedef struct kt_capplan_info {
+  int32_t blocks;        /* planned blocks */
+  size_t arena_bytes;    /* the plan's extent, rounded up to KT_SEGMENT_ALIGN */
+  size_t plan_bytes;     /* the plan's extent (kt_memplan's total) */
+  size_t peak_bytes;     /* most bytes live at once: no plan is smaller */
+} kt_capplan_info;
+kt_status kt_capplan_get_info(const kt_capplan *plan, kt_capplan_info *out);
+
+/* ---- placing ------------------------------------------------------------------- */
+typedef struct kt_placer kt_placer;
+
+/* Arenas come from be (reserve / release) on device; be must outlive the placer. */
+kt_status kt_placer_create(const kt_backend *be, int device, kt_placer **out);
+/* Releases every arena: the caller makes sure no block of them is in use. */
+void kt_placer_destroy(kt_placer *pl);
+
+/* Starts placing one capture by plan (copied; it may be destroyed afterwards). The
+ * arena is kept when large enough; otherwise a larger one is reserved, and the old
+ * one is released at once when no block of it is live, else retired until its last
+ * block is freed (then kt_placer_trim releases it). Call outside a capture: a
+ * reserve may map memory, a release synchronizes. On error the placer is as before
+ * and places nothing until the next begin. */
+kt_status kt_placer_begin(kt_placer *pl, const kt_capplan *plan);
+/* Ends placing (later allocations are refused); frees are still recognised. */
+void kt_placer_end(kt_placer *pl);
+/* KT_OK with *out in the arena, or KT_ERR_UNAVAILABLE (not placing, no planned
+ * block of this size ahead, or the checks above refuse it). size 0: UNAVAILABLE. */
+kt_status kt_placer_alloc(kt_placer *pl, size_t size, kt_stream_t stream, void **out);
+/* KT_ERR_INVALID when ptr is not a live block of this placer. */
+kt_status kt_placer_free(kt_placer *pl, const void *ptr);
+kt_status kt_placer_use(kt_placer *pl, const void *ptr, kt_stream_t stream);
+/* Releases retired arenas with no live block (synchronizes when it does). */
+kt_status kt_placer_trim(kt_placer *pl);
+
+typedef struct kt_placer_stats {
+  size_t arena_bytes;      /* all arenas held, retired ones included */
+  size_t live_bytes;       /* blocks live in them (rounded sizes) */
+  int64_t live_blocks;
+  /* the last capture begun: */
+  int32_t planned;         /* blocks in its plan */
+  int32_t placed;          /* allocations served at their planned offset */
+  int32_t refused;         /* allocations refused while placing (served by the pool) */
+  size_t plan_bytes;       /* its plan's extent */
+  size_t peak_bytes;       /* its recording's live peak */
+} kt_placer_stats;
+kt_status kt_placer_get_stats(const kt_placer *pl, kt_placer_stats *out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,485 @@
+/* allocator/src/capplan.c — recording a capture's allocations, planning their
+ * layout, and placing a second capture by the plan (kitsune/capplan.h).
+ *
+ * Everything here runs while a graph is captured, not in the eager hot path, so the
+ * structures are plain: a pointer map (open addressing, backward-shift deletion) for
+ * live blocks, arrays for the rest, and one linear scan per placement over the
+ * blocks already placed in the capture (captures have hundreds to a few thousand
+ * allocations).
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "kitsune/capplan.h"
+#include "kitsune/memplan.h"
+
+/* ---- pointer -> index map ------------------------------------------------------ */
+typedef struct ptrmap {
+  uintptr_t *key;   /* 0: empty */
+  int32_t *val;
+  size_t cap;       /* power of two, or 0 */
+  size_t n;
+} ptrmap;
+
+static size_t pm_hash(uintptr_t k) {
+  uint64_t x = (uint64_t)k;
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  return (size_t)x;
+}
+
+static int32_t pm_get(const ptrmap *m, uintptr_t k) {
+  if (!m->cap) return -1;
+  for (size_t i = pm_hash(k) & (m->cap - 1);; i = (i + 1) & (m->cap - 1)) {
+    if (m->key[i] == k) return m->val[i];
+    if (!m->key[i]) return -1;
+  }
+}
+
+static void pm_insert(ptrmap *m, uintptr_t k, int32_t v) {   /* room is there; k absent */
+  size_t i = pm_hash(k) & (m->cap - 1);
+  while (m->key[i]) i = (i + 1) & (m->cap - 1);
+  m->key[i] = k;
+  m->val[i] = v;
+  m->n++;
+}
+
+/* Room for one more entry at a load of at most one half. */
+static kt_status pm_reserve_one(ptrmap *m) {
+  if (2 * (m->n + 1) <= m->cap) return KT_OK;
+  size_t cap = m->cap ? 2 * m->cap : 64;
+  uintptr_t *key = calloc(cap, sizeof *key);
+  int32_t *val = malloc(cap * sizeof *val);
+  if (!key || !val) {
+    free(key);
+    free(val);
+    return KT_ERR_HOST_OOM;
+  }
+  ptrmap grown = {key, val, cap, 0};
+  for (size_t i = 0; i < m->cap; i++)
+    if (m->key[i]) pm_insert(&grown, m->key[i], m->val[i]);
+  free(m->key);
+  free(m->val);
+  *m = grown;
+  return KT_OK;
+}
+
+static void pm_delete(ptrmap *m, uintptr_t k) {   /* k present */
+  size_t mask = m->cap - 1, i = pm_hash(k) & mask;
+  while (m->key[i] != k) i = (i + 1) & mask;
+  /* backward shift: pull later entries of the probe run into the hole */
+  for (size_t j = (i + 1) & mask; m->key[j]; j = (j + 1) & mask) {
+    size_t home = pm_hash(m->key[j]) & mask;
+    if (((j - home) & mask) >= ((j - i) & mask)) {   /* home at or before the hole */
+      m->key[i] = m->key[j];
+      m->val[i] = m->val[j];
+      i = j;
+    }
+  }
+  m->key[i] = 0;
+  m->n--;
+}
+
+static void pm_free(ptrmap *m) {
+  free(m->key);
+  free(m->val);
+  memset(m, 0, sizeof *m);
+}
+
+/* Grows *arr (elements of elem bytes, *cap of them) to hold need. */
+static kt_status grow(void **arr, int32_t *cap, int32_t need, size_t elem) {
+  if (need <= *cap) return KT_OK;
+  if (need < 0 || need > INT32_MAX / 2) return KT_ERR_HOST_OOM;
+  int32_t c = *cap ? *cap : 64;
+  while (c < need) c *= 2;
+  void *p = realloc(*arr, (size_t)c * elem);
+  if (!p) return KT_ERR_HOST_OOM;
+  *arr = p;
+  *cap = c;
+  return KT_OK;
+}
+
+static uint64_t round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
+
+/* ---- recording ----------------------------------------------------------------- */
+#define REC_LIVE INT64_MIN
+
+typedef struct rec_block {
+  uint64_t size;
+  kt_stream_t stream;
+  int64_t start, end;    /* end: REC_LIVE while live */
+  uint8_t elsewhere;     /* used on another stream */
+  uint8_t after;         /* freed after the capture ended */
+} rec_block;
+
+struct kt_caprec {
+  rec_block *b;
+  int32_t n, cap;
+  int64_t t;             /* events so far: allocations and frees during the capture */
+  int ended;
+  int32_t freed_after;
+  ptrmap live;
+};
+
+kt_status kt_caprec_create(kt_caprec **out) {
+  if (!out) return KT_ERR_INVALID;
+  kt_caprec *r = calloc(1, sizeof *r);
+  if (!r) return KT_ERR_HOST_OOM;
+  *out = r;
+  return KT_OK;
+}
+
+void kt_caprec_destroy(kt_caprec *r) {
+  if (!r) return;
+  pm_free(&r->live);
+  free(r->b);
+  free(r);
+}
+
+kt_status kt_caprec_alloc(kt_caprec *r, const void *ptr, size_t size, kt_stream_t stream) {
+  if (!r || (size && !ptr)) return KT_ERR_INVALID;
+  if (!size) return KT_OK;
+  uintptr_t k = (uintptr_t)ptr;
+  if (pm_get(&r->live, k) >= 0) return KT_ERR_INVALID;
+  kt_status st = grow((void **)&r->b, &r->cap, r->n + 1, sizeof *r->b);
+  if (st == KT_OK) st = pm_reserve_one(&r->live);
+  if (st != KT_OK) return st;
+  r->b[r->n] = (rec_block){round_up(size, KT_CAPPLAN_ALIGN), stream, r->t++, REC_LIVE, 0, 0};
+  pm_insert(&r->live, k, r->n++);
+  return KT_OK;
+}
+
+kt_status kt_caprec_free(kt_caprec *r, const void *ptr) {
+  if (!r) return KT_ERR_INVALID;
+  int32_t i = pm_get(&r->live, (uintptr_t)ptr);
+  if (i < 0) return KT_ERR_INVALID;
+  pm_delete(&r->live, (uintptr_t)ptr);
+  if (r->ended) {
+    r->b[i].after = 1;
+    r->b[i].end = r->t;
+    r->freed_after++;
+  } else {
+    r->b[i].end = r->t++;
+  }
+  return KT_OK;
+}
+
+kt_status kt_caprec_use(kt_caprec *r, const void *ptr, kt_stream_t stream) {
+  if (!r) return KT_ERR_INVALID;
+  int32_t i = pm_get(&r->live, (uintptr_t)ptr);
+  if (i < 0) return KT_ERR_INVALID;
+  if (stream != r->b[i].stream) r->b[i].elsewhere = 1;
+  return KT_OK;
+}
+
+kt_status kt_caprec_end(kt_caprec *r) {
+  if (!r) return KT_ERR_INVALID;
+  r->ended = 1;
+  return KT_OK;
+}
+
+kt_status kt_caprec_get_info(const kt_caprec *r, kt_caprec_info *out) {
+  if (!r || !out) return KT_ERR_INVALID;
+  out->blocks = r->n;
+  out->live = (int32_t)r->live.n;
+  out->freed_after = r->freed_after;
+  return KT_OK;
+}
+
+/* ---- the plan ------------------------------------------------------------------- */
+struct kt_capplan {
+  int32_t n;
+  uint64_t *size, *off;
+  kt_capplan_info info;
+};
+
+void kt_capplan_destroy(kt_capplan *p) {
+  if (!p) return;
+  free(p->size);
+  free(p->off);
+  free(p);
+}
+
+/* The stream most of the included blocks were allocated on. */
+static kt_stream_t main_stream(const kt_caprec *r) {
+  kt_stream_t best = NULL;
+  int32_t best_n = 0;
+  for (int32_t i = 0; i < r->n; i++) {   /* streams are few: count each once, at its first block */
+    if (r->b[i].end == REC_LIVE) continue;
+    int seen = 0;
+    for (int32_t j = 0; j < i && !seen; j++) seen = r->b[j].end != REC_LIVE && r->b[j].stream == r->b[i].stream;
+    if (seen) continue;
+    int32_t c = 0;
+    for (int32_t j = i; j < r->n; j++) c += r->b[j].end != REC_LIVE && r->b[j].stream == r->b[i].stream;
+    if (c > best_n) {
+      best_n = c;
+      best = r->b[i].stream;
+    }
+  }
+  return best;
+}
+
+kt_status kt_capplan_create(const kt_caprec *r, kt_capplan **out) {
+  if (!r || !out) return KT_ERR_INVALID;
+  int32_t n = 0;
+  for (int32_t i = 0; i < r->n; i++) n += r->b[i].end != REC_LIVE;
+  kt_capplan *p = calloc(1, sizeof *p);
+  kt_memplan_block *mb = malloc(((size_t)n + 1) * sizeof *mb);
+  if (p) {
+    p->size = malloc(((size_t)n + 1) * sizeof *p->size);
+    p->off = malloc(((size_t)n + 1) * sizeof *p->off);
+  }
+  if (!p || !mb || !p->size || !p->off) {
+    free(mb);
+    kt_capplan_destroy(p);
+    return KT_ERR_HOST_OOM;
+  }
+  kt_stream_t main = main_stream(r);
+  int64_t end = r->t + 1;
+  for (int32_t i = 0, j = 0; i < r->n; i++) {
+    const rec_block *b = &r->b[i];
+    if (b->end == REC_LIVE) continue;
+    kt_memplan_block m = {b->size, b->start, b->after || b->elsewhere ? end : b->end};
+    if (b->stream != main) m = (kt_memplan_block){b->size, 0, end};   /* shares no byte */
+    mb[j] = m;
+    p->size[j++] = b->size;
+  }
+  uint64_t total = 0, peak = 0;
+  kt_status st = kt_memplan(mb, n, KT_CAPPLAN_ALIGN, p->off, &total);
+  if (st == KT_OK) st = kt_memplan_peak(mb, n, KT_CAPPLAN_ALIGN, &peak);
+  free(mb);
+  if (st != KT_OK) {
+    kt_capplan_destroy(p);
+    return st;
+  }
+  p->n = n;
+  p->info = (kt_capplan_info){n, (size_t)round_up(total, KT_SEGMENT_ALIGN), (size_t)total, (size_t)peak};
+  *out = p;
+  return KT_OK;
+}
+
+kt_status kt_capplan_get_info(const kt_capplan *p, kt_capplan_info *out) {
+  if (!p || !out) return KT_ERR_INVALID;
+  *out = p->info;
+  return KT_OK;
+}
+
+/* ---- placing --------------------------------------------------------------------- */
+typedef struct pl_arena {
+  uintptr_t base;
+  size_t bytes;
+  int64_t live;            /* blocks of it live, any capture's */
+  struct pl_arena *next;   /* retired list */
+} pl_arena;
+
+enum { PL_UNPLACED = 0, PL_LIVE = 1, PL_FREED = 2 };
+
+typedef struct pl_block {  /* a planned block of the capture being placed */
+  uint64_t off, size;
+  kt_stream_t stream;      /* where it was placed */
+  uint8_t state;
+  uint8_t elsewhere;       /* used on another stream */
+} pl_block;
+
+typedef struct pl_live {   /* a live block of any capture */
+  uint64_t size;
+  pl_arena *arena;
+  uint32_t epoch;          /* the capture that placed it */
+  int32_t idx;             /* its pl_block in that capture; free-list link when unused */
+} pl_live;
+
+struct kt_placer {
+  const kt_backend *be;
+  int device;
+  pl_arena *cur, *retired;
+  pl_block *blk;           /* the capture being placed (the last begun) */
+  int32_t n, cursor;
+  int active;
+  uint32_t epoch;
+  ptrmap map;              /* block address -> lv index */
+  pl_live *lv;
+  int32_t nlv, caplv, lv_free;
+  size_t live_bytes;
+  int64_t live_blocks;
+  int32_t placed, refused;
+  size_t plan_bytes, peak_bytes;
+};
+
+kt_status kt_placer_create(const kt_backend *be, int device, kt_placer **out) {
+  if (!be || !be->reserve || !be->release || !out) return KT_ERR_INVALID;
+  kt_placer *pl = calloc(1, sizeof *pl);
+  if (!pl) return KT_ERR_HOST_OOM;
+  pl->be = be;
+  pl->device = device;
+  pl->lv_free = -1;
+  *out = pl;
+  return KT_OK;
+}
+
+static kt_status arena_release(kt_placer *pl, pl_arena *a) {
+  kt_status st = pl->be->release(pl->be->ctx, pl->device, (void *)a->base, a->bytes);
+  if (st == KT_OK) free(a);
+  return st;
+}
+
+void kt_placer_destroy(kt_placer *pl) {
+  if (!pl) return;
+  pl_arena *a = pl->retired;
+  while (a) {
+    pl_arena *next = a->next;
+    pl->be->release(pl->be->ctx, pl->device, (void *)a->base, a->bytes);
+    free(a);
+    a = next;
+  }
+  if (pl->cur) {
+    pl->be->release(pl->be->ctx, pl->device, (void *)pl->cur->base, pl->cur->bytes);
+    free(pl->cur);
+  }
+  pm_free(&pl->map);
+  free(pl->lv);
+  free(pl->blk);
+  free(pl);
+}
+
+kt_status kt_placer_trim(kt_placer *pl) {
+  if (!pl) return KT_ERR_INVALID;
+  kt_status ret = KT_OK;
+  for (pl_arena **pa = &pl->retired; *pa;) {
+    pl_arena *a = *pa;
+    if (a->live) {
+      pa = &a->next;
+      continue;
+    }
+    *pa = a->next;
+    kt_status st = arena_release(pl, a);
+    if (st != KT_OK) {   /* keep it listed; try again next time */
+      a->next = *pa;
+      *pa = a;
+      pa = &a->next;
+      ret = st;
+    }
+  }
+  return ret;
+}
+
+kt_status kt_placer_begin(kt_placer *pl, const kt_capplan *plan) {
+  if (!pl || !plan) return KT_ERR_INVALID;
+  pl->active = 0;
+  pl_block *blk = calloc((size_t)plan->n + 1, sizeof *blk);
+  if (!blk) return KT_ERR_HOST_OOM;
+  size_t need = plan->info.arena_bytes;
+  if (need && (!pl->cur || pl->cur->bytes < need)) {
+    pl_arena *a = calloc(1, sizeof *a);
+    void *base = NULL;
+    kt_status st = a ? pl->be->reserve(pl->be->ctx, pl->device, need, &base) : KT_ERR_HOST_OOM;
+    if (st != KT_OK) {
+      free(a);
+      free(blk);
+      return st;
+    }
+    a->base = (uintptr_t)base;
+    a->bytes = need;
+    if (pl->cur) {   /* retire it; trim releases it now if nothing in it is live */
+      pl->cur->next = pl->retired;
+      pl->retired = pl->cur;
+    }
+    pl->cur = a;
+  }
+  kt_placer_trim(pl);   /* best effort: a failed release keeps the arena listed */
+  for (int32_t i = 0; i < plan->n; i++) blk[i] = (pl_block){plan->off[i], plan->size[i], NULL, PL_UNPLACED, 0};
+  free(pl->blk);
+  pl->blk = blk;
+  pl->n = plan->n;
+  pl->cursor = 0;
+  pl->epoch++;
+  pl->placed = pl->refused = 0;
+  pl->plan_bytes = plan->info.plan_bytes;
+  pl->peak_bytes = plan->info.peak_bytes;
+  pl->active = 1;
+  return KT_OK;
+}
+
+void kt_placer_end(kt_placer *pl) {
+  if (pl) pl->active = 0;
+}
+
+/* Whether a block of the current capture, placed on stream at [off, off+size),
+ * would share bytes with a placed block that could still be in use: one live, one
+ * used on another stream, or one of another stream (no stream order covers it). */
+static int conflicts(const kt_placer *pl, uint64_t off, uint64_t size, kt_stream_t stream) {
+  for (int32_t k = 0; k < pl->cursor; k++) {
+    const pl_block *b = &pl->blk[k];
+    if (b->state == PL_UNPLACED || b->off >= off + size || off >= b->off + b->size) continue;
+    if (b->state == PL_LIVE || b->elsewhere || b->stream != stream) return 1;
+  }
+  return 0;
+}
+
+kt_status kt_placer_alloc(kt_placer *pl, size_t size, kt_stream_t stream, void **out) {
+  if (!pl || !out) return KT_ERR_INVALID;
+  if (!pl->active) return KT_ERR_UNAVAILABLE;
+  uint64_t rs = round_up(size, KT_CAPPLAN_ALIGN);
+  int32_t j = pl->cursor, stop = pl->n - pl->cursor > KT_CAPPLAN_WINDOW ? pl->cursor + KT_CAPPLAN_WINDOW : pl->n;
+  while (j < stop && (pl->blk[j].state != PL_UNPLACED || pl->blk[j].size != rs)) j++;
+  if (!size || j == stop || !pl->cur || pl->blk[j].off + rs > pl->cur->bytes ||
+      conflicts(pl, pl->blk[j].off, rs, stream) || pm_get(&pl->map, pl->cur->base + pl->blk[j].off) >= 0) {
+    pl->refused++;
+    return KT_ERR_UNAVAILABLE;
+  }
+  int32_t slot = pl->lv_free;
+  kt_status st = slot >= 0 ? KT_OK : grow((void **)&pl->lv, &pl->caplv, pl->nlv + 1, sizeof *pl->lv);
+  if (st == KT_OK) st = pm_reserve_one(&pl->map);
+  if (st != KT_OK) {
+    pl->refused++;
+    return st;
+  }
+  if (slot >= 0) pl->lv_free = pl->lv[slot].idx;
+  else slot = pl->nlv++;
+  pl_block *b = &pl->blk[j];
+  b->state = PL_LIVE;
+  b->stream = stream;
+  pl->cursor = j + 1;
+  pl->lv[slot] = (pl_live){rs, pl->cur, pl->epoch, j};
+  uintptr_t p = pl->cur->base + b->off;
+  pm_insert(&pl->map, p, slot);
+  pl->cur->live++;
+  pl->live_bytes += rs;
+  pl->live_blocks++;
+  pl->placed++;
+  *out = (void *)p;
+  return KT_OK;
+}
+
+kt_status kt_placer_free(kt_placer *pl, const void *ptr) {
+  if (!pl) return KT_ERR_INVALID;
+  int32_t slot = pm_get(&pl->map, (uintptr_t)ptr);
+  if (slot < 0) return KT_ERR_INVALID;
+  pm_delete(&pl->map, (uintptr_t)ptr);
+  pl_live *l = &pl->lv[slot];
+  if (l->epoch == pl->epoch) pl->blk[l->idx].state = PL_FREED;
+  l->arena->live--;
+  pl->live_bytes -= l->size;
+  pl->live_blocks--;
+  l->idx = pl->lv_free;
+  pl->lv_free = slot;
+  return KT_OK;
+}
+
+kt_status kt_placer_use(kt_placer *pl, const void *ptr, kt_stream_t stream) {
+  if (!pl) return KT_ERR_INVALID;
+  int32_t slot = pm_get(&pl->map, (uintptr_t)ptr);
+  if (slot < 0) return KT_ERR_INVALID;
+  const pl_live *l = &pl->lv[slot];
+  if (l->epoch == pl->epoch && pl->blk[l->idx].stream != stream) pl->blk[l->idx].elsewhere = 1;
+  return KT_OK;
+}
+
+kt_status kt_placer_get_stats(const kt_placer *pl, kt_placer_stats *out) {
+  if (!pl || !out) return KT_ERR_INVALID;
+  size_t arena = pl->cur ? pl->cur->bytes : 0;
+  for (const pl_arena *a = pl->retired; a; a = a->next) arena += a->bytes;
+  *out = (kt_placer_stats){arena, pl->live_bytes, pl->live_blocks, pl->n, pl->placed, pl->refused, pl->plan_bytes,
+                           pl->peak_bytes};
+  return KT_OK;
+}

@@ -4,7 +4,7 @@
 # only the pytest part of gpu-test, on KT_PYTEST_ARGS (paths and options; default tests/python); "data" adds
 # make bench-data, "kernels" make bench-kernels, "profile" tools/profile_train.py, "gaps"
 # tools/step_gaps.py, "optim" bench/kernels/optimizer.py, "ew" bench/kernels/elementwise.py, "lact" bench/kernels/linear_act.py, "train" bench/kernels/train_models.py,
-# "ncu" Nsight Compute on the dropout kernels, "models" bench/models.py, "pgraph"
+# "ncu" Nsight Compute on the dropout kernels, "models" bench/models.py, "gmem" bench/graph_memory.py, "pgraph"
 # tools/profile_graph.py, "alloc" the VMM C suites on CUDA, the allocator pytest,
 # bench/alloc_shapes.py and bench/alloc_torch.py; KT_NO_CLEAN=1 keeps
 # the last call's build). Everything is logged to $OUT/run.log; JSON results and the
@@ -80,6 +80,10 @@ fi
 if [[ $parts == *" models "* ]]; then   # bench/models.py (BENCH_MODELS_ARGS)
   echo "== models =="; time KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \
     python3 bench/models.py --out "$OUT" ${BENCH_MODELS_ARGS:-} 2>&1 | grep -v -i "warn"
+fi
+if [[ $parts == *" gmem "* ]]; then   # bench/graph_memory.py (BENCH_GMEM_ARGS)
+  echo "== graph memory =="; time KT_COMMIT=${KT_COMMIT:-?} KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \
+    python3 bench/graph_memory.py --out "$OUT" ${BENCH_GMEM_ARGS:-} 2>&1 | grep -v -i "warn"
 fi
 if [[ $parts == *" pgraph "* ]]; then   # kernels inside the captured step (PGRAPH_MODELS), to $OUT/profile_graph.log
   echo "== profile graph =="; KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \

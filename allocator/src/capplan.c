@@ -478,8 +478,12 @@ kt_status kt_placer_use(kt_placer *pl, const void *ptr, kt_stream_t stream) {
 kt_status kt_placer_get_stats(const kt_placer *pl, kt_placer_stats *out) {
   if (!pl || !out) return KT_ERR_INVALID;
   size_t arena = pl->cur ? pl->cur->bytes : 0;
-  for (const pl_arena *a = pl->retired; a; a = a->next) arena += a->bytes;
-  *out = (kt_placer_stats){arena, pl->live_bytes, pl->live_blocks, pl->n, pl->placed, pl->refused, pl->plan_bytes,
+  int32_t arenas = pl->cur != NULL;
+  for (const pl_arena *a = pl->retired; a; a = a->next) {
+    arena += a->bytes;
+    arenas++;
+  }
+  *out = (kt_placer_stats){arena, arenas, pl->live_bytes, pl->live_blocks, pl->n, pl->placed, pl->refused, pl->plan_bytes,
                            pl->peak_bytes};
   return KT_OK;
 }

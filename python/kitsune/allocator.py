@@ -80,6 +80,97 @@ def capture_info(device=0):
     return dict(zip(("emptied", "workspaces", "asked", "ready", "status"), list(out)))
 
 
+class CapturePlan:
+    """A captured step's memory layout (kitsune/capplan.h), made by
+    :func:`_take_plan` from a recorded capture; :func:`_place_capture` lays the next
+    capture into a pool out by it. ``info``: planned ``blocks``, ``arena_bytes``,
+    ``plan_bytes`` (the layout's extent), ``peak_bytes`` (the most bytes live at once
+    in the recording: no layout is smaller), ``recorded`` allocations, of them
+    ``left_live`` (still live when planned, left out: a workspace PyTorch keeps) and
+    ``freed_after`` (freed after the capture, planned to its end)."""
+
+    def __init__(self, handle, info):
+        self._handle, self.info = handle, info
+
+    def __del__(self):
+        if self._handle and _native._bridge is not None:
+            _native._bridge.kt_bridge_plan_free(self._handle)
+            self._handle = None
+
+    def __repr__(self):
+        i = self.info
+        return (f"CapturePlan({i['blocks']} blocks, {i['plan_bytes'] / 2**20:.1f} MiB for a live peak of "
+                f"{i['peak_bytes'] / 2**20:.1f} MiB)")
+
+
+_plan_api_ready = False
+
+
+def _pool_args(pool, device):
+    global _plan_api_ready
+    if not installed():
+        raise RuntimeError("capture plans lay out the installed allocator's graph pools: call "
+                           "kitsune.allocator.install() first")
+    if not (isinstance(pool, tuple) and len(pool) == 2 and all(isinstance(v, int) and v >= 0 for v in pool)):
+        raise ValueError(f"pool must be a torch.cuda.graph_pool_handle() (a pair of ints), got {pool!r}")
+    b = _native.bridge()
+    if not _plan_api_ready:
+        ids = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64]
+        i64p = ctypes.POINTER(ctypes.c_int64)
+        b.kt_bridge_pool_record.argtypes = ids
+        b.kt_bridge_pool_place.argtypes = ids + [ctypes.c_void_p]
+        b.kt_bridge_pool_take_plan.argtypes = ids + [ctypes.POINTER(ctypes.c_void_p), i64p]
+        b.kt_bridge_pool_placer_stats.argtypes = ids + [i64p]
+        b.kt_bridge_plan_free.argtypes = [ctypes.c_void_p]
+        b.kt_bridge_plan_free.restype = None
+        _plan_api_ready = True
+    return b, int(device), pool[0], pool[1]
+
+
+def _record_capture(pool, device=0):
+    """The next capture into ``pool`` records its allocations (for :func:`_take_plan`)."""
+    b, d, i0, i1 = _pool_args(pool, device)
+    check(b.kt_bridge_pool_record(d, i0, i1), f"recording the next capture into pool {pool}")
+
+
+def _take_plan(pool, device=0):
+    """The :class:`CapturePlan` of the capture recorded into ``pool``; the recording
+    ends. Free the graph's outputs first: what is still live is left out."""
+    b, d, i0, i1 = _pool_args(pool, device)
+    h = ctypes.c_void_p()
+    out = (ctypes.c_int64 * 7)()
+    check(b.kt_bridge_pool_take_plan(d, i0, i1, ctypes.byref(h), out), f"planning pool {pool}'s recorded capture")
+    keys = ("blocks", "arena_bytes", "plan_bytes", "peak_bytes", "recorded", "left_live", "freed_after")
+    return CapturePlan(h.value, dict(zip(keys, list(out))))
+
+
+def _place_capture(pool, plan, device=0):
+    """The next capture into ``pool`` takes its blocks at ``plan``'s offsets, in an arena
+    the pool keeps for its graphs (they must replay one at a time, and whatever one leaves
+    in the pool must be read before another replays: compile_step's contract). Keep
+    ``plan`` alive until the capture has begun."""
+    if not isinstance(plan, CapturePlan) or not plan._handle:
+        raise TypeError(f"plan must be a CapturePlan from kitsune.allocator._take_plan, got {plan!r}")
+    b, d, i0, i1 = _pool_args(pool, device)
+    check(b.kt_bridge_pool_place(d, i0, i1, plan._handle), f"placing the next capture into pool {pool}")
+
+
+def _placer_stats(pool, device=0):
+    """How ``pool``'s last placed capture went: ``arena_bytes`` (its arenas), ``arenas``,
+    ``live_bytes`` / ``live_blocks`` (placed blocks live now), ``planned``, ``placed`` (at
+    their planned offsets), ``refused`` (served by the pool instead: the plan did not
+    foresee them, or they would have shared bytes with a block still in use),
+    ``plan_bytes``, ``peak_bytes`` and ``status`` (0, or the kt_status of an arena that
+    could not be had). None when the pool has no placer."""
+    b, d, i0, i1 = _pool_args(pool, device)
+    out = (ctypes.c_int64 * 10)()
+    if b.kt_bridge_pool_placer_stats(d, i0, i1, out) != 0:
+        return None
+    keys = ("arena_bytes", "arenas", "live_bytes", "live_blocks", "planned", "placed", "refused", "plan_bytes",
+            "peak_bytes", "status")
+    return dict(zip(keys, list(out)))
+
+
 _use_pools = {}   # device -> torch.cuda.MemPool whose segments come from Kitsune
 
 

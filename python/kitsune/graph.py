@@ -41,6 +41,15 @@ The parameters keep their layout. The warm-up step tries it first; a model that
 refuses it (a ``.view`` needing NCHW strides, say) is captured NCHW, and
 ``stats()["channels_last_reason"]`` says so.
 
+Memory (``plan_memory``, default: when Kitsune's allocator is installed): the step is
+captured once while the allocator records every allocation, the recorded lifetimes are
+packed into one arena (kitsune/capplan.h), and the step is captured again with its
+blocks at the planned offsets; the first graph is dropped. Each placement is checked
+against the blocks still in use, so a capture that differs from the recording is still
+correct (what the plan did not foresee comes from the pool). ``stats()["memory_plan"]``
+gives the plan (``plan_bytes`` against the recording's live ``peak_bytes``) and how many
+allocations were ``placed`` or ``refused``. The graphs of one compile_step share the arena.
+
 After a step, parameters' ``.grad`` are None: the graph's gradients live in its pool.
 The graphs hold the parameters and optimizer state they captured: the optimizer's
 ``load_state_dict`` (which replaces its state tensors) and a change to a
@@ -73,7 +82,7 @@ class CompiledStep:
     """A training step as a CUDA graph; see the module docstring."""
 
     def __init__(self, model, loss_fn, optimizer, *, max_shapes=8, autocast_dtype=None, max_grad_norm=None,
-                 streams=4, channels_last=None):
+                 streams=4, channels_last=None, plan_memory=None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"compile_step: model must be a torch.nn.Module, got {type(model).__name__}")
         if loss_fn is not None and not callable(loss_fn):
@@ -94,6 +103,14 @@ class CompiledStep:
             raise ValueError(f"compile_step: streams must be an int in 1..64, got {streams!r}")
         if channels_last not in (None, True, False):
             raise ValueError(f"compile_step: channels_last must be None (auto), True or False, got {channels_last!r}")
+        if plan_memory not in (None, True, False):
+            raise ValueError(f"compile_step: plan_memory must be None (auto), True or False, got {plan_memory!r}")
+        from . import allocator
+        if plan_memory and not allocator.installed():
+            raise ValueError("compile_step: plan_memory=True lays the graph out in Kitsune's allocator; call "
+                             "kitsune.allocator.install() first thing in the process, or pass plan_memory=None")
+        self._plan_memory = allocator.installed() if plan_memory is None else plan_memory
+        self._memory = None   # how the last capture's memory was laid out (stats()["memory_plan"])
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
         self.max_shapes, self.autocast_dtype, self.max_grad_norm = max_shapes, autocast_dtype, max_grad_norm
         self._graphs = collections.OrderedDict()
@@ -193,14 +210,13 @@ class CompiledStep:
         if self._captured is None:
             self._captured = self._plan_streams(args, device)
         self.optimizer.prepare_capture(device)
-        self.optimizer.zero_grad(set_to_none=True)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                static_loss = self._forward_backward(tuple(args), self._captured)
-                plan = self.optimizer.capture_step()
+            if self._plan_memory:
+                graph, static_loss, plan = self._capture_planned(args, device)
+            else:
+                graph, static_loss, plan = self._capture(args, self._pool)
         except Exception as e:   # noqa: BLE001 - any failure inside the capture means: run eagerly
             torch.cuda.set_stream(here)   # a streamed forward may have failed on a side stream
             self.optimizer.zero_grad(set_to_none=True)
@@ -208,7 +224,6 @@ class CompiledStep:
             _end_generator_capture(device)
             self._fall_back(f"the step could not be captured: {_describe(e)}")
             return loss
-        self.optimizer.zero_grad(set_to_none=True)   # the graph's gradients stay in its pool
         self._graphs[key] = _Graph(graph, static, slots, static_loss, plan)
         if len(self._graphs) > self.max_shapes:
             self._graphs.popitem(last=False)
@@ -216,6 +231,49 @@ class CompiledStep:
         self._n["captures"] += 1
         self._setup_s += time.perf_counter() - t0
         return loss
+
+    def _capture(self, args, pool):
+        """One capture of the step into ``pool``, on the side stream the warm-up ran on
+        (its cuBLAS workspaces exist, so none is allocated in the pool). Returns the
+        graph, its loss and the optimizer's capture plan; the gradients are dropped
+        after it (they stay in the pool, the graph's)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=self._side, capture_error_mode="thread_local"):
+            static_loss = self._forward_backward(tuple(args), self._captured)
+            plan = self.optimizer.capture_step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return graph, static_loss, plan
+
+    def _capture_planned(self, args, device):
+        """Captures the step into a pool of its own while Kitsune's allocator records the
+        allocations, plans their layout from the recorded lifetimes, drops that graph,
+        and captures the step again into the step's pool, laid out by the plan
+        (kitsune/capplan.h). stats()["memory_plan"] says how it went."""
+        from . import allocator
+        dev = device.index if device.index is not None else torch.cuda.current_device()
+        first = torch.cuda.graph_pool_handle()
+        allocator._record_capture(first, dev)
+        graph, loss, _ = self._capture(args, first)
+        del loss   # what is still live when planned is left out of the plan
+        try:
+            mplan = allocator._take_plan(first, dev)
+        except RuntimeError as e:   # host memory: capture as without a plan
+            self._memory = {"reason": f"not planned: {_describe(e)}"}
+            return self._capture(args, self._pool)
+        finally:
+            del graph   # its pool goes back to the device's pool
+        placer = allocator._placer_stats(self._pool, dev)
+        if placer and mplan.info["arena_bytes"] > placer["arena_bytes"] and self._graphs:
+            # a larger arena: the graphs laid out in the old one would keep it alive
+            self._n["evictions"] += len(self._graphs)
+            self._graphs.clear()
+        allocator._place_capture(self._pool, mplan, dev)
+        out = self._capture(args, self._pool)
+        placer = allocator._placer_stats(self._pool, dev) or {}
+        self._memory = dict(mplan.info, **{k: placer.get(k) for k in ("placed", "refused", "status")},
+                            pool_arena_bytes=placer.get("arena_bytes"))
+        return out
 
     def _warm_up(self, batch):
         """The first step of a signature, eager. With channels-last on it tries that layout
@@ -296,7 +354,8 @@ class CompiledStep:
         with the planner's verdict (streams, streams_reason), and whether 4-D inputs are
         captured channels-last (channels_last, channels_last_reason)."""
         return dict(self._n, graphs=len(self._graphs), setup_s=self._setup_s, reason=self._reason, **self._stream_info,
-                    channels_last=self._cl, channels_last_reason=self._cl_reason)
+                    channels_last=self._cl, channels_last_reason=self._cl_reason,
+                    memory_plan=dict(self._memory) if self._memory else None)
 
 
 def _describe(e):
@@ -332,8 +391,9 @@ def _signature(batch):
 
 
 def compile_step(model, loss_fn, optimizer, *, max_shapes=8, autocast_dtype=None, max_grad_norm=None, streams=4,
-                 channels_last=None):
+                 channels_last=None, plan_memory=None):
     """A callable ``step(*batch) -> loss`` running the whole training step as a CUDA
     graph; see kitsune.graph."""
     return CompiledStep(model, loss_fn, optimizer, max_shapes=max_shapes, autocast_dtype=autocast_dtype,
-                        max_grad_norm=max_grad_norm, streams=streams, channels_last=channels_last)
+                        max_grad_norm=max_grad_norm, streams=streams, channels_last=channels_last,
+                        plan_memory=plan_memory)

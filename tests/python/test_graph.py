@@ -9,11 +9,15 @@ as the eager loop does (losses, parameters, optimizer state and step counts), wi
 LR scheduler, gradient clipping, several batch shapes, bf16 autocast, SGD momentum;
 a step that cannot be captured falls back with the reason."""
 import copy
+import json
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
 
-from test_torch_allocator import gpu
+from test_torch_allocator import env, gpu
 
 torch = pytest.importorskip("torch")
 import kitsune  # noqa: E402
@@ -430,3 +434,49 @@ def test_compile_step_refuses_a_bad_channels_last():
     with pytest.raises(ValueError, match="channels_last must be None"):
         kitsune.compile_step(m, torch.nn.functional.mse_loss, torch.optim.SGD(m.parameters(), lr=0.1),
                              channels_last="yes")
+
+
+# ---- planned graph memory (kitsune/capplan.h) ----------------------------------------
+def test_compile_step_plan_memory_needs_the_installed_allocator():
+    m = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="plan_memory must be None .auto., True or False, got 'yes'"):
+        kitsune.compile_step(m, torch.nn.functional.mse_loss, opt, plan_memory="yes")
+    with pytest.raises(ValueError, match="plan_memory=True lays the graph out in Kitsune's allocator; call "
+                                         "kitsune.allocator.install"):
+        kitsune.compile_step(m, torch.nn.functional.mse_loss, opt, plan_memory=True)
+    assert kitsune.compile_step(m, torch.nn.functional.mse_loss, opt)._plan_memory is False   # auto: not installed
+    import kitsune.allocator as ka
+    with pytest.raises(RuntimeError, match="call kitsune.allocator.install.. first"):
+        ka._record_capture((0, 1))
+    with pytest.raises(RuntimeError, match="call kitsune.allocator.install.. first"):
+        ka._placer_stats((0, 1))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case", ["mlp", "shapes", "lm", "branchy"])
+def test_gpu_compile_step_with_planned_memory_trains_as_eager(case):
+    """Kitsune installed, compile_step(plan_memory=True): captured once while recording,
+    planned, captured again by the plan. It trains as the eager loop does (checked in
+    plan_workloads.py), and the plan was used: on one stream every recorded block is
+    placed at its offset; with several batch shapes (max_shapes=2) the arena grows and
+    graphs are dropped and captured again; on a streamed branchy net placements that
+    would share bytes across streams are refused, and it still trains alike."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run([sys.executable, os.path.join(here, "plan_workloads.py"), case], capture_output=True,
+                       text=True, env=env(), timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    d = json.loads(r.stdout.strip().splitlines()[-1])
+    print(case, json.dumps(d))
+    st, mp = d["stats"], d["stats"]["memory_plan"]
+    assert st["reason"] is None and st["replays"] > 0, st
+    assert mp is not None and mp["status"] == 0 and mp["blocks"] > 0, st
+    assert mp["peak_bytes"] <= mp["plan_bytes"] <= mp["arena_bytes"], mp
+    assert mp["placed"] > 0, mp
+    if case in ("mlp", "lm"):
+        assert mp["placed"] == mp["blocks"] and mp["refused"] == 0, mp
+    if case == "shapes":
+        assert st["graphs"] == 2 and st["evictions"] >= 1, st
+    if case == "branchy":
+        assert st["streams"] > 1, st

@@ -117,6 +117,7 @@ kt_status kt_placer_trim(kt_placer *pl);
 
 typedef struct kt_placer_stats {
   size_t arena_bytes;      /* all arenas held, retired ones included */
+  int32_t arenas;          /* how many (each is one block of the backend) */
   size_t live_bytes;       /* blocks live in them (rounded sizes) */
   int64_t live_blocks;
   /* the last capture begun: */

@@ -58,6 +58,7 @@
 
 extern "C" {
 #include "kitsune/alloc.h"
+#include "kitsune/capplan.h"
 #include "kitsune/fusion.h"
 #include "kitsune/pinned.h"
 }
@@ -195,6 +196,10 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
         int64_t freed = before.reserved_bytes.current - after.reserved_bytes.current;
         if (freed > 0) emptied_[d].store(freed, std::memory_order_relaxed);   // a capture's hint
       }
+      std::lock_guard<std::mutex> g(mu_);
+      if (!capturing_.load(std::memory_order_relaxed))   // a release synchronizes
+        for (auto& p : private_)
+          if (p.placer) kt_placer_trim(p.placer);
       return;
     }
     std::lock_guard<std::mutex> g(mu_);
@@ -231,8 +236,14 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
     if (reinterpret_cast<uintptr_t>(ptr.get_context()) & kPrivateBit) {
       std::lock_guard<std::mutex> g(mu_);
       st = KT_ERR_INVALID;
-      for (auto& p : private_)
-        if (p.device == ptr.device().index() && (st = kt_record_stream(p.pool, ptr.get(), stream.stream())) == KT_OK) break;
+      for (auto& p : private_) {
+        if (p.device != ptr.device().index()) continue;
+        if (p.placer && (st = kt_placer_use(p.placer, ptr.get(), stream.stream())) == KT_OK) break;
+        if ((st = kt_record_stream(p.pool, ptr.get(), stream.stream())) == KT_OK) {
+          if (p.rec) (void)kt_caprec_use(p.rec, ptr.get(), stream.stream());
+          break;
+        }
+      }
     } else {
       st = kt_record_stream(pool(ptr.device().index()), ptr.get(), stream.stream());
     }
@@ -291,11 +302,18 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
       if (p.device != device) continue;
       kt_stats x;
       kt_get_stats(p.pool, &x);
-      int64_t seg = x.reserved_bytes.current;
-      st->allocated_bytes.current += x.allocated_bytes.current - seg;
-      st->active_bytes.current += x.active_bytes.current - seg;
-      st->requested_bytes.current += x.requested_bytes.current - seg;
-      st->allocations.current += x.allocations.current - x.segments.current;
+      int64_t seg = x.reserved_bytes.current, live = 0, blocks = x.allocations.current - x.segments.current;
+      if (p.placer) {   // its arenas are device-pool blocks too; its live blocks stand in for them
+        kt_placer_stats ps;
+        kt_placer_get_stats(p.placer, &ps);
+        seg += static_cast<int64_t>(ps.arena_bytes);
+        live = static_cast<int64_t>(ps.live_bytes);
+        blocks += ps.live_blocks - ps.arenas;
+      }
+      st->allocated_bytes.current += x.allocated_bytes.current + live - seg;
+      st->active_bytes.current += x.active_bytes.current + live - seg;
+      st->requested_bytes.current += x.requested_bytes.current + live - seg;
+      st->allocations.current += blocks;
       st->num_alloc_retries += x.num_alloc_retries;
       st->num_ooms += x.num_ooms;
     }
@@ -325,6 +343,7 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
     size_t ready = 0;
     kt_status st = kt_pool_prepare_capture(pools_[dev], static_cast<size_t>(hint), &ready);
     prepared_[dev] = {emptied, workspaces, hint, static_cast<int64_t>(ready), st};
+    take_pending_locked(dev, id, p);
     p->filter = std::move(filter);
     capturing_.fetch_add(1, std::memory_order_relaxed);
     // eager allocations beside a capture must not synchronize the device
@@ -374,6 +393,8 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
     std::lock_guard<std::mutex> g(mu_);
     Private* p = find_private(dev, id);
     if (!p || !p->filter) return;
+    if (p->rec) kt_caprec_end(p->rec);
+    if (p->placer) kt_placer_end(p->placer);
     p->filter = nullptr;
     capturing_.fetch_sub(1, std::memory_order_relaxed);
     kt_pool_hold_releases(pools_[dev], 0);
@@ -467,6 +488,55 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
   }
 
  public:
+  // ---- capture plans (kitsune/capplan.h; compile_step's planned graph memory) ------
+  // The next capture into (dev, id) records its allocations (record) or is laid out
+  // by plan. Before beginAllocateToPool, outside any capture.
+  kt_status set_pending(c10::DeviceIndex dev, c10::cuda::MempoolId_t id, bool record, const kt_capplan* plan) {
+    std::lock_guard<std::mutex> g(mu_);
+    if (dev < 0 || dev >= static_cast<int>(pools_.size()) || (!record && !plan)) return KT_ERR_INVALID;
+    for (auto& q : pending_)
+      if (q.device == dev && q.id == id) {
+        q = Pending{dev, id, record, plan};
+        return KT_OK;
+      }
+    pending_.push_back(Pending{dev, id, record, plan});
+    return KT_OK;
+  }
+  // The plan of (dev, id)'s recorded capture; the recording ends. *info: planned
+  // blocks, arena bytes, plan bytes, live peak, recorded blocks, of them still live
+  // (left out), freed after the capture.
+  kt_status take_plan(c10::DeviceIndex dev, c10::cuda::MempoolId_t id, kt_capplan** out, int64_t* info) {
+    std::lock_guard<std::mutex> g(mu_);
+    Private* p = find_private(dev, id);
+    if (!p || !p->rec || p->filter) return KT_ERR_INVALID;
+    kt_caprec_info ri;
+    kt_caprec_get_info(p->rec, &ri);
+    kt_status st = kt_capplan_create(p->rec, out);
+    if (st != KT_OK) return st;
+    kt_capplan_info ci;
+    kt_capplan_get_info(*out, &ci);
+    int64_t v[7] = {ci.blocks, static_cast<int64_t>(ci.arena_bytes), static_cast<int64_t>(ci.plan_bytes),
+                    static_cast<int64_t>(ci.peak_bytes), ri.blocks, ri.live, ri.freed_after};
+    std::memcpy(info, v, sizeof v);
+    kt_caprec_destroy(p->rec);
+    p->rec = nullptr;
+    return KT_OK;
+  }
+  // out: arena bytes, arenas, live bytes, live blocks, planned, placed, refused, plan
+  // bytes, peak bytes, the last begin's kt_status. KT_ERR_INVALID when (dev, id) has no placer.
+  kt_status placer_stats(c10::DeviceIndex dev, c10::cuda::MempoolId_t id, int64_t* out) {
+    std::lock_guard<std::mutex> g(mu_);
+    Private* p = find_private(dev, id);
+    if (!p || !p->placer) return KT_ERR_INVALID;
+    kt_placer_stats s;
+    kt_placer_get_stats(p->placer, &s);
+    int64_t v[10] = {static_cast<int64_t>(s.arena_bytes), s.arenas, static_cast<int64_t>(s.live_bytes), s.live_blocks,
+                     s.planned, s.placed, s.refused, static_cast<int64_t>(s.plan_bytes),
+                     static_cast<int64_t>(s.peak_bytes), p->placer_status};
+    std::memcpy(out, v, sizeof v);
+    return KT_OK;
+  }
+
   // What beginAllocateToPool prepared on dev last (kitsune.allocator.capture_info).
   struct Prepared {
     int64_t emptied = 0, workspaces = 0, hint = 0, ready = 0;
@@ -483,11 +553,12 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
   void* alloc_on(c10::DeviceIndex dev, size_t n, cudaStream_t stream, bool* priv = nullptr) {
     void* p = nullptr;
     kt_pool_t* target = pool(dev);
-    if (C10_UNLIKELY(capturing_.load(std::memory_order_relaxed))) {
-      target = capture_target(dev, stream, target);
-      if (priv) *priv = target != pools_[dev];
+    kt_status st;
+    if (C10_UNLIKELY(capturing_.load(std::memory_order_relaxed)) && capture_alloc(dev, n, stream, &p, &st)) {
+      if (priv) *priv = true;
+    } else {
+      st = kt_alloc(target, n, stream, &p);
     }
-    kt_status st = kt_alloc(target, n, stream, &p);
     if (C10_UNLIKELY(st != KT_OK)) {
       if (st == KT_ERR_OOM) notify_oom(dev, n);
       raise_status(st, "allocation", n, dev);
@@ -525,6 +596,18 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
     std::function<bool(cudaStream_t)> filter;  // set while allocating to this pool
     bool released = false;
     int use_count = 0;   // createOrIncrefPool / beginAllocateToPool minus releasePool
+    // kitsune.allocator's capture plans (compile_step): a recording of this pool's
+    // capture, and the placer that lays a capture out by a plan (kitsune/capplan.h)
+    kt_caprec* rec = nullptr;
+    kt_placer* placer = nullptr;
+    kt_status placer_status = KT_OK;   // of the last kt_placer_begin
+  };
+  // What the next capture into a pool does, asked before the pool may exist.
+  struct Pending {
+    c10::DeviceIndex device;
+    c10::cuda::MempoolId_t id;
+    bool record;
+    const kt_capplan* plan;   // the caller keeps it alive until the capture begins
   };
 
   // The private pool for (dev, id), created if needed, with one more use.
@@ -550,24 +633,56 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
     return p;
   }
 
+  // beginAllocateToPool: starts what set_pending asked for this capture. A placer
+  // whose arena cannot be had leaves the capture to the pool (placer_status says why).
+  void take_pending_locked(c10::DeviceIndex dev, c10::cuda::MempoolId_t id, Private* p) {
+    for (size_t i = 0; i < pending_.size(); i++) {
+      Pending q = pending_[i];
+      if (q.device != dev || q.id != id) continue;
+      pending_.erase(pending_.begin() + static_cast<std::ptrdiff_t>(i));
+      if (q.record) {
+        kt_caprec_destroy(p->rec);
+        p->rec = nullptr;
+        if (kt_caprec_create(&p->rec) != KT_OK) p->rec = nullptr;
+      }
+      if (q.plan) {
+        p->placer_status = p->placer ? KT_OK : kt_placer_create(subs_[dev], dev, &p->placer);
+        if (p->placer_status == KT_OK) p->placer_status = kt_placer_begin(p->placer, q.plan);
+      }
+      return;
+    }
+  }
+
   Private* find_private(c10::DeviceIndex dev, c10::cuda::MempoolId_t id) {
     for (auto& p : private_)
       if (p.device == dev && p.id == id) return &p;
     return nullptr;
   }
 
-  kt_pool_t* capture_target(c10::DeviceIndex dev, cudaStream_t stream, kt_pool_t* fallback) {
+  // An allocation on a stream a capture's filter accepts goes to that capture's
+  // private pool: at its planned offset when a placer places it, else from the pool.
+  // Returns false when no capture takes the stream.
+  bool capture_alloc(c10::DeviceIndex dev, size_t n, cudaStream_t stream, void** out, kt_status* st) {
     std::lock_guard<std::mutex> g(mu_);
-    for (auto& p : private_)
-      if (p.device == dev && p.filter && p.filter(stream)) return p.pool;
-    return fallback;
+    for (auto& p : private_) {
+      if (p.device != dev || !p.filter || !p.filter(stream)) continue;
+      if (p.placer && (*st = kt_placer_alloc(p.placer, n, stream, out)) == KT_OK) return true;
+      *st = kt_alloc(p.pool, n, stream, out);   // pure C: never calls back into the bridge
+      if (*st == KT_OK && p.rec) (void)kt_caprec_alloc(p.rec, *out, n, stream);   // a miss only loses precision
+      return true;
+    }
+    return false;
   }
 
   kt_status free_private(void* ptr, int device) {
     std::lock_guard<std::mutex> g(mu_);
     for (size_t i = 0; i < private_.size(); i++) {
       Private& p = private_[i];
-      if (p.device != device || kt_free(p.pool, ptr, 0, nullptr) != KT_OK) continue;
+      if (p.device != device) continue;
+      if (!(p.placer && kt_placer_free(p.placer, ptr) == KT_OK)) {
+        if (kt_free(p.pool, ptr, 0, nullptr) != KT_OK) continue;
+        if (p.rec) (void)kt_caprec_free(p.rec, ptr);
+      }
       maybe_destroy_locked(i);
       return KT_OK;
     }
@@ -581,6 +696,13 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
     kt_stats st;
     kt_get_stats(p.pool, &st);
     if (st.allocations.current != 0) return;
+    if (p.placer) {
+      kt_placer_stats ps;
+      kt_placer_get_stats(p.placer, &ps);
+      if (ps.live_blocks != 0) return;
+      kt_placer_destroy(p.placer);
+    }
+    kt_caprec_destroy(p.rec);
     kt_pool_destroy(p.pool);
     private_.erase(private_.begin() + static_cast<std::ptrdiff_t>(i));
     has_private_.store(!private_.empty(), std::memory_order_relaxed);
@@ -602,6 +724,7 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
   std::atomic<int64_t> emptied_[kDeviceMask + 1] = {};  // per device: what its last releasing empty_cache gave back
   Prepared prepared_[kDeviceMask + 1];                  // under mu_
   std::vector<Private> private_;             // under mu_
+  std::vector<Pending> pending_;             // under mu_
   std::atomic<int> capturing_{0};             // private pools being allocated to
   std::atomic<bool> has_private_{false};
   std::vector<cca::OutOfMemoryObserver> oom_observers_;
@@ -653,6 +776,29 @@ __attribute__((visibility("default"))) int kt_bridge_capture_info(int device, in
   out[0] = p.emptied; out[1] = p.workspaces; out[2] = p.hint; out[3] = p.ready; out[4] = p.status;
   return KT_OK;
 }
+
+// Capture plans (kitsune.allocator's _record_capture / _take_plan / _place_capture,
+// used by compile_step). Pool ids are torch.cuda.graph_pool_handle()'s pair.
+__attribute__((visibility("default"))) int kt_bridge_pool_record(int device, uint64_t id0, uint64_t id1) {
+  if (!g_allocator) return KT_ERR_UNAVAILABLE;
+  return g_allocator->set_pending(static_cast<c10::DeviceIndex>(device), {id0, id1}, true, nullptr);
+}
+__attribute__((visibility("default"))) int kt_bridge_pool_place(int device, uint64_t id0, uint64_t id1,
+                                                                const kt_capplan* plan) {
+  if (!g_allocator) return KT_ERR_UNAVAILABLE;
+  return g_allocator->set_pending(static_cast<c10::DeviceIndex>(device), {id0, id1}, false, plan);
+}
+__attribute__((visibility("default"))) int kt_bridge_pool_take_plan(int device, uint64_t id0, uint64_t id1,
+                                                                    kt_capplan** out, int64_t* info) {
+  if (!g_allocator) return KT_ERR_UNAVAILABLE;
+  return g_allocator->take_plan(static_cast<c10::DeviceIndex>(device), {id0, id1}, out, info);
+}
+__attribute__((visibility("default"))) int kt_bridge_pool_placer_stats(int device, uint64_t id0, uint64_t id1,
+                                                                       int64_t* out) {
+  if (!g_allocator) return KT_ERR_UNAVAILABLE;
+  return g_allocator->placer_stats(static_cast<c10::DeviceIndex>(device), {id0, id1}, out);
+}
+__attribute__((visibility("default"))) void kt_bridge_plan_free(kt_capplan* plan) { kt_capplan_destroy(plan); }
 
 // Starts (path != NULL) or stops (path == NULL) the allocation trace of the
 // installed allocator's pool for device. Returns a kt_status.

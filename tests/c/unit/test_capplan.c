@@ -275,6 +275,7 @@ Test(capplan, a_second_capture_reuses_the_arena_and_a_larger_plan_retires_it) {
   cr_assert_eq(counts().reserves, 2);
   cr_assert_eq(counts().releases, 0, "the old arena has live blocks");
   cr_assert_eq(pstats(pl).arena_bytes, 16 * MiB);
+  cr_assert_eq(pstats(pl).arenas, 2);
   char *c = place(pl, 10 * MiB, S1);
   cr_assert(c + 10 * MiB <= a || c >= a + 4 * MiB, "c overlaps a block of the old arena");
   cr_assert_eq(kt_placer_free(pl, a), KT_OK, "an earlier capture's block is still recognised");

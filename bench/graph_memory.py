@@ -1,0 +1,142 @@
+"""How much device memory a whole-step CUDA graph holds against the eager step's peak:
+
+    python bench/graph_memory.py [--out DIR] [--models mlp,lenet,resnet18,gpt,inception] [--steps N]
+
+For each model of bench/models.py (same builders, batches and AdamW), kitsune.optimize
++ KitsuneOptimizer, in a fresh process per configuration:
+  native        PyTorch's caching allocator; compile_step's graph in PyTorch's graph pool
+  kitsune_pool  kitsune.allocator.install(); compile_step(plan_memory=False): the graph in
+                a Kitsune private pool drawing on the device pool
+  kitsune_plan  kitsune.allocator.install(); compile_step(plan_memory=True): captured once
+                while recording, laid out by kt_memplan, captured again by the plan
+
+Each process runs 5 eager steps, then measures one more: `static` is what is allocated
+before it (parameters, optimizer state, batches, workspaces; gradients dropped),
+`eager_peak` the most allocated during it (torch.cuda.max_memory_allocated). Then the
+same model is trained by compile_step for --steps steps and, after a gc and
+torch.cuda.empty_cache() with the graph alive, `graph_reserved` is what the allocator
+holds (torch.cuda.memory_reserved: the graph's pool, its capture stream's cuBLAS
+workspaces, static inputs, and everything eager holds) -- the graph's memory as the
+device sees it. Reported: graph_reserved / eager_peak (the issue's "whole-step graph
+peak memory <= the eager step's peak allocated"), the graph's share above static, the
+plan's numbers (arena, the recording's live peak, placed / refused), ms per step (the
+median over blocks of 10 between CUDA events) and the last loss. Writes
+graph_memory.json and prints a table.
+"""
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CONFIGS = ("native", "kitsune_pool", "kitsune_plan")
+MiB = 2 ** 20
+
+
+def child(model_name, config, steps):
+    if config != "native":
+        import kitsune.allocator as ka
+        ka.install()
+    import torch
+    sys.path.insert(0, HERE)
+    sys.path.insert(0, os.path.join(HERE, "kernels"))
+    import kitsune
+    from models import build
+
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    base, loss_fn, data = build(model_name, gen)
+    model = kitsune.optimize(base)
+    opt = kitsune.KitsuneOptimizer(torch.optim.AdamW, model.parameters(), lr=1e-3)
+
+    def eager(x, y):
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    for i in range(5):
+        eager(*data[i % len(data)])
+    opt.zero_grad(set_to_none=True)
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    static = torch.cuda.memory_allocated()
+    eager(*data[5 % len(data)])
+    torch.cuda.synchronize()
+    eager_peak = torch.cuda.max_memory_allocated()
+    opt.zero_grad(set_to_none=True)
+
+    step = kitsune.compile_step(model, loss_fn, opt, plan_memory=config == "kitsune_plan")
+    losses, blocks, i = [], [], 0
+    while i < steps:
+        n = min(10, steps - i)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(n):
+            losses.append(step(*data[i % len(data)]))
+            i += 1
+        b.record()
+        blocks.append((a, b, n, i))
+    torch.cuda.synchronize()
+    ms = statistics.median([a.elapsed_time(b) / n for a, b, n, end in blocks if end > 10] or
+                           [a.elapsed_time(b) / n for a, b, n, _ in blocks])
+    gc.collect()
+    torch.cuda.empty_cache()
+    st = step.stats()
+    out = {"model": model_name, "config": config, "static": static, "eager_peak": eager_peak,
+           "graph_reserved": torch.cuda.memory_reserved(), "graph_allocated": torch.cuda.memory_allocated(),
+           "ms": ms, "final_loss": losses[-1].float().item(), "steps": steps,
+           "compile_step": {k: st[k] for k in ("replays", "captures", "reason", "streams", "setup_s", "memory_plan")}}
+    print(json.dumps(out))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--models", default="mlp,lenet,resnet18,gpt,inception")
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--child", nargs=2)
+    a = ap.parse_args()
+    if a.child:
+        return child(a.child[0], a.child[1], a.steps)
+    import torch
+    sys.path.insert(0, HERE)
+    from benchlib import write_result
+    repo = os.path.dirname(HERE)
+    env = dict(os.environ, PYTHONPATH=os.path.join(repo, "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    rows = []
+    for m in a.models.split(","):
+        for c in a.configs.split(","):
+            print(f"[{m} / {c}] ...", flush=True)
+            r = subprocess.run([sys.executable, __file__, "--child", m, c, "--steps", str(a.steps)], env=env,
+                               capture_output=True, text=True, timeout=900)
+            if r.returncode != 0:
+                print(r.stdout[-2000:], r.stderr[-4000:])
+                rows.append({"model": m, "config": c, "error": (r.stderr.strip().splitlines() or ["?"])[-1]})
+                continue
+            rows.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    print(f"\n{torch.cuda.get_device_name(0)}, torch {torch.__version__}; MiB; graph/eager = graph_reserved / eager_peak")
+    print(f"{'model':<10}{'config':<14}{'static':>9}{'eager pk':>10}{'graph rsv':>11}{'graph/eager':>12}"
+          f"{'plan':>8}{'live pk':>9}{'placed':>10}{'ms':>8}{'loss':>9}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['model']:<10}{r['config']:<14}  error: {r['error']}")
+            continue
+        mp = r["compile_step"]["memory_plan"] or {}
+        plan = f"{mp['plan_bytes'] / MiB:8.1f}{mp['peak_bytes'] / MiB:9.1f}{mp['placed']:>5}/{mp['blocks']:<4}" \
+            if "plan_bytes" in mp else f"{'':8}{'':9}{'':10}"
+        print(f"{r['model']:<10}{r['config']:<14}{r['static'] / MiB:9.1f}{r['eager_peak'] / MiB:10.1f}"
+              f"{r['graph_reserved'] / MiB:11.1f}{r['graph_reserved'] / r['eager_peak']:12.3f}{plan}"
+              f"{r['ms']:8.3f}{r['final_loss']:9.4f}")
+    write_result(a.out, "graph_memory", {"steps": a.steps, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

@@ -37,6 +37,8 @@ MiB = 2 ** 20
 
 
 def child(model_name, config, steps):
+    import faulthandler
+    faulthandler.enable()
     if config != "native":
         import kitsune.allocator as ka
         ka.install()
@@ -93,7 +95,7 @@ def child(model_name, config, steps):
            "graph_reserved": torch.cuda.memory_reserved(), "graph_allocated": torch.cuda.memory_allocated(),
            "ms": ms, "final_loss": losses[-1].float().item(), "steps": steps,
            "compile_step": {k: st[k] for k in ("replays", "captures", "reason", "streams", "setup_s", "memory_plan")}}
-    print(json.dumps(out))
+    print(json.dumps(out), flush=True)
 
 
 def main():
@@ -119,7 +121,8 @@ def main():
                                capture_output=True, text=True, timeout=900)
             if r.returncode != 0:
                 print(r.stdout[-2000:], r.stderr[-4000:])
-                rows.append({"model": m, "config": c, "error": (r.stderr.strip().splitlines() or ["?"])[-1]})
+                rows.append({"model": m, "config": c, "rc": r.returncode,
+                             "error": (r.stderr.strip().splitlines() or [f"exit status {r.returncode}"])[-1]})
                 continue
             rows.append(json.loads(r.stdout.strip().splitlines()[-1]))
     print(f"\n{torch.cuda.get_device_name(0)}, torch {torch.__version__}; MiB; graph/eager = graph_reserved / eager_peak")

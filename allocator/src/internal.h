@@ -258,6 +258,8 @@ struct kt_pool {
 
   pthread_mutex_t pending_lock;
   kt_block *pending;
+  kt_block *deferred;                  /* freed while events were deferred (a capture): no events yet */
+  _Atomic int defer_events;            /* kt_pool_defer_events depth; changes under pending_lock */
   _Atomic int npending;
   uint64_t n_pending_frees;
   kt_event_t *event_cache;             /* recycled events */

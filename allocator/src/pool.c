@@ -147,6 +147,10 @@ void kt_pool_destroy(kt_pool_t *p) {
     free(b->uses);
     b->uses = NULL;
   }
+  for (kt_block *b = p->deferred; b; b = b->next) {   /* no events recorded for these */
+    free(b->uses);
+    b->uses = NULL;
+  }
   for (kt_segment *s = p->segments, *sn; s; s = sn) {
     sn = s->next;
     for (kt_extent *e = s->first, *en; e; e = en) {
@@ -458,11 +462,23 @@ static void uses_put_locked(kt_pool_t *p, kt_uses *u) { u->next = p->uses_cache;
 static void finish_free(kt_pool_t *p, kt_block *b);
 
 /* b is PENDING and off every list. Records an event on each stream that used it.
- * On failure to get events it synchronizes the device instead. */
-static KT_NOINLINE kt_status free_pending(kt_pool_t *p, kt_block *b) {
+ * On failure to get events it synchronizes the device instead. account: move its
+ * bytes from allocated to pending (0: a deferred block, moved when it was freed). */
+static KT_NOINLINE kt_status pending_start(kt_pool_t *p, kt_block *b, int account) {
   kt_uses *u = b->uses;
   int ok = !u->overflow;
+  /* moves the bytes from allocated to pending in one add: active stays the same */
+  uint64_t units = KT_UNITS(kt__block_size(b)), to_pending = account ? (units << 32) - units : 0;
   pthread_mutex_lock(&p->pending_lock);
+  if (account && atomic_load_explicit(&p->defer_events, memory_order_relaxed)) {
+    /* a capture is under way: an event recorded now would be part of it, and querying
+     * one fails the capture. The block waits, unused, until kt_pool_defer_events(0). */
+    atomic_fetch_add_explicit(&p->packed, to_pending, memory_order_relaxed);
+    b->next = p->deferred; p->deferred = b;
+    p->n_pending_frees++;
+    pthread_mutex_unlock(&p->pending_lock);
+    return KT_OK;
+  }
   int i = 0;
   for (; ok && i < u->n; i++) {
     if (event_get(p, &u->ev[i]) != KT_OK ||
@@ -472,8 +488,6 @@ static KT_NOINLINE kt_status free_pending(kt_pool_t *p, kt_block *b) {
       break;
     }
   }
-  /* moves the bytes from allocated to pending in one add: active stays the same */
-  uint64_t units = KT_UNITS(kt__block_size(b)), to_pending = (units << 32) - units;
   if (!ok) {  /* too many streams or no events: wait for everything instead */
     for (int j = 0; j < i; j++) event_put(p, u->ev[j]);
     pthread_mutex_unlock(&p->pending_lock);
@@ -486,15 +500,46 @@ static KT_NOINLINE kt_status free_pending(kt_pool_t *p, kt_block *b) {
   }
   atomic_fetch_add_explicit(&p->packed, to_pending, memory_order_relaxed);
   b->next = p->pending; p->pending = b;
-  p->n_pending_frees++;
+  if (account) p->n_pending_frees++;
   atomic_fetch_add_explicit(&p->npending, 1, memory_order_release);
   pthread_mutex_unlock(&p->pending_lock);
   return KT_OK;
 }
 
+static kt_status free_pending(kt_pool_t *p, kt_block *b) { return pending_start(p, b, 1); }
+
+kt_status kt_pool_defer_events(kt_pool_t *p, int defer) {
+  if (!p) return KT_ERR_INVALID;
+  pthread_mutex_lock(&p->pending_lock);
+  if (defer) {
+    atomic_fetch_add_explicit(&p->defer_events, 1, memory_order_relaxed);
+    pthread_mutex_unlock(&p->pending_lock);
+    return KT_OK;
+  }
+  if (atomic_load_explicit(&p->defer_events, memory_order_relaxed) <= 0) {
+    pthread_mutex_unlock(&p->pending_lock);
+    return KT_ERR_INVALID;   /* not deferring */
+  }
+  kt_block *list = NULL;
+  if (atomic_fetch_sub_explicit(&p->defer_events, 1, memory_order_relaxed) == 1) {
+    list = p->deferred;
+    p->deferred = NULL;
+  }
+  pthread_mutex_unlock(&p->pending_lock);
+  kt_status ret = KT_OK;
+  while (list) {   /* their streams' work so far is what they wait for */
+    kt_block *b = list;
+    list = b->next;
+    kt_status st = pending_start(p, b, 0);
+    if (st != KT_OK) ret = st;
+  }
+  return ret;
+}
+
 /* Returns blocks whose events all completed to their stream. sync: wait first. */
 static void drain_pending(kt_pool_t *p, int sync) {
   if (!atomic_load_explicit(&p->npending, memory_order_acquire)) return;
+  if (atomic_load_explicit(&p->defer_events, memory_order_relaxed)) return;   /* no event query in a capture */
   if (sync) p->be->synchronize(p->be->ctx, p->device);
   kt_block *done = NULL;
   pthread_mutex_lock(&p->pending_lock);

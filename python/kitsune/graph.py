@@ -239,9 +239,19 @@ class CompiledStep:
         after it (they stay in the pool, the graph's)."""
         self.optimizer.zero_grad(set_to_none=True)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=self._side, capture_error_mode="thread_local"):
-            static_loss = self._forward_backward(tuple(args), self._captured)
-            plan = self.optimizer.capture_step()
+        try:
+            with torch.cuda.graph(graph, pool=pool, stream=self._side, capture_error_mode="thread_local"):
+                static_loss = self._forward_backward(tuple(args), self._captured)
+                plan = self.optimizer.capture_step()
+        except BaseException:
+            # A capture that failed to end leaves the allocator routing the pool's
+            # allocations through a filter that refers to the dead graph
+            # (CUDAGraph::capture_end throws before endAllocateToPool): end it here.
+            try:
+                torch._C._cuda_endAllocateToPool(self._side.device.index, pool)
+            except Exception:   # noqa: BLE001 - it had ended: the capture's own error is the one to raise
+                pass
+            raise
         self.optimizer.zero_grad(set_to_none=True)
         return graph, static_loss, plan
 

@@ -8,8 +8,11 @@ same start, checks that they train alike (assert_close: the process fails otherw
 and prints one JSON line: the step's stats() and the memory it measured.
 """
 import copy
+import faulthandler
 import json
 import sys
+
+faulthandler.enable()
 
 import kitsune.allocator as ka
 
@@ -106,7 +109,7 @@ def main(name):
     torch.cuda.synchronize()
     st = step.stats()
     print(json.dumps({"stats": {k: v for k, v in st.items() if not isinstance(v, float) or v == v},
-                      "eager_peak_allocated": eager_peak, "allocated_after": torch.cuda.memory_allocated()}))
+                      "eager_peak_allocated": eager_peak, "allocated_after": torch.cuda.memory_allocated()}), flush=True)
 
 
 if __name__ == "__main__":

@@ -105,6 +105,12 @@ kt_status kt_empty_cache(kt_pool_t *pool);
  * every private pool for its whole life: a block freed during a capture stays in
  * use by the graph, so an idle segment of a graph's pool is not idle. */
 kt_status kt_pool_hold_releases(kt_pool_t *pool, int hold);
+/* While deferred (calls nest), as while a CUDA graph is captured, the pool records
+ * and queries no event: recording one on a capturing stream would make it part of
+ * the graph, and querying one fails the capture. A block freed then with uses on
+ * other streams (kt_record_stream) waits, unused, and when the last deferral ends
+ * gets its events on those streams, as PyTorch's allocator does after a capture. */
+kt_status kt_pool_defer_events(kt_pool_t *pool, int defer);
 /* ---- CUDA graph captures ---------------------------------------------------
  * A capture must not allocate device memory (cudaMalloc and cuMemCreate are not
  * captured: a graph depending on them would be invalid), nor synchronize. The

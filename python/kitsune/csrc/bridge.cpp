@@ -346,8 +346,11 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
     take_pending_locked(dev, id, p);
     p->filter = std::move(filter);
     capturing_.fetch_add(1, std::memory_order_relaxed);
-    // eager allocations beside a capture must not synchronize the device
+    // eager allocations beside a capture must not synchronize the device, and no
+    // event may be recorded or queried while it runs (cross-stream frees wait)
     kt_pool_hold_releases(pools_[dev], 1);
+    kt_pool_defer_events(pools_[dev], 1);
+    kt_pool_defer_events(p->pool, 1);
   }
   // torch.cuda.MemPool(): the pool exists (and counts one use) before anything is
   // allocated to it.
@@ -398,6 +401,8 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
     p->filter = nullptr;
     capturing_.fetch_sub(1, std::memory_order_relaxed);
     kt_pool_hold_releases(pools_[dev], 0);
+    kt_pool_defer_events(p->pool, 0);
+    kt_pool_defer_events(pools_[dev], 0);
   }
   // One use fewer; the last release frees the pool's cache, and the pool goes
   // once its last block is freed.

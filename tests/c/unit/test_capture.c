@@ -282,3 +282,61 @@ Test(capture, a_parent_failure_the_child_got_past_is_forgotten) {
   kt_pool_destroy(child);
   kt_pool_backend_destroy(sub);
 }
+
+/* A capture must neither record nor query an event: a block freed then with a use on
+ * another stream waits, unused, with no event, until the deferral ends; then it gets
+ * its event and is reused once that completes. Small and large blocks both. */
+static void deferred_cross_stream_free(size_t size) {
+  kt_pool_t *p = make_parent(1, 0);
+  void *a, *b, *c;
+  cr_assert_eq(kt_alloc(p, size, test_stream(1), &a), KT_OK);
+  cr_assert_eq(kt_record_stream(p, a, test_stream(2)), KT_OK);
+  cr_assert_eq(kt_pool_defer_events(p, 0), KT_ERR_INVALID, "not deferring");
+  cr_assert_eq(kt_pool_defer_events(p, 1), KT_OK);
+  cr_assert_eq(kt_pool_defer_events(p, 1), KT_OK);   /* nests */
+  kt_fake_counts before = counts();
+  cr_assert_eq(kt_free(p, a, size, test_stream(1)), KT_OK);
+  cr_assert_eq(kt_alloc(p, size, test_stream(1), &b), KT_OK);
+  cr_assert_neq(b, a, "a block another stream may still use was handed out");
+  cr_assert_eq(kt_empty_cache(p), KT_OK);
+  kt_fake_counts during = counts();
+  cr_assert_eq(during.event_records, before.event_records, "an event was recorded while deferred");
+  cr_assert_eq(during.event_queries, before.event_queries, "an event was queried while deferred");
+  cr_assert_eq(during.syncs, before.syncs, "the device was synchronized while deferred");
+  kt_stats st = stats(p);
+  kt_block_info bi;
+  cr_assert_eq(kt_block_query(p, b, &bi), KT_OK);
+  cr_assert_eq(st.active_bytes.current - st.allocated_bytes.current, (int64_t)bi.size,
+               "the deferred block counts as pending");
+  cr_assert_eq(kt_pool_defer_events(p, 0), KT_OK);
+  cr_assert_eq(counts().event_records, before.event_records, "still deferred: one level left");
+  kt_fake_hold_events(fb, 1);
+  cr_assert_eq(kt_pool_defer_events(p, 0), KT_OK);
+  cr_assert_eq(counts().event_records, before.event_records + 1, "its event is recorded when the deferral ends");
+  cr_assert_eq(kt_alloc(p, size, test_stream(1), &c), KT_OK);
+  cr_assert_neq(c, a, "reused before its event completed");
+  kt_fake_complete_events(fb);
+  kt_fake_hold_events(fb, 0);
+  cr_assert_eq(kt_free(p, c, size, test_stream(1)), KT_OK);
+  void *d;
+  cr_assert_eq(kt_alloc(p, size, test_stream(1), &d), KT_OK);   /* drains: a or c, both free now */
+  cr_assert(d == a || d == c);
+  cr_assert_eq(kt_free(p, b, size, test_stream(1)), KT_OK);
+  cr_assert_eq(kt_free(p, d, size, test_stream(1)), KT_OK);
+  cr_assert_eq(kt_empty_cache(p), KT_OK);   /* drains what is still pending */
+  cr_assert_eq(stats(p).active_bytes.current, 0, "a block was left pending");
+  cr_assert_eq(kt_pool_validate(p), KT_OK);
+  kt_pool_destroy(p);
+}
+Test(capture, a_cross_stream_free_in_a_capture_waits_for_its_end_small) { deferred_cross_stream_free(64 * KiB); }
+Test(capture, a_cross_stream_free_in_a_capture_waits_for_its_end_large) { deferred_cross_stream_free(8 * MiB); }
+
+Test(capture, a_pool_destroyed_while_deferring_frees_its_waiting_blocks) {
+  kt_pool_t *p = make_parent(0, 0);
+  void *a;
+  cr_assert_eq(kt_alloc(p, 64 * KiB, test_stream(1), &a), KT_OK);
+  cr_assert_eq(kt_record_stream(p, a, test_stream(2)), KT_OK);
+  cr_assert_eq(kt_pool_defer_events(p, 1), KT_OK);
+  cr_assert_eq(kt_free(p, a, 0, test_stream(1)), KT_OK);
+  kt_pool_destroy(p);   /* ASan: nothing leaks */
+}

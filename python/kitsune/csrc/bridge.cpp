@@ -46,7 +46,9 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <csignal>
 #include <cstdio>
+#include <execinfo.h>
 #include <cstring>
 #include <cstdlib>
 #include <functional>
@@ -748,9 +750,20 @@ extern "C" {
 
 // Installs Kitsune as the CUDA allocator. Must run before CUDA initialises.
 // Returns 0, or 1 with a message in err.
+// KITSUNE_SEGV_BACKTRACE=1: a crash prints the native stack to stderr (a debugging
+// aid for the GPU machine, which has no debugger).
+void segv_backtrace(int sig) {
+  void* frames[64];
+  int n = backtrace(frames, 64);
+  backtrace_symbols_fd(frames, n, 2);
+  std::signal(sig, SIG_DFL);
+  std::raise(sig);
+}
+
 __attribute__((visibility("default"))) int kt_bridge_install(char* err, size_t len) {
   try {
     if (g_allocator) return 0;
+    if (env_int("KITSUNE_SEGV_BACKTRACE", 0)) std::signal(SIGSEGV, segv_backtrace);
     int n = 0;
     cudaError_t e = cudaGetDeviceCount(&n);
     if (e != cudaSuccess || n == 0) {

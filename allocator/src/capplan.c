@@ -30,7 +30,7 @@ static size_t pm_hash(uintptr_t k) {
 }
 
 static int32_t pm_get(const ptrmap *m, uintptr_t k) {
-  if (!m->cap) return -1;
+  if (!m->cap || !k) return -1;   /* 0 marks an empty slot: never a key */
   for (size_t i = pm_hash(k) & (m->cap - 1);; i = (i + 1) & (m->cap - 1)) {
     if (m->key[i] == k) return m->val[i];
     if (!m->key[i]) return -1;
@@ -50,7 +50,7 @@ static kt_status pm_reserve_one(ptrmap *m) {
   if (2 * (m->n + 1) <= m->cap) return KT_OK;
   size_t cap = m->cap ? 2 * m->cap : 64;
   uintptr_t *key = calloc(cap, sizeof *key);
-  int32_t *val = malloc(cap * sizeof *val);
+  int32_t *val = calloc(cap, sizeof *val);
   if (!key || !val) {
     free(key);
     free(val);

@@ -1,7 +1,7 @@
 """compile_step with planned graph memory, run by test_graph.py in a fresh process
 (Kitsune's allocator must be installed before CUDA initialises).
 
-    python plan_workloads.py CASE    # mlp | shapes | lm | branchy
+    python plan_workloads.py CASE [--no-plan]    # mlp | shapes | lm | branchy
 
 Trains a model with compile_step(plan_memory=True) next to the eager loop from the
 same start, checks that they train alike (assert_close: the process fails otherwise),
@@ -80,7 +80,7 @@ def case(name):
     raise SystemExit(f"unknown case {name!r}")
 
 
-def main(name):
+def main(name, plan=True):
     model, loss_fn, batches, kw, (rtol, atol) = case(name)
     model = model.cuda()
     batches = [tuple(t.cuda() for t in b) for b in batches]
@@ -101,7 +101,7 @@ def main(name):
         o1.step()
         want.append(loss.detach().float())
     eager_peak = torch.cuda.max_memory_allocated()
-    step = kitsune.compile_step(twin, loss_fn, o2, plan_memory=True, **kw)
+    step = kitsune.compile_step(twin, loss_fn, o2, plan_memory=plan, **kw)
     got = torch.stack([step(*b).float() for b in batches])
     torch.testing.assert_close(got, torch.stack(want), rtol=rtol, atol=atol)
     for a, b in zip(model.parameters(), twin.parameters()):
@@ -113,4 +113,4 @@ def main(name):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], "--no-plan" not in sys.argv[2:])

@@ -78,6 +78,7 @@ Test(capplan, bad_input_is_refused_and_changes_nothing) {
   cr_assert_eq(kt_caprec_alloc(r, P(0), 512, S1), KT_OK);
   cr_assert_eq(kt_caprec_alloc(r, P(0), 512, S1), KT_ERR_INVALID, "a live address twice");
   cr_assert_eq(kt_caprec_free(r, P(1)), KT_ERR_INVALID);
+  cr_assert_eq(kt_caprec_free(r, NULL), KT_ERR_INVALID, "NULL is never a recorded block");
   cr_assert_eq(kt_caprec_use(r, P(1), S2), KT_ERR_INVALID);
   kt_caprec_info ri;
   cr_assert_eq(kt_caprec_get_info(r, &ri), KT_OK);
@@ -121,6 +122,8 @@ Test(capplan, a_chain_shares_bytes_and_the_same_capture_is_placed_in_full) {
   cr_assert_eq(kt_placer_free(pl, b), KT_OK);
   char *d = place(pl, 1000, S1);
   cr_assert(d + 1024 <= c || d >= c + 4 * MiB, "d overlaps the live c");
+  cr_assert_eq(kt_placer_free(pl, NULL), KT_ERR_INVALID, "NULL (a 0-byte block) is never a placed block");
+  cr_assert_eq(kt_placer_use(pl, NULL, S2), KT_ERR_INVALID);
   kt_placer_stats s = pstats(pl);
   cr_assert_eq(s.placed, 4);
   cr_assert_eq(s.refused, 0);

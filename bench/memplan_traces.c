@@ -24,13 +24,13 @@ static int32_t make_trace(uint64_t seed, kt_memplan_block *b, int *layers_out) {
   int32_t n = 0;
   int64_t t = 0;
   for (int l = 0; l < layers; l++) {
-    b[n++] = (kt_memplan_block){unit * (1 + rnd(&s) % 4096), t, -1};
-    b[n++] = (kt_memplan_block){unit * (1 + rnd(&s) % 8192), t, t + 1};
+    b[n++] = (kt_memplan_block){unit * (1 + rnd(&s) % 4096), t, -1, 0};
+    b[n++] = (kt_memplan_block){unit * (1 + rnd(&s) % 8192), t, t + 1, 0};
     t++;
   }
   for (int l = layers - 1; l >= 0; l--) {
-    b[n++] = (kt_memplan_block){unit * (1 + rnd(&s) % 8192), t, t + 1};
-    b[n++] = (kt_memplan_block){unit * (1 + rnd(&s) % 2048), t, INT64_MAX};
+    b[n++] = (kt_memplan_block){unit * (1 + rnd(&s) % 8192), t, t + 1, 0};
+    b[n++] = (kt_memplan_block){unit * (1 + rnd(&s) % 2048), t, INT64_MAX, 0};
     b[2 * l].end = t + 1;
     t++;
   }

@@ -201,23 +201,12 @@ void kt_capplan_destroy(kt_capplan *p) {
   free(p);
 }
 
-/* The stream most of the included blocks were allocated on. */
-static kt_stream_t main_stream(const kt_caprec *r) {
-  kt_stream_t best = NULL;
-  int32_t best_n = 0;
-  for (int32_t i = 0; i < r->n; i++) {   /* streams are few: count each once, at its first block */
-    if (r->b[i].end == REC_LIVE) continue;
-    int seen = 0;
-    for (int32_t j = 0; j < i && !seen; j++) seen = r->b[j].end != REC_LIVE && r->b[j].stream == r->b[i].stream;
-    if (seen) continue;
-    int32_t c = 0;
-    for (int32_t j = i; j < r->n; j++) c += r->b[j].end != REC_LIVE && r->b[j].stream == r->b[i].stream;
-    if (c > best_n) {
-      best_n = c;
-      best = r->b[i].stream;
-    }
-  }
-  return best;
+/* The group (kt_memplan) of block b: its stream's index among the streams seen so
+ * far, or -1 for a new stream. Streams are few. */
+static int32_t stream_group(const kt_caprec *r, int32_t b, const kt_stream_t *seen, int32_t nseen) {
+  for (int32_t g = 0; g < nseen; g++)
+    if (seen[g] == r->b[b].stream) return g;
+  return -1;
 }
 
 kt_status kt_capplan_create(const kt_caprec *r, kt_capplan **out) {
@@ -235,16 +224,28 @@ kt_status kt_capplan_create(const kt_caprec *r, kt_capplan **out) {
     kt_capplan_destroy(p);
     return KT_ERR_HOST_OOM;
   }
-  kt_stream_t main = main_stream(r);
+  kt_stream_t *seen = malloc(((size_t)n + 1) * sizeof *seen);
+  if (!seen) {
+    free(mb);
+    kt_capplan_destroy(p);
+    return KT_ERR_HOST_OOM;
+  }
+  int32_t nseen = 0;
   int64_t end = r->t + 1;
   for (int32_t i = 0, j = 0; i < r->n; i++) {
     const rec_block *b = &r->b[i];
     if (b->end == REC_LIVE) continue;
-    kt_memplan_block m = {b->size, b->start, b->after || b->elsewhere ? end : b->end};
-    if (b->stream != main) m = (kt_memplan_block){b->size, 0, end};   /* shares no byte */
-    mb[j] = m;
+    int32_t g = stream_group(r, i, seen, nseen);
+    if (g < 0) {
+      g = nseen;
+      seen[nseen++] = b->stream;
+    }
+    /* bytes are shared only within a stream (stream order covers the reuse), and not
+     * after a use on another stream */
+    mb[j] = (kt_memplan_block){b->size, b->start, b->after || b->elsewhere ? end : b->end, g};
     p->size[j++] = b->size;
   }
+  free(seen);
   uint64_t total = 0, peak = 0;
   kt_status st = kt_memplan(mb, n, KT_CAPPLAN_ALIGN, p->off, &total);
   if (st == KT_OK) st = kt_memplan_peak(mb, n, KT_CAPPLAN_ALIGN, &peak);

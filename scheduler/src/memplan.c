@@ -51,7 +51,8 @@ static int by_offset(const void *a, const void *b) {
 }
 
 /* First fit in the given order: each block at the lowest aligned offset where it
- * overlaps no placed block live at the same time. Returns the arena's bytes. */
+ * overlaps no placed block live at the same time or of another group. Returns the
+ * arena's bytes. */
 static uint64_t first_fit(const kt_memplan_block *b, int32_t n, uint64_t align, const key *order,
                           int32_t *placed, span *meet, uint64_t *off) {
   uint64_t arena = 0;
@@ -61,7 +62,7 @@ static uint64_t first_fit(const kt_memplan_block *b, int32_t n, uint64_t align, 
     int32_t m = 0;
     for (int32_t q = 0; q < k; q++) {   /* placed blocks alive at the same time as i */
       int32_t j = placed[q];
-      if (b[j].start < b[i].end && b[i].start < b[j].end && b[j].size)
+      if (((b[j].start < b[i].end && b[i].start < b[j].end) || b[j].group != b[i].group) && b[j].size)
         meet[m++] = (span){off[j], off[j] + up(b[j].size, align)};
     }
     qsort(meet, (size_t)m, sizeof *meet, by_offset);

@@ -75,9 +75,8 @@ typedef struct kt_capplan kt_capplan;
 
 /* Lifetimes from rec: a block freed during the capture lives over [alloc, free) in
  * the order of recorded events; one freed after it, or used on another stream, to
- * the end; one allocated on a stream other than the one most allocations were on,
- * over the whole capture (nothing shares its bytes). Live blocks are left out.
- * rec may be destroyed afterwards. */
+ * the end. Blocks share bytes only with blocks of their own stream (a kt_memplan
+ * group per stream). Live blocks are left out. rec may be destroyed afterwards. */
 kt_status kt_capplan_create(const kt_caprec *rec, kt_capplan **out);
 void kt_capplan_destroy(kt_capplan *plan);
 

@@ -3,7 +3,7 @@
  * The planning half of a capture pool laid out ahead of time: a CUDA graph's
  * allocations, recorded once as (size, allocated at event `start`, freed at event
  * `end`), are packed into one arena so that two blocks share bytes only when their
- * lifetimes do not overlap. First fit: each block, in turn, at the lowest aligned
+ * lifetimes do not overlap and they are of one group. First fit: each block, in turn, at the lowest aligned
  * offset where it overlaps no placed block whose lifetime meets its own; four
  * orders are tried (size, size x lifetime, lifetime, start; larger first) and the
  * smallest arena kept. The arena is never smaller than the peak of live bytes
@@ -12,7 +12,7 @@
  * (tests/c/unit/test_memplan.c) the arena was 1.047x the live peak on average and
  * 1.16x at worst; size order alone gave 1.20x at worst.
  *
- * Not yet used by compile_step or the torch bridge: see docs/issue5.md.
+ * compile_step plans its graphs' memory with it (kitsune/capplan.h).
  * Functions return KT_OK, KT_ERR_INVALID (NULL, n < 0, start >= end, align not a
  * power of two, a size that overflows when aligned) or KT_ERR_HOST_OOM; on error
  * nothing is written.
@@ -31,13 +31,16 @@ extern "C" {
 typedef struct kt_memplan_block {
   uint64_t size;          /* bytes; 0 is allowed (offset 0, takes no room) */
   int64_t start, end;     /* live over events [start, end); end > start */
+  int32_t group;          /* blocks of different groups never share bytes (CUDA streams with
+                           * no order between them); 0 for all when there is one */
 } kt_memplan_block;
 
 /* offsets[i] for block i, each a multiple of align; *total = the arena's bytes. */
 kt_status kt_memplan(const kt_memplan_block *blocks, int32_t n, uint64_t align, uint64_t *offsets,
                      uint64_t *total);
 
-/* The most bytes live at one event, sizes rounded up to align: no plan is smaller. */
+/* The most bytes live at one event, sizes rounded up to align: no plan is smaller
+ * (groups are ignored: with several, this bound is not tight). */
 kt_status kt_memplan_peak(const kt_memplan_block *blocks, int32_t n, uint64_t align, uint64_t *peak);
 
 #ifdef __cplusplus

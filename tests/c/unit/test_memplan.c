@@ -6,7 +6,8 @@
 
 typedef kt_memplan_block blk;
 
-/* Every two blocks whose lifetimes meet have disjoint byte ranges; offsets aligned;
+/* Every two blocks whose lifetimes meet, or of different groups, have disjoint byte
+ * ranges; offsets aligned;
  * the arena holds every block and is at least the live peak. */
 static void check_plan(const blk *b, int32_t n, uint64_t align, const uint64_t *off, uint64_t total) {
   uint64_t peak = 0;
@@ -18,7 +19,7 @@ static void check_plan(const blk *b, int32_t n, uint64_t align, const uint64_t *
     cr_assert_leq(off[i] + si, total);
     for (int32_t j = i + 1; j < n; j++) {
       uint64_t sj = (b[j].size + align - 1) / align * align;
-      int meet = b[i].start < b[j].end && b[j].start < b[i].end && si && sj;
+      int meet = ((b[i].start < b[j].end && b[j].start < b[i].end) || b[i].group != b[j].group) && si && sj;
       int share = off[i] < off[j] + sj && off[j] < off[i] + si;
       cr_assert(!(meet && share), "blocks %d and %d are live together and overlap", i, j);
     }
@@ -26,7 +27,7 @@ static void check_plan(const blk *b, int32_t n, uint64_t align, const uint64_t *
 }
 
 Test(memplan, bad_input_is_refused_and_nothing_written) {
-  blk b[2] = {{100, 0, 2}, {100, 3, 3}};
+  blk b[2] = {{100, 0, 2, 0}, {100, 3, 3, 0}};
   uint64_t off[2] = {7, 7}, total = 7, peak = 7;
   cr_assert_eq(kt_memplan(b, 2, 512, off, &total), KT_ERR_INVALID, "end == start");
   cr_assert(off[0] == 7 && off[1] == 7 && total == 7);
@@ -46,7 +47,7 @@ Test(memplan, bad_input_is_refused_and_nothing_written) {
 }
 
 Test(memplan, blocks_live_at_different_times_share_bytes) {
-  blk b[3] = {{1000, 0, 1}, {3000, 1, 2}, {2000, 2, 3}};   /* freed at the event the next is made */
+  blk b[3] = {{1000, 0, 1, 0}, {3000, 1, 2, 0}, {2000, 2, 3, 0}};   /* freed at the event the next is made */
   uint64_t off[3], total;
   cr_assert_eq(kt_memplan(b, 3, 512, off, &total), KT_OK);
   cr_assert(off[0] == 0 && off[1] == 0 && off[2] == 0);
@@ -54,8 +55,18 @@ Test(memplan, blocks_live_at_different_times_share_bytes) {
   check_plan(b, 3, 512, off, total);
 }
 
+Test(memplan, blocks_of_different_groups_never_share_bytes) {
+  blk b[3] = {{1000, 0, 1, 0}, {1000, 1, 2, 1}, {1000, 2, 3, 0}};
+  uint64_t off[3], total;
+  cr_assert_eq(kt_memplan(b, 3, 512, off, &total), KT_OK);
+  check_plan(b, 3, 512, off, total);
+  cr_assert_eq(total, 2048, "groups 0 and 1 side by side; group 0's two blocks share");
+  cr_assert_eq(off[0], off[2]);
+  cr_assert_neq(off[0], off[1]);
+}
+
 Test(memplan, blocks_live_together_are_stacked_largest_first) {
-  blk b[3] = {{1000, 0, 9}, {3000, 1, 9}, {2000, 2, 9}};
+  blk b[3] = {{1000, 0, 9, 0}, {3000, 1, 9, 0}, {2000, 2, 9, 0}};
   uint64_t off[3], total;
   cr_assert_eq(kt_memplan(b, 3, 512, off, &total), KT_OK);
   cr_assert_eq(off[1], 0);
@@ -67,7 +78,7 @@ Test(memplan, blocks_live_together_are_stacked_largest_first) {
 
 /* A freed block's bytes serve a later one in the gap they leave. */
 Test(memplan, a_gap_left_by_a_dead_block_is_reused) {
-  blk b[4] = {{4096, 0, 10}, {4096, 0, 3}, {4096, 0, 10}, {2048, 5, 8}};
+  blk b[4] = {{4096, 0, 10, 0}, {4096, 0, 3, 0}, {4096, 0, 10, 0}, {2048, 5, 8, 0}};
   uint64_t off[4], total;
   cr_assert_eq(kt_memplan(b, 4, 512, off, &total), KT_OK);
   cr_assert_eq(total, 3 * 4096, "the small block fits where block 1 was");
@@ -75,7 +86,7 @@ Test(memplan, a_gap_left_by_a_dead_block_is_reused) {
 }
 
 Test(memplan, zero_sized_blocks_take_no_room) {
-  blk b[2] = {{0, 0, 5}, {4096, 0, 5}};
+  blk b[2] = {{0, 0, 5, 0}, {4096, 0, 5, 0}};
   uint64_t off[2], total;
   cr_assert_eq(kt_memplan(b, 2, 512, off, &total), KT_OK);
   cr_assert(off[0] == 0 && off[1] == 0 && total == 4096);
@@ -99,13 +110,13 @@ Test(memplan, training_step_shaped_traces_pack_near_the_live_peak) {
     int64_t t = 0;
     int32_t act0 = 0;
     for (int l = 0; l < layers; l++) {            /* forward */
-      b[n++] = (blk){512 * (1 + rnd(&s) % 4096), t, -1};   /* activation: end set below */
-      b[n++] = (blk){512 * (1 + rnd(&s) % 8192), t, t + 1};   /* a temporary */
+      b[n++] = (blk){512 * (1 + rnd(&s) % 4096), t, -1, 0};   /* activation: end set below */
+      b[n++] = (blk){512 * (1 + rnd(&s) % 8192), t, t + 1, 0};   /* a temporary */
       t++;
     }
     for (int l = layers - 1; l >= 0; l--) {       /* backward: temp, gradient, free activation */
-      b[n++] = (blk){512 * (1 + rnd(&s) % 8192), t, t + 1};
-      b[n++] = (blk){512 * (1 + rnd(&s) % 2048), t, 1 << 30};
+      b[n++] = (blk){512 * (1 + rnd(&s) % 8192), t, t + 1, 0};
+      b[n++] = (blk){512 * (1 + rnd(&s) % 2048), t, 1 << 30, 0};
       b[act0 + 2 * l].end = t + 1;
       t++;
     }
@@ -131,7 +142,7 @@ Test(memplan, random_instances_are_always_valid) {
     blk *b = calloc((size_t)n, sizeof *b);
     for (int32_t i = 0; i < n; i++) {
       int64_t a = (int64_t)(rnd(&s) % 100);
-      b[i] = (blk){rnd(&s) % 100000, a, a + 1 + (int64_t)(rnd(&s) % 30)};
+      b[i] = (blk){rnd(&s) % 100000, a, a + 1 + (int64_t)(rnd(&s) % 30), seed % 3 ? 0 : (int32_t)(rnd(&s) % 3)};
     }
     uint64_t *off = malloc(sizeof *off * (size_t)n), total;
     uint64_t align = (uint64_t)1 << (rnd(&s) % 10);

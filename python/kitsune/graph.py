@@ -165,6 +165,7 @@ class CompiledStep:
         with amp:
             out = model(*inputs)
             loss = self.loss_fn(out, target) if self.loss_fn is not None else out
+            del out   # what the backward needs of it, autograd keeps: the rest goes now, as in an eager loop
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError(f"compile_step: the loss must be a one-element tensor, got "
                             f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}")
@@ -240,7 +241,7 @@ class CompiledStep:
         self.optimizer.zero_grad(set_to_none=True)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=pool, stream=self._side, capture_error_mode="thread_local"):
+            with self._capturing(graph, pool):
                 static_loss = self._forward_backward(tuple(args), self._captured)
                 plan = self.optimizer.capture_step()
         except BaseException:
@@ -254,6 +255,25 @@ class CompiledStep:
             raise
         self.optimizer.zero_grad(set_to_none=True)
         return graph, static_loss, plan
+
+    @contextlib.contextmanager
+    def _capturing(self, graph, pool):
+        """torch.cuda.graph(graph, pool=pool, stream=side), less its gc.collect() and
+        empty_cache() when Kitsune's allocator is installed: it makes a capture's memory
+        ready itself (beginAllocateToPool), and emptying its cache unmapped what the next
+        capture maps again (0.2 s a capture on the H100, twice a planned step)."""
+        from . import allocator
+        if not allocator.installed():
+            with torch.cuda.graph(graph, pool=pool, stream=self._side, capture_error_mode="thread_local"):
+                yield
+            return
+        torch.cuda.synchronize()
+        with torch.cuda.stream(self._side):
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            try:
+                yield
+            finally:
+                graph.capture_end()
 
     def _capture_planned(self, args, device):
         """Captures the step into a pool of its own while Kitsune's allocator records the

@@ -91,7 +91,11 @@ def child(model_name, config, steps):
     gc.collect()
     torch.cuda.empty_cache()
     st = step.stats()
-    out = {"model": model_name, "config": config, "static": static, "eager_peak": eager_peak,
+    ws = None
+    if config != "native":   # one capture stream's cuBLAS + cuBLASLt workspaces (bytes), as the allocator measured
+        import kitsune.allocator as ka
+        ws = ka.capture_info()["workspaces"]
+    out = {"workspaces_per_stream": ws, "model": model_name, "config": config, "static": static, "eager_peak": eager_peak,
            "graph_reserved": torch.cuda.memory_reserved(), "graph_allocated": torch.cuda.memory_allocated(),
            "ms": ms, "final_loss": losses[-1].float().item(), "steps": steps,
            "compile_step": {k: st[k] for k in ("replays", "captures", "reason", "streams", "setup_s", "memory_plan")}}
@@ -126,8 +130,9 @@ def main():
                 continue
             rows.append(json.loads(r.stdout.strip().splitlines()[-1]))
     print(f"\n{torch.cuda.get_device_name(0)}, torch {torch.__version__}; MiB; graph/eager = graph_reserved / eager_peak")
-    print(f"{'model':<10}{'config':<14}{'static':>9}{'eager pk':>10}{'graph rsv':>11}{'graph/eager':>12}"
-          f"{'plan':>8}{'live pk':>9}{'placed':>10}{'ms':>8}{'loss':>9}")
+    print("static: allocated before the eager step; eager+: its peak above static; graph+: graph_reserved above static")
+    print(f"{'model':<10}{'config':<14}{'static':>9}{'eager pk':>10}{'eager+':>8}{'graph rsv':>11}{'graph+':>8}"
+          f"{'graph/eager':>12}{'plan':>8}{'live pk':>9}{'placed':>10}{'ms':>8}{'loss':>9}")
     for r in rows:
         if "error" in r:
             print(f"{r['model']:<10}{r['config']:<14}  error: {r['error']}")
@@ -136,7 +141,8 @@ def main():
         plan = f"{mp['plan_bytes'] / MiB:8.1f}{mp['peak_bytes'] / MiB:9.1f}{mp['placed']:>5}/{mp['blocks']:<4}" \
             if "plan_bytes" in mp else f"{'':8}{'':9}{'':10}"
         print(f"{r['model']:<10}{r['config']:<14}{r['static'] / MiB:9.1f}{r['eager_peak'] / MiB:10.1f}"
-              f"{r['graph_reserved'] / MiB:11.1f}{r['graph_reserved'] / r['eager_peak']:12.3f}{plan}"
+              f"{(r['eager_peak'] - r['static']) / MiB:8.1f}{r['graph_reserved'] / MiB:11.1f}"
+              f"{(r['graph_reserved'] - r['static']) / MiB:8.1f}{r['graph_reserved'] / r['eager_peak']:12.3f}{plan}"
               f"{r['ms']:8.3f}{r['final_loss']:9.4f}")
     write_result(a.out, "graph_memory", {"steps": a.steps, "rows": rows})
 

@@ -69,6 +69,20 @@ static kt_caprec *chain(void) {
   return r;
 }
 
+/* chain() recorded, planned, and a placer begun on its plan */
+typedef struct placing { kt_caprec *r; kt_capplan *p; kt_placer *pl; } placing;
+static placing chain_placing(void) {
+  placing f = {chain(), NULL, placer_new()};
+  f.p = plan_of(f.r);
+  cr_assert_eq(kt_placer_begin(f.pl, f.p), KT_OK);
+  return f;
+}
+static void done(placing f) {
+  kt_placer_destroy(f.pl);
+  kt_capplan_destroy(f.p);
+  kt_caprec_destroy(f.r);
+}
+
 Test(capplan, bad_input_is_refused_and_changes_nothing) {
   kt_caprec *r = rec_new();
   cr_assert_eq(kt_caprec_create(NULL), KT_ERR_INVALID);
@@ -142,36 +156,26 @@ Test(capplan, a_chain_shares_bytes_and_the_same_capture_is_placed_in_full) {
 }
 
 Test(capplan, a_free_that_comes_later_than_recorded_refuses_the_overlap) {
-  kt_caprec *r = chain();
-  kt_capplan *p = plan_of(r);
-  kt_placer *pl = placer_new();
-  cr_assert_eq(kt_placer_begin(pl, p), KT_OK);
-  void *a = place(pl, 4 * MiB, S1);
-  void *b = place(pl, 2 * MiB, S1);
-  refused(pl, 4 * MiB, S1);   /* c's planned bytes are a's, and a is still live */
-  cr_assert_eq(pstats(pl).refused, 1);
-  cr_assert_eq(kt_placer_free(pl, a), KT_OK);
-  cr_assert_eq(kt_placer_free(pl, b), KT_OK);
-  kt_placer_destroy(pl);
-  kt_capplan_destroy(p);
-  kt_caprec_destroy(r);
+  placing f = chain_placing();
+  void *a = place(f.pl, 4 * MiB, S1);
+  void *b = place(f.pl, 2 * MiB, S1);
+  refused(f.pl, 4 * MiB, S1);   /* c's planned bytes are a's, and a is still live */
+  cr_assert_eq(pstats(f.pl).refused, 1);
+  cr_assert_eq(kt_placer_free(f.pl, a), KT_OK);
+  cr_assert_eq(kt_placer_free(f.pl, b), KT_OK);
+  done(f);
 }
 
 Test(capplan, bytes_freed_by_one_stream_are_not_placed_for_another) {
-  kt_caprec *r = chain();
-  kt_capplan *p = plan_of(r);
-  kt_placer *pl = placer_new();
-  cr_assert_eq(kt_placer_begin(pl, p), KT_OK);
-  void *a = place(pl, 4 * MiB, S1);
-  void *b = place(pl, 2 * MiB, S1);
-  cr_assert_eq(kt_placer_free(pl, a), KT_OK);
-  refused(pl, 4 * MiB, S2);   /* S2's work is not ordered after a's last use on S1 */
-  void *c = place(pl, 4 * MiB, S1);
+  placing f = chain_placing();
+  void *a = place(f.pl, 4 * MiB, S1);
+  void *b = place(f.pl, 2 * MiB, S1);
+  cr_assert_eq(kt_placer_free(f.pl, a), KT_OK);
+  refused(f.pl, 4 * MiB, S2);   /* S2's work is not ordered after a's last use on S1 */
+  void *c = place(f.pl, 4 * MiB, S1);
   cr_assert_eq(c, a);
-  kt_placer_destroy(pl);
   (void)b;
-  kt_capplan_destroy(p);
-  kt_caprec_destroy(r);
+  done(f);
 }
 
 Test(capplan, a_block_used_on_another_stream_keeps_its_bytes_to_the_end) {
@@ -238,23 +242,18 @@ Test(capplan, blocks_freed_after_the_capture_last_to_the_end_and_live_ones_are_l
 }
 
 Test(capplan, an_allocation_the_plan_did_not_see_is_refused_and_the_rest_still_placed) {
-  kt_caprec *r = chain();
-  kt_capplan *p = plan_of(r);
-  kt_placer *pl = placer_new();
-  cr_assert_eq(kt_placer_begin(pl, p), KT_OK);
-  char *a = place(pl, 4 * MiB, S1);
-  refused(pl, 3 * MiB, S1);   /* no planned block of this size */
-  char *b = place(pl, 2 * MiB, S1);
-  cr_assert_eq(kt_placer_free(pl, a), KT_OK);
-  cr_assert_eq(place(pl, 4 * MiB, S1), a);
-  cr_assert_eq(kt_placer_free(pl, b), KT_OK);
-  place(pl, 1000, S1);
-  kt_placer_stats s = pstats(pl);
+  placing f = chain_placing();
+  char *a = place(f.pl, 4 * MiB, S1);
+  refused(f.pl, 3 * MiB, S1);   /* no planned block of this size */
+  char *b = place(f.pl, 2 * MiB, S1);
+  cr_assert_eq(kt_placer_free(f.pl, a), KT_OK);
+  cr_assert_eq(place(f.pl, 4 * MiB, S1), a);
+  cr_assert_eq(kt_placer_free(f.pl, b), KT_OK);
+  place(f.pl, 1000, S1);
+  kt_placer_stats s = pstats(f.pl);
   cr_assert_eq(s.placed, 4);
   cr_assert_eq(s.refused, 1);
-  kt_placer_destroy(pl);
-  kt_capplan_destroy(p);
-  kt_caprec_destroy(r);
+  done(f);
 }
 
 Test(capplan, a_second_capture_reuses_the_arena_and_a_larger_plan_retires_it) {

@@ -375,15 +375,15 @@ static size_t mapped_within(const kt_segment *s, uintptr_t a, uintptr_t b) {
   return best;
 }
 
-/* Growth: a request under KT_SHARED_SEGMENT/2 gets a KT_SHARED_SEGMENT segment that
- * later requests carve too (one backend call: a cudaMalloc pair takes 68-77 us on the H100
- * host, bench/results/alloc_bench_cuda.json, serves many); a larger one gets its size rounded to 2 MiB. When the larger
- * segment is refused (limit or device), the rounded size is tried. */
-#define KT_SHARED_SEGMENT ((size_t)20 << 20)
+/* Growth: a request under half the pool's shared segment (kt_pool_options, 20 MiB by
+ * default) gets one that later requests carve too (one backend call: a cudaMalloc pair
+ * takes 68-77 us on the H100 host, bench/results/alloc_bench_cuda.json, serves many); a
+ * larger one gets its size rounded to 2 MiB. When the larger segment is refused (limit
+ * or device), the rounded size is tried. */
 
 static kt_status grow(kt_pool_t *p, size_t size, kt_extent **out, kt_oom_info *oom) {
   size_t exact = align_up(size, KT_SEGMENT_ALIGN);
-  size_t seg = size < KT_SHARED_SEGMENT / 2 ? KT_SHARED_SEGMENT : exact;
+  size_t seg = size < p->shared_segment / 2 ? p->shared_segment : exact;
   if (p->limit && (size_t)p->reserved + seg > p->limit) seg = exact;
   if (p->limit && (size_t)p->reserved + seg > p->limit) {
     if (oom) { oom->hit_limit = 1; oom->rounded = seg; }

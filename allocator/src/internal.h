@@ -220,6 +220,7 @@ struct kt_pool {
   int track;                           /* lifetimes */
   uint64_t slack_units;                /* peak_slack / 512 */
   int release_on_grow;                 /* options: release idle segments before growing */
+  size_t shared_segment;               /* options: the segment small requests share */
   int vmm;                             /* growth maps granules of address ranges (kt_pool_options.vmm) */
   _Atomic int hold_releases;           /* kt_pool_hold_releases: growth releases nothing */
   _Atomic int hooks;                   /* trace on | nvtx regions on */

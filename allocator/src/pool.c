@@ -100,6 +100,7 @@ void kt_pool_options_default(kt_pool_options *o) {
   o->track_lifetimes = 1;
   o->peak_slack = KT_DEFAULT_PEAK_SLACK;
   o->release_on_grow = 1;
+  o->shared_segment = KT_DEFAULT_SHARED_SEGMENT;
 }
 
 kt_status kt_pool_create(const kt_pool_options *opt, const kt_backend *be, kt_pool_t **out) {
@@ -108,6 +109,7 @@ kt_status kt_pool_create(const kt_pool_options *opt, const kt_backend *be, kt_po
     return KT_ERR_INVALID;
   kt_pool_options def;
   if (!opt) { kt_pool_options_default(&def); opt = &def; }
+  if (opt->shared_segment % KT_SEGMENT_ALIGN) return KT_ERR_INVALID;
   kt__sizeclass_init();
   kt_pool_t *p = aligned_alloc(KT_CACHELINE, (sizeof *p + KT_CACHELINE - 1) & ~(size_t)(KT_CACHELINE - 1));
   if (!p) return KT_ERR_HOST_OOM;
@@ -117,6 +119,7 @@ kt_status kt_pool_create(const kt_pool_options *opt, const kt_backend *be, kt_po
   p->track = opt->track_lifetimes;
   p->slack_units = KT_UNITS(opt->peak_slack);
   p->release_on_grow = opt->release_on_grow;
+  p->shared_segment = opt->shared_segment ? opt->shared_segment : KT_DEFAULT_SHARED_SEGMENT;
   p->vmm = opt->vmm && be->va_reserve && be->va_release && be->map && be->unmap;
   p->limit = opt->memory_limit;
   pthread_mutex_init(&p->arena_lock, NULL);

@@ -101,6 +101,7 @@ kt_status create_device_pool(int device, kt_pool_t** out, bool device_pool = fal
   o.device = device;
   o.release_on_grow = env_int("KITSUNE_RELEASE_ON_GROW", o.release_on_grow) != 0;
   o.vmm = device_pool && env_int("KITSUNE_VMM", device_count == 1) != 0;
+  if (be) o.shared_segment = KT_SEGMENT_ALIGN;   // a private pool's segments are cheap blocks of the device's
   return kt_pool_create(&o, be ? be : kt_cuda_backend(), out);
 }
 

@@ -340,3 +340,25 @@ Test(capture, a_pool_destroyed_while_deferring_frees_its_waiting_blocks) {
   cr_assert_eq(kt_free(p, a, 0, test_stream(1)), KT_OK);
   kt_pool_destroy(p);   /* ASan: nothing leaks */
 }
+
+Test(capture, a_child_with_2_mib_shared_segments_holds_2_mib_for_a_small_block) {
+  kt_backend *sub = kt_pool_backend_create(parent);
+  kt_pool_options o;
+  kt_pool_options_default(&o);
+  kt_pool_t *bad = NULL;
+  o.shared_segment = 3 * MiB;
+  cr_assert_eq(kt_pool_create(&o, sub, &bad), KT_ERR_INVALID, "not a multiple of 2 MiB");
+  cr_assert_null(bad);
+  o.shared_segment = 2 * MiB;
+  kt_pool_t *child = NULL;
+  cr_assert_eq(kt_pool_create(&o, sub, &child), KT_OK);
+  void *a, *b;
+  cr_assert_eq(kt_alloc(child, 4000, test_stream(3), &a), KT_OK);
+  cr_assert_eq(kt_alloc(child, 300 * KiB, test_stream(3), &b), KT_OK);
+  cr_assert_eq(stats(child).reserved_bytes.current, (int64_t)(2 * MiB), "both in one 2 MiB segment");
+  cr_assert_eq(stats(parent).allocated_bytes.current, (int64_t)(2 * MiB));
+  cr_assert_eq(kt_free(child, a, 0, test_stream(3)), KT_OK);
+  cr_assert_eq(kt_free(child, b, 0, test_stream(3)), KT_OK);
+  kt_pool_destroy(child);
+  kt_pool_backend_destroy(sub);
+}

@@ -209,6 +209,26 @@ static int32_t stream_group(const kt_caprec *r, int32_t b, const kt_stream_t *se
   return -1;
 }
 
+/* Sum over groups of each group's live peak: blocks of different groups never share an
+ * address, so the groups' footprints are disjoint and each holds at least its peak. */
+static kt_status sum_group_peaks(const kt_memplan_block *mb, int32_t n, int32_t groups, uint64_t *out) {
+  kt_memplan_block *g = malloc(((size_t)n + 1) * sizeof *g);
+  if (!g) return KT_ERR_HOST_OOM;
+  uint64_t sum = 0;
+  kt_status st = KT_OK;
+  for (int32_t k = 0; k < groups && st == KT_OK; k++) {
+    int32_t m = 0;
+    for (int32_t i = 0; i < n; i++)
+      if (mb[i].group == k) g[m++] = mb[i];
+    uint64_t peak = 0;
+    st = kt_memplan_peak(g, m, KT_CAPPLAN_ALIGN, &peak);
+    sum += peak;
+  }
+  free(g);
+  *out = sum;
+  return st;
+}
+
 kt_status kt_capplan_create(const kt_caprec *r, kt_capplan **out) {
   if (!r || !out) return KT_ERR_INVALID;
   int32_t n = 0;
@@ -246,16 +266,18 @@ kt_status kt_capplan_create(const kt_caprec *r, kt_capplan **out) {
     p->size[j++] = b->size;
   }
   free(seen);
-  uint64_t total = 0, peak = 0;
+  uint64_t total = 0, peak = 0, group_peak = 0;
   kt_status st = kt_memplan(mb, n, KT_CAPPLAN_ALIGN, p->off, &total);
   if (st == KT_OK) st = kt_memplan_peak(mb, n, KT_CAPPLAN_ALIGN, &peak);
+  if (st == KT_OK) st = sum_group_peaks(mb, n, nseen, &group_peak);
   free(mb);
   if (st != KT_OK) {
     kt_capplan_destroy(p);
     return st;
   }
   p->n = n;
-  p->info = (kt_capplan_info){n, (size_t)round_up(total, KT_SEGMENT_ALIGN), (size_t)total, (size_t)peak};
+  p->info = (kt_capplan_info){n, (size_t)round_up(total, KT_SEGMENT_ALIGN), (size_t)total, (size_t)peak,
+                              (size_t)group_peak};
   *out = p;
   return KT_OK;
 }

@@ -85,6 +85,9 @@ typedef struct kt_capplan_info {
   size_t arena_bytes;    /* the plan's extent, rounded up to KT_SEGMENT_ALIGN */
   size_t plan_bytes;     /* the plan's extent (kt_memplan's total) */
   size_t peak_bytes;     /* most bytes live at once: no plan is smaller */
+  /* the sum over streams of each stream's own live peak: no plan that keeps streams
+   * apart is smaller (equal to peak_bytes on one stream) */
+  size_t group_peak_bytes;
 } kt_capplan_info;
 kt_status kt_capplan_get_info(const kt_capplan *plan, kt_capplan_info *out);
 

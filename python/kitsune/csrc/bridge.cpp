@@ -513,7 +513,7 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
   }
   // The plan of (dev, id)'s recorded capture; the recording ends. *info: planned
   // blocks, arena bytes, plan bytes, live peak, recorded blocks, of them still live
-  // (left out), freed after the capture.
+  // (left out), freed after the capture, the sum of the streams' live peaks.
   kt_status take_plan(c10::DeviceIndex dev, c10::cuda::MempoolId_t id, kt_capplan** out, int64_t* info) {
     std::lock_guard<std::mutex> g(mu_);
     Private* p = find_private(dev, id);
@@ -524,8 +524,9 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
     if (st != KT_OK) return st;
     kt_capplan_info ci;
     kt_capplan_get_info(*out, &ci);
-    int64_t v[7] = {ci.blocks, static_cast<int64_t>(ci.arena_bytes), static_cast<int64_t>(ci.plan_bytes),
-                    static_cast<int64_t>(ci.peak_bytes), ri.blocks, ri.live, ri.freed_after};
+    int64_t v[8] = {ci.blocks, static_cast<int64_t>(ci.arena_bytes), static_cast<int64_t>(ci.plan_bytes),
+                    static_cast<int64_t>(ci.peak_bytes), ri.blocks, ri.live, ri.freed_after,
+                    static_cast<int64_t>(ci.group_peak_bytes)};
     std::memcpy(info, v, sizeof v);
     kt_caprec_destroy(p->rec);
     p->rec = nullptr;

@@ -29,6 +29,8 @@ steps: compile, capture and warm-up), peak memory allocated and reserved (MiB, a
 what was allocated and reserved before the recipe, after a gc and emptying the
 caches: the model copy, its gradients and optimizer state, activations, graph pools),
 and the loss after the last step. Writes models.json and models.md (a table) to --out.
+--kitsune-allocator runs every recipe on Kitsune's allocator (compile_step then plans
+its graph's memory; compile_ro gets plain CUDA graphs instead of CUDA graph trees).
 """
 import argparse
 import copy
@@ -224,7 +226,7 @@ def run(recipe, base, loss_fn, data, steps):
     if recipe in ("kitsune", "kitsune_1s"):
         st = extra.stats()
         row["compile_step"] = {k: st[k] for k in ("replays", "eager_steps", "captures", "reason", "streams",
-                                                  "streams_reason")}
+                                                  "streams_reason", "memory_plan")}
     del step, extra, model
     if recipe.startswith("compile") or recipe == "stock_graph":
         torch._dynamo.reset()
@@ -237,9 +239,18 @@ def main():
     ap.add_argument("--models", default="mlp,lenet,resnet18,gpt,inception")
     ap.add_argument("--recipes", default=",".join(RECIPES))
     ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--kitsune-allocator", action="store_true",
+                    help="install Kitsune's allocator first (every recipe then runs on it, and compile_step plans its "
+                         "graph's memory); compile_ro then uses plain CUDA graphs, not CUDA graph trees, which need "
+                         "allocator checkpoints Kitsune does not implement")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/models.py needs a CUDA GPU")
+    if args.kitsune_allocator:
+        import kitsune.allocator
+        kitsune.allocator.install()
+        import torch._inductor.config as inductor_config
+        inductor_config.triton.cudagraph_trees = False
     torch.backends.cudnn.benchmark = True
     print(f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
     rows = []

@@ -201,12 +201,13 @@ void kt_capplan_destroy(kt_capplan *p) {
   free(p);
 }
 
-/* The group (kt_memplan) of block b: its stream's index among the streams seen so
- * far, or -1 for a new stream. Streams are few. */
-static int32_t stream_group(const kt_caprec *r, int32_t b, const kt_stream_t *seen, int32_t nseen) {
-  for (int32_t g = 0; g < nseen; g++)
-    if (seen[g] == r->b[b].stream) return g;
-  return -1;
+/* The kt_memplan group of stream s: its index among the streams seen so far, which
+ * it joins when new. Streams are few. */
+static int32_t stream_group(kt_stream_t s, kt_stream_t *seen, int32_t *nseen) {
+  for (int32_t g = 0; g < *nseen; g++)
+    if (seen[g] == s) return g;
+  seen[*nseen] = s;
+  return (*nseen)++;
 }
 
 /* Sum over groups of each group's live peak: blocks of different groups never share an
@@ -235,18 +236,14 @@ kt_status kt_capplan_create(const kt_caprec *r, kt_capplan **out) {
   for (int32_t i = 0; i < r->n; i++) n += r->b[i].end != REC_LIVE;
   kt_capplan *p = calloc(1, sizeof *p);
   kt_memplan_block *mb = malloc(((size_t)n + 1) * sizeof *mb);
+  kt_stream_t *seen = malloc(((size_t)n + 1) * sizeof *seen);
   if (p) {
     p->size = malloc(((size_t)n + 1) * sizeof *p->size);
     p->off = malloc(((size_t)n + 1) * sizeof *p->off);
   }
-  if (!p || !mb || !p->size || !p->off) {
+  if (!p || !mb || !seen || !p->size || !p->off) {
     free(mb);
-    kt_capplan_destroy(p);
-    return KT_ERR_HOST_OOM;
-  }
-  kt_stream_t *seen = malloc(((size_t)n + 1) * sizeof *seen);
-  if (!seen) {
-    free(mb);
+    free(seen);
     kt_capplan_destroy(p);
     return KT_ERR_HOST_OOM;
   }
@@ -255,11 +252,7 @@ kt_status kt_capplan_create(const kt_caprec *r, kt_capplan **out) {
   for (int32_t i = 0, j = 0; i < r->n; i++) {
     const rec_block *b = &r->b[i];
     if (b->end == REC_LIVE) continue;
-    int32_t g = stream_group(r, i, seen, nseen);
-    if (g < 0) {
-      g = nseen;
-      seen[nseen++] = b->stream;
-    }
+    int32_t g = stream_group(b->stream, seen, &nseen);
     /* bytes are shared only within a stream (stream order covers the reuse), and not
      * after a use on another stream */
     mb[j] = (kt_memplan_block){b->size, b->start, b->after || b->elsewhere ? end : b->end, g};

@@ -289,10 +289,10 @@ class CompiledStep:
         try:
             mplan = allocator._take_plan(first, dev)
         except RuntimeError as e:   # host memory: capture as without a plan
-            self._memory = {"reason": f"not planned: {_describe(e)}"}
+            mplan, self._memory = None, {"reason": f"not planned: {_describe(e)}"}
+        del graph   # its pool goes back to the device's pool
+        if mplan is None:
             return self._capture(args, self._pool)
-        finally:
-            del graph   # its pool goes back to the device's pool
         placer = allocator._placer_stats(self._pool, dev)
         if placer and mplan.info["arena_bytes"] > placer["arena_bytes"] and self._graphs:
             # a larger arena: the graphs laid out in the old one would keep it alive

@@ -240,14 +240,8 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
     if (reinterpret_cast<uintptr_t>(ptr.get_context()) & kPrivateBit) {
       std::lock_guard<std::mutex> g(mu_);
       st = KT_ERR_INVALID;
-      for (auto& p : private_) {
-        if (p.device != ptr.device().index()) continue;
-        if (p.placer && (st = kt_placer_use(p.placer, ptr.get(), stream.stream())) == KT_OK) break;
-        if ((st = kt_record_stream(p.pool, ptr.get(), stream.stream())) == KT_OK) {
-          if (p.rec) (void)kt_caprec_use(p.rec, ptr.get(), stream.stream());
-          break;
-        }
-      }
+      for (auto& p : private_)
+        if (p.device == ptr.device().index() && (st = use_in_locked(p, ptr.get(), stream.stream())) == KT_OK) break;
     } else {
       st = kt_record_stream(pool(ptr.device().index()), ptr.get(), stream.stream());
     }
@@ -688,15 +682,25 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
     std::lock_guard<std::mutex> g(mu_);
     for (size_t i = 0; i < private_.size(); i++) {
       Private& p = private_[i];
-      if (p.device != device) continue;
-      if (!(p.placer && kt_placer_free(p.placer, ptr) == KT_OK)) {
-        if (kt_free(p.pool, ptr, 0, nullptr) != KT_OK) continue;
-        if (p.rec) (void)kt_caprec_free(p.rec, ptr);
-      }
+      if (p.device != device || free_in_locked(p, ptr) != KT_OK) continue;
       maybe_destroy_locked(i);
       return KT_OK;
     }
     return KT_ERR_INVALID;
+  }
+
+  // A block of private pool p: placed by its placer, else its pool's (and recorded).
+  static kt_status free_in_locked(Private& p, void* ptr) {
+    if (p.placer && kt_placer_free(p.placer, ptr) == KT_OK) return KT_OK;
+    kt_status st = kt_free(p.pool, ptr, 0, nullptr);
+    if (st == KT_OK && p.rec) (void)kt_caprec_free(p.rec, ptr);
+    return st;
+  }
+  static kt_status use_in_locked(Private& p, void* ptr, cudaStream_t stream) {
+    if (p.placer && kt_placer_use(p.placer, ptr, stream) == KT_OK) return KT_OK;
+    kt_status st = kt_record_stream(p.pool, ptr, stream);
+    if (st == KT_OK && p.rec) (void)kt_caprec_use(p.rec, ptr, stream);
+    return st;
   }
 
   // Destroys private pool i if it was released and holds no live block.

@@ -260,8 +260,8 @@ class CompiledStep:
     def _capturing(self, graph, pool):
         """torch.cuda.graph(graph, pool=pool, stream=side), less its gc.collect() and
         empty_cache() when Kitsune's allocator is installed: it makes a capture's memory
-        ready itself (beginAllocateToPool), and emptying its cache unmapped what the next
-        capture maps again (0.2 s a capture on the H100, twice a planned step)."""
+        ready itself (beginAllocateToPool), and emptying its cache cost 0.19 s a capture
+        on the H100, twice a planned step (bench/results/h100_plan_debug_779a772_805068d.txt)."""
         from . import allocator
         if not allocator.installed():
             with torch.cuda.graph(graph, pool=pool, stream=self._side, capture_error_mode="thread_local"):

@@ -157,8 +157,8 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
     uintptr_t v = reinterpret_cast<uintptr_t>(ctx);
     void* ptr = reinterpret_cast<void*>(v & ~(kDeviceMask | kPrivateBit));
     int dev = static_cast<int>(v & kDeviceMask);
-    if (C10_UNLIKELY(!ptr)) return;   // a 0-byte allocation
     if (C10_UNLIKELY(v & kPrivateBit)) {
+      if (!ptr) return;   // a 0-byte allocation (free_any returns on NULL itself)
       if (free_private(ptr, dev) != KT_OK) TORCH_WARN("Kitsune: free of ", ptr, " (a graph or MemPool block) on device ",
                                                       dev, " failed: no private pool holds it");
       return;

@@ -16,8 +16,10 @@ before it (parameters, optimizer state, batches, workspaces; gradients dropped),
 same model is trained by compile_step for --steps steps and, after a gc and
 torch.cuda.empty_cache() with the graph alive, `graph_reserved` is what the allocator
 holds (torch.cuda.memory_reserved: the graph's pool, its capture stream's cuBLAS
-workspaces, static inputs, and everything eager holds) -- the graph's memory as the
-device sees it. Reported: graph_reserved / eager_peak (the issue's "whole-step graph
+workspaces if it has its own -- compile_step's shares the eager stream's --, static
+inputs, and everything eager holds) -- the graph's memory as the device sees it.
+With Kitsune, `breakdown` (kitsune.allocator.memory_breakdown) says where those
+reserved bytes are. Reported: graph_reserved / eager_peak (the issue's "whole-step graph
 peak memory <= the eager step's peak allocated"), the graph's share above static, the
 plan's numbers (arena, the recording's live peak, placed / refused), ms per step (the
 median over blocks of 10 between CUDA events) and the last loss. Writes
@@ -91,11 +93,13 @@ def child(model_name, config, steps):
     gc.collect()
     torch.cuda.empty_cache()
     st = step.stats()
-    ws = None
-    if config != "native":   # one capture stream's cuBLAS + cuBLASLt workspaces (bytes), as the allocator measured
+    ws = breakdown = None
+    if config != "native":
         import kitsune.allocator as ka
-        ws = ka.capture_info()["workspaces"]
-    out = {"workspaces_per_stream": ws, "model": model_name, "config": config, "static": static, "eager_peak": eager_peak,
+        ws = ka.capture_info()["workspaces"]   # cuBLAS + cuBLASLt workspace bytes the last capture might allocate
+        breakdown = ka.memory_breakdown()      # where the reserved bytes are (device pool, graph pools, arenas)
+    out = {"capture_workspaces": ws, "breakdown": breakdown, "blas_workspaces": st["blas_workspaces"],
+           "model": model_name, "config": config, "static": static, "eager_peak": eager_peak,
            "graph_reserved": torch.cuda.memory_reserved(), "graph_allocated": torch.cuda.memory_allocated(),
            "ms": ms, "final_loss": losses[-1].float().item(), "steps": steps,
            "compile_step": {k: st[k] for k in ("replays", "captures", "reason", "streams", "setup_s", "memory_plan")}}
@@ -144,6 +148,17 @@ def main():
               f"{(r['eager_peak'] - r['static']) / MiB:8.1f}{r['graph_reserved'] / MiB:11.1f}"
               f"{(r['graph_reserved'] - r['static']) / MiB:8.1f}{r['graph_reserved'] / r['eager_peak']:12.3f}{plan}"
               f"{r['ms']:8.3f}{r['final_loss']:9.4f}")
+    print("\nKitsune's reserved bytes after the run (MiB): the device pool's cache it could not give back "
+          "(reserved - allocated), graph pools' segments (free in them), arenas (free in them), cuBLAS shared")
+    for r in rows:
+        bd = r.get("breakdown")
+        if not bd:
+            continue
+        bl = r.get("blas_workspaces") or {}
+        print(f"{r['model']:<10}{r['config']:<14}cache {(bd['reserved'] - bd['allocated']) / MiB:7.1f}   "
+              f"pools {bd['private_reserved'] / MiB:7.1f} ({(bd['private_reserved'] - bd['private_allocated']) / MiB:.1f})"
+              f"   arenas {bd['arena_bytes'] / MiB:7.1f} ({(bd['arena_bytes'] - bd['placed_live']) / MiB:.1f})   "
+              f"segments {bd['segments']}   cuBLAS shared/apart {bl.get('shared')}/{bl.get('apart')}")
     write_result(a.out, "graph_memory", {"steps": a.steps, "rows": rows})
 
 

@@ -174,6 +174,14 @@ def bridge():
         b.kt_bridge_install.restype, b.kt_bridge_install.argtypes = ctypes.c_int, [ctypes.c_char_p, ctypes.c_size_t]
         b.kt_bridge_installed.restype, b.kt_bridge_installed.argtypes = ctypes.c_int, []
         b.kt_bridge_trace.restype, b.kt_bridge_trace.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_char_p]
+        u64, i64, i64p = ctypes.c_uint64, ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)
+        b.kt_bridge_blas_share.restype, b.kt_bridge_blas_share.argtypes = ctypes.c_int, [u64, u64, i64p]
+        b.kt_bridge_blas_list.restype, b.kt_bridge_blas_list.argtypes = i64, [u64, i64p, i64]
+        b.kt_bridge_blas_test_put.restype = ctypes.c_int
+        b.kt_bridge_blas_test_put.argtypes = [ctypes.c_int, u64, u64, u64]
+        b.kt_bridge_blas_test_frees.restype, b.kt_bridge_blas_test_frees.argtypes = i64, []
+        b.kt_bridge_stream_create.restype = ctypes.c_int
+        b.kt_bridge_stream_create.argtypes = [ctypes.c_int, ctypes.POINTER(u64)]
         del lib
         _bridge = b
         return b

@@ -66,7 +66,9 @@ def capture_info(device=0):
     """What Kitsune prepared for the last CUDA graph capture (or MemPool use) on
     ``device``, in bytes: ``emptied`` (what the last releasing ``empty_cache`` gave
     back, the warm-up's working memory when torch.cuda.graph emptied the cache),
-    ``workspaces`` (cuBLAS and cuBLASLt workspaces of one stream), ``asked`` (the
+    ``workspaces`` (the cuBLAS and cuBLASLt workspace bytes the most provided stream
+    holds, less what the capture stream holds already: what the capture may
+    allocate for them), ``asked`` (the
     range made ready: emptied x 1.25 + 20 MiB + workspaces), ``ready`` (the largest
     free range ready when the capture began) and ``status`` (0, or the kt_status of a
     preparation that could not run). All zero before the first capture."""
@@ -156,6 +158,25 @@ def _place_capture(pool, plan, device=0):
         raise TypeError(f"plan must be a CapturePlan from kitsune.allocator._take_plan, got {plan!r}")
     b, d, i0, i1 = _pool_args(pool, device)
     check(b.kt_bridge_pool_place(d, i0, i1, plan._handle), f"placing the next capture into pool {pool}")
+
+
+def memory_breakdown(device=0):
+    """Where the installed allocator's reserved bytes on ``device`` are: the device
+    pool's ``reserved``, ``allocated`` (a private pool's segments and a placer's arenas
+    are blocks of it) and ``segments``; the private pools (CUDA graphs' and MemPools')
+    ``private_pools``, ``private_reserved`` (their segments) and ``private_allocated``
+    (blocks live in them); ``arena_bytes`` (placed captures' arenas) and
+    ``placed_live`` (placed blocks live in them). Reserved but unallocated device-pool
+    bytes are the cache ``torch.cuda.empty_cache()`` could not give back."""
+    if not installed():
+        raise RuntimeError("kitsune.allocator.memory_breakdown() describes the installed allocator: call "
+                           "kitsune.allocator.install() first")
+    b = _native.bridge()
+    out = (ctypes.c_int64 * 8)()
+    b.kt_bridge_memory_breakdown.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int64)]
+    check(b.kt_bridge_memory_breakdown(device, out), f"memory_breakdown(device={device})")
+    return dict(zip(("reserved", "allocated", "segments", "private_pools", "private_reserved", "private_allocated",
+                     "arena_bytes", "placed_live"), list(out)))
 
 
 def _placer_stats(pool, device=0):

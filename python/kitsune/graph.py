@@ -60,6 +60,8 @@ after the first step is not followed: make a new compile_step.
 """
 import collections
 import contextlib
+import ctypes
+import threading
 import time
 import warnings
 import weakref
@@ -114,7 +116,8 @@ class CompiledStep:
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
         self.max_shapes, self.autocast_dtype, self.max_grad_norm = max_shapes, autocast_dtype, max_grad_norm
         self._graphs = collections.OrderedDict()
-        self._pool = self._side = None
+        self._pool = self._side = self._partner = None
+        self._blas = None   # kt_bridge_blas_share's counts after the last first step
         self._groups = len(optimizer.param_groups)
         self._reason = None
         self._n = {"replays": 0, "eager_steps": 0, "captures": 0, "evictions": 0, "recaptures": 0}
@@ -152,7 +155,15 @@ class CompiledStep:
         self._graphs.move_to_end(key)
         for s, i in zip(g.static, g.slots):
             s.copy_(batch[i], non_blocking=True)
+        # the graph's cuBLAS kernels use the partner stream's workspaces: a replay
+        # launched on another stream is ordered with it both ways
+        here = torch.cuda.current_stream(self._partner.device)
+        fence = here != self._partner
+        if fence:
+            here.wait_stream(self._partner)
         g.graph.replay()
+        if fence:
+            self._partner.wait_stream(here)
         self.optimizer.replayed(g.plan)
         self._n["replays"] += 1
         return g.loss.clone()
@@ -193,21 +204,29 @@ class CompiledStep:
             self._fall_back(why)
             return self._eager(batch)
         t0 = time.perf_counter()
-        here = torch.cuda.current_stream()
-        if self._side is None:   # one for every first step: cuBLAS keeps a workspace per stream
-            self._side = torch.cuda.Stream()
-        side = self._side
+        device = next(self.model.parameters()).device
+        here = torch.cuda.current_stream(device)
+        if self._side is None:
+            self._side, self._partner = _capture_stream(device, here)
+        side, partner = self._side, self._partner
+        _share_workspaces(partner, side)
         side.wait_stream(here)
+        if partner != here:
+            side.wait_stream(partner)
         with torch.cuda.stream(side):
             loss = self._warm_up(batch)
         here.wait_stream(side)
+        if partner != here:
+            partner.wait_stream(side)
+        # workspaces the warm-up made on the capture stream (the autograd thread's
+        # handle, say) move to the partner; the capture then makes none
+        self._blas = _share_workspaces(partner, side)
         slots = [i for i, b in enumerate(batch) if isinstance(b, torch.Tensor)]
         laid = self._layout(batch)
         static = [laid[i].detach().clone() for i in slots]   # outside the pool: the graph's inputs
         args = list(batch)
         for s, i in zip(static, slots):
             args[i] = s
-        device = next(self.model.parameters()).device
         if self._captured is None:
             self._captured = self._plan_streams(args, device)
         self.optimizer.prepare_capture(device)
@@ -385,7 +404,44 @@ class CompiledStep:
         captured channels-last (channels_last, channels_last_reason)."""
         return dict(self._n, graphs=len(self._graphs), setup_s=self._setup_s, reason=self._reason, **self._stream_info,
                     channels_last=self._cl, channels_last_reason=self._cl_reason,
-                    memory_plan=dict(self._memory) if self._memory else None)
+                    memory_plan=dict(self._memory) if self._memory else None,
+                    blas_workspaces=dict(self._blas) if self._blas else None)
+
+
+# compile_step's capture streams: device index -> (the stream, its partner: the
+# stream whose cuBLAS and cuBLASLt workspaces it uses). PyTorch keys those
+# workspaces by (handle, stream) and keeps them for the process, 65 MiB a stream on
+# an H100; a graph bakes in its capture stream's. Sharing the partner's (the stream
+# the first step ran on, the default stream as a rule) keeps a whole-step graph from
+# holding a second set. The stream is Kitsune's own (PyTorch's pool hands its streams
+# round-robin to any caller, who would then use the partner's workspaces unordered),
+# one per device for every compile_step, never destroyed.
+_CAPTURE_STREAMS = {}
+_CAPTURE_STREAMS_LOCK = threading.Lock()
+
+
+def _capture_stream(device, here):
+    from . import _native
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    with _CAPTURE_STREAMS_LOCK:
+        got = _CAPTURE_STREAMS.get(idx)
+        if got is None:
+            ptr = ctypes.c_uint64()
+            b = _native.bridge()
+            _native.check(b.kt_bridge_stream_create(idx, ctypes.byref(ptr)), f"creating a capture stream on cuda:{idx}")
+            got = _CAPTURE_STREAMS[idx] = (torch.cuda.ExternalStream(ptr.value, device=torch.device("cuda", idx)), here)
+        return got
+
+
+def _share_workspaces(partner, side):
+    """kt_bridge_blas_share(partner, side): ``shared`` (map, handle) pairs whose side
+    workspace is now the partner's, how many of those ``moved`` from side, and how many
+    stay ``apart`` (both streams had their own before they were paired)."""
+    from . import _native
+    b = _native.bridge()
+    out = (ctypes.c_int64 * 3)()
+    _native.check(b.kt_bridge_blas_share(partner.cuda_stream, side.cuda_stream, out), "sharing cuBLAS workspaces")
+    return dict(zip(("shared", "moved", "apart"), out))
 
 
 def _describe(e):

@@ -453,6 +453,96 @@ def test_compile_step_plan_memory_needs_the_installed_allocator():
         ka._placer_stats((0, 1))
 
 
+def _blas_rows(b, stream):
+    import ctypes
+    n = b.kt_bridge_blas_list(stream, None, 0)
+    rows = (ctypes.c_int64 * (4 * max(n, 1)))()
+    assert b.kt_bridge_blas_list(stream, rows, n) == n
+    return {tuple(rows[4 * i:4 * i + 4]) for i in range(n)}
+
+
+def test_blas_share_aliases_moves_and_never_frees():
+    """kt_bridge_blas_share on PyTorch's own workspace maps, with entries the test puts
+    there (a deleter that counts frees; fake handles and streams): a workspace on the
+    partner only is aliased, one on the capture stream only moves to the partner (same
+    address), two owners stay apart; a second call changes nothing; an alias follows
+    the partner's workspace when it is replaced and goes when it is dropped; nothing is
+    ever freed by sharing, and aliases free nothing when they go."""
+    import ctypes
+    from kitsune import _native
+    b = _native.bridge()
+    F, T = 0x7E57_0000_1000, 0x7E57_0000_2000           # partner, capture stream
+    h1, h2, h3 = 0x7E57_00A1_0000, 0x7E57_00A2_0000, 0x7E57_00A3_0000
+    A = {i: 0x7E57_1000_0000 + i * 0x1000_0000 for i in range(1, 7)}
+    frees0 = b.kt_bridge_blas_test_frees()
+    put = b.kt_bridge_blas_test_put
+    try:
+        assert put(0, h1, F, A[1]) == 0 and put(1, h1, F, A[2]) == 0   # partner only: both maps
+        assert put(0, h2, T, A[3]) == 0                                 # capture stream only
+        assert put(0, h3, F, A[4]) == 0 and put(0, h3, T, A[5]) == 0    # both their own
+        assert put(7, h1, F, A[1]) != 0                                  # no such map
+        out = (ctypes.c_int64 * 3)()
+        assert b.kt_bridge_blas_share(F, T, out) == 0
+        assert list(out) == [3, 1, 1]
+        assert _blas_rows(b, F) == {(0, h1, A[1], 0), (1, h1, A[2], 0), (0, h2, A[3], 0), (0, h3, A[4], 0)}
+        assert _blas_rows(b, T) == {(0, h1, A[1], 1), (1, h1, A[2], 1), (0, h2, A[3], 1), (0, h3, A[5], 0)}
+        assert b.kt_bridge_blas_test_frees() == frees0
+        assert b.kt_bridge_blas_share(F, T, out) == 0 and list(out) == [3, 0, 1]   # nothing left to do
+        assert _blas_rows(b, T) == {(0, h1, A[1], 1), (1, h1, A[2], 1), (0, h2, A[3], 1), (0, h3, A[5], 0)}
+        assert put(0, h1, F, A[6]) == 0                  # PyTorch replaced the partner's: the old one freed
+        assert put(1, h1, F, 0) == 0                     # and dropped another
+        assert b.kt_bridge_blas_test_frees() == frees0 + 2
+        assert b.kt_bridge_blas_share(F, T, out) == 0 and list(out) == [2, 0, 1]
+        assert _blas_rows(b, T) == {(0, h1, A[6], 1), (0, h2, A[3], 1), (0, h3, A[5], 0)}
+        assert b.kt_bridge_blas_test_frees() == frees0 + 2
+        with pytest.raises(ValueError, match="sharing cuBLAS workspaces"):
+            kitsune.graph._share_workspaces(type("S", (), {"cuda_stream": F})(), type("S", (), {"cuda_stream": F})())
+    finally:
+        for kind in (0, 1):
+            for h in (h1, h2, h3):
+                for s in (F, T):
+                    put(kind, h, s, 0)
+    assert _blas_rows(b, F) == set() and _blas_rows(b, T) == set()
+    # owned entries left at the end: A6, A3 (moved to F), A4, A5; the aliases freed nothing
+    assert b.kt_bridge_blas_test_frees() == frees0 + 2 + 4
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_compile_step_shares_the_partner_streams_cublas_workspaces():
+    """The capture stream uses the cuBLAS and cuBLASLt workspaces of its partner (the
+    stream the first step ran on): every workspace entry it has is an alias of one of
+    the partner's, so a graph holds no second set. Steps called on another stream,
+    while the partner runs matmuls of its own, are fenced with it and train as the
+    eager loop does."""
+    from kitsune import _native
+    b = _native.bridge()
+    m1, o1, m2, o2 = _twins(_mlp(3, "cuda"), lr=1e-2)
+    batches = _batches(30, "cuda")
+    ce = torch.nn.functional.cross_entropy
+    want = _eager_reference(m1, o1, batches, ce)
+    step = kitsune.compile_step(m2, ce, o2)
+    losses = [step(*batch).float() for batch in batches[:10]]
+    cap, partner = kitsune.graph._CAPTURE_STREAMS[torch.cuda.current_device()]
+    assert cap is step._side and partner is step._partner
+    rows_cap, rows_partner = _blas_rows(b, cap.cuda_stream), _blas_rows(b, partner.cuda_stream)
+    assert rows_cap and all(alias == 1 for *_, alias in rows_cap), rows_cap
+    assert {r[:3] for r in rows_cap} <= {r[:3] for r in rows_partner if r[3] == 0}, (rows_cap, rows_partner)
+    st = step.stats()["blas_workspaces"]
+    assert st["apart"] == 0 and st["shared"] == len(rows_cap), (st, rows_cap)
+    user = torch.cuda.Stream()
+    user.wait_stream(torch.cuda.current_stream())
+    x = torch.randn(4096, 4096, device="cuda")
+    for batch in batches[10:]:
+        y = x @ x   # on the partner, with its workspace
+        with torch.cuda.stream(user):
+            losses.append(step(*batch).float())
+        del y
+    torch.cuda.current_stream().wait_stream(user)
+    _assert_same_training(m1, o1, m2, o2, want, torch.stack(losses))
+    assert step.stats()["replays"] == 29
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("case", ["mlp", "shapes", "lm", "branchy"])

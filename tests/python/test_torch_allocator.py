@@ -47,15 +47,17 @@ def test_install_without_gpu_fails_cleanly():
     assert "installed False" in out
 
 
-def test_capture_info_needs_the_installed_allocator():
+def test_capture_info_and_memory_breakdown_need_the_installed_allocator():
     out = run("""
         import kitsune.allocator as ka
-        try:
-            ka.capture_info()
-        except RuntimeError as e:
-            print("ERR", e)
+        for f in (ka.capture_info, ka.memory_breakdown):
+            try:
+                f()
+            except RuntimeError as e:
+                print("ERR", e)
     """)
     assert "ERR kitsune.allocator.capture_info() describes the installed allocator" in out
+    assert "ERR kitsune.allocator.memory_breakdown() describes the installed allocator" in out
 
 
 def test_bridge_is_built_and_loads_after_torch():
@@ -342,6 +344,7 @@ CAPTURE_STEP = """
     out["reserved_mib"] = torch.cuda.memory_reserved() / 2**20
     if kit:
         out["prepared"] = ka.capture_info()
+        out["breakdown"] = ka.memory_breakdown()   # the graph is alive: its private pool holds segments
     print(json.dumps(out))
 """
 
@@ -366,6 +369,10 @@ def test_a_warmed_up_capture_allocates_no_device_memory(workload):
     assert k["prepared"]["status"] == 0 and k["prepared"]["ready"] >= k["prepared"]["asked"] > 0, res
     assert k["num_device_alloc"] == 0, res
     assert k["num_device_free"] == 0 and k["num_sync_all_streams"] == 0, res
+    bd = k["breakdown"]
+    assert bd["private_pools"] >= 1 and 0 < bd["private_allocated"] <= bd["private_reserved"], bd
+    assert bd["private_reserved"] <= bd["allocated"] <= bd["reserved"], bd   # a private segment is a device block
+    assert bd["reserved"] == k["reserved_mib"] * 2**20, bd                  # memory_reserved() is the device pool's
     assert abs(k["loss"] - res["native"]["loss"]) <= 1e-3 * max(1.0, abs(res["native"]["loss"])), res
 
 

@@ -12,7 +12,10 @@ For each model of bench/models.py (same builders, batches and AdamW), kitsune.op
 
 Each process runs 5 eager steps, then measures one more: `static` is what is allocated
 before it (parameters, optimizer state, batches, workspaces; gradients dropped),
-`eager_peak` the most allocated during it (torch.cuda.max_memory_allocated). Then the
+`eager_peak` the most allocated during it (torch.cuda.max_memory_allocated);
+`static_reserved` and `eager_reserved_peak` are the same for memory_reserved (after
+an empty_cache: what the allocator holds for those tensors, its fragmentation
+included). Then the
 same model is trained by compile_step for --steps steps and, after a gc and
 torch.cuda.empty_cache() with the graph alive, `graph_reserved` is what the allocator
 holds (torch.cuda.memory_reserved: the graph's pool, its capture stream's cuBLAS
@@ -20,7 +23,8 @@ workspaces if it has its own -- compile_step's shares the eager stream's --, sta
 inputs, and everything eager holds) -- the graph's memory as the device sees it.
 With Kitsune, `breakdown` (kitsune.allocator.memory_breakdown) says where those
 reserved bytes are. Reported: graph_reserved / eager_peak (the issue's "whole-step graph
-peak memory <= the eager step's peak allocated"), the graph's share above static, the
+peak memory <= the eager step's peak allocated", strictly: reserved against
+allocated), graph_reserved / eager_reserved_peak (both as the device holds them), the graph's share above static, the
 plan's numbers (arena, the recording's live peak, placed / refused), ms per step (the
 median over blocks of 10 between CUDA events) and the last loss. Writes
 graph_memory.json and prints a table.
@@ -70,10 +74,10 @@ def child(model_name, config, steps):
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    static = torch.cuda.memory_allocated()
+    static, static_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     eager(*data[5 % len(data)])
     torch.cuda.synchronize()
-    eager_peak = torch.cuda.max_memory_allocated()
+    eager_peak, eager_reserved_peak = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     opt.zero_grad(set_to_none=True)
 
     step = kitsune.compile_step(model, loss_fn, opt, plan_memory=config == "kitsune_plan")
@@ -100,6 +104,7 @@ def child(model_name, config, steps):
         breakdown = ka.memory_breakdown()      # where the reserved bytes are (device pool, graph pools, arenas)
     out = {"capture_workspaces": ws, "breakdown": breakdown, "blas_workspaces": st["blas_workspaces"],
            "model": model_name, "config": config, "static": static, "eager_peak": eager_peak,
+           "static_reserved": static_reserved, "eager_reserved_peak": eager_reserved_peak,
            "graph_reserved": torch.cuda.memory_reserved(), "graph_allocated": torch.cuda.memory_allocated(),
            "ms": ms, "final_loss": losses[-1].float().item(), "steps": steps,
            "compile_step": {k: st[k] for k in ("replays", "captures", "reason", "streams", "setup_s", "memory_plan")}}
@@ -133,10 +138,17 @@ def main():
                              "error": (r.stderr.strip().splitlines() or [f"exit status {r.returncode}"])[-1]})
                 continue
             rows.append(json.loads(r.stdout.strip().splitlines()[-1]))
-    print(f"\n{torch.cuda.get_device_name(0)}, torch {torch.__version__}; MiB; graph/eager = graph_reserved / eager_peak")
+    print(f"\n{torch.cuda.get_device_name(0)}, torch {torch.__version__}")
+    table(rows)
+    write_result(a.out, "graph_memory", {"steps": a.steps, "rows": rows})
+
+
+def table(rows):
+    print("MiB; graph/eager = graph_reserved / eager_peak")
     print("static: allocated before the eager step; eager+: its peak above static; graph+: graph_reserved above static")
+    print("rsv/rsv: graph_reserved / the eager step's peak reserved (both after an empty_cache)")
     print(f"{'model':<10}{'config':<14}{'static':>9}{'eager pk':>10}{'eager+':>8}{'graph rsv':>11}{'graph+':>8}"
-          f"{'graph/eager':>12}{'plan':>8}{'live pk':>9}{'placed':>10}{'ms':>8}{'loss':>9}")
+          f"{'graph/eager':>12}{'rsv/rsv':>8}{'plan':>8}{'live pk':>9}{'placed':>10}{'ms':>8}{'loss':>9}")
     for r in rows:
         if "error" in r:
             print(f"{r['model']:<10}{r['config']:<14}  error: {r['error']}")
@@ -146,20 +158,23 @@ def main():
             if "plan_bytes" in mp else f"{'':8}{'':9}{'':10}"
         print(f"{r['model']:<10}{r['config']:<14}{r['static'] / MiB:9.1f}{r['eager_peak'] / MiB:10.1f}"
               f"{(r['eager_peak'] - r['static']) / MiB:8.1f}{r['graph_reserved'] / MiB:11.1f}"
-              f"{(r['graph_reserved'] - r['static']) / MiB:8.1f}{r['graph_reserved'] / r['eager_peak']:12.3f}{plan}"
+              f"{(r['graph_reserved'] - r['static']) / MiB:8.1f}{r['graph_reserved'] / r['eager_peak']:12.3f}"
+              f"{r['graph_reserved'] / r['eager_reserved_peak']:8.3f}{plan}"
               f"{r['ms']:8.3f}{r['final_loss']:9.4f}")
-    print("\nKitsune's reserved bytes after the run (MiB): the device pool's cache it could not give back "
-          "(reserved - allocated), graph pools' segments (free in them), arenas (free in them), cuBLAS shared")
+    print("\nReserved but not allocated before the eager step (static cache) and after the run (cache), MiB; "
+          "with Kitsune, graph pools' segments (free in them), arenas (free in them); cuBLAS workspaces shared")
     for r in rows:
-        bd = r.get("breakdown")
-        if not bd:
+        if "error" in r:
             continue
-        bl = r.get("blas_workspaces") or {}
-        print(f"{r['model']:<10}{r['config']:<14}cache {(bd['reserved'] - bd['allocated']) / MiB:7.1f}   "
-              f"pools {bd['private_reserved'] / MiB:7.1f} ({(bd['private_reserved'] - bd['private_allocated']) / MiB:.1f})"
+        bd, bl = r.get("breakdown"), r.get("blas_workspaces") or {}
+        line = (f"{r['model']:<10}{r['config']:<14}static cache {(r['static_reserved'] - r['static']) / MiB:7.1f}   "
+                f"cache {(r['graph_reserved'] - r['graph_allocated']) / MiB:7.1f}")
+        if not bd:
+            print(line + f"   cuBLAS shared/apart {bl.get('shared')}/{bl.get('apart')}")
+            continue
+        print(line + f"   pools {bd['private_reserved'] / MiB:7.1f} ({(bd['private_reserved'] - bd['private_allocated']) / MiB:.1f})"
               f"   arenas {bd['arena_bytes'] / MiB:7.1f} ({(bd['arena_bytes'] - bd['placed_live']) / MiB:.1f})   "
               f"segments {bd['segments']}   cuBLAS shared/apart {bl.get('shared')}/{bl.get('apart')}")
-    write_result(a.out, "graph_memory", {"steps": a.steps, "rows": rows})
 
 
 if __name__ == "__main__":

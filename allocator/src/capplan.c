@@ -434,11 +434,11 @@ static int conflicts(const kt_placer *pl, uint64_t off, uint64_t size, kt_stream
 
 kt_status kt_placer_alloc(kt_placer *pl, size_t size, kt_stream_t stream, void **out) {
   if (!pl || !out) return KT_ERR_INVALID;
-  if (!pl->active) return KT_ERR_UNAVAILABLE;
+  if (!pl->active || !size) return KT_ERR_UNAVAILABLE;   /* 0 bytes: recordings leave them out too */
   uint64_t rs = round_up(size, KT_CAPPLAN_ALIGN);
   int32_t j = pl->cursor, stop = pl->n - pl->cursor > KT_CAPPLAN_WINDOW ? pl->cursor + KT_CAPPLAN_WINDOW : pl->n;
   while (j < stop && (pl->blk[j].state != PL_UNPLACED || pl->blk[j].size != rs)) j++;
-  if (!size || j == stop || !pl->cur || pl->blk[j].off + rs > pl->cur->bytes ||
+  if (j == stop || !pl->cur || pl->blk[j].off + rs > pl->cur->bytes ||
       conflicts(pl, pl->blk[j].off, rs, stream) || pm_get(&pl->map, pl->cur->base + pl->blk[j].off) >= 0) {
     pl->refused++;
     return KT_ERR_UNAVAILABLE;

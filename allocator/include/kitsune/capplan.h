@@ -125,7 +125,8 @@ typedef struct kt_placer_stats {
   /* the last capture begun: */
   int32_t planned;         /* blocks in its plan */
   int32_t placed;          /* allocations served at their planned offset */
-  int32_t refused;         /* allocations refused while placing (served by the pool) */
+  int32_t refused;         /* allocations refused while placing (served by the pool); 0-byte
+                            * requests are not placed and not counted */
   size_t plan_bytes;       /* its plan's extent */
   size_t peak_bytes;       /* its recording's live peak */
 } kt_placer_stats;

@@ -28,6 +28,10 @@ Patterns (each intermediate must have no other user, so nothing observable is lo
   relu(linear(x))          -> kitsune.linear_act(x, W, b, "relu") (a Linear with a bias)
   relu(BatchNorm(x))       -> kitsune.batch_norm_relu (nn.BatchNorm1d/2d/3d; the
                               module's mode, momentum and running stats read at run time)
+  [relu](Conv2d(x))        -> kitsune.channel_bias(F.conv2d(x, W, None, ...), b, "relu" | "none")
+                              (an nn.Conv2d with a bias and zeros padding; the ReLU when it
+                              is the convolution's only user): the bias gradient's sum in
+                              two stages instead of ATen's one
   (q @ k^T) * s, (q @ k^T) / s   -> kitsune.attention_score(q, k, scale) (s a Python
                               number; k^T as k.transpose(-2, -1) or k.mT; one GEMM
                               with the scale as alpha; unfused for broadcast batches)
@@ -475,6 +479,34 @@ def _rewrite_bias_dropout_add(gm, g, node, where, report, apply):
     return False
 
 
+def _rewrite_conv_bias(gm, g, node, conv, where, report, apply):
+    """An nn.Conv2d with a bias (zeros padding), and the ReLU after it when that is its
+    only user: F.conv2d without the bias, then kitsune.channel_bias."""
+    from . import ops as ko
+    if conv.bias is None:
+        return
+    if conv.padding_mode != "zeros":
+        report.left.append((where, f"conv2d bias: padding_mode={conv.padding_mode!r} (only 'zeros' is split)"))
+        return
+    if len(node.args) != 1 or node.kwargs:
+        return
+    users = list(node.users)
+    act = _act(gm, users[0]) if len(users) == 1 else None
+    relu = users[0] if act is not None and act[0] == "relu" and act[1] is node else None
+    report.fused.append((where, f"{'relu(conv2d)' if relu is not None else 'conv2d'} bias -> channel_bias "
+                                f"({node.name})"))
+    if not apply:
+        return
+    with g.inserting_before(node):
+        w, b = g.get_attr(f"{node.target}.weight"), g.get_attr(f"{node.target}.bias")
+        y = g.call_function(F.conv2d, (node.args[0], w, None, conv.stride, conv.padding, conv.dilation, conv.groups))
+        new = g.call_function(ko.channel_bias, (y, b, "none" if relu is None else "relu"))
+    (relu if relu is not None else node).replace_all_uses_with(new)
+    if relu is not None:
+        g.erase_node(relu)
+    g.erase_node(node)
+
+
 def _fuse_pair(g, node, inner, where, report, apply, pattern, op, make):
     """Replaces node(inner(...)) by the node make() inserts, when inner has no other user."""
     if len(inner.users) != 1:
@@ -551,6 +583,9 @@ def _rewrite(gm, report, prefix, apply):
         if getattr(node, "_erased", False):   # removed by an earlier rewrite
             continue
         where = f"{prefix}{node.name}"
+        if type(_module(gm, node)) is nn.Conv2d:
+            _rewrite_conv_bias(gm, g, node, _module(gm, node), where, report, apply)
+            continue
         act = _act(gm, node)
         # ---- relu(a + b), tanh(a * b), gelu(x + bias), gelu(linear(x)) ----
         if act:

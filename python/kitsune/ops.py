@@ -36,6 +36,8 @@ Ops (reference semantics):
                                             with a bias + relu / tanh-GELU epilogue
   batch_norm_relu(x, running_mean, running_var, weight, bias, training, momentum, eps)
                                relu(F.batch_norm(...)), running stats updated as F.batch_norm does
+  channel_bias(y, bias, act="none")         act(y + bias over dim 1): a convolution's bias; its
+                                            backward sums the bias gradient in two stages
 The dropout ops draw (seed, offset) from PyTorch's default generator of the device
 (torch.manual_seed repeats a mask) and never store the mask: the backward rebuilds it
 with the same Philox code (kitsune/philox.h); ``dropout_mask(rng, n, p, dtype)`` gives it.
@@ -221,6 +223,16 @@ def _(x, weight, bias, act="relu"):
     return x.new_empty(tuple(x.shape[:-1]) + (weight.shape[0],))
 
 
+@torch.library.register_fake("kitsune::channel_bias")
+def _(y, bias, act="none"):
+    return torch.empty_like(y)
+
+
+@torch.library.register_fake("kitsune::channel_sum")
+def _(g):
+    return g.new_empty((g.shape[1],), dtype=torch.float64 if g.dtype == torch.float64 else torch.float32)
+
+
 # ---- autograd ----
 # Every op but one has its autograd in C++ (the bridge's Autograd-key kernels: no Python
 # on the launch path). The linear_cross_entropy op, called directly, registers its
@@ -364,6 +376,14 @@ def batch_norm_relu(x, running_mean, running_var, weight=None, bias=None, traini
     """relu(F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum,
     eps)) over dim 1, fused; the running stats are updated in place in training."""
     return _lib.batch_norm_relu(x, weight, bias, running_mean, running_var, training, momentum, eps)[0]
+
+
+def channel_bias(y, bias, act="none"):
+    """act(y + bias over dim 1), act "none" or "relu": a convolution's bias (and the ReLU
+    after it), split from the convolution by kitsune.optimize. Its backward sums the
+    bias gradient in two stages (faster than ATen's one reduction over N, H, W at small
+    channel counts), in fp32, deterministically."""
+    return _lib.channel_bias(y, bias, act)
 
 
 def linear_act(x, weight, bias, act="relu"):

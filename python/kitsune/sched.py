@@ -103,6 +103,10 @@ def _flops(gm, n, out):
             for d in m.kernel_size:
                 k *= d
             return 2 * elems * (m.in_channels // m.groups) * k
+    if n.op == "call_function" and n.target in (F.conv1d, F.conv2d, F.conv3d) and len(n.args) > 1:
+        w = _meta_val(n.args[1]) if isinstance(n.args[1], tfx.Node) else []   # (out, in / groups, *kernel)
+        if w:
+            return 2 * elems * (_numel(w[0]) // int(w[0].shape[0]))
     if n.op == "call_function" and n.target in (torch.matmul, torch.bmm, torch.mm, operator.matmul, F.linear):
         a = _meta_val(n.args[0]) if isinstance(n.args[0], tfx.Node) else []
         if a:

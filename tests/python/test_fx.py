@@ -316,6 +316,42 @@ def test_mlp_relu_linear_becomes_linear_act():
         torch.testing.assert_close(p.grad, dict(m.named_parameters())[name].grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
+class ConvBiases(nn.Module):
+    def __init__(self, c=4):
+        super().__init__()
+        self.c1 = nn.Conv2d(3, c, 3, padding=1)                        # + nn.ReLU: relu fused
+        self.c2 = nn.Conv2d(c, c, 1)                                   # no activation
+        self.c3 = nn.Conv2d(c, c, 3, padding="same", groups=2)         # + F.relu, its output also read: relu kept
+        self.c4 = nn.Conv2d(c, c, 3, padding=1, bias=False)            # no bias: as written
+        self.c5 = nn.Conv2d(c, c, 3, padding=1, padding_mode="reflect")  # left, with the reason
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        a = self.relu(self.c1(x))
+        b = self.c2(a)
+        y = self.c3(b)
+        c = F.relu(y) + y
+        return self.c5(self.c4(c)).relu()
+
+
+def test_conv_bias_splits_into_channel_bias_and_takes_the_relu():
+    torch.manual_seed(12)
+    m = ConvBiases().double()
+    rep = kitsune.fx.Report()
+    opt = kitsune.optimize(m, report=rep)
+    assert _kinds(rep) == ["channel_bias", "channel_bias", "channel_bias"], rep
+    assert [w.split(" bias")[0] for _, w in rep.fused] == ["relu(conv2d)", "conv2d", "conv2d"], rep
+    assert "padding_mode='reflect' (only 'zeros' is split)" in str(rep), rep
+    x = torch.randn(2, 3, 9, 7, dtype=torch.float64)
+    torch.testing.assert_close(opt(x), m(x))
+    xo, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    go = torch.autograd.grad(opt(xo).square().sum(), [xo] + list(opt.parameters()))
+    gr = torch.autograd.grad(m(xr).square().sum(), [xr] + list(m.parameters()))
+    for a, b in zip(go, gr):
+        torch.testing.assert_close(a, b)
+    assert opt.state_dict().keys() == m.state_dict().keys()   # checkpoints load either way
+
+
 class HandAttention(nn.Module):
     """Attention written out by hand, as before scaled_dot_product_attention."""
     def __init__(self, d=32, h=4):

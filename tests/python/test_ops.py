@@ -181,6 +181,17 @@ def _ref_add_ln(x, r, w, b):
     return h, F.layer_norm(h, (h.shape[-1],), w, b)
 
 
+def _per_channel(b, y):
+    return b.view((1, -1) + (1,) * (y.dim() - 2))
+
+
+def _channel_inputs(shape, dtype, device, gen, channels_last=False):
+    y = _t(shape, dtype, device, gen)
+    if channels_last:
+        y = y.contiguous(memory_format=torch.channels_last)
+    return [y, _t((shape[1],), dtype, device, gen)], []
+
+
 OPS2 = {
     "layer_norm_relu": (lambda x, w, b: ko.layer_norm_relu(x, x.shape[-1], w, b),
                         lambda x, w, b: F.relu(F.layer_norm(x, (x.shape[-1],), w, b)), _norm_inputs,
@@ -223,11 +234,20 @@ OPS2 = {
                              [(3, 4, 8), (7, 16, 33), (64, 32, 64), (512, 768, 3072)]),
     "attention_score": (lambda q, k: ko.attention_score(q, k), lambda q, k: (q @ k.transpose(-2, -1)) / q.shape[-1] ** 0.5,
                         _qk_inputs, [(1, 1, 1, 1), (2, 5, 7, 8), (8, 128, 128, 64)]),
+    # (N, C, ...) and a bias of C; LeNet's and the Inception net's conv shapes, 2-D and 3-D
+    "channel_bias": (lambda y, b: ko.channel_bias(y, b), lambda y, b: y + _per_channel(b, y), _channel_inputs,
+                     [(2, 3, 4, 5), (37, 5), (3, 4, 7), (64, 6, 24, 24), (64, 64, 32, 32), (1, 1, 1, 1)]),
+    "channel_bias_relu": (lambda y, b: ko.channel_bias(y, b, "relu"), lambda y, b: F.relu(y + _per_channel(b, y)),
+                          _channel_inputs, [(2, 3, 4, 5), (37, 5), (3, 4, 7), (64, 16, 8, 8), (64, 64, 32, 32)]),
+    "channel_bias_relu_cl": (lambda y, b: ko.channel_bias(y, b, "relu"), lambda y, b: F.relu(y + _per_channel(b, y)),
+                             lambda shape, dtype, device, gen: _channel_inputs(shape, dtype, device, gen, True),
+                             [(2, 3, 4, 5), (3, 5, 3, 3), (64, 64, 32, 32), (128, 64, 16, 16)]),
 }
 
 
 def _outs(v):
     return v if isinstance(v, tuple) else (v,)
+
 
 
 @pytest.mark.parametrize("name", list(OPS2))
@@ -262,6 +282,9 @@ def test_opcheck_more(name):
         "linear_act_relu": ("linear_act", lambda: (ts[0], ts[1], ts[2], "relu")),
         "linear_act_gelu": ("linear_act", lambda: (ts[0], ts[1], ts[2], "gelu")),
         "linear_act_gelu_tanh": ("linear_act", lambda: (ts[0], ts[1], ts[2], "gelu_tanh")),
+        "channel_bias": ("channel_bias", lambda: (ts[0], ts[1])),
+        "channel_bias_relu": ("channel_bias", lambda: (ts[0], ts[1], "relu")),
+        "channel_bias_relu_cl": ("channel_bias", lambda: (ts[0], ts[1], "relu")),
     }[name]
     torch.library.opcheck(getattr(torch.ops.kitsune, opname).default, args())
 
@@ -316,6 +339,35 @@ def test_more_bad_inputs_name_the_problem():
         ko.sum_squared(x, 2)
     with pytest.raises(RuntimeError, match="must share batch dims and d"):
         ko.attention_score(torch.randn(2, 3, 4), torch.randn(2, 3, 5))
+    y = torch.randn(2, 3, 4, 4)
+    with pytest.raises(RuntimeError, match=r"need y \(N, C, ...\) and bias \(C,\); got \[2, 3, 4, 4\] and \[4\]"):
+        ko.channel_bias(y, torch.randn(4))
+    with pytest.raises(RuntimeError, match="act must be 'none' or 'relu', got 'gelu'"):
+        ko.channel_bias(y, torch.randn(3), "gelu")
+    with pytest.raises(RuntimeError, match="y is Float but bias is Double"):
+        ko.channel_bias(y, torch.randn(3, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="need y"):
+        ko.channel_bias(torch.randn(3), torch.randn(3))
+
+
+def test_channel_sum_every_layout_and_empty():
+    """The bias gradient's two-stage sum equals a float64 sum over every dim but 1, for
+    NCHW, channels-last (its own path), 2-D and non-contiguous input; an empty batch
+    gives zeros; fp64 input is summed in fp64."""
+    g = torch.Generator().manual_seed(11)
+    for shape in [(2, 3, 4, 5), (64, 6, 24, 24), (128, 7, 3, 3), (37, 5), (1024, 3), (3, 4, 7)]:
+        x = torch.randn(shape, generator=g)
+        want = x.double().sum([d for d in range(x.dim()) if d != 1])
+        for v in (x, x.contiguous(memory_format=torch.channels_last) if x.dim() == 4 else x,
+                  x.transpose(0, 1).contiguous().transpose(0, 1)):
+            got = torch.ops.kitsune.channel_sum(v)
+            assert got.dtype == torch.float32
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+    assert torch.equal(torch.ops.kitsune.channel_sum(torch.empty(0, 4, 2, 2)), torch.zeros(4))
+    x = torch.randn(5, 3, 2, dtype=torch.float64, generator=g)
+    got = torch.ops.kitsune.channel_sum(x)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, x.sum((0, 2)), rtol=0, atol=1e-13)
 
 
 def _check_close(got, want64, theirs, dtype, what, scale=1.0):

@@ -2783,6 +2783,87 @@ Tensor linear_act_autograd(const Tensor& x, const Tensor& w, const Tensor& b, c1
   return LinearActFn::apply(x, w, b, std::string(act));
 }
 
+// ---- channel_bias: act(y + bias over dim 1) ----
+// A convolution's bias, split from it by kitsune.optimize (F.conv2d(x, W) then this
+// op, with the ReLU that follows when there is one). ATen's convolution_backward sums
+// the bias gradient over (N, H, W) in one reduction that left the H100 mostly idle at
+// LeNet's and the Inception net's shapes: reduce_kernel at 22 and 31-59 us a call
+// (bench/results/h100_profile_graph_101578e.log). Here the sum takes two stages with
+// parallelism in both: NCHW, each (n, c) plane's sum, then a sum over n; channels-last
+// (and 2-D (rows, C)), column sums over S slabs of rows, then a sum over the slabs.
+// Sums accumulate in fp32 (fp64 for fp64) in a fixed order (deterministic), and the gradient is
+// rounded once to the bias's dtype. The forward is ATen's: y + bias, then relu in
+// place. y and bias share a dtype; under autocast the bias is cast to y's (as a
+// convolution does with its bias).
+Tensor channel_sum(const Tensor& g) {
+  const int64_t C = g.size(1), N = g.size(0);
+  const at::ScalarType acc = g.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  if (g.numel() == 0) return at::zeros({C}, g.options().dtype(acc));
+  if (g.dim() == 4 && !g.is_contiguous() && g.is_contiguous(at::MemoryFormat::ChannelsLast)) {
+    Tensor rows = g.permute({0, 2, 3, 1}).reshape({-1, C});   // a view: (N H W, C)
+    const int64_t R = rows.size(0);
+    int64_t S = 1;
+    for (int64_t s = 256; s > 1; s /= 2)
+      if (R % s == 0 && R / s >= s) { S = s; break; }
+    return rows.view({S, R / S, C}).sum(1, false, acc).sum(0);
+  }
+  Tensor c = g.contiguous();
+  const int64_t inner = c.numel() / (N * C);
+  if (inner == 1) {
+    int64_t S = 1;
+    for (int64_t s = 256; s > 1; s /= 2)
+      if (N % s == 0 && N / s >= s) { S = s; break; }
+    return c.view({S, N / S, C}).sum(1, false, acc).sum(0);
+  }
+  return c.view({N, C, inner}).sum(2, false, acc).sum(0);
+}
+
+void check_channel_bias(const Tensor& y, const Tensor& b, c10::string_view act) {
+  TORCH_CHECK(act == "none" || act == "relu", "kitsune.channel_bias: act must be 'none' or 'relu', got '", act, "'");
+  check_same(y, b, "channel_bias", "y", "bias");
+  TORCH_CHECK(y.dim() >= 2 && b.dim() == 1 && b.size(0) == y.size(1),
+              "kitsune.channel_bias: need y (N, C, ...) and bias (C,); got ", y.sizes(), " and ", b.sizes());
+  TORCH_CHECK(at::isFloatingType(y.scalar_type()) && at::isFloatingType(b.scalar_type()),
+              "kitsune.channel_bias: y and bias must be floating point, got ", y.scalar_type(), " and ",
+              b.scalar_type());
+}
+
+Tensor channel_bias_fwd(const Tensor& y, const Tensor& b, c10::string_view act) {
+  check_channel_bias(y, b, act);
+  c10::DimVector shape(y.dim(), 1);
+  shape[1] = b.size(0);
+  Tensor out = at::add(y, b.view(shape));
+  return act == "relu" ? out.clamp_min_(0) : out;
+}
+
+struct ChannelBiasFn : torch::autograd::Function<ChannelBiasFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& y, const Tensor& b, std::string act) {
+    Tensor out;
+    {
+      at::AutoDispatchBelowADInplaceOrView g;
+      out = channel_bias_fwd(y, b, act);
+    }
+    ctx->saved_data["relu"] = act == "relu";
+    if (act == "relu") ctx->save_for_backward({out});
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list go) {
+    Tensor g = go[0];
+    if (ctx->saved_data["relu"].toBool()) g = at::threshold_backward(g, ctx->get_saved_variables()[0], 0);
+    return {g, channel_sum(g).to(g.scalar_type()), Tensor()};
+  }
+};
+Tensor channel_bias_autograd(const Tensor& y, const Tensor& b, c10::string_view act) {
+  return ChannelBiasFn::apply(y, b, std::string(act));
+}
+
+// kitsune.channel_sum (tests and benches): the bias gradient's sum over every dim but 1,
+// in fp32 (fp64 for fp64 input).
+Tensor channel_sum_op(const Tensor& g) {
+  TORCH_CHECK(g.dim() >= 2, "kitsune.channel_sum: need (N, C, ...), got ", g.sizes());
+  return channel_sum(g);
+}
+
 // cross_entropy: backward through cross_entropy_backward (one kernel for the scale,
 // one for the gradient).
 struct CrossEntropyFn : torch::autograd::Function<CrossEntropyFn> {
@@ -2964,6 +3045,11 @@ template <c10::DispatchKey Key> struct Autocast {
     static auto op = op_handle<Tensor(const Tensor&, const Tensor&, c10::string_view)>("kitsune::bias_gelu");
     return op.call(x, cast(bias, x.scalar_type()), approximate);
   }
+  static Tensor channel_bias(const Tensor& y, const Tensor& bias, c10::string_view act) {
+    c10::impl::ExcludeDispatchKeyGuard no(Key);
+    static auto op = op_handle<Tensor(const Tensor&, const Tensor&, c10::string_view)>("kitsune::channel_bias");
+    return op.call(y, cast(bias, y.scalar_type()), act);
+  }
   static Tensor rms_norm(const Tensor& x, const Tensor& w, double eps) {
     c10::impl::ExcludeDispatchKeyGuard no(Key);
     static auto op = op_handle<Tensor(const Tensor&, const Tensor&, double)>("kitsune::rms_norm");
@@ -3046,6 +3132,10 @@ TORCH_LIBRARY(kitsune, m) {
   m.def("batch_norm_relu_backward(Tensor grad, Tensor x, Tensor out, Tensor? weight, Tensor save_mean, Tensor save_invstd, bool training) -> (Tensor, Tensor, Tensor)");
   m.def("linear_act(Tensor x, Tensor weight, Tensor bias, str act='relu') -> Tensor");
   m.impl("linear_act", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &linear_act_fwd));
+  m.def("channel_bias(Tensor y, Tensor bias, str act='none') -> Tensor");
+  m.impl("channel_bias", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &channel_bias_fwd));
+  m.def("channel_sum(Tensor g) -> Tensor");
+  m.impl("channel_sum", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &channel_sum_op));
   m.impl("attention_score", torch::dispatch(c10::DispatchKey::CompositeImplicitAutograd, &attention_score));
 }
 
@@ -3109,6 +3199,7 @@ TORCH_LIBRARY_IMPL(kitsune, Autograd, m) {
   m.impl("add_layer_norm", &add_layer_norm_autograd);
   m.impl("batch_norm_relu", &batch_norm_relu_autograd);
   m.impl("linear_act", &linear_act_autograd);
+  m.impl("channel_bias", &channel_bias_autograd);
   m.impl("cross_entropy", &cross_entropy_autograd);
   m.impl("sum_squared", &sum_squared_autograd);
   m.impl("mean_abs", &mean_abs_autograd);
@@ -3123,6 +3214,7 @@ TORCH_LIBRARY_IMPL(kitsune, Autograd, m) {
     m.impl("mul_tanh", &A::binary<kMulTanh>);                                            \
     m.impl("swiglu", &A::binary<kSwiglu>);                                               \
     m.impl("bias_gelu", &A::bias_gelu);                                                  \
+    m.impl("channel_bias", &A::channel_bias);                                            \
     m.impl("rms_norm", &A::rms_norm);                                                    \
     m.impl("layer_norm_relu", &A::layer_norm_relu);                                      \
     m.impl("add_layer_norm", &A::add_layer_norm);                                        \

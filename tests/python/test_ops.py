@@ -352,8 +352,9 @@ def test_more_bad_inputs_name_the_problem():
 
 def test_channel_sum_every_layout_and_empty():
     """The bias gradient's two-stage sum equals a float64 sum over every dim but 1, for
-    NCHW, channels-last (its own path), 2-D and non-contiguous input; an empty batch
-    gives zeros; fp64 input is summed in fp64."""
+    NCHW, channels-last, 2-D and non-contiguous input, and copies no slice of a
+    gradient (fb40403 made a contiguous copy of each, on the H100 8 more copy kernels a
+    step in the Inception net); an empty batch gives zeros; fp64 input is summed in fp64."""
     g = torch.Generator().manual_seed(11)
     for shape in [(2, 3, 4, 5), (64, 6, 24, 24), (128, 7, 3, 3), (37, 5), (1024, 3), (3, 4, 7)]:
         x = torch.randn(shape, generator=g)
@@ -363,6 +364,14 @@ def test_channel_sum_every_layout_and_empty():
             got = torch.ops.kitsune.channel_sum(v)
             assert got.dtype == torch.float32
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+    cl = torch.randn(4, 10, 5, 5, generator=g).contiguous(memory_format=torch.channels_last)
+    for v in (cl[:, 2:6], cl[:, :, 1:4], torch.randn(4, 10, 3, generator=g)[:, 3:7]):   # torch.cat's gradient slices
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            got = torch.ops.kitsune.channel_sum(v)
+        torch.testing.assert_close(got.double(), v.double().sum([d for d in range(v.dim()) if d != 1]),
+                                   rtol=1e-5, atol=1e-4)
+        copies = [e.name for e in prof.events() if e.name in ("aten::copy_", "aten::contiguous", "aten::clone")]
+        assert not copies, f"{tuple(v.shape)} {v.stride()}: the sum copied its input ({copies})"
     assert torch.equal(torch.ops.kitsune.channel_sum(torch.empty(0, 4, 2, 2)), torch.zeros(4))
     x = torch.randn(5, 3, 2, dtype=torch.float64, generator=g)
     got = torch.ops.kitsune.channel_sum(x)

@@ -2789,8 +2789,10 @@ Tensor linear_act_autograd(const Tensor& x, const Tensor& w, const Tensor& b, c1
 // the bias gradient over (N, H, W) in one reduction that left the H100 mostly idle at
 // LeNet's and the Inception net's shapes: reduce_kernel at 22 and 31-59 us a call
 // (bench/results/h100_profile_graph_101578e.log). Here the sum takes two stages with
-// parallelism in both: NCHW, each (n, c) plane's sum, then a sum over n; channels-last
-// (and 2-D (rows, C)), column sums over S slabs of rows, then a sum over the slabs.
+// parallelism in both: each (n, c) plane's sum (N C outputs), then a sum over n, on the
+// gradient's own strides (a slice of torch.cat's gradient is not copied: fb40403 made
+// NCHW copies of those, bench/results/h100_channel_bias_fb40403.log); a 2-D (rows, C)
+// gradient, column sums over S slabs of rows, then over the slabs.
 // Sums accumulate in fp32 (fp64 for fp64) in a fixed order (deterministic), and the gradient is
 // rounded once to the bias's dtype. The forward is ATen's: y + bias, then relu in
 // place. y and bias share a dtype; under autocast the bias is cast to y's (as a
@@ -2799,23 +2801,16 @@ Tensor channel_sum(const Tensor& g) {
   const int64_t C = g.size(1), N = g.size(0);
   const at::ScalarType acc = g.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   if (g.numel() == 0) return at::zeros({C}, g.options().dtype(acc));
-  if (g.dim() == 4 && !g.is_contiguous() && g.is_contiguous(at::MemoryFormat::ChannelsLast)) {
-    Tensor rows = g.permute({0, 2, 3, 1}).reshape({-1, C});   // a view: (N H W, C)
-    const int64_t R = rows.size(0);
-    int64_t S = 1;
-    for (int64_t s = 256; s > 1; s /= 2)
-      if (R % s == 0 && R / s >= s) { S = s; break; }
-    return rows.view({S, R / S, C}).sum(1, false, acc).sum(0);
+  if (g.dim() > 2) {   // each (n, c)'s sum over the spatial dims (N C outputs), then over n: no copy, any strides
+    c10::DimVector spatial;
+    for (int64_t d = 2; d < g.dim(); d++) spatial.push_back(d);
+    return g.sum(spatial, false, acc).sum(0);
   }
-  Tensor c = g.contiguous();
-  const int64_t inner = c.numel() / (N * C);
-  if (inner == 1) {
-    int64_t S = 1;
-    for (int64_t s = 256; s > 1; s /= 2)
-      if (N % s == 0 && N / s >= s) { S = s; break; }
-    return c.view({S, N / S, C}).sum(1, false, acc).sum(0);
-  }
-  return c.view({N, C, inner}).sum(2, false, acc).sum(0);
+  if (!g.is_contiguous()) return g.sum(0, false, acc);
+  int64_t S = 1;   // (N, C): column sums over S slabs of rows, then over the slabs
+  for (int64_t s = 256; s > 1; s /= 2)
+    if (N % s == 0 && N / s >= s) { S = s; break; }
+  return g.view({S, N / S, C}).sum(1, false, acc).sum(0);
 }
 
 void check_channel_bias(const Tensor& y, const Tensor& b, c10::string_view act) {

@@ -1,5 +1,7 @@
 // fusion/kernels/bias_gelu.cu — out = gelu(x + bias), bias broadcast along the
-// last dimension, exact (erf) or tanh approximation; and its backward.
+// last dimension, exact (erf) or tanh approximation; and its backward. Also
+// kt_bias_act: out = x + bias, or relu(x + bias) (kitsune.channel_bias on a
+// channels-last convolution output, whose channels are its last dimension).
 //
 // The bias has nbias elements and x is read as a row-major [rows, nbias] view:
 // element i adds bias[i % nbias]. The bias stays in L1/L2, so traffic is one read
@@ -34,9 +36,25 @@ template <typename T> struct BiasGeluBackward {   // x = (grad, x, bias)
   }
 };
 
+template <typename T> struct BiasAct {   // x = (x, bias): x + bias, then relu when asked
+  int relu;
+  __device__ void operator()(const float *x, float *y) const {
+    const float v = x[0] + x[1];
+    y[0] = relu && !(v > 0.f) && v == v ? 0.f : v;   // relu keeps NaN, as torch.relu does
+  }
+};
+
 }  // namespace
 
 // ---- launchers ----
+extern "C" kt_status kt_bias_act(kt_dtype t, const void *x, const void *bias, void *out, int64_t n, int64_t nbias,
+                                 int relu, void *stream) {
+  if (!bias || nbias <= 0 || (n % nbias) != 0 || (relu != 0 && relu != 1)) return KT_ERR_INVALID;
+  const void *in[1] = {x};
+  void *o[1] = {out};
+  return kt::launch<BiasAct, 1, 1>(t, in, o, n, bias, nbias, stream, relu);
+}
+
 extern "C" kt_status kt_bias_gelu(kt_dtype t, const void *x, const void *bias, void *out, int64_t n, int64_t nbias,
                                   int approximate, void *stream) {
   if (!bias || nbias <= 0 || (n % nbias) != 0 || (approximate != 0 && approximate != 1)) return KT_ERR_INVALID;

@@ -37,6 +37,10 @@ kt_status kt_mul_tanh_backward(kt_dtype t, const void *grad, const void *a, cons
 /* out[i] = gelu(x[i] + bias[i % nbias]); approximate 0 = exact (erf), 1 = tanh */
 kt_status kt_bias_gelu(kt_dtype t, const void *x, const void *bias, void *out, int64_t n, int64_t nbias,
                        int approximate, void *stream);
+/* out[i] = x[i] + bias[i % nbias], relu'd when relu = 1 (NaN stays NaN, as torch.relu
+ * keeps it); n a multiple of nbias. */
+kt_status kt_bias_act(kt_dtype t, const void *x, const void *bias, void *out, int64_t n, int64_t nbias, int relu,
+                      void *stream);
 /* grad_x[i] = grad[i] * gelu'(x[i] + bias[i % nbias]) (grad of bias = grad_x summed over rows) */
 kt_status kt_bias_gelu_backward(kt_dtype t, const void *grad, const void *x, const void *bias, void *grad_x,
                                 int64_t n, int64_t nbias, int approximate, void *stream);

@@ -2825,6 +2825,18 @@ void check_channel_bias(const Tensor& y, const Tensor& b, c10::string_view act) 
 
 Tensor channel_bias_fwd(const Tensor& y, const Tensor& b, c10::string_view act) {
   check_channel_bias(y, b, act);
+  const int64_t C = b.size(0);
+  // channels last in memory (a channels-last convolution's output, or (rows, C)): one
+  // kernel, bias[i % C] (ATen's broadcast add ran as its generic, unvectorized kernel
+  // there: bench/results/h100_channel_bias_fb40403.log, CUDAFunctor_add)
+  if (lt_dtype_ok(y) && y.numel() > 0 &&
+      ((y.dim() == 4 && y.is_contiguous(at::MemoryFormat::ChannelsLast)) || (y.is_contiguous() && y.numel() == y.size(0) * C))) {
+    c10::cuda::CUDAGuard g(y.device());
+    Tensor out = at::empty_like(y), bc = b.contiguous();
+    check_launch(kt_bias_act(dtype_of(y, "channel_bias"), y.data_ptr(), bc.data_ptr(), out.data_ptr(), y.numel(), C,
+                             act == "relu", stream_of(out)), "channel_bias");
+    return out;
+  }
   c10::DimVector shape(y.dim(), 1);
   shape[1] = b.size(0);
   Tensor out = at::add(y, b.view(shape));

@@ -1428,7 +1428,10 @@ std::tuple<Tensor, Tensor, Tensor> ln_backward_cuda(const Tensor& grad, const Te
   auto fopt = h.options().dtype(at::kFloat);
   int64_t splits = kt_layer_norm_param_splits(rows, n);
   Tensor mean = at::empty({rows}, fopt), rstd = at::empty({rows}, fopt);
-  Tensor pw = w ? at::empty({splits, n}, fopt) : Tensor(), pb = b ? at::empty({splits, n}, fopt) : Tensor();
+  // the weight's and the bias's stripe sums side by side, so one reduction finishes both
+  // (two reduce kernels a LayerNorm were 24 of GPT's step, bench/results/h100_profile_graph_101578e.log)
+  Tensor parts = w || b ? at::empty({2, splits, n}, fopt) : Tensor();
+  Tensor pw = w ? parts[0] : Tensor(), pb = b ? parts[1] : Tensor();
   if (rows > 0)
     check_launch(kt_layer_norm_backward(dtype_of(h, op), gc.data_ptr(), grad_h_in ? gic.data_ptr() : nullptr,
                                         hc.data_ptr(), w ? wc.data_ptr() : nullptr, b ? bc.data_ptr() : nullptr,
@@ -1436,11 +1439,15 @@ std::tuple<Tensor, Tensor, Tensor> ln_backward_cuda(const Tensor& grad, const Te
                                         w ? pw.data_ptr<float>() : nullptr, b ? pb.data_ptr<float>() : nullptr, splits,
                                         rows, n, (float)eps, relu, stream_of(gh)),
                  op);
-  auto param = [&](const Tensor* p, const Tensor& part) {
+  Tensor sums = !parts.defined() ? Tensor()
+               : rows == 0         ? at::zeros({2, n}, fopt)
+               : w && b            ? parts.sum(1)
+                                   : (w ? pw : pb).sum(0).expand({2, n});
+  auto param = [&](const Tensor* p, int k) {
     if (!p) return at::empty({0}, h.options());
-    return (rows ? part.sum(0) : at::zeros({n}, fopt)).view(p->sizes()).to(p->scalar_type());
+    return sums[k].view(p->sizes()).to(p->scalar_type());
   };
-  return {gh, param(w, pw), param(b, pb)};
+  return {gh, param(w, 0), param(b, 1)};
 }
 
 // CPU reference, fp32 (fp64 for fp64): the same formulas as the kernels.

@@ -72,14 +72,19 @@ def capture_info(device=0):
     range made ready: emptied x 1.25 + 20 MiB + workspaces), ``ready`` (the largest
     free range ready when the capture began) and ``status`` (0, or the kt_status of a
     preparation that could not run). All zero before the first capture."""
+    return _device_values("capture_info", ("emptied", "workspaces", "asked", "ready", "status"), device)
+
+
+def _device_values(what, keys, device):
+    """kt_bridge_<what>(device, int64[len(keys)]) of the installed allocator, by name."""
     if not installed():
-        raise RuntimeError("kitsune.allocator.capture_info() describes the installed allocator: call "
+        raise RuntimeError(f"kitsune.allocator.{what}() describes the installed allocator: call "
                            "kitsune.allocator.install() first")
-    b = _native.bridge()
-    out = (ctypes.c_int64 * 5)()
-    b.kt_bridge_capture_info.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int64)]
-    check(b.kt_bridge_capture_info(device, out), f"capture_info(device={device})")
-    return dict(zip(("emptied", "workspaces", "asked", "ready", "status"), list(out)))
+    fn = getattr(_native.bridge(), f"kt_bridge_{what}")
+    out = (ctypes.c_int64 * len(keys))()
+    fn.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int64)]
+    check(fn(device, out), f"{what}(device={device})")
+    return dict(zip(keys, list(out)))
 
 
 class CapturePlan:
@@ -168,15 +173,9 @@ def memory_breakdown(device=0):
     (blocks live in them); ``arena_bytes`` (placed captures' arenas) and
     ``placed_live`` (placed blocks live in them). Reserved but unallocated device-pool
     bytes are the cache ``torch.cuda.empty_cache()`` could not give back."""
-    if not installed():
-        raise RuntimeError("kitsune.allocator.memory_breakdown() describes the installed allocator: call "
-                           "kitsune.allocator.install() first")
-    b = _native.bridge()
-    out = (ctypes.c_int64 * 8)()
-    b.kt_bridge_memory_breakdown.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int64)]
-    check(b.kt_bridge_memory_breakdown(device, out), f"memory_breakdown(device={device})")
-    return dict(zip(("reserved", "allocated", "segments", "private_pools", "private_reserved", "private_allocated",
-                     "arena_bytes", "placed_live"), list(out)))
+    return _device_values("memory_breakdown", ("reserved", "allocated", "segments", "private_pools",
+                                               "private_reserved", "private_allocated", "arena_bytes", "placed_live"),
+                          device)
 
 
 def _placer_stats(pool, device=0):

@@ -9,7 +9,11 @@ A step is ``loss_fn(model(*batch[:-1]), batch[-1])``, or ``model(*batch)`` when
 ``loss_fn`` is None (the model returns the loss). The first call for each batch
 signature (the shapes, dtypes and devices of its tensors, and its other values) runs
 the step eagerly on a side stream (a real step: it also creates the optimizer's
-state and warms up cuBLAS and cuDNN), then captures it; later calls copy the batch
+state and warms up cuBLAS and cuDNN), then captures it there. That stream is
+Kitsune's own, one per device for every compile_step, and uses the cuBLAS and cuBLASLt
+workspaces of the stream the first step ran on (its partner), so a graph holds no
+second set (65 MiB on an H100); a replay called on another stream is fenced with the
+partner. Captures from several threads take turns; later calls copy the batch
 into the graph's static inputs and replay it. Graphs are kept for up to
 ``max_shapes`` signatures, least recently used dropped first, and share one memory
 pool: no two replay at once, and nothing a graph leaves in the pool outlives its
@@ -198,7 +202,12 @@ class CompiledStep:
 
     # ---- capture ----
     def _first(self, key, batch):
-        """The first step of a signature: eager on a side stream, then the capture."""
+        """The first step of a signature: eager on the capture stream, then the capture
+        (one thread at a time: the capture stream is every compile_step's)."""
+        with _CAPTURE_LOCK:
+            return self._first_locked(key, batch)
+
+    def _first_locked(self, key, batch):
         why = self._capture_blocker(batch)
         if why is not None:
             self._fall_back(why)
@@ -418,6 +427,7 @@ class CompiledStep:
 # one per device for every compile_step, never destroyed.
 _CAPTURE_STREAMS = {}
 _CAPTURE_STREAMS_LOCK = threading.Lock()
+_CAPTURE_LOCK = threading.RLock()   # a first step and its capture, one thread at a time
 
 
 def _capture_stream(device, here):

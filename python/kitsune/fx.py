@@ -583,8 +583,9 @@ def _rewrite(gm, report, prefix, apply):
         if getattr(node, "_erased", False):   # removed by an earlier rewrite
             continue
         where = f"{prefix}{node.name}"
-        if type(_module(gm, node)) is nn.Conv2d:
-            _rewrite_conv_bias(gm, g, node, _module(gm, node), where, report, apply)
+        conv = _module(gm, node)
+        if type(conv) is nn.Conv2d:
+            _rewrite_conv_bias(gm, g, node, conv, where, report, apply)
             continue
         act = _act(gm, node)
         # ---- relu(a + b), tanh(a * b), gelu(x + bias), gelu(linear(x)) ----

@@ -425,22 +425,20 @@ class CompiledStep:
 # holding a second set. The stream is Kitsune's own (PyTorch's pool hands its streams
 # round-robin to any caller, who would then use the partner's workspaces unordered),
 # one per device for every compile_step, never destroyed.
-_CAPTURE_STREAMS = {}
-_CAPTURE_STREAMS_LOCK = threading.Lock()
+_CAPTURE_STREAMS = {}   # read and filled under _CAPTURE_LOCK (_capture_stream is called from _first)
 _CAPTURE_LOCK = threading.RLock()   # a first step and its capture, one thread at a time
 
 
 def _capture_stream(device, here):
     from . import _native
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    with _CAPTURE_STREAMS_LOCK:
-        got = _CAPTURE_STREAMS.get(idx)
-        if got is None:
-            ptr = ctypes.c_uint64()
-            b = _native.bridge()
-            _native.check(b.kt_bridge_stream_create(idx, ctypes.byref(ptr)), f"creating a capture stream on cuda:{idx}")
-            got = _CAPTURE_STREAMS[idx] = (torch.cuda.ExternalStream(ptr.value, device=torch.device("cuda", idx)), here)
-        return got
+    got = _CAPTURE_STREAMS.get(idx)
+    if got is None:
+        ptr = ctypes.c_uint64()
+        b = _native.bridge()
+        _native.check(b.kt_bridge_stream_create(idx, ctypes.byref(ptr)), f"creating a capture stream on cuda:{idx}")
+        got = _CAPTURE_STREAMS[idx] = (torch.cuda.ExternalStream(ptr.value, device=torch.device("cuda", idx)), here)
+    return got
 
 
 def _share_workspaces(partner, side):

@@ -1015,20 +1015,18 @@ __attribute__((visibility("default"))) int64_t kt_bridge_blas_test_frees(void) {
 // code is handed (PyTorch's pool streams are shared round-robin), never destroyed.
 __attribute__((visibility("default"))) int kt_bridge_stream_create(int device, uint64_t* out) {
   if (!out || device < 0) return KT_ERR_INVALID;
-  int prev = -1;
-  if (cudaGetDevice(&prev) != cudaSuccess || cudaSetDevice(device) != cudaSuccess) {
-    (void)cudaGetLastError();
+  try {
+    c10::cuda::CUDAGuard g(static_cast<c10::DeviceIndex>(device));
+    cudaStream_t s = nullptr;
+    if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return KT_ERR_BACKEND;
+    }
+    *out = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(s));
+    return KT_OK;
+  } catch (const std::exception&) {   // no such device
     return KT_ERR_UNAVAILABLE;
   }
-  cudaStream_t s = nullptr;
-  cudaError_t e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
-  cudaSetDevice(prev);
-  if (e != cudaSuccess) {
-    (void)cudaGetLastError();
-    return KT_ERR_BACKEND;
-  }
-  *out = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(s));
-  return KT_OK;
 }
 
 }  // extern "C"
@@ -1439,15 +1437,13 @@ std::tuple<Tensor, Tensor, Tensor> ln_backward_cuda(const Tensor& grad, const Te
                                         w ? pw.data_ptr<float>() : nullptr, b ? pb.data_ptr<float>() : nullptr, splits,
                                         rows, n, (float)eps, relu, stream_of(gh)),
                  op);
-  Tensor sums = !parts.defined() ? Tensor()
-               : rows == 0         ? at::zeros({2, n}, fopt)
-               : w && b            ? parts.sum(1)
-                                   : (w ? pw : pb).sum(0).expand({2, n});
-  auto param = [&](const Tensor* p, int k) {
+  Tensor both = w && b && rows > 0 ? parts.sum(1) : Tensor();   // (2, n): one reduction for the two
+  auto param = [&](const Tensor* p, const Tensor& part, int k) {
     if (!p) return at::empty({0}, h.options());
-    return sums[k].view(p->sizes()).to(p->scalar_type());
+    Tensor s = both.defined() ? both[k] : rows ? part.sum(0) : at::zeros({n}, fopt);
+    return s.view(p->sizes()).to(p->scalar_type());
   };
-  return {gh, param(w, 0), param(b, 1)};
+  return {gh, param(w, pw, 0), param(b, pb, 1)};
 }
 
 // CPU reference, fp32 (fp64 for fp64): the same formulas as the kernels.
@@ -2794,16 +2790,17 @@ Tensor linear_act_autograd(const Tensor& x, const Tensor& w, const Tensor& b, c1
 // A convolution's bias, split from it by kitsune.optimize (F.conv2d(x, W) then this
 // op, with the ReLU that follows when there is one). ATen's convolution_backward sums
 // the bias gradient over (N, H, W) in one reduction that left the H100 mostly idle at
-// LeNet's and the Inception net's shapes: reduce_kernel at 22 and 31-59 us a call
+// LeNet's and the Inception net's shapes: reduce_kernel, 44.6 us a step for LeNet's
+// two convolutions, 31-59 us a call in the Inception net
 // (bench/results/h100_profile_graph_101578e.log). Here the sum takes two stages with
 // parallelism in both: each (n, c) plane's sum (N C outputs), then a sum over n, on the
 // gradient's own strides (a slice of torch.cat's gradient is not copied: fb40403 made
 // NCHW copies of those, bench/results/h100_channel_bias_fb40403.log); a 2-D (rows, C)
 // gradient, column sums over S slabs of rows, then over the slabs.
 // Sums accumulate in fp32 (fp64 for fp64) in a fixed order (deterministic), and the gradient is
-// rounded once to the bias's dtype. The forward is ATen's: y + bias, then relu in
-// place. y and bias share a dtype; under autocast the bias is cast to y's (as a
-// convolution does with its bias).
+// rounded once to the bias's dtype. The forward: kt_bias_act where the channels are
+// last in memory, else ATen's y + bias and relu in place. y and bias share a dtype;
+// under autocast the bias is cast to y's (as a convolution does with its bias).
 Tensor channel_sum(const Tensor& g) {
   const int64_t C = g.size(1), N = g.size(0);
   const at::ScalarType acc = g.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
@@ -2836,8 +2833,12 @@ Tensor channel_bias_fwd(const Tensor& y, const Tensor& b, c10::string_view act) 
   // channels last in memory (a channels-last convolution's output, or (rows, C)): one
   // kernel, bias[i % C] (ATen's broadcast add ran as its generic, unvectorized kernel
   // there: bench/results/h100_channel_bias_fb40403.log, CUDAFunctor_add)
-  if (lt_dtype_ok(y) && y.numel() > 0 &&
-      ((y.dim() == 4 && y.is_contiguous(at::MemoryFormat::ChannelsLast)) || (y.is_contiguous() && y.numel() == y.size(0) * C))) {
+  // (checked only for real CUDA tensors: a fake one's sizes may be symbolic)
+  auto channels_last = [&] {
+    return (y.dim() == 4 && y.is_contiguous(at::MemoryFormat::ChannelsLast)) ||
+           (y.is_contiguous() && y.numel() == y.size(0) * C);
+  };
+  if (lt_dtype_ok(y) && y.numel() > 0 && channels_last()) {
     c10::cuda::CUDAGuard g(y.device());
     Tensor out = at::empty_like(y), bc = b.contiguous();
     check_launch(kt_bias_act(dtype_of(y, "channel_bias"), y.data_ptr(), bc.data_ptr(), out.data_ptr(), y.numel(), C,

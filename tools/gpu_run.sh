@@ -3,7 +3,7 @@
 # (default "test bench demo": make gpu-test, make bench, make demo; "pytest" runs
 # only the pytest part of gpu-test, on KT_PYTEST_ARGS (paths and options; default tests/python); "data" adds
 # make bench-data, "kernels" make bench-kernels, "profile" tools/profile_train.py, "gaps"
-# tools/step_gaps.py, "optim" bench/kernels/optimizer.py, "ew" bench/kernels/elementwise.py, "lact" bench/kernels/linear_act.py, "train" bench/kernels/train_models.py,
+# tools/step_gaps.py, "optim" bench/kernels/optimizer.py, "ew" bench/kernels/elementwise.py, "lact" bench/kernels/linear_act.py, "colsum" bench/kernels/colsum.py, "train" bench/kernels/train_models.py,
 # "ncu" Nsight Compute on the dropout kernels, "models" bench/models.py, "gmem" bench/graph_memory.py, "pgraph"
 # tools/profile_graph.py, "alloc" the VMM C suites on CUDA, the allocator pytest,
 # bench/alloc_shapes.py and bench/alloc_torch.py; KT_NO_CLEAN=1 keeps
@@ -64,6 +64,10 @@ fi
 if [[ $parts == *" lact "* ]]; then   # bench/kernels/linear_act.py
   echo "== linear_act =="; time KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \
     python3 bench/kernels/linear_act.py --out "$OUT" ${BENCH_LACT_ARGS:-} 2>&1 | grep -v -i "warn"
+fi
+if [[ $parts == *" colsum "* ]]; then   # bench/kernels/colsum.py
+  echo "== colsum =="; KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \
+    python3 bench/kernels/colsum.py --out "$OUT" 2>&1 | grep -v -i "warn"
 fi
 if [[ $parts == *" train "* ]]; then   # bench/kernels/train_models.py alone (GPT-2 and LLaMA, eager / kitsune / compile)
   echo "== train_models =="; time KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \

@@ -9,6 +9,16 @@
 // split per row the block writes the result; otherwise it writes an fp32 partial
 // and a second kernel sums a row's partials. Splits are chosen so that the grid
 // has about a thousand blocks, each of at least 8192 elements.
+//
+// Column sums of a row-major [rows, cols] matrix (a bias gradient: the sum over
+// every row of a GEMM's output gradient): colsum: out[j] = sum_i x[i, j].
+// Blocks of 32 x 8 threads form a (column tiles x slabs) grid: a thread owns V
+// adjacent columns (one 16-byte vector a row where the columns and the row
+// stride allow, else one column) and sums every 8th row of its slab, four loads
+// in flight; the 8 row phases are then summed through shared memory. With one
+// slab the block writes the result, otherwise an fp32 partial per slab that a
+// second kernel sums in slab order. The order of every addition is fixed by the
+// shape, so the result is deterministic.
 #include "rows.cuh"
 
 namespace {
@@ -85,6 +95,112 @@ template <typename T> kt_status run_op(int op, const void *x, void *out, float *
   return op == 0 ? run<T, 0>(x, out, ws, rows, n, s) : run<T, 1>(x, out, ws, rows, n, s);
 }
 
+// ---- column sums ----
+constexpr int CS_TX = 32, CS_TY = 8;   // a block: 32 column lanes x 8 row phases
+
+template <typename T, typename O, int V>
+__global__ void __launch_bounds__(CS_TX *CS_TY)
+    colsum_slabs(const T *x, O *out, float *part, int64_t rows, int64_t cols, int64_t ld, int64_t per) {
+  __shared__ float sh[CS_TY][CS_TX * V + 1];
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const int64_t c0 = ((int64_t)blockIdx.x * CS_TX + tx) * V;
+  const int64_t r0 = (int64_t)blockIdx.y * per, r1 = r0 + per < rows ? r0 + per : rows;
+  float acc[V];
+#pragma unroll
+  for (int j = 0; j < V; j++) acc[j] = 0.f;
+  if (c0 < cols) {
+    const T *p = x + c0;
+    int64_t r = r0 + ty;
+    constexpr int U = 4;   // rows in flight per thread
+    for (; r + (U - 1) * CS_TY < r1; r += U * CS_TY) {
+      T v[U][V];
+#pragma unroll
+      for (int u = 0; u < U; u++) kt::load_v<T, (V > 1)>(p, (r + u * CS_TY) * ld, v[u]);
+#pragma unroll
+      for (int u = 0; u < U; u++)
+#pragma unroll
+        for (int j = 0; j < V; j++) acc[j] += kt::to_f(v[u][j]);
+    }
+    for (; r < r1; r += CS_TY) {
+      T v[V];
+      kt::load_v<T, (V > 1)>(p, r * ld, v);
+#pragma unroll
+      for (int j = 0; j < V; j++) acc[j] += kt::to_f(v[j]);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < V; j++) sh[ty][tx * V + j] = acc[j];
+  __syncthreads();
+  // the tile's CS_TX * V columns, one per thread (V <= 8: at most 256 columns)
+  const int t = ty * CS_TX + tx;
+  const int64_t c = (int64_t)blockIdx.x * CS_TX * V + t;
+  if (t >= CS_TX * V || c >= cols) return;
+  float sum = 0.f;
+#pragma unroll
+  for (int k = 0; k < CS_TY; k++) sum += sh[k][t];
+  if (gridDim.y == 1) out[c] = kt::from_f<O>(sum);
+  else part[blockIdx.y * cols + c] = sum;
+}
+
+// out[c] = the sum of part[s, c] over the slabs, in slab order: 32 columns x 8
+// phases a block, each phase a contiguous run of slabs.
+template <typename O>
+__global__ void __launch_bounds__(CS_TX *CS_TY) colsum_partials(const float *part, O *out, int64_t slabs, int64_t cols) {
+  __shared__ float sh[CS_TY][CS_TX + 1];
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const int64_t c = (int64_t)blockIdx.x * CS_TX + tx, run = (slabs + CS_TY - 1) / CS_TY;
+  const int64_t s0 = ty * run, s1 = s0 + run < slabs ? s0 + run : slabs;
+  float acc = 0.f;
+  if (c < cols)
+    for (int64_t s = s0; s < s1; s++) acc += part[s * cols + c];
+  sh[ty][tx] = acc;
+  __syncthreads();
+  if (ty || c >= cols) return;
+  float sum = 0.f;
+#pragma unroll
+  for (int k = 0; k < CS_TY; k++) sum += sh[k][tx];
+  out[c] = kt::from_f<O>(sum);
+}
+
+// Slabs: about a thousand blocks in all (counting tiles of 16-byte vectors: v
+// elements a lane), each slab at least 32 rows (4 a phase).
+int64_t colsum_slabs_for(int64_t rows, int64_t cols, int v) {
+  const int64_t tiles = (cols + CS_TX * v - 1) / (CS_TX * v);
+  int64_t s = (1024 + tiles - 1) / tiles, most = (rows + 31) / 32;
+  if (s > most) s = most;
+  if (s > 65535) s = 65535;
+  return s < 1 ? 1 : s;
+}
+
+template <typename T> bool colsum_vec_ok(const void *x, int64_t cols, int64_t ld) {
+  constexpr int V = 16 / sizeof(T);
+  return cols % V == 0 && ld % V == 0 && ((uintptr_t)x & 15) == 0;
+}
+
+template <typename T, typename O, int V>
+kt_status colsum_launch(const T *x, O *out, float *ws, int64_t rows, int64_t cols, int64_t ld, cudaStream_t s) {
+  const int64_t slabs = colsum_slabs_for(rows, cols, 16 / sizeof(T)), per = (rows + slabs - 1) / slabs;
+  const dim3 block(CS_TX, CS_TY);
+  const unsigned tiles = (unsigned)((cols + CS_TX * V - 1) / (CS_TX * V));
+  colsum_slabs<T, O, V><<<dim3(tiles, (unsigned)slabs), block, 0, s>>>(x, out, ws, rows, cols, ld, per);
+  if (slabs > 1)
+    colsum_partials<O><<<(unsigned)((cols + CS_TX - 1) / CS_TX), block, 0, s>>>(ws, out, slabs, cols);
+  return kt::status_of(cudaGetLastError());
+}
+
+template <typename T, typename O>
+kt_status colsum_run(const void *x, void *out, float *ws, int64_t rows, int64_t cols, int64_t ld, cudaStream_t s) {
+  if (colsum_vec_ok<T>(x, cols, ld))
+    return colsum_launch<T, O, 16 / sizeof(T)>((const T *)x, (O *)out, ws, rows, cols, ld, s);
+  return colsum_launch<T, O, 1>((const T *)x, (O *)out, ws, rows, cols, ld, s);
+}
+
+template <typename T>
+kt_status colsum_out(int out_f32, const void *x, void *out, float *ws, int64_t rows, int64_t cols, int64_t ld,
+                     cudaStream_t s) {
+  return out_f32 ? colsum_run<T, float>(x, out, ws, rows, cols, ld, s) : colsum_run<T, T>(x, out, ws, rows, cols, ld, s);
+}
+
 }  // namespace
 
 // ---- launchers ----
@@ -102,4 +218,23 @@ extern "C" kt_status kt_reduce(kt_dtype t, int op, const void *x, void *out, flo
   if (rows == 0) return KT_OK;
   cudaStream_t s = (cudaStream_t)stream;
   KT_DISPATCH(t, run_op<T>(op, x, out, workspace, rows, n, s))
+}
+
+extern "C" int64_t kt_colsum_workspace(kt_dtype t, int64_t rows, int64_t cols) {
+  if (rows <= 0 || cols <= 0) return 0;
+  int64_t s = colsum_slabs_for(rows, cols, t == KT_F32 ? 4 : 8);
+  return s > 1 ? s * cols : 0;
+}
+
+extern "C" kt_status kt_colsum(kt_dtype t, int out_f32, const void *x, void *out, float *workspace, int64_t rows,
+                               int64_t cols, int64_t ld, void *stream) {
+  if (rows < 0 || cols <= 0 || ld < cols || !x || !out || (out_f32 != 0 && out_f32 != 1)) return KT_ERR_INVALID;
+  if (t != KT_F32 && t != KT_F16 && t != KT_BF16) return KT_ERR_INVALID;
+  if (kt_colsum_workspace(t, rows, cols) && !workspace) return KT_ERR_INVALID;
+  cudaStream_t s = (cudaStream_t)stream;
+  if (rows == 0) {   // the sum over no rows is 0
+    cudaError_t e = cudaMemsetAsync(out, 0, (size_t)cols * (out_f32 || t == KT_F32 ? 4 : 2), s);
+    return kt::status_of(e);
+  }
+  KT_DISPATCH(t, colsum_out<T>(out_f32, x, out, workspace, rows, cols, ld, s))
 }

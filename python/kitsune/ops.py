@@ -33,7 +33,8 @@ Ops (reference semantics):
   gelu_dropout(x, p, training=True, approximate="none")   dropout(gelu(x))
   bias_dropout_add(x, bias, residual, p, training=True)   residual + dropout(x + bias)
   linear_act(x, weight, bias, act="relu")   act(F.linear(x, weight, bias)); on CUDA one cuBLASLt GEMM
-                                            with a bias + relu / tanh-GELU epilogue
+                                            with a bias + relu / tanh-GELU epilogue; act "none":
+                                            F.linear, the bias gradient by Kitsune's column sum
   batch_norm_relu(x, running_mean, running_var, weight, bias, training, momentum, eps)
                                relu(F.batch_norm(...)), running stats updated as F.batch_norm does
   channel_bias(y, bias, act="none")         act(y + bias over dim 1): a convolution's bias; its
@@ -387,7 +388,8 @@ def channel_bias(y, bias, act="none"):
 
 
 def linear_act(x, weight, bias, act="relu"):
-    """act(F.linear(x, weight, bias)), act "relu", "gelu" (erf) or "gelu_tanh". On CUDA,
-    relu and (fp16/bf16) gelu_tanh are one cuBLASLt GEMM with the bias and activation in
-    its epilogue; gelu is the GEMM, then bias_gelu."""
+    """act(F.linear(x, weight, bias)), act "relu", "gelu" (erf), "gelu_tanh" or "none". On
+    CUDA, relu and (fp16/bf16) gelu_tanh are one cuBLASLt GEMM with the bias and
+    activation in its epilogue; gelu is the GEMM, then bias_gelu; none is F.linear's GEMM,
+    and its backward sums the bias gradient with Kitsune's column-sum kernel."""
     return _lib.linear_act(x, weight, bias, act)

@@ -89,7 +89,8 @@ def _is_free(gm, n):
 
 
 def _flops(gm, n, out):
-    """Multiply-adds x 2 for Linear / conv / matmul, else one per output element."""
+    """Multiply-adds x 2 for Linear / conv / matmul (and kitsune.linear_act), else one per
+    output element."""
     import torch.nn as nn
     import torch.nn.functional as F
     import operator
@@ -107,7 +108,10 @@ def _flops(gm, n, out):
         w = _meta_val(n.args[1]) if isinstance(n.args[1], tfx.Node) else []   # (out, in / groups, *kernel)
         if w:
             return 2 * elems * (_numel(w[0]) // int(w[0].shape[0]))
-    if n.op == "call_function" and n.target in (torch.matmul, torch.bmm, torch.mm, operator.matmul, F.linear):
+    import sys
+    ko = sys.modules.get("kitsune.ops")   # loaded whenever a graph holds its ops
+    gemms = (torch.matmul, torch.bmm, torch.mm, operator.matmul, F.linear) + ((ko.linear_act,) if ko else ())
+    if n.op == "call_function" and n.target in gemms:
         a = _meta_val(n.args[0]) if isinstance(n.args[0], tfx.Node) else []
         if a:
             return 2 * elems * int(a[0].shape[-1])

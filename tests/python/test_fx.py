@@ -169,7 +169,7 @@ def _mlp():
 
 
 @pytest.mark.parametrize("make,shape,want", [
-    (GPT2Block, (2, 5, 32), {"bias_gelu": 1, "add_layer_norm": 1}),
+    (GPT2Block, (2, 5, 32), {"bias_gelu": 1, "add_layer_norm": 1, "linear_act(none)": 3}),
     (LlamaBlock, (2, 5, 32), {"kitsune.rms_norm": 2, "swiglu": 1}),
     (BasicBlock, (2, 8, 6, 6), {"add_relu": 1}),
 ])
@@ -192,6 +192,51 @@ def test_model_blocks(make, shape, want):
     opt(xo).square().sum().backward()
     m(xr).square().sum().backward()
     torch.testing.assert_close(xo.grad, xr.grad, rtol=1e-4, atol=1e-4)
+
+
+class OwnForward(nn.Linear):   # a Linear subclass whose forward is not F.linear
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+OwnForward.__module__ = "torch.nn.modules.linear"   # so torch.fx keeps it a leaf module, as it keeps torch.nn's
+
+
+class Linears(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.nob, self.own = nn.Linear(6, 5), nn.Linear(5, 5, bias=False), OwnForward(5, 4)
+        self.w, self.b = nn.Parameter(torch.randn(3, 4)), nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        h = self.nob(self.a(x))
+        return F.linear(F.relu(self.own(h)), self.w, self.b), F.linear(h, self.w[:, :1].expand(3, 5))
+
+
+def test_plain_linears_become_linear_act_none():
+    """A Linear with a bias that no other pattern takes (module or F.linear) becomes
+    linear_act(..., "none"); a Linear without a bias, F.linear without one, and a subclass
+    with its own forward stay (relu(subclass) is not fused either). Outputs and every
+    gradient equal the original's in fp64; explain reports exactly what optimize did;
+    the torch.compile backend leaves plain Linears to Inductor."""
+    import kitsune.fx as kfx
+    torch.manual_seed(13)
+    m = Linears().double()
+    rep = kitsune.fx.Report()
+    opt = kitsune.optimize(m, report=rep)
+    assert sorted(where for where, _ in rep.fused) == ["a", "linear"], rep
+    assert set(_kinds(rep)) == {"linear_act(none)"} and str(kitsune.explain(m)) == str(rep)
+    assert "self.own(" in opt.code and opt.code.count("linear_act(") == 2, opt.code
+    x = torch.randn(7, 6, dtype=torch.float64, requires_grad=True)
+    outs, refs = opt(x), m(x)
+    for o, r in zip(outs, refs):
+        torch.testing.assert_close(o, r)
+    got = torch.autograd.grad(sum(o.square().sum() for o in outs), [x] + list(opt.parameters()))
+    want = torch.autograd.grad(sum(r.square().sum() for r in refs), [x] + list(m.parameters()))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    torch.compile(_mlp(), backend="kitsune")(torch.randn(4, 784))
+    assert "linear_act(none)" not in _kinds(kfx.last_compile_report), kfx.last_compile_report
 
 
 class NormsAndLosses(nn.Module):
@@ -271,8 +316,8 @@ def test_under_autocast_fp32_parameters_meet_bf16_activations(make):
             torch.testing.assert_close(a, b, rtol=5e-2, atol=5e-2 * max(1.0, b.abs().max().item()), msg=name)
 
 
-@pytest.mark.parametrize("arch,fusions", [("resnet18", {"add_relu": 8, "batch_norm_relu": 9}),
-                                          ("resnet50", {"add_relu": 16, "batch_norm_relu": 33})])
+@pytest.mark.parametrize("arch,fusions", [("resnet18", {"add_relu": 8, "batch_norm_relu": 9, "linear_act(none)": 1}),
+                                          ("resnet50", {"add_relu": 16, "batch_norm_relu": 33, "linear_act(none)": 1})])
 def test_torchvision_resnets_as_shipped(arch, fusions):
     """torchvision's ResNet-18/50 (random weights): each `relu(bn(conv(x)))` becomes
     batch_norm_relu and each block's `out += identity; relu(out)` add_relu; in train
@@ -307,7 +352,7 @@ def test_mlp_relu_linear_becomes_linear_act():
     rep = kitsune.fx.Report()
     opt = kitsune.optimize(m, report=rep)
     kinds = _kinds(rep)
-    assert kinds == ["linear_act", "linear_act"], rep
+    assert kinds == ["linear_act", "linear_act", "linear_act(none)"], rep   # the last Linear has no ReLU
     x = torch.randn(64, 784)
     torch.testing.assert_close(opt(x), m(x), rtol=1e-5, atol=1e-5)
     opt(x).square().sum().backward()
@@ -376,7 +421,7 @@ def test_hand_written_attention_scores_fuse():
     rep = kitsune.fx.Report()
     opt = kitsune.optimize(m, report=rep)
     kinds = _kinds(rep)
-    assert kinds == ["attention_score"] * 3, rep
+    assert kinds == ["attention_score"] * 3 + ["linear_act(none)"], rep   # + the qkv Linear
     x = torch.randn(2, 7, 32, dtype=torch.float64, requires_grad=True)
     torch.testing.assert_close(opt(x), m(x))
     ga, = torch.autograd.grad(opt(x).sum(), x)
@@ -439,7 +484,8 @@ def test_gelu_dropout_fuses_both_spellings_before_bias_gelu():
     rep = kitsune.fx.Report()
     opt = kitsune.optimize(m, report=rep)
     kinds = _kinds(rep)
-    assert kinds == ["gelu_dropout", "gelu_dropout"], rep   # not bias_gelu: the bias stays in the GEMM
+    # not bias_gelu: the bias stays in the GEMM (fc and fc2 become linear_act(none))
+    assert kinds == ["gelu_dropout", "gelu_dropout", "linear_act(none)", "linear_act(none)"], rep
     x = torch.randn(64, 32, dtype=torch.float64)
     m.eval(), opt.eval()
     torch.testing.assert_close(opt(x), m(x))   # eval: no dropout

@@ -245,6 +245,12 @@ OPS2 = {
                                                                    scale=0.1),
                                                                 _t((shape[-1],), dtype, device, gen)], []),
                              [(3, 4, 8), (7, 16, 33), (64, 32, 64), (512, 768, 3072)]),
+    # the bias gradient by kt_colsum on CUDA: odd widths (one column a lane), one slab, many slabs
+    "linear_act_none": (lambda x, w, b: ko.linear_act(x, w, b, "none"), lambda x, w, b: F.linear(x, w, b),
+                        lambda shape, dtype, device, gen: ([_t(shape[:-1], dtype, device, gen),
+                                                           _t((shape[-1], shape[-2]), dtype, device, gen, scale=0.1),
+                                                           _t((shape[-1],), dtype, device, gen)], []),
+                        [(3, 4, 5), (7, 16, 33), (64, 32, 64), (4096, 512, 1536), (2, 1000, 64, 10)]),
     "attention_score": (lambda q, k: ko.attention_score(q, k), lambda q, k: (q @ k.transpose(-2, -1)) / q.shape[-1] ** 0.5,
                         _qk_inputs, [(1, 1, 1, 1), (2, 5, 7, 8), (8, 128, 128, 64)]),
     # (N, C, ...) and a bias of C; LeNet's and the Inception net's conv shapes, 2-D and 3-D
@@ -297,6 +303,7 @@ def test_opcheck_more(name):
         "linear_act_relu": ("linear_act", lambda: (ts[0], ts[1], ts[2], "relu")),
         "linear_act_gelu": ("linear_act", lambda: (ts[0], ts[1], ts[2], "gelu")),
         "linear_act_gelu_tanh": ("linear_act", lambda: (ts[0], ts[1], ts[2], "gelu_tanh")),
+        "linear_act_none": ("linear_act", lambda: (ts[0], ts[1], ts[2], "none")),
         "channel_bias": ("channel_bias", lambda: (ts[0], ts[1])),
         "channel_bias_relu": ("channel_bias", lambda: (ts[0], ts[1], "relu")),
         "channel_bias_relu_cl": ("channel_bias", lambda: (ts[0], ts[1], "relu")),
@@ -392,6 +399,37 @@ def test_channel_sum_every_layout_and_empty():
     got = torch.ops.kitsune.channel_sum(x)
     assert got.dtype == torch.float64
     torch.testing.assert_close(got, x.sum((0, 2)), rtol=0, atol=1e-13)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_gpu_column_sums_exact_on_integers(dtype):
+    """kt_colsum through channel_sum: small integers are exact in every dtype and their
+    fp32 sums too, so each column must equal the int64 sum exactly (a row missed or
+    summed twice fails). Widths of one column a lane and of 16-byte vectors, one slab
+    and many, rows ld > C apart (a slice of wider rows), a misaligned start, channels
+    last 4-D and its channel slices; the output memory is poisoned first; two calls
+    agree bit for bit."""
+    g = torch.Generator().manual_seed(12)
+
+    def check(v, what):
+        want = v.cpu().long().sum([d for d in range(v.dim()) if d != 1])
+        _poison(v.shape[1] * 64, "cuda")
+        got = torch.ops.kitsune.channel_sum(v)
+        assert got.dtype == torch.float32 and got.shape == want.shape, what
+        assert torch.equal(got.cpu().long(), want) and torch.equal(got.cpu(), want.float()), what
+        assert torch.equal(torch.ops.kitsune.channel_sum(v), got), f"{what}: not deterministic"
+
+    for rows, cols in [(1, 1), (7, 3), (33, 8), (64, 64), (1000, 33), (4096, 1536), (70000, 5), (300, 2049)]:
+        x = torch.randint(-8, 9, (rows, cols + 11), generator=g).to("cuda", dtype)
+        check(x[:, :cols].contiguous(), f"{dtype} ({rows}, {cols})")
+        check(x[:, :cols], f"{dtype} ({rows}, {cols}) rows {cols + 11} apart")
+        check(x[:, 3:3 + cols], f"{dtype} ({rows}, {cols}) misaligned")
+    y = torch.randint(-8, 9, (64, 48, 9, 7), generator=g).to("cuda", dtype).contiguous(memory_format=torch.channels_last)
+    for v, what in ((y, "channels last"), (y[:, 8:40], "a channel slice"), (y[:, 3:10], "a misaligned slice"),
+                    (y[:1, :, :1, :1], "one row")):
+        check(v, f"{dtype} {what} {tuple(v.shape)} {v.stride()}")
 
 
 def _check_close(got, want64, theirs, dtype, what, scale=1.0):

@@ -121,6 +121,15 @@ kt_status kt_reduce(kt_dtype t, int op, const void *x, void *out, float *workspa
                     void *stream);
 int64_t kt_reduce_workspace(int64_t rows, int64_t n);
 
+/* Column sums of a row-major [rows, cols] matrix whose rows are ld >= cols elements
+ * apart: out[j] = sum_i x[i * ld + j] (rows = 0 gives zeros). fp32 accumulation in
+ * an order fixed by the shape (deterministic); out is stored as t, or as fp32 when
+ * out_f32 = 1. workspace: kt_colsum_workspace(t, rows, cols) fp32 values on the
+ * device (NULL when 0). */
+kt_status kt_colsum(kt_dtype t, int out_f32, const void *x, void *out, float *workspace, int64_t rows, int64_t cols,
+                    int64_t ld, void *stream);
+int64_t kt_colsum_workspace(kt_dtype t, int64_t rows, int64_t cols);
+
 /* Dropout fused with its neighbours; element i is kept as kitsune/philox.h says for
  * (seed, offset, p), kept values are scaled by 1 / (1 - p), and nothing is stored:
  * the backwards regenerate the mask from the same (seed, offset, p).

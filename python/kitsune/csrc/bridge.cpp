@@ -1255,6 +1255,31 @@ void check_bias(const Tensor& x, const Tensor& bias, const char* op) {
               ": bias must be 1-D with x.size(-1) = ", (x.dim() ? x.size(-1) : 0), " elements; got bias of shape ",
               bias.sizes(), " for x of shape ", x.sizes());
 }
+// Column sums of a 2-D (rows, cols) tensor with unit column stride (a bias
+// gradient), accumulated in fp32 and stored as out_t. fp32, fp16 and bf16 on CUDA:
+// kt_colsum (fusion/kernels/reduce.cu, deterministic; ATen's reduce_kernel took 12.2 us
+// a call for GPT's bias gradients, bench/results/h100_profile_graph_gpt_e7b0309.log);
+// anything else (fp64, the CPU, a fake tensor), ATen's sum.
+Tensor colsum(const Tensor& x2, at::ScalarType out_t) {
+  const at::ScalarType st = x2.scalar_type(), acc = st == at::kDouble ? at::kDouble : at::kFloat;
+  const bool kt_type = st == at::kFloat || st == at::kHalf || st == at::kBFloat16;
+  if (x2.is_cuda() && !x2.key_set().has(c10::DispatchKey::Python) && kt_type && x2.dim() == 2 &&
+      (out_t == st || out_t == at::kFloat) && x2.size(1) > 0 && (x2.stride(1) == 1 || x2.size(1) == 1) &&
+      (x2.size(0) <= 1 || x2.stride(0) >= x2.size(1))) {
+    const int64_t rows = x2.size(0), cols = x2.size(1), ld = rows > 1 ? x2.stride(0) : cols;
+    const kt_dtype dt = dtype_of(x2, "colsum");
+    c10::cuda::CUDAGuard g(x2.device());
+    Tensor out = at::empty({cols}, x2.options().dtype(out_t));
+    const int64_t wsn = kt_colsum_workspace(dt, rows, cols);
+    Tensor ws = wsn ? at::empty({wsn}, x2.options().dtype(at::kFloat)) : Tensor();
+    check_launch(kt_colsum(dt, out_t == at::kFloat && st != at::kFloat, x2.data_ptr(), out.data_ptr(),
+                           wsn ? ws.data_ptr<float>() : nullptr, rows, cols, ld, stream_of(out)),
+                 "colsum");
+    return out;
+  }
+  return x2.sum(0, false, acc).to(out_t);
+}
+
 Tensor bias_gelu_cuda(const Tensor& x, const Tensor& bias, c10::string_view approximate) {
   check_bias(x, bias, "bias_gelu");
   int ap = approx_code(approximate, "bias_gelu");
@@ -1283,8 +1308,7 @@ std::tuple<Tensor, Tensor> bias_gelu_backward_cuda(const Tensor& grad, const Ten
   check_launch(kt_bias_gelu_backward(dtype_of(x, "bias_gelu_backward"), gc.data_ptr(), xc.data_ptr(), bc.data_ptr(),
                                      gx.data_ptr(), gx.numel(), bc.numel(), ap, stream_of(gx)),
                "bias_gelu_backward");
-  Tensor gb = gx.reshape({-1, bias.size(0)}).sum(0, /*keepdim=*/false, at::kFloat).to(bias.scalar_type());
-  return {gx, gb};
+  return {gx, colsum(gx.view({-1, bias.size(0)}), bias.scalar_type())};
 }
 std::tuple<Tensor, Tensor> bias_gelu_backward_cpu(const Tensor& grad, const Tensor& x, const Tensor& bias,
                                                   c10::string_view approximate) {
@@ -2611,15 +2635,17 @@ std::tuple<Tensor, Tensor, Tensor> batch_norm_relu_autograd(const Tensor& x, con
 //              must be a multiple of 8: out_features % 8 == 0); fp32 as gelu;
 //   gelu:      the GEMM, then kitsune.bias_gelu. cuBLASLt's GELU epilogue is the
 //              tanh form, and ATen's _addmm_activation(use_gelu) is exact erf on the
-//              CPU but that epilogue on CUDA, so neither gives erf GELU in one GEMM.
+//              CPU but that epilogue on CUDA, so neither gives erf GELU in one GEMM;
+//   none:      F.linear's addmm; the backward sums the bias gradient with kt_colsum
+//              (colsum above) where ATen's linear backward runs its reduce_kernel.
 // The backward's weight GEMM is asked for the bias gradient too (BGRADB: the column
 // sums of the activation gradient). cuBLASLt ran that as a kernel of its own after the
 // GEMM at 8192 x 3072 bf16 (25 us against ATen's 33 us sum; H100, 9743aae).
 // Where cuBLASLt offers no algorithm (odd shapes or alignment), and on the CPU, the
 // op composes ATen ops instead. x (..., in), weight (out, in), bias (out,).
 void check_linear_act(const Tensor& x, const Tensor& w, const Tensor& b, c10::string_view act) {
-  TORCH_CHECK(act == "relu" || act == "gelu" || act == "gelu_tanh",
-              "kitsune.linear_act: act must be 'relu', 'gelu' or 'gelu_tanh', got '", act, "'");
+  TORCH_CHECK(act == "relu" || act == "gelu" || act == "gelu_tanh" || act == "none",
+              "kitsune.linear_act: act must be 'relu', 'gelu', 'gelu_tanh' or 'none', got '", act, "'");
   check_same(x, w, "linear_act", "x", "weight");
   check_same(x, b, "linear_act", "x", "bias");
   TORCH_CHECK(x.dim() >= 1 && w.dim() == 2 && w.size(1) == x.size(-1) && b.dim() == 1 && b.size(0) == w.size(0),
@@ -2714,7 +2740,7 @@ bool lt_weight_grad(const Tensor& gpre, const Tensor& x2, const Tensor& gw, cons
 }
 
 // The forward's results: out, and what the backward differentiates the activation
-// at: for relu nothing (it masks with out); for gelu_tanh through cuBLASLt the
+// at: for relu nothing (it masks with out), for none nothing; for gelu_tanh through cuBLASLt the
 // pre-activation x @ W^T + b (pre_has_bias); otherwise the GEMM output before the
 // bias (bias_gelu_backward adds it).
 struct LinearActOut {
@@ -2727,6 +2753,7 @@ LinearActOut linear_act_impl(const Tensor& x, const Tensor& w, const Tensor& b, 
   c10::DimVector shape(x.sizes().begin(), x.sizes().end());
   shape.back() = w.size(0);
   const int64_t N = w.size(0);
+  if (act == "none") return {at::addmm(b, x2, w.t()).view(shape), Tensor(), false};
   // gelu_tanh in fp32 composes: the epilogue's GELU is off by up to 4e-6 where
   // PyTorch's fp32 GELU is off by 2e-8 (H100, test_ops at 707707a); in 16-bit
   // formats that is far below the output's rounding.
@@ -2770,13 +2797,15 @@ struct LinearActFn : torch::autograd::Function<LinearActFn> {
     Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous(), g2 = go[0].reshape({-1, N}).contiguous(), gpre, gw, gb;
     if (act == "gelu" || (act == "gelu_tanh" && !ctx->saved_data["pre_has_bias"].toBool())) {
       std::tie(gpre, gb) = gelu_bwd.call(g2, s[3], b, act == "gelu" ? "none" : "tanh");
+    } else if (act == "none") {
+      gpre = g2, gb = colsum(g2, b.scalar_type());
     } else {
       gpre = (act == "relu" ? relu_bwd.call(g2, s[3].reshape({-1, N})) : at::gelu_backward(g2, s[3], "tanh")).contiguous();
       if (lt_dtype_ok(x) && x2.numel() > 0) {   // the weight gradient and the bias gradient from one call
         gw = at::empty({N, x2.size(1)}, x2.options()), gb = at::empty({N}, x2.options());
         if (!lt_weight_grad(gpre, x2, gw, gb)) gw = gb = Tensor();
       }
-      if (!gb.defined()) gb = gpre.sum(0, false, at::kFloat).to(b.scalar_type());
+      if (!gb.defined()) gb = colsum(gpre, b.scalar_type());
     }
     if (!gw.defined()) gw = at::mm(gpre.t(), x2);
     return {at::mm(gpre, w).view(x.sizes()), gw, gb, Tensor()};
@@ -2801,20 +2830,39 @@ Tensor linear_act_autograd(const Tensor& x, const Tensor& w, const Tensor& b, c1
 // rounded once to the bias's dtype. The forward: kt_bias_act where the channels are
 // last in memory, else ATen's y + bias and relu in place. y and bias share a dtype;
 // under autocast the bias is cast to y's (as a convolution does with its bias).
-Tensor channel_sum(const Tensor& g) {
+// g (N, C, H, W) with channels last in memory: its (N H W, C) rows as a 2-D view
+// whose rows are stride(3) elements apart (wider than C for a channel slice of a
+// channels-last tensor); undefined for any other layout.
+Tensor channel_rows(const Tensor& g) {
+  const int64_t N = g.size(0), C = g.size(1), H = g.size(2), W = g.size(3);
+  // a dim of size 1 may have any stride: the row step comes from the innermost one that is not
+  const int64_t ld = W > 1 ? g.stride(3) : H > 1 ? g.stride(2) : N > 1 ? g.stride(0) : C;
+  const bool rows = (C == 1 || g.stride(1) == 1) && ld >= C && (H == 1 || g.stride(2) == W * ld) &&
+                    (N == 1 || g.stride(0) == H * W * ld);
+  return rows ? g.as_strided({N * H * W, C}, {ld, 1}) : Tensor();
+}
+
+Tensor channel_sum(const Tensor& g, at::ScalarType out_t) {
   const int64_t C = g.size(1), N = g.size(0);
   const at::ScalarType acc = g.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  if (g.numel() == 0) return at::zeros({C}, g.options().dtype(acc));
+  if (g.numel() == 0) return at::zeros({C}, g.options().dtype(out_t));
+  // channels last in memory, on real CUDA memory (a fake tensor's sizes may be
+  // symbolic): one kt_colsum over the (N H W, C) rows, also where they are a channel
+  // slice of wider rows (torch.cat's gradient in NHWC)
+  if (g.is_cuda() && !g.key_set().has(c10::DispatchKey::Python)) {
+    Tensor rows = g.dim() == 2 ? g : g.dim() == 4 ? channel_rows(g) : Tensor();
+    if (rows.defined() && (rows.stride(1) == 1 || C == 1)) return colsum(rows, out_t);
+  }
   if (g.dim() > 2) {   // each (n, c)'s sum over the spatial dims (N C outputs), then over n: no copy, any strides
     c10::DimVector spatial;
     for (int64_t d = 2; d < g.dim(); d++) spatial.push_back(d);
-    return g.sum(spatial, false, acc).sum(0);
+    return g.sum(spatial, false, acc).sum(0).to(out_t);
   }
-  if (!g.is_contiguous()) return g.sum(0, false, acc);
+  if (!g.is_contiguous()) return g.sum(0, false, acc).to(out_t);
   int64_t S = 1;   // (N, C): column sums over S slabs of rows, then over the slabs
   for (int64_t s = 256; s > 1; s /= 2)
     if (N % s == 0 && N / s >= s) { S = s; break; }
-  return g.view({S, N / S, C}).sum(1, false, acc).sum(0);
+  return g.view({S, N / S, C}).sum(1, false, acc).sum(0).to(out_t);
 }
 
 void check_channel_bias(const Tensor& y, const Tensor& b, c10::string_view act) {
@@ -2865,7 +2913,7 @@ struct ChannelBiasFn : torch::autograd::Function<ChannelBiasFn> {
   static variable_list backward(AutogradContext* ctx, variable_list go) {
     Tensor g = go[0];
     if (ctx->saved_data["relu"].toBool()) g = at::threshold_backward(g, ctx->get_saved_variables()[0], 0);
-    return {g, channel_sum(g).to(g.scalar_type()), Tensor()};
+    return {g, channel_sum(g, g.scalar_type()), Tensor()};
   }
 };
 Tensor channel_bias_autograd(const Tensor& y, const Tensor& b, c10::string_view act) {
@@ -2876,7 +2924,7 @@ Tensor channel_bias_autograd(const Tensor& y, const Tensor& b, c10::string_view 
 // in fp32 (fp64 for fp64 input).
 Tensor channel_sum_op(const Tensor& g) {
   TORCH_CHECK(g.dim() >= 2, "kitsune.channel_sum: need (N, C, ...), got ", g.sizes());
-  return channel_sum(g);
+  return channel_sum(g, g.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
 }
 
 // cross_entropy: backward through cross_entropy_backward (one kernel for the scale,

@@ -17,6 +17,15 @@
 //   grad_h = rstd * (dy - mean(dy) - xhat * mean(dy * xhat)) (+ grad of h's output)
 // mean and rstd go out per row for the weight and bias gradients, which a column
 // kernel reduces over row stripes into fp32 partials (summed by the caller).
+//
+// Rows that fit in a warp's registers (16-byte vectors, at most 4 a lane: n <= 1024
+// in 16-bit types, 512 in fp32) take one kernel instead (ln_bwd_warp): a warp per
+// row with warp-shuffle sums only, h and g read once, and each warp also
+// accumulating its rows' weight and bias terms per column, which the block sums
+// into its stripe's partials. One block a stripe of rows; stripes from
+// kt_layer_norm_backward_splits. (One block of 64 threads per GPT row, with two
+// block-wide sums and a separate column kernel, took 11.8 us a call for 4096 x 512
+// bf16 rows on the H100, bench/results/h100_profile_graph_3403d9c.log.)
 #include "rows.cuh"
 
 namespace {
@@ -190,11 +199,120 @@ __global__ void ln_bwd(const T *g, const T *gh_in, const T *h, const T *w, const
   });
 }
 
+constexpr int LNW_WARPS = 8, LNW_MAXC = 4;   // warps a block; 16-byte chunks a lane at most
+
+// A warp per row; block = a stripe of rows (the warps take its rows in turn).
+// part_w / part_b (may be NULL) [stripe * ld + col]: the stripe's sums of g' xhat and
+// g' (g' = g masked by the ReLU). C = 16-byte chunks a lane (chunk k of a lane covers
+// columns (lane + 32 k) V ...).
+template <typename T, int C>
+__global__ void __launch_bounds__(LNW_WARPS * 32)
+    ln_bwd_warp(const T *g, const T *gh_in, const T *h, const T *w, const T *b, T *gh, float *mean_out,
+                float *rstd_out, float *part_w, float *part_b, int64_t ld, int64_t rows, int64_t n, float eps,
+                bool relu) {
+  constexpr int V = 16 / sizeof(T);
+  __shared__ float sh[2][LNW_WARPS][32 * V];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t nv = n / V, per = (rows + gridDim.x - 1) / gridDim.x;
+  const int64_t r0 = (int64_t)blockIdx.x * per, r1 = r0 + per < rows ? r0 + per : rows;
+  const bool params = part_w || part_b;
+  T wv[C][V], bv[C][V];
+  float aw[C][V], ab[C][V];
+#pragma unroll
+  for (int k = 0; k < C; k++) {
+    const int64_t c = lane + 32 * k;
+    if (c < nv) {
+      if (w) load_v<T, true>(w, c * V, wv[k]);
+      if (b) load_v<T, true>(b, c * V, bv[k]);
+    }
+#pragma unroll
+    for (int j = 0; j < V; j++) aw[k][j] = ab[k][j] = 0.f;
+  }
+  for (int64_t r = r0 + warp; r < r1; r += LNW_WARPS) {
+    const int64_t off = r * n;
+    T hv[C][V], gv[C][V];
+    const float s = kt::to_f(h[off]);
+    float sd = 0.f, sd2 = 0.f;
+#pragma unroll
+    for (int k = 0; k < C; k++) {
+      const int64_t c = lane + 32 * k;
+      if (c < nv) {
+        load_v<T, true>(h + off, c * V, hv[k]);
+        load_v<T, true>(g + off, c * V, gv[k]);
+#pragma unroll
+        for (int j = 0; j < V; j++) { float d = kt::to_f(hv[k][j]) - s; sd += d; sd2 += d * d; }
+      }
+    }
+    kt::Fv<2> t = kt::warp_sum<2>({{sd, sd2}});
+    const float m = t.v[0] / (float)n;
+    const Stats st = {s + m, rsqrtf(fmaxf(t.v[1] / (float)n - m * m, 0.f) + eps)};
+    if (lane == 0) { mean_out[r] = st.mean; rstd_out[r] = st.rstd; }
+    // g' = g masked by the ReLU, dy = g' w, for chunk k (formed twice rather than kept: registers)
+    auto terms = [&](int k, int j, float &xh, float &gj, float &dy) {
+      xh = (kt::to_f(hv[k][j]) - st.mean) * st.rstd;
+      const float wj = w ? kt::to_f(wv[k][j]) : 1.f;
+      gj = kt::to_f(gv[k][j]);
+      if (relu && !(xh * wj + (b ? kt::to_f(bv[k][j]) : 0.f) > 0.f)) gj = 0.f;
+      dy = gj * wj;
+    };
+    float sdy = 0.f, sdyx = 0.f;
+#pragma unroll
+    for (int k = 0; k < C; k++)
+      if (lane + 32 * k < nv)
+#pragma unroll
+        for (int j = 0; j < V; j++) {
+          float xh, gj, dy;
+          terms(k, j, xh, gj, dy);
+          sdy += dy;
+          sdyx += dy * xh;
+          aw[k][j] += gj * xh;
+          ab[k][j] += gj;
+        }
+    t = kt::warp_sum<2>({{sdy, sdyx}});
+    const float mdy = t.v[0] / (float)n, mdyx = t.v[1] / (float)n;
+#pragma unroll
+    for (int k = 0; k < C; k++) {
+      const int64_t c = lane + 32 * k;
+      if (c < nv) {
+        T extra[V], out[V];
+        if (gh_in) load_v<T, true>(gh_in + off, c * V, extra);
+#pragma unroll
+        for (int j = 0; j < V; j++) {
+          float xh, gj, dy;
+          terms(k, j, xh, gj, dy);
+          out[j] = kt::from_f<T>(st.rstd * (dy - mdy - xh * mdyx) + (gh_in ? kt::to_f(extra[j]) : 0.f));
+        }
+        store_v<T, true>(gh + off, c * V, out);
+      }
+    }
+  }
+  if (!params) return;
+  // the block's stripe sums, chunk by chunk: each warp's terms through shared memory,
+  // summed over the warps in order
+#pragma unroll
+  for (int k = 0; k < C; k++) {
+#pragma unroll
+    for (int j = 0; j < V; j++) { sh[0][warp][lane * V + j] = aw[k][j]; sh[1][warp][lane * V + j] = ab[k][j]; }
+    __syncthreads();
+    for (int i = threadIdx.x; i < 2 * 32 * V; i += blockDim.x) {
+      const int which = i / (32 * V), e = i % (32 * V);
+      const int64_t col = (int64_t)32 * k * V + e;
+      float* dst = which ? part_b : part_w;
+      if (dst && col < n) {
+        float acc = 0.f;
+        for (int q = 0; q < LNW_WARPS; q++) acc += sh[which][q][e];
+        dst[blockIdx.x * ld + col] = acc;
+      }
+    }
+    __syncthreads();
+  }
+}
+
 // Weight and bias gradients: block (32, 8) covers 32 columns; blockIdx.y is a
 // stripe of rows. pw/pb[stripe * n + col] = sum over the stripe of g_eff * xhat / g_eff.
 template <typename T>
 __global__ void ln_param(const T *g, const T *h, const float *mean, const float *rstd, const T *w, const T *b,
-                         float *pw, float *pb, int64_t rows, int64_t n, bool relu) {
+                         float *pw, float *pb, int64_t ld, int64_t rows, int64_t n, bool relu) {
   __shared__ float sw[8][33], sb[8][33];
   const int64_t col = (int64_t)blockIdx.x * 32 + threadIdx.x;
   const int64_t per = (rows + gridDim.y - 1) / gridDim.y;
@@ -215,8 +333,8 @@ __global__ void ln_param(const T *g, const T *h, const float *mean, const float 
   __syncthreads();
   if (threadIdx.y == 0 && col < n) {
     for (int k = 1; k < 8; k++) { aw += sw[k][threadIdx.x]; ab += sb[k][threadIdx.x]; }
-    if (pw) pw[blockIdx.y * n + col] = aw;
-    if (pb) pb[blockIdx.y * n + col] = ab;
+    if (pw) pw[blockIdx.y * ld + col] = aw;
+    if (pb) pb[blockIdx.y * ld + col] = ab;
   }
 }
 
@@ -231,11 +349,34 @@ kt_status fwd(const void *x, const void *res, const void *w, const void *b, void
   return kt::status_of(cudaGetLastError());
 }
 
+// 16-byte chunks a lane for ln_bwd_warp (1, 2 or 4), 0 when a row does not fit.
+template <typename T> int warp_chunks(int64_t n) {
+  constexpr int V = 16 / sizeof(T);
+  if (n % V) return 0;
+  const int64_t c = (n / V + 31) / 32;
+  return c <= 1 ? 1 : c <= 2 ? 2 : c <= LNW_MAXC ? 4 : 0;
+}
+
+template <typename T, int C>
+void launch_bwd_warp(const void *g, const void *gh_in, const void *h, const void *w, const void *b, void *gh,
+                     float *mean, float *rstd, float *pw, float *pb, int64_t ld, int64_t splits, int64_t rows,
+                     int64_t n, float eps, bool relu, cudaStream_t s) {
+  ln_bwd_warp<T, C><<<(unsigned)splits, LNW_WARPS * 32, 0, s>>>((const T *)g, (const T *)gh_in, (const T *)h,
+                                                                 (const T *)w, (const T *)b, (T *)gh, mean, rstd, pw,
+                                                                 pb, ld, rows, n, eps, relu);
+}
+
 template <typename T>
 kt_status bwd(const void *g, const void *gh_in, const void *h, const void *w, const void *b, void *gh, float *mean,
-              float *rstd, float *pw, float *pb, int64_t splits, int64_t rows, int64_t n, float eps, bool relu,
-              cudaStream_t s) {
+              float *rstd, float *pw, float *pb, int64_t ld, int64_t splits, int64_t rows, int64_t n, float eps,
+              bool relu, cudaStream_t s) {
   const bool vec = kt::row_vec_ok<T>(n, {g, gh_in, h, w, b, gh});
+  if (vec && warp_chunks<T>(n)) {
+    const int c = warp_chunks<T>(n);
+    auto k = c == 1 ? launch_bwd_warp<T, 1> : c == 2 ? launch_bwd_warp<T, 2> : launch_bwd_warp<T, 4>;
+    k(g, gh_in, h, w, b, gh, mean, rstd, pw, pb, ld, splits, rows, n, eps, relu, s);
+    return kt::status_of(cudaGetLastError());
+  }
   const int th = kt::row_threads<T>(n, vec);
   auto k = vec ? ln_bwd<T, true> : ln_bwd<T, false>;
   k<<<(unsigned)rows, th, 0, s>>>((const T *)g, (const T *)gh_in, (const T *)h, (const T *)w, (const T *)b, (T *)gh,
@@ -243,7 +384,7 @@ kt_status bwd(const void *g, const void *gh_in, const void *h, const void *w, co
   if (pw || pb) {
     dim3 grid((unsigned)((n + 31) / 32), (unsigned)splits);
     ln_param<T><<<grid, dim3(32, 8), 0, s>>>((const T *)g, (const T *)h, mean, rstd, (const T *)w, (const T *)b, pw,
-                                             pb, rows, n, relu);
+                                             pb, ld, rows, n, relu);
   }
   return kt::status_of(cudaGetLastError());
 }
@@ -252,7 +393,7 @@ template <typename T>
 kt_status param_grads(const void *g, const void *h, const float *mean, const float *rstd, float *pw, float *pb,
                       int64_t splits, int64_t rows, int64_t n, cudaStream_t s) {
   ln_param<T><<<dim3((unsigned)((n + 31) / 32), (unsigned)splits), dim3(32, 8), 0, s>>>(
-      (const T *)g, (const T *)h, mean, rstd, nullptr, nullptr, pw, pb, rows, n, false);
+      (const T *)g, (const T *)h, mean, rstd, nullptr, nullptr, pw, pb, n, rows, n, false);
   return kt::status_of(cudaGetLastError());
 }
 
@@ -269,6 +410,15 @@ extern "C" int64_t kt_layer_norm_param_splits(int64_t rows, int64_t n) {
   return s < 1 ? 1 : s;
 }
 
+extern "C" int64_t kt_layer_norm_backward_splits(kt_dtype t, int64_t rows, int64_t n) {
+  const bool warp = t == KT_F32 ? warp_chunks<float>(n) > 0 : warp_chunks<__half>(n) > 0;
+  if (!warp) return kt_layer_norm_param_splits(rows, n);
+  // a block of LNW_WARPS warps a stripe, each warp a row at least; at most 256 stripes
+  int64_t s = (rows + LNW_WARPS - 1) / LNW_WARPS;
+  if (s > 256) s = 256;
+  return s < 1 ? 1 : s;
+}
+
 extern "C" kt_status kt_layer_norm(kt_dtype t, const void *x, const void *residual, const void *weight,
                                    const void *bias, void *sum_out, void *y, int64_t rows, int64_t n, float eps,
                                    int relu, void *stream) {
@@ -280,15 +430,17 @@ extern "C" kt_status kt_layer_norm(kt_dtype t, const void *x, const void *residu
 
 extern "C" kt_status kt_layer_norm_backward(kt_dtype t, const void *grad, const void *grad_h_in, const void *h,
                                             const void *weight, const void *bias, void *grad_h, float *mean,
-                                            float *rstd, float *partial_w, float *partial_b, int64_t splits,
-                                            int64_t rows, int64_t n, float eps, int relu, void *stream) {
-  if (bad(rows, n, eps) || !grad || !h || !grad_h || !mean || !rstd || splits < 1 || splits > 65535)
+                                            float *rstd, float *partial_w, float *partial_b, int64_t partial_ld,
+                                            int64_t splits, int64_t rows, int64_t n, float eps, int relu,
+                                            void *stream) {
+  if (bad(rows, n, eps) || !grad || !h || !grad_h || !mean || !rstd || splits < 1 || splits > 65535 ||
+      ((partial_w || partial_b) && partial_ld < n))
     return KT_ERR_INVALID;
   if ((partial_w && !weight) || (partial_b && !bias)) return KT_ERR_INVALID;
   if (rows == 0) return KT_OK;
   cudaStream_t s = (cudaStream_t)stream;
-  KT_DISPATCH(t, bwd<T>(grad, grad_h_in, h, weight, bias, grad_h, mean, rstd, partial_w, partial_b, splits, rows, n,
-                        eps, relu, s))
+  KT_DISPATCH(t, bwd<T>(grad, grad_h_in, h, weight, bias, grad_h, mean, rstd, partial_w, partial_b, partial_ld,
+                        splits, rows, n, eps, relu, s))
 }
 
 extern "C" kt_status kt_layer_norm_param_grads(kt_dtype t, const void *grad, const void *h, const float *mean,

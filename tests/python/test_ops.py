@@ -195,7 +195,7 @@ def _channel_inputs(shape, dtype, device, gen, channels_last=False):
 OPS2 = {
     "layer_norm_relu": (lambda x, w, b: ko.layer_norm_relu(x, x.shape[-1], w, b),
                         lambda x, w, b: F.relu(F.layer_norm(x, (x.shape[-1],), w, b)), _norm_inputs,
-                        [(1, 1), (3, 7), (4, 1023), (2, 3, 64), (64, 4096), (5, 12288)]),
+                        [(1, 1), (3, 7), (4, 1023), (2, 3, 64), (64, 4096), (5, 12288), (96, 512)]),
     # one of the two affine parameters: its gradient alone from the stripe sums (through
     # add_layer_norm: no ReLU, whose mask is ill-conditioned where xhat * w is ~0, which
     # a weight without a bias puts at ~1e-8 in a 64 x 4096 fp16 draw)
@@ -203,14 +203,15 @@ OPS2 = {
                                    lambda x, r, w: _ref_add_ln(x, r, w, None),
                                    lambda shape, dtype, device, gen: (_add_ln_inputs(shape, dtype, device, gen)[0][:3],
                                                                       []),
-                                   [(3, 7), (64, 4096)]),
+                                   [(3, 7), (64, 4096), (100, 512)]),
     "add_layer_norm_bias_only": (lambda x, r, b: ko.add_layer_norm(x, r, None, b),
                                  lambda x, r, b: _ref_add_ln(x, r, None, b),
                                  lambda shape, dtype, device, gen: (_add_ln_inputs(shape, dtype, device, gen)[0][:3],
                                                                     []),
-                                 [(3, 7), (64, 4096)]),
+                                 [(3, 7), (64, 4096), (100, 512)]),
     "add_layer_norm": (lambda x, r, w, b: ko.add_layer_norm(x, r, w, b), _ref_add_ln, _add_ln_inputs,
-                       [(1, 1), (3, 7), (4, 1023), (2, 3, 64), (64, 768), (5, 12288)]),
+                       [(1, 1), (3, 7), (4, 1023), (2, 3, 64), (64, 768), (5, 12288), (4096, 512), (7, 1024),
+                        (5, 40)]),
     "cross_entropy": (lambda x, t: ko.cross_entropy(x, t), lambda x, t: F.cross_entropy(x, t), _ce_inputs,
                       [(1, 1), (3, 7), (4, 1023), (64, 50257), (300, 4096)]),
     "cross_entropy_smooth": (lambda x, t: ko.cross_entropy(x, t, label_smoothing=0.1),

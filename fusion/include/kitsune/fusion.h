@@ -74,13 +74,16 @@ kt_status kt_layer_norm(kt_dtype t, const void *x, const void *residual, const v
  *   dy = grad * weight (zero where y <= 0 when relu), statistics recomputed from h.
  * grad_h_in (the gradient reaching sum_out; may be NULL) is added. mean and rstd
  * (rows fp32 each) receive the row statistics. partial_w / partial_b (may be NULL;
- * splits x n fp32) receive per-stripe sums of dy/w * xhat and dy/w over `splits`
- * stripes of rows: the weight and bias gradients are their sums over stripes.
- * kt_layer_norm_param_splits gives a good stripe count. */
+ * splits rows of n fp32, partial_ld >= n apart) receive per-stripe sums of
+ * dy/w * xhat and dy/w over `splits` stripes of rows: the weight and bias gradients
+ * are their sums over stripes. kt_layer_norm_backward_splits gives a good stripe
+ * count for the kernel that runs at (t, rows, n). */
 kt_status kt_layer_norm_backward(kt_dtype t, const void *grad, const void *grad_h_in, const void *h,
                                  const void *weight, const void *bias, void *grad_h, float *mean, float *rstd,
-                                 float *partial_w, float *partial_b, int64_t splits, int64_t rows, int64_t n, float eps,
-                                 int relu, void *stream);
+                                 float *partial_w, float *partial_b, int64_t partial_ld, int64_t splits, int64_t rows,
+                                 int64_t n, float eps, int relu, void *stream);
+int64_t kt_layer_norm_backward_splits(kt_dtype t, int64_t rows, int64_t n);
+/* Stripes for kt_layer_norm_param_grads. */
 int64_t kt_layer_norm_param_splits(int64_t rows, int64_t n);
 /* The weight/bias gradient part alone: partial_w/partial_b[stripe, col] = sums over a
  * stripe of rows of g * (h - mean) * rstd and g, from per-row fp32 mean and rstd;

@@ -1448,26 +1448,31 @@ std::tuple<Tensor, Tensor, Tensor> ln_backward_cuda(const Tensor& grad, const Te
   c10::cuda::CUDAGuard g(h.device());
   Tensor gh = at::empty_like(hc);
   auto fopt = h.options().dtype(at::kFloat);
-  int64_t splits = kt_layer_norm_param_splits(rows, n);
+  const kt_dtype dt = dtype_of(h, op);
+  int64_t splits = kt_layer_norm_backward_splits(dt, rows, n);
   Tensor mean = at::empty({rows}, fopt), rstd = at::empty({rows}, fopt);
-  // the weight's and the bias's stripe sums side by side, so one reduction finishes both
-  // (two reduce kernels a LayerNorm were 24 of GPT's step, bench/results/h100_profile_graph_101578e.log)
-  Tensor parts = w || b ? at::empty({2, splits, n}, fopt) : Tensor();
-  Tensor pw = w ? parts[0] : Tensor(), pb = b ? parts[1] : Tensor();
+  // the weight's and the bias's stripe sums side by side in each row, (splits, 2n), so
+  // one column sum finishes both (two reduce kernels a LayerNorm were 24 of GPT's
+  // step, bench/results/h100_profile_graph_101578e.log)
+  Tensor parts = w || b ? at::empty({splits, 2 * n}, fopt) : Tensor();
+  float* pw = w ? parts.data_ptr<float>() : nullptr;
+  float* pb = b ? parts.data_ptr<float>() + n : nullptr;
   if (rows > 0)
-    check_launch(kt_layer_norm_backward(dtype_of(h, op), gc.data_ptr(), grad_h_in ? gic.data_ptr() : nullptr,
-                                        hc.data_ptr(), w ? wc.data_ptr() : nullptr, b ? bc.data_ptr() : nullptr,
-                                        gh.data_ptr(), mean.data_ptr<float>(), rstd.data_ptr<float>(),
-                                        w ? pw.data_ptr<float>() : nullptr, b ? pb.data_ptr<float>() : nullptr, splits,
-                                        rows, n, (float)eps, relu, stream_of(gh)),
+    check_launch(kt_layer_norm_backward(dt, gc.data_ptr(), grad_h_in ? gic.data_ptr() : nullptr, hc.data_ptr(),
+                                        w ? wc.data_ptr() : nullptr, b ? bc.data_ptr() : nullptr, gh.data_ptr(),
+                                        mean.data_ptr<float>(), rstd.data_ptr<float>(), pw, pb, 2 * n, splits, rows, n,
+                                        (float)eps, relu, stream_of(gh)),
                  op);
-  Tensor both = w && b && rows > 0 ? parts.sum(1) : Tensor();   // (2, n): one reduction for the two
-  auto param = [&](const Tensor* p, const Tensor& part, int k) {
+  // the written columns: both halves, or the one wanted
+  Tensor sums = !parts.defined() ? Tensor()
+                : rows == 0      ? at::zeros({2 * n}, fopt)
+                : w && b         ? colsum(parts, at::kFloat)
+                                 : colsum(parts.narrow(1, w ? 0 : n, n), at::kFloat);
+  auto param = [&](const Tensor* p, int64_t first) {
     if (!p) return at::empty({0}, h.options());
-    Tensor s = both.defined() ? both[k] : rows ? part.sum(0) : at::zeros({n}, fopt);
-    return s.view(p->sizes()).to(p->scalar_type());
+    return sums.narrow(0, w && b ? first : 0, n).view(p->sizes()).to(p->scalar_type());
   };
-  return {gh, param(w, pw, 0), param(b, pb, 1)};
+  return {gh, param(w, 0), param(b, n)};
 }
 
 // CPU reference, fp32 (fp64 for fp64): the same formulas as the kernels.

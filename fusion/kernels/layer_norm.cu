@@ -19,11 +19,11 @@
 // kernel reduces over row stripes into fp32 partials (summed by the caller).
 //
 // Rows that fit in a warp's registers (16-byte vectors, at most 4 a lane: n <= 1024
-// in 16-bit types, 512 in fp32) take one kernel instead (ln_bwd_warp): a warp per
-// row with warp-shuffle sums only, h and g read once, and each warp also
-// accumulating its rows' weight and bias terms per column, which the block sums
-// into its stripe's partials. One block a stripe of rows; stripes from
-// kt_layer_norm_backward_splits. (One block of 64 threads per GPT row, with two
+// in 16-bit types, 512 in fp32) take a warp per row instead, with warp-shuffle sums
+// only and every input read once: ln_fwd_warp, and ln_bwd_warp, one kernel in which
+// each warp also accumulates its rows' weight and bias terms per column and the block
+// sums them into its stripe's partials (one block a stripe of rows; stripes from
+// kt_layer_norm_backward_splits). (One block of 64 threads per GPT row, with two
 // block-wide sums and a separate column kernel, took 11.8 us a call for 4096 x 512
 // bf16 rows on the H100, bench/results/h100_profile_graph_3403d9c.log.)
 #include "rows.cuh"
@@ -201,6 +201,68 @@ __global__ void ln_bwd(const T *g, const T *gh_in, const T *h, const T *w, const
 
 constexpr int LNW_WARPS = 8, LNW_MAXC = 4;   // warps a block; 16-byte chunks a lane at most
 
+// The statistics of a row held by a warp in registers: chunk k of a lane is columns
+// (lane + 32 k) V ... (chunks past nv are not read); shifted by the row's first element
+// (lane 0's chunk 0), summed by shuffles.
+template <typename T, int C, int V>
+__device__ __forceinline__ Stats warp_row_stats(const T (&hv)[C][V], int lane, int64_t nv, int64_t n, float eps) {
+  const float s = __shfl_sync(0xffffffffu, kt::to_f(hv[0][0]), 0);
+  float sd = 0.f, sd2 = 0.f;
+#pragma unroll
+  for (int k = 0; k < C; k++)
+    if (lane + 32 * k < nv)
+#pragma unroll
+      for (int j = 0; j < V; j++) { float d = kt::to_f(hv[k][j]) - s; sd += d; sd2 += d * d; }
+  const kt::Fv<2> t = kt::warp_sum<2>({{sd, sd2}});
+  const float m = t.v[0] / (float)n;
+  return {s + m, rsqrtf(fmaxf(t.v[1] / (float)n - m * m, 0.f) + eps)};
+}
+
+// The forward for rows that fit in a warp's registers (as ln_bwd_warp): a warp per row,
+// x (and the residual) read once.
+template <typename T, int C>
+__global__ void __launch_bounds__(LNW_WARPS * 32)
+    ln_fwd_warp(const T *x, const T *res, const T *w, const T *b, T *hout, T *y, int64_t rows, int64_t n, float eps,
+                bool relu) {
+  constexpr int V = 16 / sizeof(T);
+  const int lane = threadIdx.x & 31;
+  const int64_t r = (int64_t)blockIdx.x * LNW_WARPS + (threadIdx.x >> 5), nv = n / V, off = r * n;
+  if (r >= rows) return;
+  T hv[C][V];
+#pragma unroll
+  for (int k = 0; k < C; k++) {
+    const int64_t c = lane + 32 * k;
+    if (c < nv) {
+      load_v<T, true>(x + off, c * V, hv[k]);
+      if (res) {
+        T rv[V];
+        load_v<T, true>(res + off, c * V, rv);
+#pragma unroll
+        for (int j = 0; j < V; j++) hv[k][j] = kt::from_f<T>(kt::to_f(hv[k][j]) + kt::to_f(rv[j]));
+      }
+    }
+  }
+  const Stats st = warp_row_stats<T, C, V>(hv, lane, nv, n, eps);
+#pragma unroll
+  for (int k = 0; k < C; k++) {
+    const int64_t c = lane + 32 * k;
+    if (c < nv) {
+      if (hout) store_v<T, true>(hout + off, c * V, hv[k]);
+      T wv[V], bv[V], out[V];
+      if (w) load_v<T, true>(w, c * V, wv);
+      if (b) load_v<T, true>(b, c * V, bv);
+#pragma unroll
+      for (int j = 0; j < V; j++) {
+        float o = (kt::to_f(hv[k][j]) - st.mean) * st.rstd;
+        if (w) o *= kt::to_f(wv[j]);
+        if (b) o += kt::to_f(bv[j]);
+        out[j] = kt::from_f<T>(relu ? fmaxf(o, 0.f) : o);
+      }
+      store_v<T, true>(y + off, c * V, out);
+    }
+  }
+}
+
 // A warp per row; block = a stripe of rows (the warps take its rows in turn).
 // part_w / part_b (may be NULL) [stripe * ld + col]: the stripe's sums of g' xhat and
 // g' (g' = g masked by the ReLU). C = 16-byte chunks a lane (chunk k of a lane covers
@@ -230,22 +292,17 @@ __global__ void __launch_bounds__(LNW_WARPS * 32)
   }
   for (int64_t r = r0 + warp; r < r1; r += LNW_WARPS) {
     const int64_t off = r * n;
-    T hv[C][V], gv[C][V];
-    const float s = kt::to_f(h[off]);
-    float sd = 0.f, sd2 = 0.f;
+    T hv[C][V], gv[C][V], ev[C][V];   // every load of the row issued at once
 #pragma unroll
     for (int k = 0; k < C; k++) {
       const int64_t c = lane + 32 * k;
       if (c < nv) {
         load_v<T, true>(h + off, c * V, hv[k]);
         load_v<T, true>(g + off, c * V, gv[k]);
-#pragma unroll
-        for (int j = 0; j < V; j++) { float d = kt::to_f(hv[k][j]) - s; sd += d; sd2 += d * d; }
+        if (gh_in) load_v<T, true>(gh_in + off, c * V, ev[k]);
       }
     }
-    kt::Fv<2> t = kt::warp_sum<2>({{sd, sd2}});
-    const float m = t.v[0] / (float)n;
-    const Stats st = {s + m, rsqrtf(fmaxf(t.v[1] / (float)n - m * m, 0.f) + eps)};
+    const Stats st = warp_row_stats<T, C, V>(hv, lane, nv, n, eps);
     if (lane == 0) { mean_out[r] = st.mean; rstd_out[r] = st.rstd; }
     // g' = g masked by the ReLU, dy = g' w, for chunk k (formed twice rather than kept: registers)
     auto terms = [&](int k, int j, float &xh, float &gj, float &dy) {
@@ -268,19 +325,18 @@ __global__ void __launch_bounds__(LNW_WARPS * 32)
           aw[k][j] += gj * xh;
           ab[k][j] += gj;
         }
-    t = kt::warp_sum<2>({{sdy, sdyx}});
+    const kt::Fv<2> t = kt::warp_sum<2>({{sdy, sdyx}});
     const float mdy = t.v[0] / (float)n, mdyx = t.v[1] / (float)n;
 #pragma unroll
     for (int k = 0; k < C; k++) {
       const int64_t c = lane + 32 * k;
       if (c < nv) {
-        T extra[V], out[V];
-        if (gh_in) load_v<T, true>(gh_in + off, c * V, extra);
+        T out[V];
 #pragma unroll
         for (int j = 0; j < V; j++) {
           float xh, gj, dy;
           terms(k, j, xh, gj, dy);
-          out[j] = kt::from_f<T>(st.rstd * (dy - mdy - xh * mdyx) + (gh_in ? kt::to_f(extra[j]) : 0.f));
+          out[j] = kt::from_f<T>(st.rstd * (dy - mdy - xh * mdyx) + (gh_in ? kt::to_f(ev[k][j]) : 0.f));
         }
         store_v<T, true>(gh + off, c * V, out);
       }
@@ -338,23 +394,37 @@ __global__ void ln_param(const T *g, const T *h, const float *mean, const float 
   }
 }
 
-template <typename T>
-kt_status fwd(const void *x, const void *res, const void *w, const void *b, void *hout, void *y, int64_t rows,
-              int64_t n, float eps, bool relu, cudaStream_t s) {
-  const bool vec = kt::row_vec_ok<T>(n, {x, res, w, b, hout, y});
-  const int th = kt::row_threads<T>(n, vec);
-  auto k = vec ? ln_fwd<T, true> : ln_fwd<T, false>;
-  k<<<(unsigned)rows, th, 0, s>>>((const T *)x, (const T *)res, (const T *)w, (const T *)b, (T *)hout, (T *)y, n, eps,
-                                  relu);
-  return kt::status_of(cudaGetLastError());
-}
-
-// 16-byte chunks a lane for ln_bwd_warp (1, 2 or 4), 0 when a row does not fit.
+// 16-byte chunks a lane for the warp-per-row kernels (1, 2 or 4), 0 when a row does not fit.
 template <typename T> int warp_chunks(int64_t n) {
   constexpr int V = 16 / sizeof(T);
   if (n % V) return 0;
   const int64_t c = (n / V + 31) / 32;
   return c <= 1 ? 1 : c <= 2 ? 2 : c <= LNW_MAXC ? 4 : 0;
+}
+
+template <typename T, int C>
+void launch_fwd_warp(const void *x, const void *res, const void *w, const void *b, void *hout, void *y, int64_t rows,
+                     int64_t n, float eps, bool relu, cudaStream_t s) {
+  const unsigned blocks = (unsigned)((rows + LNW_WARPS - 1) / LNW_WARPS);
+  ln_fwd_warp<T, C><<<blocks, LNW_WARPS * 32, 0, s>>>((const T *)x, (const T *)res, (const T *)w, (const T *)b,
+                                                       (T *)hout, (T *)y, rows, n, eps, relu);
+}
+
+template <typename T>
+kt_status fwd(const void *x, const void *res, const void *w, const void *b, void *hout, void *y, int64_t rows,
+              int64_t n, float eps, bool relu, cudaStream_t s) {
+  const bool vec = kt::row_vec_ok<T>(n, {x, res, w, b, hout, y});
+  if (vec && warp_chunks<T>(n)) {
+    const int c = warp_chunks<T>(n);
+    auto k = c == 1 ? launch_fwd_warp<T, 1> : c == 2 ? launch_fwd_warp<T, 2> : launch_fwd_warp<T, 4>;
+    k(x, res, w, b, hout, y, rows, n, eps, relu, s);
+    return kt::status_of(cudaGetLastError());
+  }
+  const int th = kt::row_threads<T>(n, vec);
+  auto k = vec ? ln_fwd<T, true> : ln_fwd<T, false>;
+  k<<<(unsigned)rows, th, 0, s>>>((const T *)x, (const T *)res, (const T *)w, (const T *)b, (T *)hout, (T *)y, n, eps,
+                                  relu);
+  return kt::status_of(cudaGetLastError());
 }
 
 template <typename T, int C>
@@ -413,9 +483,11 @@ extern "C" int64_t kt_layer_norm_param_splits(int64_t rows, int64_t n) {
 extern "C" int64_t kt_layer_norm_backward_splits(kt_dtype t, int64_t rows, int64_t n) {
   const bool warp = t == KT_F32 ? warp_chunks<float>(n) > 0 : warp_chunks<__half>(n) > 0;
   if (!warp) return kt_layer_norm_param_splits(rows, n);
-  // a block of LNW_WARPS warps a stripe, each warp a row at least; at most 256 stripes
+  // a block of LNW_WARPS warps a stripe, a row a warp up to 1024 stripes (the partials
+  // then add an eighth to the kernel's traffic). With 256 stripes, two rows a warp in
+  // turn, GPT's 4096 x 512 bf16 rows took 12.3 us a call (h100_profile_graph_981bd6f.log).
   int64_t s = (rows + LNW_WARPS - 1) / LNW_WARPS;
-  if (s > 256) s = 256;
+  if (s > 1024) s = 1024;
   return s < 1 ? 1 : s;
 }
 

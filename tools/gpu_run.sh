@@ -4,7 +4,7 @@
 # only the pytest part of gpu-test, on KT_PYTEST_ARGS (paths and options; default tests/python); "data" adds
 # make bench-data, "kernels" make bench-kernels, "profile" tools/profile_train.py, "gaps"
 # tools/step_gaps.py, "optim" bench/kernels/optimizer.py, "ew" bench/kernels/elementwise.py, "lact" bench/kernels/linear_act.py, "colsum" bench/kernels/colsum.py, "copies" tools/copy_sources.py, "train" bench/kernels/train_models.py,
-# "ncu" Nsight Compute on the dropout kernels, "models" bench/models.py, "gmem" bench/graph_memory.py, "pgraph"
+# "ncu" Nsight Compute on the dropout kernels, "ncu_ln" on the LayerNorm ones, "models" bench/models.py, "gmem" bench/graph_memory.py, "pgraph"
 # tools/profile_graph.py, "alloc" the VMM C suites on CUDA, the allocator pytest,
 # bench/alloc_shapes.py and bench/alloc_torch.py; KT_NO_CLEAN=1 keeps
 # the last call's build). Everything is logged to $OUT/run.log; JSON results and the
@@ -84,6 +84,14 @@ if [[ $parts == *" ncu "* ]]; then   # Nsight Compute on the bf16 dropout kernel
     --section SpeedOfLight --section ComputeWorkloadAnalysis --section InstructionStats --section WarpStateStats \
     --section LaunchStats --section Occupancy python3 tools/ncu_dropout.py > "$OUT/ncu.log" 2>&1
   grep -E "rng_kernel|ew_kernel|Duration|Memory Throughput|Compute \(SM\)|Issue Slots Busy|Executed Ipc A|Registers Per|Achieved Occupancy" "$OUT/ncu.log" | head -80
+fi
+if [[ $parts == *" ncu_ln "* ]]; then   # Nsight Compute on the LayerNorm kernels (tools/ncu_layer_norm.py), to $OUT/ncu_ln.log
+  echo "== ncu layer_norm =="
+  KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python ncu --clock-control none \
+    --kernel-name regex:'ln_|colsum' --launch-skip 4 --launch-count 4 \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section MemoryWorkloadAnalysis python3 tools/ncu_layer_norm.py > "$OUT/ncu_ln.log" 2>&1
+  grep -E "ln_|colsum|Duration|Memory Throughput|DRAM Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Warp Cycles Per Issued|Stall|Block Limit" "$OUT/ncu_ln.log" | head -80
 fi
 if [[ $parts == *" models "* ]]; then   # bench/models.py (BENCH_MODELS_ARGS)
   echo "== models =="; time KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \

@@ -483,11 +483,11 @@ extern "C" int64_t kt_layer_norm_param_splits(int64_t rows, int64_t n) {
 extern "C" int64_t kt_layer_norm_backward_splits(kt_dtype t, int64_t rows, int64_t n) {
   const bool warp = t == KT_F32 ? warp_chunks<float>(n) > 0 : warp_chunks<__half>(n) > 0;
   if (!warp) return kt_layer_norm_param_splits(rows, n);
-  // a block of LNW_WARPS warps a stripe, a row a warp up to 1024 stripes (the partials
-  // then add an eighth to the kernel's traffic). With 256 stripes, two rows a warp in
-  // turn, GPT's 4096 x 512 bf16 rows took 12.3 us a call (h100_profile_graph_981bd6f.log).
+  // a block of LNW_WARPS warps a stripe, at most 256 stripes: GPT's 4096 x 512 bf16 rows
+  // took 12.3 us a call so (two rows a warp in turn, h100_profile_graph_981bd6f.log)
+  // and 13.5 us with a row a warp in 512 stripes (h100_profile_graph_9a767ce.log)
   int64_t s = (rows + LNW_WARPS - 1) / LNW_WARPS;
-  if (s > 1024) s = 1024;
+  if (s > 256) s = 256;
   return s < 1 ? 1 : s;
 }
 

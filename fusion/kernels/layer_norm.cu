@@ -48,6 +48,22 @@ __device__ __forceinline__ Stats finish_stats(float s, float sd, float sd2, int6
   return {s + m, rsqrtf(var + eps)};
 }
 
+// y for the V elements of h at column i: (h - mean) * rstd * w + b, relu'd on request.
+template <typename T, bool VEC, int V>
+__device__ __forceinline__ void store_y(T *yr, int64_t i, const T *h, const T *w, const T *b, Stats st, bool relu) {
+  T wv[V], bv[V], out[V];
+  if (w) load_v<T, VEC>(w, i, wv);
+  if (b) load_v<T, VEC>(b, i, bv);
+#pragma unroll
+  for (int j = 0; j < V; j++) {
+    float o = (kt::to_f(h[j]) - st.mean) * st.rstd;
+    if (w) o *= kt::to_f(wv[j]);
+    if (b) o += kt::to_f(bv[j]);
+    out[j] = kt::from_f<T>(relu ? fmaxf(o, 0.f) : o);
+  }
+  store_v<T, VEC>(yr, i, out);
+}
+
 template <typename T, bool VEC>
 __global__ void ln_fwd(const T *x, const T *res, const T *w, const T *b, T *hout, T *y, int64_t n, float eps,
                        bool relu) {
@@ -79,19 +95,7 @@ __global__ void ln_fwd(const T *x, const T *res, const T *w, const T *b, T *hout
 #pragma unroll
     for (int k = 0; k < MAXC; k++) {
       const int64_t c = threadIdx.x + (int64_t)k * blockDim.x;
-      if (c < nv) {
-        T wv[V], bv[V], out[V];
-        if (w) load_v<T, VEC>(w, c * V, wv);
-        if (b) load_v<T, VEC>(b, c * V, bv);
-#pragma unroll
-        for (int j = 0; j < V; j++) {
-          float o = (kt::to_f(v[k][j]) - st.mean) * st.rstd;
-          if (w) o *= kt::to_f(wv[j]);
-          if (b) o += kt::to_f(bv[j]);
-          out[j] = kt::from_f<T>(relu ? fmaxf(o, 0.f) : o);
-        }
-        store_v<T, VEC>(yr, c * V, out);
-      }
+      if (c < nv) store_y<T, VEC, V>(yr, c * V, v[k], w, b, st, relu);
     }
     return;
   }
@@ -115,7 +119,7 @@ __global__ void ln_fwd(const T *x, const T *res, const T *w, const T *b, T *hout
   T *yr = y + off;
   for (int64_t c = threadIdx.x; c < n / V; c += blockDim.x) {
     const int64_t i = c * V;
-    T h[V], wv[V], bv[V], out[V];
+    T h[V];
     if (hr) load_v<T, VEC>(hr, i, h);
     else {
       load_v<T, VEC>(xr, i, h);
@@ -126,16 +130,7 @@ __global__ void ln_fwd(const T *x, const T *res, const T *w, const T *b, T *hout
         for (int j = 0; j < V; j++) h[j] = kt::from_f<T>(kt::to_f(h[j]) + kt::to_f(rv[j]));
       }
     }
-    if (w) load_v<T, VEC>(w, i, wv);
-    if (b) load_v<T, VEC>(b, i, bv);
-#pragma unroll
-    for (int j = 0; j < V; j++) {
-      float o = (kt::to_f(h[j]) - st.mean) * st.rstd;
-      if (w) o *= kt::to_f(wv[j]);
-      if (b) o += kt::to_f(bv[j]);
-      out[j] = kt::from_f<T>(relu ? fmaxf(o, 0.f) : o);
-    }
-    store_v<T, VEC>(yr, i, out);
+    store_y<T, VEC, V>(yr, i, h, w, b, st, relu);
   }
 }
 
@@ -248,17 +243,7 @@ __global__ void __launch_bounds__(LNW_WARPS * 32)
     const int64_t c = lane + 32 * k;
     if (c < nv) {
       if (hout) store_v<T, true>(hout + off, c * V, hv[k]);
-      T wv[V], bv[V], out[V];
-      if (w) load_v<T, true>(w, c * V, wv);
-      if (b) load_v<T, true>(b, c * V, bv);
-#pragma unroll
-      for (int j = 0; j < V; j++) {
-        float o = (kt::to_f(hv[k][j]) - st.mean) * st.rstd;
-        if (w) o *= kt::to_f(wv[j]);
-        if (b) o += kt::to_f(bv[j]);
-        out[j] = kt::from_f<T>(relu ? fmaxf(o, 0.f) : o);
-      }
-      store_v<T, true>(y + off, c * V, out);
+      store_y<T, true, V>(y + off, c * V, hv[k], w, b, st, relu);
     }
   }
 }

@@ -248,10 +248,14 @@ def _linear_of(gm, node):
     "attr:" names), else None."""
     m = _module(gm, node)
     if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward:   # a subclass's own forward is not F.linear
-        return node.args[0], f"attr:{node.target}.weight", (f"attr:{node.target}.bias" if m.bias is not None else None)
+        x = node.args[0] if node.args else node.kwargs.get("input")
+        if x is None:
+            return None
+        return x, f"attr:{node.target}.weight", (f"attr:{node.target}.bias" if m.bias is not None else None)
     if isinstance(node, tfx.Node) and node.op == "call_function" and node.target is F.linear:
         args = list(node.args) + [None] * 3
-        return args[0], node.kwargs.get("weight", args[1]), node.kwargs.get("bias", args[2])
+        x = node.kwargs.get("input", args[0])
+        return (x, node.kwargs.get("weight", args[1]), node.kwargs.get("bias", args[2])) if x is not None else None
     return None
 
 

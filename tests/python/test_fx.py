@@ -209,8 +209,9 @@ class Linears(nn.Module):
         self.w, self.b = nn.Parameter(torch.randn(3, 4)), nn.Parameter(torch.randn(3))
 
     def forward(self, x):
-        h = self.nob(self.a(x))
-        return F.linear(F.relu(self.own(h)), self.w, self.b), F.linear(h, self.w[:, :1].expand(3, 5))
+        h = self.nob(self.a(input=x))   # keyword input
+        return (F.linear(F.relu(self.own(h)), self.w, self.b), F.linear(h, self.w[:, :1].expand(3, 5)),
+                F.linear(input=h, weight=self.w[:, :1].expand(3, 5), bias=self.b))
 
 
 def test_plain_linears_become_linear_act_none():
@@ -224,9 +225,9 @@ def test_plain_linears_become_linear_act_none():
     m = Linears().double()
     rep = kitsune.fx.Report()
     opt = kitsune.optimize(m, report=rep)
-    assert sorted(where for where, _ in rep.fused) == ["a", "linear"], rep
+    assert sorted(where for where, _ in rep.fused) == ["a", "linear", "linear_2"], rep
     assert set(_kinds(rep)) == {"linear_act(none)"} and str(kitsune.explain(m)) == str(rep)
-    assert "self.own(" in opt.code and opt.code.count("linear_act(") == 2, opt.code
+    assert "self.own(" in opt.code and opt.code.count("linear_act(") == 3, opt.code
     x = torch.randn(7, 6, dtype=torch.float64, requires_grad=True)
     outs, refs = opt(x), m(x)
     for o, r in zip(outs, refs):

@@ -11,8 +11,10 @@ as with torch.optim, and a checkpoint moves freely between the two. ``step`` run
 (one kernel launch per device, dtype and step count, or per 64 tensors, on CUDA; the
 same per-element code on the CPU) for torch.optim.Adam, AdamW and
 SGD, and the wrapped optimizer's own step for anything else (another optimizer,
-amsgrad, maximize, capturable, differentiable, a tensor lr, sparse or
-non-contiguous tensors). ``get_stats()`` says which path ran and why, with measured
+amsgrad, maximize, capturable, differentiable, a tensor lr, sparse or non-dense
+tensors, a gradient laid out otherwise than its parameter). Dense parameters in other
+layouts (a channels-last convolution weight) are fused when their gradients and
+states share their strides. ``get_stats()`` says which path ran and why, with measured
 times.
 """
 import time
@@ -45,7 +47,7 @@ def _decoupled(opt, group):
     return isinstance(opt, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
 
 
-_NOT_DENSE = "a sparse or non-contiguous parameter or gradient"
+_NOT_DENSE = "a sparse or non-dense parameter, or a gradient laid out otherwise than its parameter"
 
 
 # The hyperparameters a captured step bakes in as launch constants (lr and the step

@@ -120,12 +120,46 @@ def test_non_contiguous_gradient_falls_back_whole(cls):
             y.grad = gr.clone()
         ka.step()
         tb.step()
-        want = "torch.optim (a sparse or non-contiguous parameter or gradient)" if step == 1 else "fused"
+        want = ("torch.optim (a sparse or non-dense parameter, or a gradient laid out otherwise than its parameter)"
+                if step == 1 else "fused")
         assert ka.get_stats()["path"] == want, step
         for x, y in zip(a, b):
             torch.testing.assert_close(x, y)
     if cls is torch.optim.AdamW:   # the step counts, kept by the fused path and torch.optim alike
         assert [float(ka.state[p]["step"]) for p in a] == [3.0, 3.0]
+
+
+@pytest.mark.parametrize("device,dtype,tol", [("cpu", torch.float64, 1e-12),
+                                              pytest.param("cuda", torch.float32, 1e-5, marks=[pytest.mark.gpu, gpu])])
+@pytest.mark.parametrize("cls,kw", [(torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1)),
+                                    (torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True))])
+def test_channels_last_weights_are_fused(cls, kw, device, dtype, tol):
+    """Convolution weights in channels-last memory (model.to(memory_format=
+    torch.channels_last)) with gradients and states in the same strides take the fused
+    step and equal torch.optim; a gradient in another layout than its weight falls
+    back for the step, naming why; fused states keep the weights' layout."""
+    g = torch.Generator().manual_seed(8)
+    conv = lambda: torch.randn(16, 8, 3, 3, generator=g, dtype=dtype).to(device)  # noqa: E731
+    a = [conv().contiguous(memory_format=torch.channels_last), torch.randn(5, 7, generator=g, dtype=dtype).to(device)]
+    b = [t.clone(memory_format=torch.preserve_format) for t in a]
+    ka, tb = KitsuneOptimizer(cls, a, **kw), cls(b, **kw)
+    for step in range(4):
+        for x, y in zip(a, b):
+            gr = torch.randn(x.shape, generator=g, dtype=dtype).to(device)
+            x.grad = gr if step == 2 and x.dim() == 4 else gr.contiguous(memory_format=torch.preserve_format).clone(
+                memory_format=torch.channels_last if x.dim() == 4 else torch.contiguous_format)
+            y.grad = gr.clone()
+        ka.step()
+        tb.step()
+        want = "fused" if step != 2 else \
+            "torch.optim (a sparse or non-dense parameter, or a gradient laid out otherwise than its parameter)"
+        assert ka.get_stats()["path"] == want, step
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y, rtol=tol, atol=tol)
+    assert a[0].is_contiguous(memory_format=torch.channels_last)
+    for st in ka.state[a[0]].values():
+        if torch.is_tensor(st) and st.dim() == 4:
+            assert st.stride() == a[0].stride()
 
 
 def test_adam_step_op_counts_and_buckets_steps():
@@ -149,8 +183,13 @@ def test_adam_step_op_counts_and_buckets_steps():
     with pytest.raises(RuntimeError, match=r"state_steps\[1\] must have one element"):
         torch.ops.kitsune.adam_step_(ps, gs, ms, vs, [steps[0], torch.zeros(2), steps[2]], 1e-2, 0.9, 0.999, 1e-8,
                                      0.1, True)
-    with pytest.raises(RuntimeError, match=r"exp_avgs\[2\] must be a contiguous Double tensor of 5 elements"):
+    with pytest.raises(RuntimeError, match=r"exp_avgs\[2\] must be a Double tensor on cpu laid out as params\[2\] "
+                                           r"\(\[5\], strides \[1\]\); got Float \[5\]"):
         torch.ops.kitsune.adam_step_(ps, gs, ms[:2] + [ms[2].float()], vs, steps, 1e-2, 0.9, 0.999, 1e-8, 0.1, True)
+    with pytest.raises(RuntimeError, match=r"grads\[0\] must be .* laid out as params\[0\] \(\[5\], strides \[1\]\); "
+                                           r"got Double \[5\], strides \[2\]"):
+        torch.ops.kitsune.adam_step_(ps, [torch.zeros(10, dtype=torch.float64)[::2]] + gs[1:], ms, vs, steps, 1e-2,
+                                     0.9, 0.999, 1e-8, 0.1, True)
     with pytest.raises(RuntimeError, match="betas in"):
         torch.ops.kitsune.adam_step_(ps, gs, ms, vs, steps, 1e-2, 1.5, 0.999, 1e-8, 0.1, True)
     assert [float(s) for s in steps] == [1.0, 5.0, 1.0]   # a bad call changes nothing

@@ -2025,18 +2025,29 @@ Tensor dropout_backward_cpu(const Tensor& grad, const Tensor& rng, double p) {
 
 // ---- fused optimizer steps: adam_, sgd_ (fusion/kernels/optim.cu) ----
 // In place over lists of parameters, gradients and states, all of one device and
-// dtype, contiguous (kitsune.optim groups them). CUDA: the multi-tensor kernel; CPU:
+// dtype (kitsune.optim groups them), each dense in memory: a parameter contiguous, or
+// dense in another layout (a channels-last convolution weight) with its gradient and
+// states in the same strides, so that element i in memory is the same element of
+// all of them. CUDA: the multi-tensor kernel; CPU:
 // the same per-element code (kitsune/optim_math.h), in double for fp64.
 // A registered op, called through the dispatcher.
 template <typename Sig> c10::TypedOperatorHandle<Sig> op_handle(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
 }
-// list[i] of an optimizer's lists must match params[i]: device, dtype, size, contiguous.
+// A parameter the flat kernels can take: contiguous, or dense in another layout.
+bool dense(const Tensor& p) { return p.is_non_overlapping_and_dense(); }
+// t lies in memory as p does: both contiguous (any shapes of one numel), or one shape
+// and one set of strides, dense.
+bool laid_out_as(const Tensor& t, const Tensor& p) {
+  if (t.is_contiguous() && p.is_contiguous()) return t.numel() == p.numel();
+  return t.sizes() == p.sizes() && t.strides() == p.strides() && dense(p);
+}
+// list[i] of an optimizer's lists must match params[i]: device, dtype, size, layout.
 void check_entry(const char* op, const char* name, size_t i, const Tensor& t, const Tensor& p) {
-  TORCH_CHECK(t.device() == p.device() && t.scalar_type() == p.scalar_type() && t.numel() == p.numel() &&
-                  t.is_contiguous(),
-              "kitsune.", op, ": ", name, "[", i, "] must be a contiguous ", p.scalar_type(), " tensor of ", p.numel(),
-              " elements on ", p.device(), "; got ", t.scalar_type(), " ", t.sizes(), " on ", t.device());
+  TORCH_CHECK(t.device() == p.device() && t.scalar_type() == p.scalar_type() && laid_out_as(t, p), "kitsune.", op, ": ",
+              name, "[", i, "] must be a ", p.scalar_type(), " tensor on ", p.device(), " laid out as params[", i,
+              "] (", p.sizes(), ", strides ", p.strides(), "); got ", t.scalar_type(), " ", t.sizes(), ", strides ",
+              t.strides(), " on ", t.device());
 }
 void check_sizes(const char* op, at::TensorList params, std::initializer_list<std::pair<const char*, at::TensorList>> rest) {
   for (const auto& [name, list] : rest)
@@ -2047,7 +2058,7 @@ void check_lists(const char* op, at::TensorList params, std::initializer_list<st
   check_sizes(op, params, rest);
   for (size_t i = 0; i < params.size(); i++) {
     const Tensor& p = params[i];
-    TORCH_CHECK(p.is_contiguous(), "kitsune.", op, ": params[", i, "] is not contiguous");
+    TORCH_CHECK(dense(p), "kitsune.", op, ": params[", i, "] is not dense in memory (strides ", p.strides(), ")");
     TORCH_CHECK(p.device() == params[0].device() && p.scalar_type() == params[0].scalar_type(), "kitsune.", op,
                 ": params[", i, "] is ", p.scalar_type(), " on ", p.device(), " but params[0] is ",
                 params[0].scalar_type(), " on ", params[0].device(), " (one dtype and device a call)");
@@ -2132,14 +2143,14 @@ void adam_cuda(at::TensorList params, at::TensorList grads, at::TensorList m, at
   auto a = adam_args(lr, beta1, beta2, eps, wd, decoupled, step, "adam_");
   if (!params.empty()) launch_adam(params, grads, m, v, a);
 }
-// Whether every parameter and gradient is dense and contiguous (what adam_ / sgd_
-// take); KitsuneOptimizer asks before it changes anything, else it falls back to
+// Whether every parameter is dense and its gradient laid out as it is (what adam_ /
+// sgd_ take); KitsuneOptimizer asks before it changes anything, else it falls back to
 // torch.optim.
 bool optim_fusable(at::TensorList params, at::TensorList grads) {
   TORCH_CHECK(params.size() == grads.size(), "kitsune.optim_fusable: ", params.size(), " params but ", grads.size(),
               " grads");
   for (size_t i = 0; i < params.size(); i++)
-    if (params[i].is_sparse() || grads[i].is_sparse() || !params[i].is_contiguous() || !grads[i].is_contiguous())
+    if (params[i].is_sparse() || grads[i].is_sparse() || !dense(params[i]) || !laid_out_as(grads[i], params[i]))
       return false;
   return true;
 }
@@ -2167,7 +2178,8 @@ void adam_step(at::TensorList params, at::TensorList grads, at::TensorList m, at
   for (size_t i = 0; i < params.size(); i++) {
     TORCH_CHECK(steps[i].numel() == 1, "kitsune.adam_step_: state_steps[", i, "] must have one element; got ",
                 steps[i].sizes());
-    TORCH_CHECK(params[i].is_contiguous(), "kitsune.adam_step_: params[", i, "] is not contiguous");
+    TORCH_CHECK(dense(params[i]), "kitsune.adam_step_: params[", i, "] is not dense in memory (strides ",
+                params[i].strides(), ")");
     check_entry(op, "grads", i, grads[i], params[i]);
     check_entry(op, "exp_avgs", i, m[i], params[i]);
     check_entry(op, "exp_avg_sqs", i, v[i], params[i]);

@@ -1384,7 +1384,7 @@ std::tuple<Tensor, Tensor> rms_norm_backward_cuda(const Tensor& grad, const Tens
                                          nullptr, rstd.data_ptr<float>(),
                                          part.data_ptr<float>(), nullptr, splits, rows, n, stream_of(gx)),
                "rms_norm_backward");
-  return {gx, part.sum(0).to(w.scalar_type())};
+  return {gx, colsum(part, at::kFloat).to(w.scalar_type())};
 }
 std::tuple<Tensor, Tensor> rms_norm_backward_cpu(const Tensor& grad, const Tensor& x, const Tensor& w, double eps) {
   check_weight(x, w, "rms_norm_backward");

@@ -1,9 +1,9 @@
 """Where a model's copy kernels come from: one eager training step of the kitsune recipe
 (kitsune.optimize, channels-last input as compile_step captures it) under the profiler,
 every aten::copy_ listed by the chain of operators that called it, with its shapes and
-the GPU time of the kernels it launched; then the same step under a dispatch mode that
-lists each copying op (clone, _to_copy, copy_) of a tensor of 2^16 elements or more with
-its source's strides and the autograd node running it (backward copies).
+the GPU time of the kernels it launched. (A TorchDispatchMode listing copying ops with
+their strides was tried at 68d5f38 and dropped: it sees no copy made inside an ATen
+kernel, which is where these are: bench/results/h100_copies_68d5f38.log.)
 
     python tools/copy_sources.py inception
 
@@ -15,7 +15,6 @@ import sys
 from collections import defaultdict
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 import models  # noqa: E402
@@ -30,26 +29,6 @@ def chain(e):
         names.append(p.name)
         p = p.cpu_parent
     return " < ".join(names[:4]) or "(top level)"
-
-
-class CopyLog(TorchDispatchMode):
-    OPS = ("aten::clone", "aten::_to_copy", "aten::copy_")
-
-    def __init__(self):
-        super().__init__()
-        self.rows = defaultdict(int)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = func._schema.name
-        if name in self.OPS:
-            src = args[1] if name == "aten::copy_" else args[0]
-            if isinstance(src, torch.Tensor) and src.numel() >= 1 << 16:
-                node = torch._C._current_autograd_node()
-                fmt = kwargs.get("memory_format")
-                self.rows[(name, tuple(src.shape), src.stride(), str(fmt) if fmt is not None else "",
-                           type(node).__name__ if node is not None else "forward")] += 1
-        return func(*args, **kwargs)
 
 
 def main():
@@ -79,13 +58,6 @@ def main():
         print(f"== {name}: {sum(r[0] for r in rows.values())} aten::copy_ calls, {total:.1f} us of their kernels")
         for (where, shapes), (n, us) in sorted(rows.items(), key=lambda kv: -kv[1][1]):
             print(f"  {us:8.1f} us {n:3d}x  {where[:110]}  {shapes[:90]}")
-        log = CopyLog()
-        with log:
-            loss_fn(km(x), y).backward()
-        torch.cuda.synchronize()
-        print(f"-- {name}: copying ops of >= 2^16 elements (op, shape, source strides, memory_format, autograd node)")
-        for (op, shape, stride, fmt, node), n in sorted(log.rows.items(), key=lambda kv: -kv[1]):
-            print(f"  {n:3d}x  {op:15s} {str(shape):20s} strides {str(stride):24s} {fmt:28s} {node}")
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ def _aten(x, kind):
     return x.sum(0) if kind == "bias" else x.sum((0, 2, 3))
 
 
-def _kitsune(x, kind):
+def _kitsune(x):
     return torch.ops.kitsune.channel_sum(x)   # kt_colsum over (N H W, C) rows; fp32 out
 
 
@@ -86,7 +86,7 @@ def main():
                 x = x.view(hw[0], hw[1], hw[2], cols).permute(0, 3, 1, 2)
             return x
         xs = [make() for _ in range(COPIES)]
-        fns = {"aten": lambda x: _aten(x, kind), "kitsune": lambda x: _kitsune(x, kind)}
+        fns = {"aten": lambda x: _aten(x, kind), "kitsune": _kitsune}
         want = _aten(xs[0].double(), kind)
         row = {"shape": label, "rows": rows, "cols": cols, "dtype": str(dtype).split(".")[-1]}
         for name, fn in fns.items():

@@ -23,6 +23,7 @@ streams in eager mode were measured slower on the H100 (ARCHITECTURE.md, Facts).
 the plan gains less than ``min_gain``, the model comes back unchanged.
 """
 import ctypes
+import sys
 import weakref
 from dataclasses import dataclass, field
 
@@ -108,7 +109,6 @@ def _flops(gm, n, out):
         w = _meta_val(n.args[1]) if isinstance(n.args[1], tfx.Node) else []   # (out, in / groups, *kernel)
         if w:
             return 2 * elems * (_numel(w[0]) // int(w[0].shape[0]))
-    import sys
     ko = sys.modules.get("kitsune.ops")   # loaded whenever a graph holds its ops
     gemms = (torch.matmul, torch.bmm, torch.mm, operator.matmul, F.linear) + ((ko.linear_act,) if ko else ())
     if n.op == "call_function" and n.target in gemms:

@@ -402,6 +402,63 @@ def test_channel_sum_every_layout_and_empty():
     torch.testing.assert_close(got, x.sum((0, 2)), rtol=0, atol=1e-13)
 
 
+class _CountMM(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the matrix products an autograd call runs (C++ kernels' ATen calls included)."""
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+        return func(*args, **(kwargs or {}))
+
+
+def _frozen_linear_act_grads(act, frozen, device, dtype, gen):
+    """linear_act's gradients with the inputs in `frozen` not requiring them, against
+    F.linear's in float64; returns the mm/addmm count of linear_act's backward."""
+    x, w, b = (_t(s, dtype, device, gen, scale=sc) for s, sc in (((6, 5, 24), 1.0), ((16, 24), 0.1), ((16,), 1.0)))
+    ts = [t.requires_grad_(i not in frozen) for i, t in enumerate((x, w, b))]
+    ref = {"relu": lambda y: F.relu(y), "gelu": F.gelu, "none": lambda y: y,
+           "gelu_tanh": lambda y: F.gelu(y, approximate="tanh")}[act]
+    go = torch.randn(6, 5, 16, generator=gen, dtype=torch.float64)
+    out = ko.linear_act(*ts, act)
+    with _CountMM() as count:
+        out.backward(go.to(device, dtype))
+    t64 = [t.detach().double().requires_grad_(t.requires_grad) for t in ts]
+    ref(F.linear(*t64)).backward(go.to(device))
+    for i, (t, r) in enumerate(zip(ts, t64)):
+        if i in frozen:
+            assert t.grad is None, f"{act}: input {i} does not require a gradient but got one"
+        else:
+            torch.testing.assert_close(t.grad.double(), r.grad, rtol=2e-2 if dtype != torch.float64 else 1e-7,
+                                       atol=2e-2 if dtype != torch.float64 else 1e-9)
+    return count.n
+
+
+@pytest.mark.parametrize("act", ["relu", "gelu", "gelu_tanh", "none"])
+def test_linear_act_computes_only_the_gradients_asked_for(act):
+    """A first layer's input (the batch) needs no gradient: its backward must not run
+    the (M, K) product for it (on the H100 that GEMM was a fifth of the MLP's backward
+    GEMMs). Frozen weights and biases likewise; the gradients asked for are exact."""
+    g = torch.Generator().manual_seed(21)
+    full = _frozen_linear_act_grads(act, (), "cpu", torch.float64, g)
+    assert full == 2, f"{act}: expected the weight's and the input's products, counted {full}"
+    for frozen in [(0,), (1,), (2,), (0, 2), (1, 2)]:
+        n = _frozen_linear_act_grads(act, frozen, "cpu", torch.float64, g)
+        assert n == 2 - (0 in frozen) - (1 in frozen), f"{act} frozen {frozen}: {n} products"
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_linear_act_frozen_inputs(dtype):
+    """The cuBLASLt paths with some inputs frozen: the gradients asked for match float64."""
+    g = torch.Generator().manual_seed(22)
+    for act in ("relu", "gelu", "gelu_tanh", "none"):
+        for frozen in [(), (0,), (1,), (2,), (0, 2), (1, 2)]:
+            _frozen_linear_act_grads(act, frozen, "cuda", dtype, g)
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -2811,21 +2811,26 @@ struct LinearActFn : torch::autograd::Function<LinearActFn> {
     const Tensor &x = s[0], &w = s[1], &b = s[2];
     const std::string act = ctx->saved_data["act"].toStringRef();
     const int64_t N = w.size(0);
+    // only the gradients autograd asks for: the first layer's input (a batch) needs
+    // none, and its (M, K) GEMM was a fifth of the MLP's backward GEMM work
+    const bool need_x = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1), need_b = ctx->needs_input_grad(2);
     Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous(), g2 = go[0].reshape({-1, N}).contiguous(), gpre, gw, gb;
     if (act == "gelu" || (act == "gelu_tanh" && !ctx->saved_data["pre_has_bias"].toBool())) {
       std::tie(gpre, gb) = gelu_bwd.call(g2, s[3], b, act == "gelu" ? "none" : "tanh");
     } else if (act == "none") {
-      gpre = g2, gb = colsum(g2, b.scalar_type());
+      gpre = g2;
+      if (need_b) gb = colsum(g2, b.scalar_type());
     } else {
       gpre = (act == "relu" ? relu_bwd.call(g2, s[3].reshape({-1, N})) : at::gelu_backward(g2, s[3], "tanh")).contiguous();
-      if (lt_dtype_ok(x) && x2.numel() > 0) {   // the weight gradient and the bias gradient from one call
+      if (need_w && lt_dtype_ok(x) && x2.numel() > 0) {   // the weight gradient and the bias gradient from one call
         gw = at::empty({N, x2.size(1)}, x2.options()), gb = at::empty({N}, x2.options());
         if (!lt_weight_grad(gpre, x2, gw, gb)) gw = gb = Tensor();
       }
-      if (!gb.defined()) gb = colsum(gpre, b.scalar_type());
+      if (need_b && !gb.defined()) gb = colsum(gpre, b.scalar_type());
     }
-    if (!gw.defined()) gw = at::mm(gpre.t(), x2);
-    return {at::mm(gpre, w).view(x.sizes()), gw, gb, Tensor()};
+    if (need_w && !gw.defined()) gw = at::mm(gpre.t(), x2);
+    return {need_x ? at::mm(gpre, w).view(x.sizes()) : Tensor(), need_w ? gw : Tensor(), need_b ? gb : Tensor(),
+            Tensor()};
   }
 };
 Tensor linear_act_autograd(const Tensor& x, const Tensor& w, const Tensor& b, c10::string_view act) {

@@ -104,7 +104,7 @@ fi
 if [[ $parts == *" pgraph "* ]]; then   # kernels inside the captured step (PGRAPH_MODELS), to $OUT/profile_graph.log
   echo "== profile graph =="; KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \
     python3 tools/profile_graph.py ${PGRAPH_MODELS:-mlp resnet18} > "$OUT/profile_graph.log" 2>&1
-  grep -v -i warn "$OUT/profile_graph.log" | head -120
+  grep -v -i warn "$OUT/profile_graph.log" | head -${PGRAPH_HEAD:-120}
 fi
 if [[ $parts == *" alloc "* ]]; then   # allocator under torch: VMM suites, its pytest, alloc_shapes + alloc_torch
   echo "== C suites, VMM pools on CUDA =="

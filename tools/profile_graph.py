@@ -7,7 +7,8 @@ Per model and recipe: GPU ms a step (CUDA events over 20 replays) and the host's
 (the calls' wall time, not synchronized: when it is the larger, the step waits on the
 host), then the
 profiler's kernels over 10 replays, as us a step, calls a step and name, the largest
-first. tools/gpu_run.sh runs it as part "pgraph" (to $OUT/profile_graph.log).
+first (PGRAPH_ROWS of them, 18 unless set; PGRAPH_RECIPES names the recipes, default
+"stock_graph kitsune"). tools/gpu_run.sh runs it as part "pgraph" (to $OUT/profile_graph.log).
 """
 import os
 import sys
@@ -37,7 +38,7 @@ def main():
     torch.backends.cudnn.benchmark = True
     print(f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
     for name in sys.argv[1:] or ["mlp"]:
-        for recipe in ("stock_graph", "kitsune"):
+        for recipe in os.environ.get("PGRAPH_RECIPES", "stock_graph kitsune").split():
             gen = torch.Generator().manual_seed(0)
             torch.manual_seed(0)
             model, loss_fn, data = models.build(name, gen)
@@ -56,7 +57,7 @@ def main():
             rows = kernels(step, data[0])
             print(f"== {name} {recipe}: {a.elapsed_time(b) / 20:.3f} ms a step (host {host:.3f} ms a step); kernels "
                   f"{sum(r[0] for r in rows):.1f} us, {sum(r[1] for r in rows):.0f} launches a step")
-            for us, c, k in rows[:18]:
+            for us, c, k in rows[:int(os.environ.get("PGRAPH_ROWS", 18))]:
                 print(f"  {us:8.1f} us  {c:5.1f}x  {k[:110]}")
             del step, model
             torch._dynamo.reset()

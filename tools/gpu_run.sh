@@ -5,7 +5,7 @@
 # make bench-data, "kernels" make bench-kernels, "profile" tools/profile_train.py, "gaps"
 # tools/step_gaps.py, "optim" bench/kernels/optimizer.py, "ew" bench/kernels/elementwise.py, "lact" bench/kernels/linear_act.py, "colsum" bench/kernels/colsum.py, "copies" tools/copy_sources.py, "train" bench/kernels/train_models.py,
 # "ncu" Nsight Compute on the dropout kernels, "ncu_ln" on the LayerNorm ones, "models" bench/models.py, "gmem" bench/graph_memory.py, "pgraph"
-# tools/profile_graph.py, "alloc" the VMM C suites on CUDA, the allocator pytest,
+# tools/profile_graph.py, "host" tools/host_replay.py, "alloc" the VMM C suites on CUDA, the allocator pytest,
 # bench/alloc_shapes.py and bench/alloc_torch.py; KT_NO_CLEAN=1 keeps
 # the last call's build). Everything is logged to $OUT/run.log; JSON results and the
 # recorded trace also land in $OUT (the device tool brings back at most 8 files).
@@ -105,6 +105,11 @@ if [[ $parts == *" pgraph "* ]]; then   # kernels inside the captured step (PGRA
   echo "== profile graph =="; KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \
     python3 tools/profile_graph.py ${PGRAPH_MODELS:-mlp resnet18} > "$OUT/profile_graph.log" 2>&1
   grep -v -i warn "$OUT/profile_graph.log" | head -${PGRAPH_HEAD:-120}
+fi
+if [[ $parts == *" host "* ]]; then   # host time of a replayed step (HOST_MODELS), to $OUT/host.log
+  echo "== host replay =="; KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \
+    python3 tools/host_replay.py ${HOST_MODELS:-mlp lenet} > "$OUT/host.log" 2>&1
+  grep -v -i warn "$OUT/host.log" | head -80
 fi
 if [[ $parts == *" alloc "* ]]; then   # allocator under torch: VMM suites, its pytest, alloc_shapes + alloc_torch
   echo "== C suites, VMM pools on CUDA =="

@@ -56,16 +56,50 @@ _BAKED = ("betas", "eps", "weight_decay", "momentum", "dampening", "nesterov", "
 
 
 def _baked(group):
-    return tuple(group.get(k) for k in _BAKED)
+    return tuple(map(group.get, _BAKED))
 
 
 class _CapturePlan:
-    """What a captured step updates: groups, [(group index, a CPU step tensor of the
-    group's (None for SGD))]; steps, every CPU step tensor it counts; baked, each
-    group's baked hyperparameters at capture."""
+    """What a captured step updates: groups, [(group index, the state dict of one of
+    the group's parameters (None for SGD))]; states, the state dicts whose CPU step
+    count a replay moves on; counts and mask, the _StepCounts they were views of at
+    capture and which of its elements they are; baked, each group's baked
+    hyperparameters at capture."""
 
     def __init__(self):
-        self.groups, self.steps, self.baked = [], [], {}
+        self.groups, self.states, self.baked = [], [], {}
+        self.counts = self.mask = None
+
+
+class _StepCounts:
+    """torch.optim's per-parameter CPU step tensors, rebound as views of one 1-D
+    tensor, so that a replay counts every parameter's step with one add. The foreach
+    add over them it replaces took 32 us of host time a replay for the MLP's 6
+    tensors on the H100's host, the most of any item (tools/host_replay.py,
+    bench/results/h100_host_91ad05d.log). The values and tensor type stay torch.optim's
+    (0-dim, float32 or float64, CPU); their in-place updates (torch.optim's own
+    step, kitsune.adam_step_) write through the views."""
+
+    def __init__(self, states):
+        self.base = torch.stack([st["step"] for st in states])   # a copy of the counts
+        self.index = {}
+        for i, st in enumerate(states):
+            st["step"] = self.base[i]
+            self.index[id(st)] = i
+
+    @staticmethod
+    def bindable(states):
+        steps = [st["step"] for st in states]
+        return bool(steps) and all(isinstance(t, torch.Tensor) and t.dim() == 0 and t.device.type == "cpu"
+                                   and t.dtype == steps[0].dtype and not t.requires_grad for t in steps)
+
+    def holds(self, states):
+        return all(getattr(st["step"], "_base", None) is self.base for st in states)
+
+    def mask(self, states):
+        m = torch.zeros_like(self.base)
+        m[[self.index[id(st)] for st in states]] = 1
+        return m
 
 
 class _AmpView:
@@ -123,6 +157,7 @@ class KitsuneOptimizer:
         self._times = []
         self._path = "no step yet"
         self._hyper, self._hyper_mirror = None, {}   # see capture_step
+        self._counts = None   # _StepCounts of the Adam state's step tensors, made by capture_step
         self.enable_amp, self._amp_options, self.scaler = bool(enable_amp), dict(amp_options or {}), None
         self._amp_view, self._skipped = _AmpView(self), 0
 
@@ -321,11 +356,12 @@ class KitsuneOptimizer:
                 counts = sorted({float(st["step"]) for st in states})
                 if len(counts) > 1:
                     refuse(f"a group's parameters are at different step counts {counts}")
-                plan.steps += [st["step"] for st in states]
-            plan.groups.append((gi, None if sgd else states[0]["step"]))
+                plan.states += states
+            plan.groups.append((gi, None if sgd else states[0]))
             plan.baked[gi] = _baked(g)
         if not flat:
             return plan
+        self._bind_steps(plan)
         if self._hyper is None or self._hyper.device != flat[0].device or self._hyper.shape[0] != len(opt.param_groups):
             refuse("prepare_capture(device) was not called with the parameters' device and groups")
         # no sync_hyper here: its writes would be captured too, and every replay would
@@ -351,6 +387,20 @@ class KitsuneOptimizer:
                                               _decoupled(opt, g))
         return plan
 
+    def _bind_steps(self, plan):
+        """Makes the plan's step counts views of one tensor (_StepCounts), every Adam
+        state's of this optimizer with them, so that later captures find them bound."""
+        if not plan.states:
+            return
+        opt = self.optimizer
+        every = [opt.state[p] for g in opt.param_groups for p in g["params"]
+                 if p in opt.state and "step" in opt.state[p]]
+        if self._counts is None or not self._counts.holds(every):
+            if not _StepCounts.bindable(every):
+                return   # replayed() counts them one by one
+            self._counts = _StepCounts(every)   # plans made before count through their state dicts
+        plan.counts, plan.mask = self._counts, self._counts.mask(plan.states)
+
     def sync_hyper(self, plan):
         """Before a replay: writes a group's lr, and (Adam) its step count before this
         step, to the device where they changed since the last write (an LR scheduler,
@@ -360,11 +410,11 @@ class KitsuneOptimizer:
         groups = self.optimizer.param_groups
         if any(_baked(groups[gi]) != baked for gi, baked in plan.baked.items()):
             return False
-        for gi, step in plan.groups:
+        for gi, st in plan.groups:
             lr = groups[gi]["lr"]
             if isinstance(lr, torch.Tensor) or lr < 0:
                 raise ValueError(f"KitsuneOptimizer: a captured step needs a float lr >= 0; group {gi} has {lr!r}")
-            now = (float(lr), 0.0 if step is None else float(step))
+            now = (float(lr), 0.0 if st is None else float(st["step"]))
             was = self._hyper_mirror.get(gi, (None, None))
             for k in (0, 1):   # one fill a changed value: an LR schedule changes only the lr
                 if was[k] != now[k]:
@@ -375,10 +425,12 @@ class KitsuneOptimizer:
     def replayed(self, plan):
         """After a replay: torch.optim's CPU step counts, and their device mirror, move
         one step on."""
-        if plan.steps:
-            torch._foreach_add_(plan.steps, 1.0)
-        for gi, step in plan.groups:
-            if step is not None and gi in self._hyper_mirror:
+        if plan.counts is not None and plan.counts is self._counts:
+            plan.counts.base.add_(plan.mask)
+        elif plan.states:   # not bindable, or bound anew by a later capture
+            torch._foreach_add_([st["step"] for st in plan.states], 1.0)
+        for gi, st in plan.groups:
+            if st is not None and gi in self._hyper_mirror:
                 lr, n = self._hyper_mirror[gi]
                 self._hyper_mirror[gi] = (lr, n + 1)
         self._steps += 1

@@ -88,6 +88,52 @@ def test_capture_step_refuses_cpu_parameters():
         amsgrad.capture_step()
 
 
+def test_replays_count_steps_through_one_tensor():
+    """After a capture, a replay moves torch.optim's CPU step counts on with one add
+    over views of one tensor (kitsune.optim._StepCounts): every counted parameter by
+    one, one left out of the plan (no gradient at capture) by none; torch.optim's own
+    step, the fused eager step and state_dict still see and move the same counts; a
+    later capture that binds anew (a new group's state) leaves the older plan counting
+    right through its state dicts. The capture itself needs CUDA; its plan is built
+    here as capture_step builds it."""
+    from kitsune.optim import _CapturePlan
+    ws = [torch.nn.Parameter(torch.ones(3)) for _ in range(3)]
+    opt = KitsuneOptimizer(torch.optim.AdamW, ws, lr=0.1)
+    for w in ws:
+        w.grad = torch.ones(3)
+    opt.step()
+    st = [opt.state[w] for w in ws]
+
+    def plan_of(states):
+        plan = _CapturePlan()
+        plan.states, plan.groups = list(states), [(0, states[0])]
+        opt._bind_steps(plan)
+        return plan
+
+    a = plan_of(st[:2])   # ws[2] had no gradient at this capture
+    assert a.counts is not None and all(s["step"]._base is a.counts.base for s in st)
+    for _ in range(4):
+        opt.replayed(a)
+    assert [float(s["step"]) for s in st] == [5.0, 5.0, 1.0]
+    opt.step()   # the fused eager step counts through the views
+    opt.optimizer.step()   # torch.optim's own
+    assert [float(s["step"]) for s in st] == [7.0, 7.0, 3.0]
+    assert [float(v["step"]) for v in opt.state_dict()["state"].values()] == [7.0, 7.0, 3.0]
+    b = plan_of(st)   # every count already bound: the same tensor
+    assert b.counts is a.counts
+    opt.replayed(b)
+    assert [float(s["step"]) for s in st] == [8.0, 8.0, 4.0]
+    extra = torch.nn.Parameter(torch.ones(2))
+    opt.add_param_group({"params": [extra]})
+    extra.grad = torch.ones(2)
+    opt.step()
+    c = plan_of([opt.state[extra]])   # a new state: bound anew, a's tensor is no longer theirs
+    assert c.counts is not a.counts and all(s["step"]._base is c.counts.base for s in st)
+    opt.replayed(a)
+    opt.replayed(c)
+    assert [float(s["step"]) for s in st] == [10.0, 10.0, 5.0] and float(opt.state[extra]["step"]) == 2.0
+
+
 def _mlp(seed, device="cpu", dtype=torch.float32):
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.GELU(),

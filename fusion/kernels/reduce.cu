@@ -163,8 +163,12 @@ __global__ void __launch_bounds__(CS_TX *CS_TY) colsum_partials(const float *par
 }
 
 // Slabs: about a thousand blocks in all (counting tiles of 16-byte vectors: v
-// elements a lane), each slab at least 32 rows (4 a phase).
+// elements a lane), each slab at least 32 rows (4 a phase). Up to 128 rows take one
+// slab: four rounds of loads in one block cost less than the second launch (the
+// MLP's (64, 10) bias gradient ran as two kernels of 1.3 and 1.2 us in its graph,
+// bench/results/h100_profile_graph_9d33764.log).
 int64_t colsum_slabs_for(int64_t rows, int64_t cols, int v) {
+  if (rows <= 128) return 1;
   const int64_t tiles = (cols + CS_TX * v - 1) / (CS_TX * v);
   int64_t s = (1024 + tiles - 1) / tiles, most = (rows + 31) / 32;
   if (s > most) s = most;

@@ -36,6 +36,11 @@ Patterns (each intermediate must have no other user, so nothing observable is lo
                               (an nn.Conv2d with a bias and zeros padding; the ReLU when it
                               is the convolution's only user): the bias gradient's sum in
                               two stages instead of ATen's one
+  max_pool2d(relu(Conv2d(x)))  -> kitsune.bias_relu_pool(F.conv2d(x, W, None, ...), b, k)
+                              (the same, when the ReLU's only user is a max pooling over
+                              non-overlapping k windows: stride k or None, no padding or
+                              dilation, floor mode, no indices; F.max_pool2d,
+                              torch.max_pool2d or nn.MaxPool2d)
   (q @ k^T) * s, (q @ k^T) / s   -> kitsune.attention_score(q, k, scale) (s a Python
                               number; k^T as k.transpose(-2, -1) or k.mT; one GEMM
                               with the scale as alpha; unfused for broadcast batches)
@@ -482,6 +487,42 @@ def _rewrite_bias_dropout_add(gm, g, node, where, report):
     return False
 
 
+def _pair(v):
+    return (v, v) if isinstance(v, int) and not isinstance(v, bool) else tuple(v) if isinstance(v, (tuple, list)) else None
+
+
+def _max_pool_of(gm, node):
+    """(input, (kh, kw)) when node is a 2-D max pooling over non-overlapping windows
+    (stride = kernel, no padding, dilation 1, floor mode, no indices), else None."""
+    if not isinstance(node, tfx.Node):
+        return None
+    m = _module(gm, node)
+    if type(m) is torch.nn.MaxPool2d:
+        if len(node.args) != 1 or node.kwargs:
+            return None
+        a = {"input": node.args[0], "kernel_size": m.kernel_size, "stride": m.stride, "padding": m.padding,
+             "dilation": m.dilation, "ceil_mode": m.ceil_mode, "return_indices": m.return_indices}
+    elif node.op == "call_function" and node.target in (F.max_pool2d, torch.max_pool2d):
+        names = ("input", "kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")
+        a = {"stride": None, "padding": 0, "dilation": 1, "ceil_mode": False, "return_indices": False}
+        if len(node.args) > len(names) or any(k not in names for k in node.kwargs):
+            return None
+        a.update(zip(names, node.args))
+        a.update(node.kwargs)
+        if "input" not in a or "kernel_size" not in a:
+            return None
+    else:
+        return None
+    k, stride = _pair(a["kernel_size"]), a["stride"]
+    stride = k if stride is None or stride == [] or stride == () else _pair(stride)
+    if k is None or len(k) != 2 or not all(isinstance(v, int) and v >= 1 for v in k) or stride != k:
+        return None
+    if _pair(a["padding"]) != (0, 0) or _pair(a["dilation"]) != (1, 1) or a["ceil_mode"] is not False \
+            or a["return_indices"] is not False:
+        return None
+    return a["input"], k
+
+
 def _rewrite_conv_bias(gm, g, node, conv, where, report):
     """An nn.Conv2d with a bias (zeros padding), and the ReLU after it when that is its
     only user: F.conv2d without the bias, then kitsune.channel_bias."""
@@ -496,6 +537,19 @@ def _rewrite_conv_bias(gm, g, node, conv, where, report):
     users = list(node.users)
     act = _act(gm, users[0]) if len(users) == 1 else None
     relu = users[0] if act is not None and act[0] == "relu" and act[1] is node else None
+    pool = _max_pool_of(gm, next(iter(relu.users))) if relu is not None and len(relu.users) == 1 else None
+    if pool is not None and pool[0] is relu:
+        pool_node = next(iter(relu.users))
+        report.fused.append((where, f"max_pool2d(relu(conv2d)) bias -> bias_relu_pool ({node.name})"))
+        with g.inserting_before(node):
+            w, b = g.get_attr(f"{node.target}.weight"), g.get_attr(f"{node.target}.bias")
+            y = g.call_function(F.conv2d, (node.args[0], w, None, conv.stride, conv.padding, conv.dilation,
+                                           conv.groups))
+            new = g.call_function(ko.bias_relu_pool, (y, b, pool[1]))
+        pool_node.replace_all_uses_with(new)
+        for dead in (pool_node, relu, node):
+            g.erase_node(dead)
+        return
     report.fused.append((where, f"{'relu(conv2d)' if relu is not None else 'conv2d'} bias -> channel_bias "
                                 f"({node.name})"))
     with g.inserting_before(node):

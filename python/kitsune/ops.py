@@ -39,6 +39,8 @@ Ops (reference semantics):
                                relu(F.batch_norm(...)), running stats updated as F.batch_norm does
   channel_bias(y, bias, act="none")         act(y + bias over dim 1): a convolution's bias; its
                                             backward sums the bias gradient in two stages
+  bias_relu_pool(y, bias, kernel_size)      F.max_pool2d(relu(y + bias over dim 1), kernel_size):
+                                            non-overlapping windows; one kernel each way on CUDA
 The dropout ops draw (seed, offset) from PyTorch's default generator of the device
 (torch.manual_seed repeats a mask) and never store the mask: the backward rebuilds it
 with the same Philox code (kitsune/philox.h); ``dropout_mask(rng, n, p, dtype)`` gives it.
@@ -229,6 +231,12 @@ def _(y, bias, act="none"):
     return torch.empty_like(y)
 
 
+@torch.library.register_fake("kitsune::bias_relu_pool")
+def _(y, bias, kernel_size):
+    kh, kw = (kernel_size[0], kernel_size[-1])
+    return y.new_empty((y.shape[0], y.shape[1], y.shape[2] // kh, y.shape[3] // kw))
+
+
 @torch.library.register_fake("kitsune::channel_sum")
 def _(g):
     return g.new_empty((g.shape[1],), dtype=torch.float64 if g.dtype == torch.float64 else torch.float32)
@@ -385,6 +393,17 @@ def channel_bias(y, bias, act="none"):
     bias gradient in two stages (faster than ATen's one reduction over N, H, W at small
     channel counts), in fp32, deterministically."""
     return _lib.channel_bias(y, bias, act)
+
+
+def bias_relu_pool(y, bias, kernel_size):
+    """F.max_pool2d(relu(y + bias over dim 1), kernel_size) for y (N, C, H, W): a
+    convolution's bias, its ReLU and a max pooling over non-overlapping windows (stride =
+    kernel_size, no padding, floor mode), as kitsune.optimize takes them together. On
+    CUDA (y contiguous) one kernel forward and one (plus the bias gradient's sum over N)
+    backward, saving y and the bias only; equal to the unfused ops, winners and ties
+    included."""
+    k = [kernel_size, kernel_size] if isinstance(kernel_size, int) else list(kernel_size)
+    return _lib.bias_relu_pool(y, bias, k)
 
 
 def linear_act(x, weight, bias, act="relu"):

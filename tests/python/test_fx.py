@@ -398,6 +398,40 @@ def test_conv_bias_splits_into_channel_bias_and_takes_the_relu():
     assert opt.state_dict().keys() == m.state_dict().keys()   # checkpoints load either way
 
 
+class PoolBlocks(nn.Module):
+    """LeNet's conv -> relu -> 2x2 max pool in each spelling, and poolings that are left."""
+    def __init__(self):
+        super().__init__()
+        self.c = nn.ModuleList(nn.Conv2d(3 if i == 0 else 4, 4, 3, padding=1) for i in range(7))
+        self.pool, self.pool_pad = nn.MaxPool2d(2), nn.MaxPool2d(2, padding=1)
+
+    def forward(self, x):
+        c = self.c
+        x = F.max_pool2d(F.relu(c[0](x)), 2)                                 # taken
+        x = self.pool(torch.relu(c[1](x)))                                   # taken (module)
+        x = torch.max_pool2d(c[2](x).relu(), kernel_size=(2, 1), stride=(2, 1))   # taken, 2 x 1
+        x = F.max_pool2d(F.relu(c[3](x)), 2, stride=1)                       # overlapping: channel_bias
+        x = self.pool_pad(F.relu(c[4](x)))                                   # padding: channel_bias
+        x = F.max_pool2d(F.relu(c[5](x)), 2, ceil_mode=True)                 # ceil mode: channel_bias
+        return F.max_pool2d(F.relu(c[6](x)), 1)                              # a 1 x 1 window: taken
+
+
+def test_conv_relu_max_pool_becomes_bias_relu_pool():
+    torch.manual_seed(13)
+    m = PoolBlocks().double()
+    rep = kitsune.fx.Report()
+    opt = kitsune.optimize(m, report=rep)
+    assert _kinds(rep) == ["bias_relu_pool"] * 3 + ["channel_bias"] * 3 + ["bias_relu_pool"], rep
+    x = torch.randn(2, 3, 32, 20, dtype=torch.float64)
+    torch.testing.assert_close(opt(x), m(x))
+    xo, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    go = torch.autograd.grad(opt(xo).square().sum(), [xo] + list(opt.parameters()))
+    gr = torch.autograd.grad(m(xr).square().sum(), [xr] + list(m.parameters()))
+    for a, b in zip(go, gr):
+        torch.testing.assert_close(a, b)
+    assert str(kitsune.explain(m)) == str(rep)
+
+
 class HandAttention(nn.Module):
     """Attention written out by hand, as before scaled_dot_product_attention."""
     def __init__(self, d=32, h=4):

@@ -262,6 +262,12 @@ OPS2 = {
     "channel_bias_relu_cl": (lambda y, b: ko.channel_bias(y, b, "relu"), lambda y, b: F.relu(y + _per_channel(b, y)),
                              lambda shape, dtype, device, gen: _channel_inputs(shape, dtype, device, gen, True),
                              [(2, 3, 4, 5), (3, 5, 3, 3), (64, 64, 32, 32), (128, 64, 16, 16)]),
+    # LeNet's two blocks; odd sizes leave rows and columns no window covers; a 3 x 2 window
+    "bias_relu_pool": (lambda y, b: ko.bias_relu_pool(y, b, 2), lambda y, b: F.max_pool2d(F.relu(y + _per_channel(b, y)), 2),
+                       _channel_inputs, [(2, 3, 4, 5), (3, 4, 5, 7), (64, 6, 28, 28), (64, 16, 10, 10)]),
+    "bias_relu_pool_3x2": (lambda y, b: ko.bias_relu_pool(y, b, (3, 2)),
+                           lambda y, b: F.max_pool2d(F.relu(y + _per_channel(b, y)), (3, 2)),
+                           _channel_inputs, [(2, 3, 7, 5), (8, 5, 9, 8)]),
 }
 
 
@@ -308,6 +314,8 @@ def test_opcheck_more(name):
         "channel_bias": ("channel_bias", lambda: (ts[0], ts[1])),
         "channel_bias_relu": ("channel_bias", lambda: (ts[0], ts[1], "relu")),
         "channel_bias_relu_cl": ("channel_bias", lambda: (ts[0], ts[1], "relu")),
+        "bias_relu_pool": ("bias_relu_pool", lambda: (ts[0], ts[1], [2, 2])),
+        "bias_relu_pool_3x2": ("bias_relu_pool", lambda: (ts[0], ts[1], [3, 2])),
     }[name]
     torch.library.opcheck(getattr(torch.ops.kitsune, opname).default, args())
 
@@ -371,6 +379,16 @@ def test_more_bad_inputs_name_the_problem():
         ko.channel_bias(y, torch.randn(3, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="need y"):
         ko.channel_bias(torch.randn(3), torch.randn(3))
+    with pytest.raises(RuntimeError, match=r"need y \(N, C, H, W\) and bias \(C,\); got \[2, 3, 4\] and \[3\]"):
+        ko.bias_relu_pool(torch.randn(2, 3, 4), torch.randn(3), 2)
+    with pytest.raises(RuntimeError, match="y is Float but bias is Double"):
+        ko.bias_relu_pool(y, torch.randn(3, dtype=torch.float64), 2)
+    with pytest.raises(RuntimeError, match="must share a floating point dtype, got Long and Long"):
+        ko.bias_relu_pool(torch.ones(2, 3, 4, 4, dtype=torch.long), torch.ones(3, dtype=torch.long), 2)
+    with pytest.raises(RuntimeError, match=r"kernel_size must be in 1..64, got \[0, 2\]"):
+        ko.bias_relu_pool(y, torch.randn(3), (0, 2))
+    with pytest.raises(RuntimeError, match="the input's 4 x 4 is smaller than the 5 x 5 window"):
+        ko.bias_relu_pool(y, torch.randn(3), 5)
 
 
 def test_channel_sum_every_layout_and_empty():
@@ -492,6 +510,46 @@ def test_gpu_column_sums_exact_on_integers(dtype):
     for v, what in ((y, "channels last"), (y[:, 8:40], "a channel slice"), (y[:, 3:10], "a misaligned slice"),
                     (y[:1, :, :1, :1], "one row")):
         check(v, f"{dtype} {what} {tuple(v.shape)} {v.stride()}")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_gpu_bias_relu_pool_equals_the_unfused_ops(dtype):
+    """The fused kernels against torch's own max_pool2d(relu(y + bias)) in the same dtype:
+    the output and the input gradient bit for bit (the same winners), also with many ties
+    (small integers) and NaNs (which win, and pass their gradient as torch.relu's
+    backward does); the bias gradient within fp32 rounding of the float64 sum of torch's
+    input gradient. Outputs land in poisoned memory; a channels-last y takes the ATen path
+    and agrees too."""
+    g = torch.Generator().manual_seed(23)
+    cases = [((64, 6, 28, 28), 2), ((64, 16, 10, 10), 2), ((5, 3, 9, 7), (3, 2)), ((2, 4, 6, 6), 3), ((1, 1, 2, 2), 2)]
+    for (shape, k), kind in [(c, kind) for c in cases for kind in ("random", "ties", "nan")]:
+        if kind == "ties":   # small integers: many equal values in a window, exact sums
+            y = torch.randint(-3, 4, shape, generator=g).to("cuda", dtype)
+            b = torch.randint(-1, 2, (shape[1],), generator=g).to("cuda", dtype)
+        else:
+            y, b = _t(shape, dtype, "cuda", g), _t((shape[1],), dtype, "cuda", g)
+            if kind == "nan":
+                y.view(-1)[torch.randint(0, y.numel(), (max(1, y.numel() // 50),), generator=g).cuda()] = float("nan")
+        for layout in ("nchw", "channels_last"):
+            yl = y.contiguous(memory_format=torch.channels_last) if layout == "channels_last" else y
+            what = f"{dtype} {shape} k={k} {kind} {layout}"
+            ya, ba = yl.clone().requires_grad_(), b.clone().requires_grad_()
+            yr, br = yl.clone().requires_grad_(), b.clone().requires_grad_()
+            _poison(4 * y.numel(), "cuda")
+            out = ko.bias_relu_pool(ya, ba, k)
+            ref = F.max_pool2d(F.relu(yr + br.view(1, -1, 1, 1)), k)
+            torch.testing.assert_close(out, ref, rtol=0, atol=0, equal_nan=True, msg=what)
+            go = torch.randn(ref.shape, generator=g).to("cuda", dtype)
+            _poison(4 * y.numel(), "cuda")
+            gy, gb = torch.autograd.grad(out, (ya, ba), go)
+            ry, rb = torch.autograd.grad(ref, (yr, br), go)
+            torch.testing.assert_close(gy, ry, rtol=0, atol=0, msg=what)
+            want = ry.double().sum((0, 2, 3))
+            tol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+            torch.testing.assert_close(gb.double(), want, rtol=tol, atol=tol * max(1.0, want.abs().max().item()),
+                                       msg=what)
 
 
 def _check_close(got, want64, theirs, dtype, what, scale=1.0):

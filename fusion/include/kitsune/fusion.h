@@ -41,6 +41,19 @@ kt_status kt_bias_gelu(kt_dtype t, const void *x, const void *bias, void *out, i
  * keeps it); n a multiple of nbias. */
 kt_status kt_bias_act(kt_dtype t, const void *x, const void *bias, void *out, int64_t n, int64_t nbias, int relu,
                       void *stream);
+/* out = max_pool2d(relu(y + bias[c]), (kh, kw)) over non-overlapping windows (stride =
+ * kernel, no padding, floor mode): y (n, c, h, w) contiguous, out (n, c, h / kh, w / kw);
+ * h >= kh, w >= kw. The values compared are relu(y + bias) rounded to the storage type;
+ * ties go to the first in row-major window order and a NaN wins, as in torch's
+ * max_pool2d(relu(y + bias)). */
+kt_status kt_bias_relu_pool(kt_dtype t, const void *y, const void *bias, void *out, int64_t n, int64_t c, int64_t h,
+                            int64_t w, int kh, int kw, void *stream);
+/* Its backward: gy (n, c, h, w) = grad_out at each window's winner where the window's
+ * value is not <= 0, 0 everywhere else; plane_sums (n * c fp32) = gy summed over each
+ * (n, c) plane in a fixed order (the bias gradient is their sum over n). */
+kt_status kt_bias_relu_pool_backward(kt_dtype t, const void *grad_out, const void *y, const void *bias, void *gy,
+                                     float *plane_sums, int64_t n, int64_t c, int64_t h, int64_t w, int kh, int kw,
+                                     void *stream);
 /* grad_x[i] = grad[i] * gelu'(x[i] + bias[i % nbias]) (grad of bias = grad_x summed over rows) */
 kt_status kt_bias_gelu_backward(kt_dtype t, const void *grad, const void *x, const void *bias, void *grad_x,
                                 int64_t n, int64_t nbias, int approximate, void *stream);

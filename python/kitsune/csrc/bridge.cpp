@@ -2942,6 +2942,99 @@ Tensor channel_bias_autograd(const Tensor& y, const Tensor& b, c10::string_view 
   return ChannelBiasFn::apply(y, b, std::string(act));
 }
 
+// ---- bias_relu_pool: max_pool2d(relu(y + bias over dim 1), kernel_size) ----
+// A convolution's bias, its ReLU and a max pooling over non-overlapping windows
+// (stride = kernel, no padding, floor mode), taken together by kitsune.optimize
+// (LeNet-style blocks). On CUDA with y NCHW-contiguous in fp32/fp16/bf16: one kernel
+// forward, and backward one kernel (the input gradient and its per-plane sums) plus a
+// column sum over n (fusion/kernels/pool.cu). Otherwise (the CPU, other layouts, fake
+// tensors) channel_bias and ATen's pooling, whose results these equal. The kernel
+// path saves y and the bias only: its backward finds each window's winner again
+// (torch's unfused ops keep the relu output and int64 indices).
+struct PoolGeom {
+  int64_t kh, kw;
+};
+PoolGeom check_bias_relu_pool(const Tensor& y, const Tensor& b, c10::IntArrayRef k) {
+  check_same(y, b, "bias_relu_pool", "y", "bias");
+  TORCH_CHECK(y.dim() == 4 && b.dim() == 1 && b.size(0) == y.size(1),
+              "kitsune.bias_relu_pool: need y (N, C, H, W) and bias (C,); got ", y.sizes(), " and ", b.sizes());
+  TORCH_CHECK(at::isFloatingType(y.scalar_type()) && b.scalar_type() == y.scalar_type(),
+              "kitsune.bias_relu_pool: y and bias must share a floating point dtype, got ", y.scalar_type(), " and ",
+              b.scalar_type());
+  TORCH_CHECK(k.size() == 1 || k.size() == 2, "kitsune.bias_relu_pool: kernel_size must be one or two ints, got ", k);
+  const int64_t kh = k[0], kw = k.size() == 2 ? k[1] : k[0];
+  TORCH_CHECK(kh >= 1 && kw >= 1 && kh <= 64 && kw <= 64, "kitsune.bias_relu_pool: kernel_size must be in 1..64, got ",
+              k);
+  TORCH_CHECK(y.size(2) >= kh && y.size(3) >= kw, "kitsune.bias_relu_pool: the input's ", y.size(2), " x ", y.size(3),
+              " is smaller than the ", kh, " x ", kw, " window");
+  return {kh, kw};
+}
+
+bool pool_kernel_ok(const Tensor& y) { return lt_dtype_ok(y) && y.is_contiguous() && y.numel() > 0; }
+
+// out; z and idx (the relu output and the pooling's indices, for the backward) on the
+// unfused path only: channel_bias's kernel where channels are last in memory, then
+// ATen's pooling, as these ops ran before they were fused.
+struct PoolOut {
+  Tensor out, z, idx;
+};
+PoolOut bias_relu_pool_impl(const Tensor& y, const Tensor& b, PoolGeom p) {
+  if (!pool_kernel_ok(y)) {
+    Tensor z = channel_bias_fwd(y, b, "relu");
+    auto [out, idx] = at::max_pool2d_with_indices(z, {p.kh, p.kw}, {p.kh, p.kw});
+    return {out, z, idx};
+  }
+  c10::cuda::CUDAGuard g(y.device());
+  Tensor out = at::empty({y.size(0), y.size(1), y.size(2) / p.kh, y.size(3) / p.kw}, y.options()), bc = b.contiguous();
+  check_launch(kt_bias_relu_pool(dtype_of(y, "bias_relu_pool"), y.data_ptr(), bc.data_ptr(), out.data_ptr(), y.size(0),
+                                 y.size(1), y.size(2), y.size(3), (int)p.kh, (int)p.kw, stream_of(out)),
+               "bias_relu_pool");
+  return {out, Tensor(), Tensor()};
+}
+Tensor bias_relu_pool_fwd(const Tensor& y, const Tensor& b, c10::IntArrayRef k) {
+  return bias_relu_pool_impl(y, b, check_bias_relu_pool(y, b, k)).out;
+}
+
+struct BiasReluPoolFn : torch::autograd::Function<BiasReluPoolFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& y, const Tensor& b, std::vector<int64_t> k) {
+    const PoolGeom p = check_bias_relu_pool(y, b, k);
+    PoolOut r;
+    {
+      at::AutoDispatchBelowADInplaceOrView g;
+      r = bias_relu_pool_impl(y, b, p);
+    }
+    ctx->saved_data["k"] = std::vector<int64_t>{p.kh, p.kw};
+    ctx->save_for_backward({r.z.defined() ? Tensor() : y, b, r.z, r.idx});
+    return r.out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list go) {
+    auto s = ctx->get_saved_variables();
+    const Tensor &y = s[0], &b = s[1], &z = s[2];
+    auto k = ctx->saved_data["k"].toIntVector();
+    Tensor gy, gb;
+    if (z.defined()) {   // the unfused path's
+      gy = at::threshold_backward(
+          at::max_pool2d_with_indices_backward(go[0], z, k, k, {0, 0}, {1, 1}, false, s[3]), z, 0);
+      gb = channel_sum(gy, b.scalar_type());
+    } else {
+      c10::cuda::CUDAGuard guard(y.device());
+      const int64_t N = y.size(0), C = y.size(1);
+      Tensor gc = go[0].contiguous(), bc = b.contiguous();
+      gy = at::empty_like(y);
+      Tensor sums = at::empty({N, C}, y.options().dtype(at::kFloat));
+      check_launch(kt_bias_relu_pool_backward(dtype_of(y, "bias_relu_pool"), gc.data_ptr(), y.data_ptr(),
+                                              bc.data_ptr(), gy.data_ptr(), sums.data_ptr<float>(), N, C, y.size(2),
+                                              y.size(3), (int)k[0], (int)k[1], stream_of(gy)),
+                   "bias_relu_pool backward");
+      gb = colsum(sums, b.scalar_type());
+    }
+    return {gy, gb, Tensor()};
+  }
+};
+Tensor bias_relu_pool_autograd(const Tensor& y, const Tensor& b, c10::IntArrayRef k) {
+  return BiasReluPoolFn::apply(y, b, k.vec());
+}
+
 // kitsune.channel_sum (tests and benches): the bias gradient's sum over every dim but 1,
 // in fp32 (fp64 for fp64 input).
 Tensor channel_sum_op(const Tensor& g) {
@@ -3135,6 +3228,11 @@ template <c10::DispatchKey Key> struct Autocast {
     static auto op = op_handle<Tensor(const Tensor&, const Tensor&, c10::string_view)>("kitsune::channel_bias");
     return op.call(y, cast(bias, y.scalar_type()), act);
   }
+  static Tensor bias_relu_pool(const Tensor& y, const Tensor& bias, c10::IntArrayRef k) {
+    c10::impl::ExcludeDispatchKeyGuard no(Key);
+    static auto op = op_handle<Tensor(const Tensor&, const Tensor&, c10::IntArrayRef)>("kitsune::bias_relu_pool");
+    return op.call(y, cast(bias, y.scalar_type()), k);
+  }
   static Tensor rms_norm(const Tensor& x, const Tensor& w, double eps) {
     c10::impl::ExcludeDispatchKeyGuard no(Key);
     static auto op = op_handle<Tensor(const Tensor&, const Tensor&, double)>("kitsune::rms_norm");
@@ -3219,6 +3317,8 @@ TORCH_LIBRARY(kitsune, m) {
   m.impl("linear_act", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &linear_act_fwd));
   m.def("channel_bias(Tensor y, Tensor bias, str act='none') -> Tensor");
   m.impl("channel_bias", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &channel_bias_fwd));
+  m.def("bias_relu_pool(Tensor y, Tensor bias, int[] kernel_size) -> Tensor");
+  m.impl("bias_relu_pool", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &bias_relu_pool_fwd));
   m.def("channel_sum(Tensor g) -> Tensor");
   m.impl("channel_sum", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &channel_sum_op));
   m.impl("attention_score", torch::dispatch(c10::DispatchKey::CompositeImplicitAutograd, &attention_score));
@@ -3285,6 +3385,7 @@ TORCH_LIBRARY_IMPL(kitsune, Autograd, m) {
   m.impl("batch_norm_relu", &batch_norm_relu_autograd);
   m.impl("linear_act", &linear_act_autograd);
   m.impl("channel_bias", &channel_bias_autograd);
+  m.impl("bias_relu_pool", &bias_relu_pool_autograd);
   m.impl("cross_entropy", &cross_entropy_autograd);
   m.impl("sum_squared", &sum_squared_autograd);
   m.impl("mean_abs", &mean_abs_autograd);
@@ -3300,6 +3401,7 @@ TORCH_LIBRARY_IMPL(kitsune, Autograd, m) {
     m.impl("swiglu", &A::binary<kSwiglu>);                                               \
     m.impl("bias_gelu", &A::bias_gelu);                                                  \
     m.impl("channel_bias", &A::channel_bias);                                            \
+    m.impl("bias_relu_pool", &A::bias_relu_pool);                                        \
     m.impl("rms_norm", &A::rms_norm);                                                    \
     m.impl("layer_norm_relu", &A::layer_norm_relu);                                      \
     m.impl("add_layer_norm", &A::add_layer_norm);                                        \

@@ -18,7 +18,10 @@
 // in flight; the 8 row phases are then summed through shared memory. With one
 // slab the block writes the result, otherwise an fp32 partial per slab that a
 // second kernel sums in slab order. The order of every addition is fixed by the
-// shape, so the result is deterministic.
+// shape, so the result is deterministic. kt_relu_grad_colsum is the same pass over
+// ReLU's output gradient that also masks it with ReLU's output and stores it: a
+// linear_act("relu") backward's bias gradient and the GEMMs' operand in one kernel,
+// where it was an elementwise kernel and cuBLASLt's BGRADB epilogue kernel.
 #include "rows.cuh"
 
 namespace {
@@ -98,9 +101,12 @@ template <typename T> kt_status run_op(int op, const void *x, void *out, float *
 // ---- column sums ----
 constexpr int CS_TX = 32, CS_TY = 8;   // a block: 32 column lanes x 8 row phases
 
-template <typename T, typename O, int V>
+// MASK: x is ReLU's output gradient and m its output; the sums are of the input
+// gradient m > 0 ? x : 0, which is also stored to gx (row stride ld, as x and m).
+template <typename T, typename O, int V, bool MASK = false>
 __global__ void __launch_bounds__(CS_TX *CS_TY)
-    colsum_slabs(const T *x, O *out, float *part, int64_t rows, int64_t cols, int64_t ld, int64_t per) {
+    colsum_slabs(const T *x, O *out, float *part, int64_t rows, int64_t cols, int64_t ld, int64_t per,
+                 const T *m = nullptr, T *gx = nullptr) {
   __shared__ float sh[CS_TY][CS_TX * V + 1];
   const int tx = threadIdx.x, ty = threadIdx.y;
   const int64_t c0 = ((int64_t)blockIdx.x * CS_TX + tx) * V;
@@ -112,10 +118,26 @@ __global__ void __launch_bounds__(CS_TX *CS_TY)
     const T *p = x + c0;
     int64_t r = r0 + ty;
     constexpr int U = 4;   // rows in flight per thread
+    // the masked gradient of V columns of row r, stored to gx (MASK only)
+    auto masked = [&](int64_t r, T *v, const T *mv) {
+      if constexpr (MASK) {
+#pragma unroll
+        for (int j = 0; j < V; j++)
+          if (!(kt::to_f(mv[j]) > 0.f)) v[j] = kt::from_f<T>(0.f);
+        kt::store_v<T, (V > 1)>(gx + c0, r * ld, v);
+      }
+    };
     for (; r + (U - 1) * CS_TY < r1; r += U * CS_TY) {
       T v[U][V];
+      [[maybe_unused]] T mv[MASK ? U : 1][V];
 #pragma unroll
       for (int u = 0; u < U; u++) kt::load_v<T, (V > 1)>(p, (r + u * CS_TY) * ld, v[u]);
+      if constexpr (MASK) {
+#pragma unroll
+        for (int u = 0; u < U; u++) kt::load_v<T, (V > 1)>(m + c0, (r + u * CS_TY) * ld, mv[u]);
+#pragma unroll
+        for (int u = 0; u < U; u++) masked(r + u * CS_TY, v[u], mv[u]);
+      }
 #pragma unroll
       for (int u = 0; u < U; u++)
 #pragma unroll
@@ -123,7 +145,12 @@ __global__ void __launch_bounds__(CS_TX *CS_TY)
     }
     for (; r < r1; r += CS_TY) {
       T v[V];
+      [[maybe_unused]] T mv[V];
       kt::load_v<T, (V > 1)>(p, r * ld, v);
+      if constexpr (MASK) {
+        kt::load_v<T, (V > 1)>(m + c0, r * ld, mv);
+        masked(r, v, mv);
+      }
 #pragma unroll
       for (int j = 0; j < V; j++) acc[j] += kt::to_f(v[j]);
     }
@@ -181,28 +208,35 @@ template <typename T> bool colsum_vec_ok(const void *x, int64_t cols, int64_t ld
   return cols % V == 0 && ld % V == 0 && ((uintptr_t)x & 15) == 0;
 }
 
-template <typename T, typename O, int V>
-kt_status colsum_launch(const T *x, O *out, float *ws, int64_t rows, int64_t cols, int64_t ld, cudaStream_t s) {
+template <typename T, typename O, int V, bool MASK = false>
+kt_status colsum_launch(const T *x, O *out, float *ws, int64_t rows, int64_t cols, int64_t ld, cudaStream_t s,
+                        const T *m = nullptr, T *gx = nullptr) {
   const int64_t slabs = colsum_slabs_for(rows, cols, 16 / sizeof(T)), per = (rows + slabs - 1) / slabs;
   const dim3 block(CS_TX, CS_TY);
   const unsigned tiles = (unsigned)((cols + CS_TX * V - 1) / (CS_TX * V));
-  colsum_slabs<T, O, V><<<dim3(tiles, (unsigned)slabs), block, 0, s>>>(x, out, ws, rows, cols, ld, per);
+  colsum_slabs<T, O, V, MASK><<<dim3(tiles, (unsigned)slabs), block, 0, s>>>(x, out, ws, rows, cols, ld, per, m, gx);
   if (slabs > 1)
     colsum_partials<O><<<(unsigned)((cols + CS_TX - 1) / CS_TX), block, 0, s>>>(ws, out, slabs, cols);
   return kt::status_of(cudaGetLastError());
 }
 
 template <typename T, typename O>
-kt_status colsum_run(const void *x, void *out, float *ws, int64_t rows, int64_t cols, int64_t ld, cudaStream_t s) {
-  if (colsum_vec_ok<T>(x, cols, ld))
-    return colsum_launch<T, O, 16 / sizeof(T)>((const T *)x, (O *)out, ws, rows, cols, ld, s);
+kt_status colsum_run(const void *x, void *out, float *ws, int64_t rows, int64_t cols, int64_t ld, cudaStream_t s,
+                     const void *m = nullptr, void *gx = nullptr) {
+  const bool vec = colsum_vec_ok<T>(x, cols, ld) && (!m || (((uintptr_t)m | (uintptr_t)gx) & 15) == 0);
+  if (m)
+    return vec ? colsum_launch<T, O, 16 / sizeof(T), true>((const T *)x, (O *)out, ws, rows, cols, ld, s,
+                                                           (const T *)m, (T *)gx)
+               : colsum_launch<T, O, 1, true>((const T *)x, (O *)out, ws, rows, cols, ld, s, (const T *)m, (T *)gx);
+  if (vec) return colsum_launch<T, O, 16 / sizeof(T)>((const T *)x, (O *)out, ws, rows, cols, ld, s);
   return colsum_launch<T, O, 1>((const T *)x, (O *)out, ws, rows, cols, ld, s);
 }
 
 template <typename T>
 kt_status colsum_out(int out_f32, const void *x, void *out, float *ws, int64_t rows, int64_t cols, int64_t ld,
-                     cudaStream_t s) {
-  return out_f32 ? colsum_run<T, float>(x, out, ws, rows, cols, ld, s) : colsum_run<T, T>(x, out, ws, rows, cols, ld, s);
+                     cudaStream_t s, const void *m = nullptr, void *gx = nullptr) {
+  return out_f32 ? colsum_run<T, float>(x, out, ws, rows, cols, ld, s, m, gx)
+                 : colsum_run<T, T>(x, out, ws, rows, cols, ld, s, m, gx);
 }
 
 }  // namespace
@@ -241,4 +275,17 @@ extern "C" kt_status kt_colsum(kt_dtype t, int out_f32, const void *x, void *out
     return kt::status_of(e);
   }
   KT_DISPATCH(t, colsum_out<T>(out_f32, x, out, workspace, rows, cols, ld, s))
+}
+
+extern "C" kt_status kt_relu_grad_colsum(kt_dtype t, int out_f32, const void *grad, const void *y, void *grad_in,
+                                         void *out, float *workspace, int64_t rows, int64_t cols, void *stream) {
+  if (rows < 0 || cols <= 0 || !grad || !y || !grad_in || !out || (out_f32 != 0 && out_f32 != 1)) return KT_ERR_INVALID;
+  if (t != KT_F32 && t != KT_F16 && t != KT_BF16) return KT_ERR_INVALID;
+  if (kt_colsum_workspace(t, rows, cols) && !workspace) return KT_ERR_INVALID;
+  cudaStream_t s = (cudaStream_t)stream;
+  if (rows == 0) {
+    cudaError_t e = cudaMemsetAsync(out, 0, (size_t)cols * (out_f32 || t == KT_F32 ? 4 : 2), s);
+    return kt::status_of(e);
+  }
+  KT_DISPATCH(t, colsum_out<T>(out_f32, grad, out, workspace, rows, cols, cols, s, y, grad_in))
 }

@@ -145,6 +145,12 @@ int64_t kt_reduce_workspace(int64_t rows, int64_t n);
 kt_status kt_colsum(kt_dtype t, int out_f32, const void *x, void *out, float *workspace, int64_t rows, int64_t cols,
                     int64_t ld, void *stream);
 int64_t kt_colsum_workspace(kt_dtype t, int64_t rows, int64_t cols);
+/* ReLU's backward and the bias gradient in one pass over contiguous (rows, cols)
+ * matrices: grad_in = y > 0 ? grad : 0 (y is ReLU's output; NaN gives 0, as
+ * kt_add_relu_backward), out[j] = the column sums of grad_in as kt_colsum sums them
+ * (same workspace, kt_colsum_workspace). */
+kt_status kt_relu_grad_colsum(kt_dtype t, int out_f32, const void *grad, const void *y, void *grad_in, void *out,
+                              float *workspace, int64_t rows, int64_t cols, void *stream);
 
 /* Dropout fused with its neighbours; element i is kept as kitsune/philox.h says for
  * (seed, offset, p), kept values are scaled by 1 / (1 - p), and nothing is stored:

@@ -1280,6 +1280,22 @@ Tensor colsum(const Tensor& x2, at::ScalarType out_t) {
   return x2.sum(0, false, acc).to(out_t);
 }
 
+// ReLU's backward on (rows, cols) contiguous g and y (ReLU's output), and the column
+// sums of the result in out_t, in one kernel (kt_relu_grad_colsum): {gx, sums}.
+std::tuple<Tensor, Tensor> relu_grad_colsum(const Tensor& g, const Tensor& y, at::ScalarType out_t) {
+  const int64_t rows = g.size(0), cols = g.size(1);
+  const kt_dtype dt = dtype_of(g, "relu_grad_colsum");
+  c10::cuda::CUDAGuard guard(g.device());
+  Tensor gx = at::empty_like(g), out = at::empty({cols}, g.options().dtype(out_t));
+  const int64_t wsn = kt_colsum_workspace(dt, rows, cols);
+  Tensor ws = wsn ? at::empty({wsn}, g.options().dtype(at::kFloat)) : Tensor();
+  check_launch(kt_relu_grad_colsum(dt, out_t == at::kFloat && g.scalar_type() != at::kFloat, g.data_ptr(),
+                                   y.data_ptr(), gx.data_ptr(), out.data_ptr(), wsn ? ws.data_ptr<float>() : nullptr,
+                                   rows, cols, stream_of(gx)),
+               "relu_grad_colsum");
+  return {gx, out};
+}
+
 Tensor bias_gelu_cuda(const Tensor& x, const Tensor& bias, c10::string_view approximate) {
   check_bias(x, bias, "bias_gelu");
   int ap = approx_code(approximate, "bias_gelu");
@@ -2655,9 +2671,11 @@ std::tuple<Tensor, Tensor, Tensor> batch_norm_relu_autograd(const Tensor& x, con
 //              CPU but that epilogue on CUDA, so neither gives erf GELU in one GEMM;
 //   none:      F.linear's addmm; the backward sums the bias gradient with kt_colsum
 //              (colsum above) where ATen's linear backward runs its reduce_kernel.
-// The backward's weight GEMM is asked for the bias gradient too (BGRADB: the column
-// sums of the activation gradient). cuBLASLt ran that as a kernel of its own after the
-// GEMM at 8192 x 3072 bf16 (25 us against ATen's 33 us sum; H100, 9743aae).
+// The relu backward masks the gradient and sums the bias gradient in one kernel
+// (kt_relu_grad_colsum), then plain GEMMs. For gelu_tanh through cuBLASLt the weight
+// GEMM is asked for the bias gradient too (BGRADB: the column sums of the activation
+// gradient), which cuBLASLt ran as a kernel of its own after the GEMM at 8192 x 3072
+// bf16 (25 us against ATen's 33 us sum; H100, 9743aae).
 // Where cuBLASLt offers no algorithm (odd shapes or alignment), and on the CPU, the
 // op composes ATen ops instead. x (..., in), weight (out, in), bias (out,).
 void check_linear_act(const Tensor& x, const Tensor& w, const Tensor& b, c10::string_view act) {
@@ -2820,6 +2838,13 @@ struct LinearActFn : torch::autograd::Function<LinearActFn> {
     } else if (act == "none") {
       gpre = g2;
       if (need_b) gb = colsum(g2, b.scalar_type());
+    } else if (act == "relu" && lt_dtype_ok(x) && x2.numel() > 0) {
+      // ReLU's mask and the bias gradient in one kernel, then a plain weight GEMM: the
+      // elementwise kernel and cuBLASLt's BGRADB epilogue kernel were two launches
+      // (MLP: 2.7 + 3.0 us a step for its two layers, h100_profile_graph_9d33764.log)
+      Tensor sums;
+      std::tie(gpre, sums) = relu_grad_colsum(g2, s[3].reshape({-1, N}).contiguous(), b.scalar_type());
+      if (need_b) gb = sums;
     } else {
       gpre = (act == "relu" ? relu_bwd.call(g2, s[3].reshape({-1, N})) : at::gelu_backward(g2, s[3], "tanh")).contiguous();
       if (need_w && lt_dtype_ok(x) && x2.numel() > 0) {   // the weight gradient and the bias gradient from one call

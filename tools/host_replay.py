@@ -17,8 +17,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
-import models  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from profile_graph import warmed  # noqa: E402
 
 
 def main():
@@ -26,12 +26,7 @@ def main():
     print(f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
     for name in sys.argv[1:] or ["mlp"]:
         for recipe in ("stock_graph", "kitsune"):
-            gen = torch.Generator().manual_seed(0)
-            torch.manual_seed(0)
-            model, loss_fn, data = models.build(name, gen)
-            step, _ = models.make(recipe, model, loss_fn)
-            for i in range(5):
-                step(*data[i % len(data)])
+            step, model, data = warmed(name, recipe)
             torch.cuda.synchronize()
             n = 400
             t0 = time.perf_counter()

@@ -34,17 +34,24 @@ def kernels(step, batch, n=10):
     return sorted(((t, calls[k] / n, k) for k, t in total.items()), reverse=True)
 
 
+def warmed(name, recipe):
+    """bench/models.py's model `name` under `recipe`, seeded, after 5 steps (captured
+    where the recipe captures): (step, model, batches)."""
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    model, loss_fn, data = models.build(name, gen)
+    step, _ = models.make(recipe, model, loss_fn)
+    for i in range(5):
+        step(*data[i % len(data)])
+    return step, model, data
+
+
 def main():
     torch.backends.cudnn.benchmark = True
     print(f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
     for name in sys.argv[1:] or ["mlp"]:
         for recipe in os.environ.get("PGRAPH_RECIPES", "stock_graph kitsune").split():
-            gen = torch.Generator().manual_seed(0)
-            torch.manual_seed(0)
-            model, loss_fn, data = models.build(name, gen)
-            step, _ = models.make(recipe, model, loss_fn)
-            for i in range(5):
-                step(*data[i % len(data)])
+            step, model, data = warmed(name, recipe)
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize()
             a.record()

@@ -380,6 +380,16 @@ class ConvBiases(nn.Module):
         return self.c5(self.c4(c)).relu()
 
 
+def _same_outputs_and_grads(opt, m, x):
+    """opt(x) equals m(x), and so do the gradients of a loss on it, input's and parameters'."""
+    torch.testing.assert_close(opt(x), m(x))
+    xo, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    go = torch.autograd.grad(opt(xo).square().sum(), [xo] + list(opt.parameters()))
+    gr = torch.autograd.grad(m(xr).square().sum(), [xr] + list(m.parameters()))
+    for a, b in zip(go, gr):
+        torch.testing.assert_close(a, b)
+
+
 def test_conv_bias_splits_into_channel_bias_and_takes_the_relu():
     torch.manual_seed(12)
     m = ConvBiases().double()
@@ -388,13 +398,7 @@ def test_conv_bias_splits_into_channel_bias_and_takes_the_relu():
     assert _kinds(rep) == ["channel_bias", "channel_bias", "channel_bias"], rep
     assert [w.split(" bias")[0] for _, w in rep.fused] == ["relu(conv2d)", "conv2d", "conv2d"], rep
     assert "padding_mode='reflect' (only 'zeros' is split)" in str(rep), rep
-    x = torch.randn(2, 3, 9, 7, dtype=torch.float64)
-    torch.testing.assert_close(opt(x), m(x))
-    xo, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
-    go = torch.autograd.grad(opt(xo).square().sum(), [xo] + list(opt.parameters()))
-    gr = torch.autograd.grad(m(xr).square().sum(), [xr] + list(m.parameters()))
-    for a, b in zip(go, gr):
-        torch.testing.assert_close(a, b)
+    _same_outputs_and_grads(opt, m, torch.randn(2, 3, 9, 7, dtype=torch.float64))
     assert opt.state_dict().keys() == m.state_dict().keys()   # checkpoints load either way
 
 
@@ -422,13 +426,7 @@ def test_conv_relu_max_pool_becomes_bias_relu_pool():
     rep = kitsune.fx.Report()
     opt = kitsune.optimize(m, report=rep)
     assert _kinds(rep) == ["bias_relu_pool"] * 3 + ["channel_bias"] * 3 + ["bias_relu_pool"], rep
-    x = torch.randn(2, 3, 32, 20, dtype=torch.float64)
-    torch.testing.assert_close(opt(x), m(x))
-    xo, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
-    go = torch.autograd.grad(opt(xo).square().sum(), [xo] + list(opt.parameters()))
-    gr = torch.autograd.grad(m(xr).square().sum(), [xr] + list(m.parameters()))
-    for a, b in zip(go, gr):
-        torch.testing.assert_close(a, b)
+    _same_outputs_and_grads(opt, m, torch.randn(2, 3, 32, 20, dtype=torch.float64))
     assert str(kitsune.explain(m)) == str(rep)
 
 

@@ -361,9 +361,9 @@ class KitsuneOptimizer:
             plan.baked[gi] = _baked(g)
         if not flat:
             return plan
-        self._bind_steps(plan)
         if self._hyper is None or self._hyper.device != flat[0].device or self._hyper.shape[0] != len(opt.param_groups):
             refuse("prepare_capture(device) was not called with the parameters' device and groups")
+        self._bind_steps(plan)   # after every refusal: a refused capture leaves the state as it was
         # no sync_hyper here: its writes would be captured too, and every replay would
         # put back the lr and step count of the capture
         with torch.no_grad():

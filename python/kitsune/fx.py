@@ -525,7 +525,8 @@ def _max_pool_of(gm, node):
 
 def _rewrite_conv_bias(gm, g, node, conv, where, report):
     """An nn.Conv2d with a bias (zeros padding), and the ReLU after it when that is its
-    only user: F.conv2d without the bias, then kitsune.channel_bias."""
+    only user: F.conv2d without the bias, then kitsune.channel_bias; or
+    kitsune.bias_relu_pool when that ReLU's only user is a non-overlapping max pooling."""
     from . import ops as ko
     if conv.bias is None:
         return
@@ -537,29 +538,25 @@ def _rewrite_conv_bias(gm, g, node, conv, where, report):
     users = list(node.users)
     act = _act(gm, users[0]) if len(users) == 1 else None
     relu = users[0] if act is not None and act[0] == "relu" and act[1] is node else None
-    pool = _max_pool_of(gm, next(iter(relu.users))) if relu is not None and len(relu.users) == 1 else None
-    if pool is not None and pool[0] is relu:
-        pool_node = next(iter(relu.users))
-        report.fused.append((where, f"max_pool2d(relu(conv2d)) bias -> bias_relu_pool ({node.name})"))
-        with g.inserting_before(node):
-            w, b = g.get_attr(f"{node.target}.weight"), g.get_attr(f"{node.target}.bias")
-            y = g.call_function(F.conv2d, (node.args[0], w, None, conv.stride, conv.padding, conv.dilation,
-                                           conv.groups))
-            new = g.call_function(ko.bias_relu_pool, (y, b, pool[1]))
-        pool_node.replace_all_uses_with(new)
-        for dead in (pool_node, relu, node):
-            g.erase_node(dead)
-        return
-    report.fused.append((where, f"{'relu(conv2d)' if relu is not None else 'conv2d'} bias -> channel_bias "
-                                f"({node.name})"))
+    pool_node = next(iter(relu.users)) if relu is not None and len(relu.users) == 1 else None
+    pool = _max_pool_of(gm, pool_node)
+    if pool is None or pool[0] is not relu:
+        pool_node = None
+    if pool_node is not None:
+        what, last, dead = "max_pool2d(relu(conv2d)) bias -> bias_relu_pool", pool_node, (pool_node, relu, node)
+    elif relu is not None:
+        what, last, dead = "relu(conv2d) bias -> channel_bias", relu, (relu, node)
+    else:
+        what, last, dead = "conv2d bias -> channel_bias", node, (node,)
+    report.fused.append((where, f"{what} ({node.name})"))
     with g.inserting_before(node):
         w, b = g.get_attr(f"{node.target}.weight"), g.get_attr(f"{node.target}.bias")
         y = g.call_function(F.conv2d, (node.args[0], w, None, conv.stride, conv.padding, conv.dilation, conv.groups))
-        new = g.call_function(ko.channel_bias, (y, b, "none" if relu is None else "relu"))
-    (relu if relu is not None else node).replace_all_uses_with(new)
-    if relu is not None:
-        g.erase_node(relu)
-    g.erase_node(node)
+        new = (g.call_function(ko.bias_relu_pool, (y, b, pool[1])) if pool_node is not None else
+               g.call_function(ko.channel_bias, (y, b, "none" if relu is None else "relu")))
+    last.replace_all_uses_with(new)
+    for n in dead:
+        g.erase_node(n)
 
 
 def _fuse_pair(g, node, inner, where, report, pattern, op, make):

@@ -75,17 +75,15 @@ class _StepCounts:
     """torch.optim's per-parameter CPU step tensors, rebound as views of one 1-D
     tensor, so that a replay counts every parameter's step with one add. The foreach
     add over them it replaces took 32 us of host time a replay for the MLP's 6
-    tensors on the H100's host, the most of any item (tools/host_replay.py,
-    bench/results/h100_host_68c627f.log). The values and tensor type stay torch.optim's
+    tensors on the H100's host under cProfile, the most of any item
+    (tools/host_replay.py, bench/results/h100_host_68c627f.log). The values and tensor type stay torch.optim's
     (0-dim, float32 or float64, CPU); their in-place updates (torch.optim's own
     step, kitsune.adam_step_) write through the views."""
 
     def __init__(self, states):
         self.base = torch.stack([st["step"] for st in states])   # a copy of the counts
-        self.index = {}
         for i, st in enumerate(states):
             st["step"] = self.base[i]
-            self.index[id(st)] = i
 
     @staticmethod
     def bindable(states):
@@ -97,8 +95,9 @@ class _StepCounts:
         return all(getattr(st["step"], "_base", None) is self.base for st in states)
 
     def mask(self, states):
+        """1 at the elements the states' step tensors view (their offsets in base), else 0."""
         m = torch.zeros_like(self.base)
-        m[[self.index[id(st)] for st in states]] = 1
+        m[[st["step"].storage_offset() for st in states]] = 1
         return m
 
 

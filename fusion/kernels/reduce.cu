@@ -265,8 +265,8 @@ extern "C" int64_t kt_colsum_workspace(kt_dtype t, int64_t rows, int64_t cols) {
 }
 
 // kt_colsum, and with m and gx its masked pass (kt_relu_grad_colsum): checks, then the launch
-static kt_status colsum_entry(kt_dtype t, int out_f32, const void *x, void *out, float *workspace, int64_t rows, int64_t cols,
-                       int64_t ld, void *stream, const void *m, void *gx) {
+static kt_status colsum_entry(kt_dtype t, int out_f32, const void *x, void *out, float *workspace, int64_t rows,
+                              int64_t cols, int64_t ld, void *stream, const void *m, void *gx) {
   if (rows < 0 || cols <= 0 || ld < cols || !x || !out || (out_f32 != 0 && out_f32 != 1)) return KT_ERR_INVALID;
   if (t != KT_F32 && t != KT_F16 && t != KT_BF16) return KT_ERR_INVALID;
   if (kt_colsum_workspace(t, rows, cols) && !workspace) return KT_ERR_INVALID;

@@ -41,6 +41,11 @@ Patterns (each intermediate must have no other user, so nothing observable is lo
                               non-overlapping k windows: stride k or None, no padding or
                               dilation, floor mode, no indices; F.max_pool2d,
                               torch.max_pool2d or nn.MaxPool2d)
+  max_pool2d(x), any other  -> kitsune.max_pool2d(x, k, stride, padding, ceil_mode) (dilation 1,
+                              no indices; optimize only, not the torch.compile backend, where
+                              Inductor fuses the pooling with its neighbours): a byte per
+                              output saved for a gather backward, where ATen saves int64
+                              indices
   (q @ k^T) * s, (q @ k^T) / s   -> kitsune.attention_score(q, k, scale) (s a Python
                               number; k^T as k.transpose(-2, -1) or k.mT; one GEMM
                               with the scale as alpha; unfused for broadcast batches)
@@ -492,8 +497,9 @@ def _pair(v):
 
 
 def _max_pool_of(gm, node):
-    """(input, (kh, kw)) when node is a 2-D max pooling over non-overlapping windows
-    (stride = kernel, no padding, dilation 1, floor mode, no indices), else None."""
+    """(input, kernel, stride, padding, ceil_mode), each size a pair, when node is a 2-D max
+    pooling with dilation 1 that returns no indices (F.max_pool2d, torch.max_pool2d or
+    nn.MaxPool2d), else None."""
     if not isinstance(node, tfx.Node):
         return None
     m = _module(gm, node)
@@ -513,14 +519,30 @@ def _max_pool_of(gm, node):
             return None
     else:
         return None
-    k, stride = _pair(a["kernel_size"]), a["stride"]
+    k, stride, pad = _pair(a["kernel_size"]), a["stride"], _pair(a["padding"])
     stride = k if stride is None or stride == [] or stride == () else _pair(stride)
-    if k is None or len(k) != 2 or not all(isinstance(v, int) and v >= 1 for v in k) or stride != k:
+    sizes = (k, stride, pad)
+    if any(v is None or len(v) != 2 or not all(isinstance(e, int) and not isinstance(e, bool) for e in v)
+           for v in sizes):
+        return None   # sizes computed in the graph
+    if _pair(a["dilation"]) != (1, 1) or not isinstance(a["ceil_mode"], bool) or a["return_indices"] is not False:
         return None
-    if _pair(a["padding"]) != (0, 0) or _pair(a["dilation"]) != (1, 1) or a["ceil_mode"] is not False \
-            or a["return_indices"] is not False:
-        return None
-    return a["input"], k
+    return a["input"], k, stride, pad, a["ceil_mode"]
+
+
+def _rewrite_max_pool(gm, g, node, where, report):
+    """A max pooling that no bias_relu_pool took -> kitsune.max_pool2d."""
+    from . import ops as ko
+    pool = _max_pool_of(gm, node)
+    if pool is None:
+        return False
+    x, k, stride, pad, ceil = pool
+    report.fused.append((where, f"max_pool2d -> kitsune.max_pool2d ({node.name})"))
+    with g.inserting_before(node):
+        new = g.call_function(ko.max_pool2d, (x, k, stride, pad, ceil))
+    node.replace_all_uses_with(new)
+    g.erase_node(node)
+    return True
 
 
 def _rewrite_conv_bias(gm, g, node, conv, where, report):
@@ -540,8 +562,8 @@ def _rewrite_conv_bias(gm, g, node, conv, where, report):
     relu = users[0] if act is not None and act[0] == "relu" and act[1] is node else None
     pool_node = next(iter(relu.users)) if relu is not None and len(relu.users) == 1 else None
     pool = _max_pool_of(gm, pool_node)
-    if pool is None or pool[0] is not relu:
-        pool_node = None
+    if pool is None or pool[0] is not relu or pool[2] != pool[1] or pool[3] != (0, 0) or pool[4]:
+        pool_node = None   # bias_relu_pool takes non-overlapping windows, no padding, floor mode
     if pool_node is not None:
         what, last, dead = "max_pool2d(relu(conv2d)) bias -> bias_relu_pool", pool_node, (pool_node, relu, node)
     elif relu is not None:
@@ -643,7 +665,7 @@ def _rewrite_linear_bias(gm, g, prefix, report):
         g.erase_node(node)
 
 
-def _rewrite(gm, report, prefix, linear_bias=True):
+def _rewrite(gm, report, prefix, linear_bias=True, max_pool=True):
     from . import ops as ko   # loads the bridge (the ops' CPU and CUDA kernels)
     g = gm.graph
     for node in list(g.nodes):
@@ -653,6 +675,8 @@ def _rewrite(gm, report, prefix, linear_bias=True):
         conv = _module(gm, node)
         if type(conv) is nn.Conv2d:
             _rewrite_conv_bias(gm, g, node, conv, where, report)
+            continue
+        if max_pool and _rewrite_max_pool(gm, g, node, where, report):
             continue
         act = _act(gm, node)
         # ---- relu(a + b), tanh(a * b), gelu(x + bias), gelu(linear(x)) ----
@@ -908,7 +932,8 @@ def kitsune_backend(gm, example_inputs):
     global last_compile_report
     from torch._inductor.compile_fx import compile_fx
     report = Report()
-    _rewrite(gm, report, "", linear_bias=False)   # Inductor sums a bias gradient in its own kernels
+    # Inductor sums a bias gradient in its own kernels, and fuses a pooling with its neighbours
+    _rewrite(gm, report, "", linear_bias=False, max_pool=False)
     last_compile_report = report
     return compile_fx(gm, example_inputs)
 

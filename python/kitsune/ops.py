@@ -41,6 +41,9 @@ Ops (reference semantics):
                                             backward sums the bias gradient in two stages
   bias_relu_pool(y, bias, kernel_size)      F.max_pool2d(relu(y + bias over dim 1), kernel_size):
                                             non-overlapping windows; one kernel each way on CUDA
+  max_pool2d(x, kernel_size, stride, padding, ceil_mode)
+                                            F.max_pool2d (dilation 1, no indices): one kernel
+                                            each way on CUDA, a byte per output saved
 The dropout ops draw (seed, offset) from PyTorch's default generator of the device
 (torch.manual_seed repeats a mask) and never store the mask: the backward rebuilds it
 with the same Philox code (kitsune/philox.h); ``dropout_mask(rng, n, p, dtype)`` gives it.
@@ -237,6 +240,11 @@ def _(y, bias, kernel_size):
     return y.new_empty((y.shape[0], y.shape[1], y.shape[2] // kh, y.shape[3] // kw))
 
 
+@torch.library.register_fake("kitsune::max_pool2d")
+def _(x, kernel_size, stride, padding, ceil_mode):
+    return torch.ops.aten.max_pool2d_with_indices.default(x, kernel_size, stride, padding, [1, 1], ceil_mode)[0]
+
+
 @torch.library.register_fake("kitsune::channel_sum")
 def _(g):
     return g.new_empty((g.shape[1],), dtype=torch.float64 if g.dtype == torch.float64 else torch.float32)
@@ -404,6 +412,18 @@ def bias_relu_pool(y, bias, kernel_size):
     included."""
     k = [kernel_size, kernel_size] if isinstance(kernel_size, int) else list(kernel_size)
     return _lib.bias_relu_pool(y, bias, k)
+
+
+def max_pool2d(x, kernel_size, stride=None, padding=0, ceil_mode=False):
+    """F.max_pool2d(x, kernel_size, stride, padding, ceil_mode=ceil_mode) with dilation 1
+    and no indices returned, for x (N, C, H, W) or (C, H, W). On CUDA (x NCHW- or
+    channels-last-contiguous, windows of at most 256 elements) Kitsune's kernels: the
+    backward gathers each input's gradient from the windows it won, using a byte per
+    output saved by the forward (ATen saves 8); output and gradient equal ATen's."""
+    def ints(v):
+        return [v, v] if isinstance(v, int) else list(v)
+    return _lib.max_pool2d(x, ints(kernel_size), [] if stride is None else ints(stride), ints(padding),
+                           bool(ceil_mode))
 
 
 def linear_act(x, weight, bias, act="relu"):

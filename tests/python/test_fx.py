@@ -317,11 +317,14 @@ def test_under_autocast_fp32_parameters_meet_bf16_activations(make):
             torch.testing.assert_close(a, b, rtol=5e-2, atol=5e-2 * max(1.0, b.abs().max().item()), msg=name)
 
 
-@pytest.mark.parametrize("arch,fusions", [("resnet18", {"add_relu": 8, "batch_norm_relu": 9, "linear_act(none)": 1}),
-                                          ("resnet50", {"add_relu": 16, "batch_norm_relu": 33, "linear_act(none)": 1})])
+@pytest.mark.parametrize("arch,fusions", [("resnet18", {"add_relu": 8, "batch_norm_relu": 9, "linear_act(none)": 1,
+                                                       "kitsune.max_pool2d": 1}),
+                                          ("resnet50", {"add_relu": 16, "batch_norm_relu": 33, "linear_act(none)": 1,
+                                                        "kitsune.max_pool2d": 1})])
 def test_torchvision_resnets_as_shipped(arch, fusions):
     """torchvision's ResNet-18/50 (random weights): each `relu(bn(conv(x)))` becomes
-    batch_norm_relu and each block's `out += identity; relu(out)` add_relu; in train
+    batch_norm_relu, each block's `out += identity; relu(out)` add_relu and the stem's
+    max pooling kitsune.max_pool2d; in train
     mode outputs, running stats and input gradients equal the original's, in eval mode
     outputs."""
     tvm = pytest.importorskip("torchvision.models")
@@ -403,7 +406,8 @@ def test_conv_bias_splits_into_channel_bias_and_takes_the_relu():
 
 
 class PoolBlocks(nn.Module):
-    """LeNet's conv -> relu -> 2x2 max pool in each spelling, and poolings that are left."""
+    """LeNet's conv -> relu -> 2x2 max pool in each spelling, and poolings that bias_relu_pool
+    leaves (they become channel_bias, then kitsune.max_pool2d)."""
     def __init__(self):
         super().__init__()
         self.c = nn.ModuleList(nn.Conv2d(3 if i == 0 else 4, 4, 3, padding=1) for i in range(7))
@@ -425,9 +429,45 @@ def test_conv_relu_max_pool_becomes_bias_relu_pool():
     m = PoolBlocks().double()
     rep = kitsune.fx.Report()
     opt = kitsune.optimize(m, report=rep)
-    assert _kinds(rep) == ["bias_relu_pool"] * 3 + ["channel_bias"] * 3 + ["bias_relu_pool"], rep
+    assert _kinds(rep) == ["bias_relu_pool"] * 3 + ["channel_bias", "kitsune.max_pool2d"] * 3 + ["bias_relu_pool"], rep
     _same_outputs_and_grads(opt, m, torch.randn(2, 3, 32, 20, dtype=torch.float64))
     assert str(kitsune.explain(m)) == str(rep)
+
+
+class Pools(nn.Module):
+    """Max poolings in each spelling, and the ones kitsune.max_pool2d leaves."""
+    def __init__(self):
+        super().__init__()
+        self.inc, self.down = nn.MaxPool2d(3, 1, 1), nn.MaxPool2d((3, 2), stride=(2, 1), padding=(1, 0), ceil_mode=True)
+        self.dilated, self.indexed = nn.MaxPool2d(2, dilation=2), nn.MaxPool2d(2, return_indices=True)
+
+    def forward(self, x):
+        x = self.down(self.inc(x))                                            # taken, both
+        x = F.max_pool2d(x, (2, 3), 1, padding=(1, 1)) + torch.max_pool2d(x, (2, 3), 1, (1, 1))   # taken, both
+        x = F.max_pool2d(x, kernel_size=3, stride=2, ceil_mode=True)          # taken
+        x = x[..., 1:-1, 1:-1] + F.max_pool2d(x, 3, 1, 1, 2)                  # dilation 2: left
+        x = self.dilated(x)                                                   # left
+        y, idx = self.indexed(x)                                              # indices: left
+        return F.max_pool2d(y, x.size(-1) // 5) + idx.sum()                   # size computed: left
+
+
+def test_max_poolings_become_kitsune_max_pool2d():
+    """Each 2-D max pooling with dilation 1 and no indices becomes kitsune.max_pool2d with its
+    own geometry, outputs and gradients equal; the torch.compile backend leaves them to
+    Inductor."""
+    torch.manual_seed(14)
+    m = Pools().double()
+    rep = kitsune.fx.Report()
+    opt = kitsune.optimize(m, report=rep)
+    assert _kinds(rep) == ["kitsune.max_pool2d"] * 5, rep
+    _same_outputs_and_grads(opt, m, torch.randn(2, 3, 29, 30, dtype=torch.float64))
+    import torch._inductor.compile_fx as cfx
+    orig, cfx.compile_fx = cfx.compile_fx, lambda gm, inputs: gm.forward   # the backend's rewrite only
+    try:
+        kitsune.fx.kitsune_backend(torch.fx.symbolic_trace(Pools()), [])
+    finally:
+        cfx.compile_fx = orig
+    assert not kitsune.fx.last_compile_report.fused, kitsune.fx.last_compile_report
 
 
 class HandAttention(nn.Module):

@@ -268,6 +268,26 @@ OPS2 = {
     "bias_relu_pool_3x2": (lambda y, b: ko.bias_relu_pool(y, b, (3, 2)),
                            lambda y, b: F.max_pool2d(F.relu(y + _per_channel(b, y)), (3, 2)),
                            _channel_inputs, [(2, 3, 7, 5), (8, 5, 9, 8)]),
+    # the Inception net's 3 x 3 / 1 / 1 (NCHW, channels-last) and ResNet's stem 3 x 3 / 2 / 1;
+    # a 2 x 3 window at stride (2, 1) with padding (1, 0) in ceil mode; a 1 x 1 window
+    "max_pool2d": (lambda x: ko.max_pool2d(x, 3, 1, 1), lambda x: F.max_pool2d(x, 3, 1, 1),
+                   lambda shape, dtype, device, gen: ([_t(shape, dtype, device, gen)], []),
+                   [(2, 3, 5, 6), (3, 2, 4, 4), (64, 64, 32, 32), (1, 1, 1, 1)]),
+    "max_pool2d_cl": (lambda x: ko.max_pool2d(x, 3, 1, 1), lambda x: F.max_pool2d(x, 3, 1, 1),
+                      lambda shape, dtype, device, gen: (
+                          [_t(shape, dtype, device, gen).contiguous(memory_format=torch.channels_last)], []),
+                      [(2, 4, 5, 6), (3, 3, 4, 4), (64, 64, 32, 32), (128, 64, 16, 16)]),
+    "max_pool2d_stem": (lambda x: ko.max_pool2d(x, 3, 2, 1), lambda x: F.max_pool2d(x, 3, 2, 1),
+                        lambda shape, dtype, device, gen: (
+                            [_t(shape, dtype, device, gen).contiguous(memory_format=torch.channels_last)], []),
+                        [(2, 4, 7, 8), (2, 5, 6, 6), (128, 64, 16, 16)]),
+    "max_pool2d_ceil": (lambda x: ko.max_pool2d(x, (2, 3), (2, 1), (1, 0), ceil_mode=True),
+                        lambda x: F.max_pool2d(x, (2, 3), (2, 1), (1, 0), ceil_mode=True),
+                        lambda shape, dtype, device, gen: ([_t(shape, dtype, device, gen)], []),
+                        [(2, 3, 7, 5), (1, 2, 4, 3), (16, 8, 33, 17)]),
+    "max_pool2d_1x1": (lambda x: ko.max_pool2d(x, 1), lambda x: F.max_pool2d(x, 1),
+                       lambda shape, dtype, device, gen: ([_t(shape, dtype, device, gen)], []),
+                       [(2, 3, 4, 5), (3, 2, 3, 3)]),
 }
 
 
@@ -316,6 +336,11 @@ def test_opcheck_more(name):
         "channel_bias_relu_cl": ("channel_bias", lambda: (ts[0], ts[1], "relu")),
         "bias_relu_pool": ("bias_relu_pool", lambda: (ts[0], ts[1], [2, 2])),
         "bias_relu_pool_3x2": ("bias_relu_pool", lambda: (ts[0], ts[1], [3, 2])),
+        "max_pool2d": ("max_pool2d", lambda: (ts[0], [3, 3], [1, 1], [1, 1], False)),
+        "max_pool2d_cl": ("max_pool2d", lambda: (ts[0], [3, 3], [1, 1], [1, 1], False)),
+        "max_pool2d_stem": ("max_pool2d", lambda: (ts[0], [3, 3], [2, 2], [1, 1], False)),
+        "max_pool2d_ceil": ("max_pool2d", lambda: (ts[0], [2, 3], [2, 1], [1, 0], True)),
+        "max_pool2d_1x1": ("max_pool2d", lambda: (ts[0], [1, 1], [], [0, 0], False)),
     }[name]
     torch.library.opcheck(getattr(torch.ops.kitsune, opname).default, args())
 
@@ -389,6 +414,22 @@ def test_more_bad_inputs_name_the_problem():
         ko.bias_relu_pool(y, torch.randn(3), (0, 2))
     with pytest.raises(RuntimeError, match="the input's 4 x 4 is smaller than the 5 x 5 window"):
         ko.bias_relu_pool(y, torch.randn(3), 5)
+    x = torch.randn(2, 3, 4, 4)
+    with pytest.raises(RuntimeError, match=r"max_pool2d: need x \(N, C, H, W\) or \(C, H, W\), got \[3, 4\]"):
+        ko.max_pool2d(torch.randn(3, 4), 2)
+    with pytest.raises(RuntimeError, match="max_pool2d: x must be floating point, got Long"):
+        ko.max_pool2d(torch.ones(2, 3, 4, 4, dtype=torch.long), 2)
+    with pytest.raises(RuntimeError, match=r"kernel_size must be positive, got \[0, 2\]"):
+        ko.max_pool2d(x, (0, 2))
+    with pytest.raises(RuntimeError, match=r"stride must be positive, got \[1, 0\]"):
+        ko.max_pool2d(x, 2, (1, 0))
+    with pytest.raises(RuntimeError, match=r"padding must be in 0..kernel_size / 2, got padding \[2, 2\] for kernel_size \[3, 3\]"):
+        ko.max_pool2d(x, 3, 1, 2)
+    with pytest.raises(RuntimeError, match="the input's 4 x 4 \\(padding \\[0, 0\\]\\) is smaller than the 5 x 5 window"):
+        ko.max_pool2d(x, 5)
+    with pytest.raises(RuntimeError, match="C, H and W must be non-zero"):
+        ko.max_pool2d(torch.randn(2, 0, 4, 4), 2)
+    assert ko.max_pool2d(torch.randn(0, 3, 4, 4), 2).shape == (0, 3, 2, 2)   # an empty batch, as F.max_pool2d
 
 
 def test_channel_sum_every_layout_and_empty():
@@ -550,6 +591,46 @@ def test_gpu_bias_relu_pool_equals_the_unfused_ops(dtype):
             tol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
             torch.testing.assert_close(gb.double(), want, rtol=tol, atol=tol * max(1.0, want.abs().max().item()),
                                        msg=what)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_gpu_max_pool2d_equals_aten(dtype):
+    """kitsune.max_pool2d's kernels against ATen's F.max_pool2d in the same dtype: output and
+    input gradient bit for bit (the same winners, the gradient summed in ATen's order), with
+    random values, many ties (small integers) and NaNs, NCHW and channels-last, in poisoned
+    memory; the output's layout is ATen's, the backward takes a gradient in another layout,
+    and the autograd graph saves one byte per output (ATen: an int64 index)."""
+    g = torch.Generator().manual_seed(29)
+    cases = [((64, 64, 32, 32), 3, 1, 1, False), ((128, 64, 16, 16), 3, 2, 1, False), ((5, 6, 9, 7), (2, 3), (2, 1), (1, 0), True),
+             ((3, 8, 6, 6), 2, None, 0, False), ((2, 4, 5, 5), 1, 1, 0, False), ((2, 12, 11, 9), 4, 3, 2, True)]
+    for (shape, k, st, pad, ceil), kind in [(c, kind) for c in cases for kind in ("random", "ties", "nan")]:
+        if kind == "ties":
+            x = torch.randint(-2, 3, shape, generator=g).to("cuda", dtype)
+        else:
+            x = _t(shape, dtype, "cuda", g)
+            if kind == "nan":
+                x.view(-1)[torch.randint(0, x.numel(), (max(1, x.numel() // 40),), generator=g).cuda()] = float("nan")
+        for layout in ("nchw", "channels_last"):
+            xl = x.contiguous(memory_format=torch.channels_last) if layout == "channels_last" else x
+            what = f"{dtype} {shape} k={k} s={st} p={pad} ceil={ceil} {kind} {layout}"
+            xa, xr = xl.clone().requires_grad_(), xl.clone().requires_grad_()
+            _poison(4 * x.numel(), "cuda")
+            saved = []
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+                out = ko.max_pool2d(xa, k, st, pad, ceil)
+            ref = F.max_pool2d(xr, k, st, pad, ceil_mode=ceil)
+            torch.testing.assert_close(out, ref, rtol=0, atol=0, equal_nan=True, msg=what)
+            assert out.stride() == ref.stride(), what
+            assert [(t.dtype, t.shape) for t in saved] == [(torch.uint8, out.shape)], what
+            for go in (torch.randn(ref.shape, generator=g).to("cuda", dtype),
+                       torch.randn(ref.shape, generator=g).to("cuda", dtype).contiguous(memory_format=torch.channels_last)):
+                _poison(4 * x.numel(), "cuda")
+                (gx,) = torch.autograd.grad(out, xa, go, retain_graph=True)
+                (rx,) = torch.autograd.grad(ref, xr, go, retain_graph=True)
+                torch.testing.assert_close(gx, rx, rtol=0, atol=0, msg=what)
+                assert gx.stride() == rx.stride(), what
 
 
 def _check_close(got, want64, theirs, dtype, what, scale=1.0):

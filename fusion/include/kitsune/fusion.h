@@ -54,6 +54,21 @@ kt_status kt_bias_relu_pool(kt_dtype t, const void *y, const void *bias, void *o
 kt_status kt_bias_relu_pool_backward(kt_dtype t, const void *grad_out, const void *y, const void *bias, void *gy,
                                      float *plane_sums, int64_t n, int64_t c, int64_t h, int64_t w, int kh, int kw,
                                      void *stream);
+/* 2-D max pooling, dilation 1: input (n, c, h, w), output (n, c, oh, ow), windows kh x kw
+ * (kh * kw <= 256) at strides (sh, sw) with padding (ph, pw) <= half the window, every
+ * window holding an input element; channels_last 0 = both NCHW-contiguous, 1 = NHWC. */
+typedef struct kt_pool2d {
+  int64_t n, c, h, w, oh, ow;
+  int kh, kw, sh, sw, ph, pw, channels_last;
+} kt_pool2d;
+/* out = the window maxima, as ATen's max_pool2d takes them (a NaN wins, the last one
+ * among several; ties go to the first in row-major window order); where (uint8, out's
+ * shape and layout) = the winner's offset a * kw + b in its window. */
+kt_status kt_max_pool2d(kt_dtype t, const void *x, void *out, uint8_t *where, const kt_pool2d *p, void *stream);
+/* grad_in = the sum over the windows an input element won of their output gradients,
+ * in fp32, window rows then columns in order; 0 for elements that won none. */
+kt_status kt_max_pool2d_backward(kt_dtype t, const void *grad_out, const uint8_t *where, void *grad_in,
+                                 const kt_pool2d *p, void *stream);
 /* grad_x[i] = grad[i] * gelu'(x[i] + bias[i % nbias]) (grad of bias = grad_x summed over rows) */
 kt_status kt_bias_gelu_backward(kt_dtype t, const void *grad, const void *x, const void *bias, void *grad_x,
                                 int64_t n, int64_t nbias, int approximate, void *stream);

@@ -3060,6 +3060,136 @@ Tensor bias_relu_pool_autograd(const Tensor& y, const Tensor& b, c10::IntArrayRe
   return BiasReluPoolFn::apply(y, b, k.vec());
 }
 
+// ---- max_pool2d: F.max_pool2d(x, kernel_size, stride, padding, ceil_mode=...), dilation 1 ----
+// On CUDA with a 4-D x NCHW- or channels-last-contiguous in fp32/fp16/bf16 and windows of
+// at most 256 elements: Kitsune's kernels (fusion/kernels/pool.cu), which save a byte per
+// output (the winner's place in its window) for a gather backward. Otherwise (the CPU,
+// 3-D input, other layouts, fake tensors) ATen's max_pool2d_with_indices and its
+// backward. Both give ATen's output, layout and gradient.
+struct MaxPoolArgs {
+  int64_t kh, kw, sh, sw, ph, pw;
+  bool ceil;
+};
+
+// ATen's pooling_output_shape: floor or ceil mode, and in ceil mode no window that
+// starts in the right padding.
+int64_t pooled_size(int64_t in, int64_t k, int64_t s, int64_t p, bool ceil) {
+  const int64_t num = in + 2 * p - (k - 1) - 1 + (ceil ? s - 1 : 0);
+  int64_t out = (num >= 0 ? num / s : -((-num + s - 1) / s)) + 1;
+  if (ceil && (out - 1) * s >= in + p) --out;
+  return out;
+}
+
+MaxPoolArgs check_max_pool2d(const Tensor& x, c10::IntArrayRef k, c10::IntArrayRef s, c10::IntArrayRef p, bool ceil) {
+  TORCH_CHECK(x.dim() == 3 || x.dim() == 4, "kitsune.max_pool2d: need x (N, C, H, W) or (C, H, W), got ", x.sizes());
+  TORCH_CHECK(at::isFloatingType(x.scalar_type()), "kitsune.max_pool2d: x must be floating point, got ",
+              x.scalar_type());
+  TORCH_CHECK(x.size(-1) > 0 && x.size(-2) > 0 && x.size(-3) > 0,
+              "kitsune.max_pool2d: x's C, H and W must be non-zero, got ", x.sizes());
+  TORCH_CHECK(k.size() == 1 || k.size() == 2, "kitsune.max_pool2d: kernel_size must be one or two ints, got ", k);
+  TORCH_CHECK(s.size() <= 2, "kitsune.max_pool2d: stride must be empty (= kernel_size), one or two ints, got ", s);
+  TORCH_CHECK(p.size() == 1 || p.size() == 2, "kitsune.max_pool2d: padding must be one or two ints, got ", p);
+  MaxPoolArgs a{k[0], k.back(), s.empty() ? k[0] : s[0], s.empty() ? k.back() : s.back(), p[0], p.back(), ceil};
+  TORCH_CHECK(a.kh >= 1 && a.kw >= 1, "kitsune.max_pool2d: kernel_size must be positive, got ", k);
+  TORCH_CHECK(a.sh >= 1 && a.sw >= 1, "kitsune.max_pool2d: stride must be positive, got ", s);
+  TORCH_CHECK(a.ph >= 0 && a.pw >= 0 && 2 * a.ph <= a.kh && 2 * a.pw <= a.kw,
+              "kitsune.max_pool2d: padding must be in 0..kernel_size / 2, got padding ", p, " for kernel_size ", k);
+  const int64_t oh = pooled_size(x.size(-2), a.kh, a.sh, a.ph, ceil),
+                ow = pooled_size(x.size(-1), a.kw, a.sw, a.pw, ceil);
+  TORCH_CHECK(oh >= 1 && ow >= 1, "kitsune.max_pool2d: the input's ", x.size(-2), " x ", x.size(-1), " (padding ", p,
+              ") is smaller than the ", a.kh, " x ", a.kw, " window");
+  return a;
+}
+
+// The kernels' memory format for x, or nullopt for ATen's path.
+std::optional<at::MemoryFormat> max_pool_format(const Tensor& x, const MaxPoolArgs& a) {
+  if (!lt_dtype_ok(x) || x.dim() != 4 || a.kh * a.kw > 256) return std::nullopt;
+  const auto f = x.suggest_memory_format();
+  if (f == at::MemoryFormat::ChannelsLast ? x.is_contiguous(f) : x.is_contiguous()) return f;
+  return std::nullopt;
+}
+
+kt_pool2d pool_geometry(const Tensor& x, const MaxPoolArgs& a, at::MemoryFormat f) {
+  return kt_pool2d{x.size(0),
+                   x.size(1),
+                   x.size(2),
+                   x.size(3),
+                   pooled_size(x.size(2), a.kh, a.sh, a.ph, a.ceil),
+                   pooled_size(x.size(3), a.kw, a.sw, a.pw, a.ceil),
+                   (int)a.kh,
+                   (int)a.kw,
+                   (int)a.sh,
+                   (int)a.sw,
+                   (int)a.ph,
+                   (int)a.pw,
+                   f == at::MemoryFormat::ChannelsLast};
+}
+
+// out, and what the backward needs: where (the kernels' bytes) or idx (ATen's indices).
+struct MaxPoolOut {
+  Tensor out, where, idx;
+  bool channels_last;
+};
+MaxPoolOut max_pool2d_impl(const Tensor& x, const MaxPoolArgs& a) {
+  const auto f = max_pool_format(x, a);
+  if (!f) {
+    auto [out, idx] = at::max_pool2d_with_indices(x, {a.kh, a.kw}, {a.sh, a.sw}, {a.ph, a.pw}, {1, 1}, a.ceil);
+    return {out, Tensor(), idx, false};
+  }
+  c10::cuda::CUDAGuard g(x.device());
+  const kt_pool2d geo = pool_geometry(x, a, *f);
+  auto opts = x.options().memory_format(*f);
+  Tensor out = at::empty({geo.n, geo.c, geo.oh, geo.ow}, opts),
+         where = at::empty({geo.n, geo.c, geo.oh, geo.ow}, opts.dtype(at::kByte));
+  check_launch(kt_max_pool2d(dtype_of(x, "max_pool2d"), x.data_ptr(), out.data_ptr(), where.data_ptr<uint8_t>(),
+                             &geo, stream_of(out)),
+               "max_pool2d");
+  return {out, where, Tensor(), geo.channels_last != 0};
+}
+Tensor max_pool2d_fwd(const Tensor& x, c10::IntArrayRef k, c10::IntArrayRef s, c10::IntArrayRef p, bool ceil) {
+  return max_pool2d_impl(x, check_max_pool2d(x, k, s, p, ceil)).out;
+}
+
+struct MaxPoolFn : torch::autograd::Function<MaxPoolFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, std::vector<int64_t> k, std::vector<int64_t> s,
+                        std::vector<int64_t> p, bool ceil) {
+    const MaxPoolArgs a = check_max_pool2d(x, k, s, p, ceil);
+    MaxPoolOut r;
+    {
+      at::AutoDispatchBelowADInplaceOrView g;
+      r = max_pool2d_impl(x, a);
+    }
+    // The kernels' backward needs x's shape and layout, not x.
+    ctx->saved_data["geo"] = std::vector<int64_t>{a.kh, a.kw, a.sh, a.sw, a.ph, a.pw, a.ceil};
+    ctx->saved_data["shape"] = x.sizes().vec();
+    ctx->saved_data["cl"] = r.channels_last;
+    ctx->save_for_backward({r.where.defined() ? Tensor() : x, r.where, r.idx});
+    return r.out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list go) {
+    auto sv = ctx->get_saved_variables();
+    auto v = ctx->saved_data["geo"].toIntVector();
+    const MaxPoolArgs a{v[0], v[1], v[2], v[3], v[4], v[5], v[6] != 0};
+    if (sv[2].defined())   // ATen's path
+      return {at::max_pool2d_with_indices_backward(go[0], sv[0], {a.kh, a.kw}, {a.sh, a.sw}, {a.ph, a.pw}, {1, 1},
+                                                   a.ceil, sv[2]),
+              Tensor(), Tensor(), Tensor(), Tensor()};
+    const Tensor& where = sv[1];
+    const auto f = ctx->saved_data["cl"].toBool() ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+    c10::cuda::CUDAGuard guard(where.device());
+    Tensor g = go[0].contiguous(f),
+           gx = at::empty(ctx->saved_data["shape"].toIntVector(), go[0].options().memory_format(f));
+    const kt_pool2d geo = pool_geometry(gx, a, f);
+    check_launch(kt_max_pool2d_backward(dtype_of(g, "max_pool2d"), g.data_ptr(), where.data_ptr<uint8_t>(),
+                                        gx.data_ptr(), &geo, stream_of(gx)),
+                 "max_pool2d backward");
+    return {gx, Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+};
+Tensor max_pool2d_autograd(const Tensor& x, c10::IntArrayRef k, c10::IntArrayRef s, c10::IntArrayRef p, bool ceil) {
+  return MaxPoolFn::apply(x, k.vec(), s.vec(), p.vec(), ceil);
+}
+
 // kitsune.channel_sum (tests and benches): the bias gradient's sum over every dim but 1,
 // in fp32 (fp64 for fp64 input).
 Tensor channel_sum_op(const Tensor& g) {
@@ -3344,6 +3474,8 @@ TORCH_LIBRARY(kitsune, m) {
   m.impl("channel_bias", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &channel_bias_fwd));
   m.def("bias_relu_pool(Tensor y, Tensor bias, int[] kernel_size) -> Tensor");
   m.impl("bias_relu_pool", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &bias_relu_pool_fwd));
+  m.def("max_pool2d(Tensor x, int[] kernel_size, int[] stride, int[] padding, bool ceil_mode) -> Tensor");
+  m.impl("max_pool2d", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &max_pool2d_fwd));
   m.def("channel_sum(Tensor g) -> Tensor");
   m.impl("channel_sum", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &channel_sum_op));
   m.impl("attention_score", torch::dispatch(c10::DispatchKey::CompositeImplicitAutograd, &attention_score));
@@ -3411,6 +3543,7 @@ TORCH_LIBRARY_IMPL(kitsune, Autograd, m) {
   m.impl("linear_act", &linear_act_autograd);
   m.impl("channel_bias", &channel_bias_autograd);
   m.impl("bias_relu_pool", &bias_relu_pool_autograd);
+  m.impl("max_pool2d", &max_pool2d_autograd);
   m.impl("cross_entropy", &cross_entropy_autograd);
   m.impl("sum_squared", &sum_squared_autograd);
   m.impl("mean_abs", &mean_abs_autograd);

@@ -18,7 +18,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from benchlib import write_result  # noqa: E402
+from benchlib import graph_us, write_result  # noqa: E402
 
 import kitsune.ops  # noqa: E402,F401 - loads the bridge (torch.ops.kitsune.*)
 
@@ -45,32 +45,6 @@ def _kitsune(x):
     return torch.ops.kitsune.channel_sum(x)   # kt_colsum over (N H W, C) rows; fp32 out
 
 
-def _graph_us(fn, xs, reps):
-    """Microseconds a call: CALLS calls captured in one graph, the replay timed."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for x in xs:
-            fn(x)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(CALLS):
-            fn(xs[i % len(xs)])
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / CALLS)
-    del graph
-    return sorted(times)[len(times) // 2]
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
@@ -94,7 +68,7 @@ def main():
             err = ((got - want).abs().max() / want.abs().max().clamp_min(1)).item()
             assert err < (1e-2 if dtype != torch.float32 else 1e-5), f"{label} {name}: error {err}"
             row[f"{name}_err"] = err
-            row[f"{name}_us"] = _graph_us(fn, xs, args.reps)
+            row[f"{name}_us"] = graph_us(fn, xs, args.reps, CALLS)
         row["kitsune_over_aten"] = row["kitsune_us"] / row["aten_us"]
         rows_out.append(row)
         print(f"{label:24s} {rows:6d} x {cols:5d} {row['dtype']:8s} aten {row['aten_us']:7.2f} us  "

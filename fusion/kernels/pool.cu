@@ -167,57 +167,64 @@ struct PoolGeo {
 template <typename T, int V> struct alignas(sizeof(T) * V) Pack { T v[V]; };
 template <int V> struct alignas(V) Bytes { uint8_t v[V]; };
 
-template <typename T, int V>
-__global__ void max_pool_fwd(const T *x, T *out, uint8_t *where, int64_t total, PoolGeo g) {
-  for (int64_t o = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; o < total; o += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t q = o % g.groups, j = (o / g.groups) % g.ow, i = (o / g.groups / g.ow) % g.oh,
-                  outer = o / g.groups / g.ow / g.oh;
-    const int64_t h0 = i * g.sh - g.ph, w0 = j * g.sw - g.pw;
-    const int a0 = h0 < 0 ? (int)-h0 : 0, a1 = h0 + g.kh > g.h ? (int)(g.h - h0) : g.kh;
-    const int b0 = w0 < 0 ? (int)-w0 : 0, b1 = w0 + g.kw > g.w ? (int)(g.w - w0) : g.kw;
-    const T *base = x + (outer * g.h * g.w) * g.cs + q * V;
+// I: the index type, 32-bit unsigned where every index fits (its divisions are a
+// fraction of 64-bit ones, and the kernels are bound by their index arithmetic), else
+// int64_t.
+template <typename T, int V, typename I>
+__global__ void max_pool_fwd(const T *x, T *out, uint8_t *where, I total, PoolGeo geo) {
+  const I groups = (I)geo.groups, ow = (I)geo.ow, oh = (I)geo.oh, w = (I)geo.w, h = (I)geo.h, cs = (I)geo.cs;
+  const int kh = geo.kh, kw = geo.kw;
+  for (I o = (I)blockIdx.x * blockDim.x + threadIdx.x; o < total; o += (I)gridDim.x * blockDim.x) {
+    const I q = o % groups, r = o / groups, j = r % ow, r2 = r / ow, i = r2 % oh, outer = r2 / oh;
+    // window corner (may lie in the padding: signed) and its rows / columns inside x
+    const int64_t h0 = (int64_t)i * geo.sh - geo.ph, w0 = (int64_t)j * geo.sw - geo.pw;
+    const int a0 = h0 < 0 ? (int)-h0 : 0, a1 = h0 + kh > (int64_t)h ? (int)(h - h0) : kh;
+    const int b0 = w0 < 0 ? (int)-w0 : 0, b1 = w0 + kw > (int64_t)w ? (int)(w - w0) : kw;
+    const T *base = x + (outer * h * w) * cs + q * V;
     float best[V];
     uint8_t who[V];
 #pragma unroll
-    for (int l = 0; l < V; l++) best[l] = -INFINITY, who[l] = (uint8_t)(a0 * g.kw + b0);
+    for (int l = 0; l < V; l++) best[l] = -INFINITY, who[l] = (uint8_t)(a0 * kw + b0);
     for (int a = a0; a < a1; a++)
       for (int b = b0; b < b1; b++) {
-        const Pack<T, V> v = *reinterpret_cast<const Pack<T, V> *>(base + ((h0 + a) * g.w + (w0 + b)) * g.cs);
+        const Pack<T, V> v = *reinterpret_cast<const Pack<T, V> *>(base + ((I)(h0 + a) * w + (I)(w0 + b)) * cs);
 #pragma unroll
         for (int l = 0; l < V; l++) {
           const float f = kt::to_f(v.v[l]);
-          if (f > best[l] || f != f) best[l] = f, who[l] = (uint8_t)(a * g.kw + b);
+          if (f > best[l] || f != f) best[l] = f, who[l] = (uint8_t)(a * kw + b);
         }
       }
-    Pack<T, V> r;
+    Pack<T, V> res;
     Bytes<V> wb;
 #pragma unroll
-    for (int l = 0; l < V; l++) r.v[l] = kt::from_f<T>(best[l]), wb.v[l] = who[l];
-    const int64_t at = ((outer * g.oh + i) * g.ow + j) * g.cs + q * V;
-    *reinterpret_cast<Pack<T, V> *>(out + at) = r;
+    for (int l = 0; l < V; l++) res.v[l] = kt::from_f<T>(best[l]), wb.v[l] = who[l];
+    const I at = r * cs + q * V;   // ((outer * oh + i) * ow + j) * cs + q * V
+    *reinterpret_cast<Pack<T, V> *>(out + at) = res;
     *reinterpret_cast<Bytes<V> *>(where + at) = wb;
   }
 }
 
 // Input element (ih, iw) lies in the windows of outputs [i0, i1) x [j0, j1) (ATen's
 // p_start / p_end); it takes the gradient of those whose winner it is.
-template <typename T, int V>
-__global__ void max_pool_bwd(const T *g_out, const uint8_t *where, T *g_in, int64_t total, PoolGeo g) {
-  for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t q = e % g.groups, iw = (e / g.groups) % g.w, ih = (e / g.groups / g.w) % g.h,
-                  outer = e / g.groups / g.w / g.h;
-    const int64_t i0 = ih + g.ph < g.kh ? 0 : (ih + g.ph - g.kh) / g.sh + 1,
-                  i1 = (ih + g.ph) / g.sh + 1 < g.oh ? (ih + g.ph) / g.sh + 1 : g.oh;
-    const int64_t j0 = iw + g.pw < g.kw ? 0 : (iw + g.pw - g.kw) / g.sw + 1,
-                  j1 = (iw + g.pw) / g.sw + 1 < g.ow ? (iw + g.pw) / g.sw + 1 : g.ow;
+template <typename T, int V, typename I>
+__global__ void max_pool_bwd(const T *g_out, const uint8_t *where, T *g_in, I total, PoolGeo geo) {
+  const I groups = (I)geo.groups, ow = (I)geo.ow, oh = (I)geo.oh, w = (I)geo.w, h = (I)geo.h, cs = (I)geo.cs;
+  const I kh = (I)geo.kh, kw = (I)geo.kw, sh = (I)geo.sh, sw = (I)geo.sw, ph = (I)geo.ph, pw = (I)geo.pw;
+  for (I e = (I)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (I)gridDim.x * blockDim.x) {
+    const I q = e % groups, r = e / groups, iw = r % w, r2 = r / w, ih = r2 % h, outer = r2 / h;
+    const I hp = ih + ph, wp = iw + pw;   // in padded coordinates: no negative values
+    const I i0 = hp < kh ? 0 : (sh == 1 ? hp - kh + 1 : (hp - kh) / sh + 1),
+            i1 = min((sh == 1 ? hp : hp / sh) + 1, oh);
+    const I j0 = wp < kw ? 0 : (sw == 1 ? wp - kw + 1 : (wp - kw) / sw + 1),
+            j1 = min((sw == 1 ? wp : wp / sw) + 1, ow);
     float acc[V];
 #pragma unroll
     for (int l = 0; l < V; l++) acc[l] = 0.f;
-    const int64_t plane = outer * g.oh * g.ow;
-    for (int64_t i = i0; i < i1; i++)
-      for (int64_t j = j0; j < j1; j++) {
-        const uint8_t mine = (uint8_t)((ih - (i * g.sh - g.ph)) * g.kw + (iw - (j * g.sw - g.pw)));
-        const int64_t at = ((plane + i * g.ow + j) * g.cs) + q * V;
+    const I plane = outer * oh;
+    for (I i = i0; i < i1; i++)
+      for (I j = j0; j < j1; j++) {
+        const uint8_t mine = (uint8_t)((hp - i * sh) * kw + (wp - j * sw));
+        const I at = ((plane + i) * ow + j) * cs + q * V;
         const Bytes<V> wb = *reinterpret_cast<const Bytes<V> *>(where + at);
         bool any = false;
 #pragma unroll
@@ -228,10 +235,10 @@ __global__ void max_pool_bwd(const T *g_out, const uint8_t *where, T *g_in, int6
         for (int l = 0; l < V; l++)
           if (wb.v[l] == mine) acc[l] += kt::to_f(gv.v[l]);
       }
-    Pack<T, V> r;
+    Pack<T, V> res;
 #pragma unroll
-    for (int l = 0; l < V; l++) r.v[l] = kt::from_f<T>(acc[l]);
-    *reinterpret_cast<Pack<T, V> *>(g_in + ((outer * g.h + ih) * g.w + iw) * g.cs + q * V) = r;
+    for (int l = 0; l < V; l++) res.v[l] = kt::from_f<T>(acc[l]);
+    *reinterpret_cast<Pack<T, V> *>(g_in + r * cs + q * V) = res;   // ((outer * h + ih) * w + iw) * cs + q * V
   }
 }
 
@@ -246,31 +253,35 @@ bool max_pool_args_ok(const kt_pool2d *p) {
          (p->oh - 1) * p->sh - p->ph + p->kh > 0 && (p->ow - 1) * p->sw - p->pw + p->kw > 0;
 }
 
+template <typename T, int V, typename I>
+void max_pool_launch(bool backward, const void *a, const void *b, void *c, I total, const PoolGeo &g,
+                     cudaStream_t s) {
+  const int threads = 256;
+  const int64_t blocks = ((int64_t)total + threads - 1) / threads;
+  const unsigned grid = (unsigned)(blocks < 65535 * 32 ? blocks : 65535 * 32);
+  if (backward)
+    max_pool_bwd<T, V, I><<<grid, threads, 0, s>>>((const T *)a, (const uint8_t *)b, (T *)c, total, g);
+  else
+    max_pool_fwd<T, V, I><<<grid, threads, 0, s>>>((const T *)a, (T *)b, (uint8_t *)c, total, g);
+}
+
 // Four channels a thread where channels are last and come in fours (aligned pointers),
 // else one.
 template <typename T>
-kt_status max_pool_run(bool backward, const void *a, const void *b, void *c_, const kt_pool2d *p, cudaStream_t s) {
+kt_status max_pool_run(bool backward, const void *a, const void *b, void *c, const kt_pool2d *p, cudaStream_t s) {
   const bool cl = p->channels_last != 0;
-  const bool vec = cl && p->c % 4 == 0 && !((uintptr_t)a & 15) && !((uintptr_t)b & 15) && !((uintptr_t)c_ & 15);
+  const bool vec = cl && p->c % 4 == 0 && !((uintptr_t)a & 15) && !((uintptr_t)b & 15) && !((uintptr_t)c & 15);
   const int V = vec ? 4 : 1;
-  PoolGeo g{p->h, p->w, p->oh, p->ow, cl ? p->c : 1, cl ? p->c / V : 1, p->kh, p->kw, p->sh, p->sw, p->ph, p->pw};
-  const int64_t pixels = backward ? p->h * p->w : p->oh * p->ow;
-  const int64_t total = p->n * p->c / V * pixels;
+  const PoolGeo g{p->h, p->w, p->oh, p->ow, cl ? p->c : 1, cl ? p->c / V : 1,
+                  p->kh, p->kw, p->sh, p->sw, p->ph, p->pw};
+  const int64_t total = p->n * p->c / V * (backward ? p->h * p->w : p->oh * p->ow);
   if (total == 0) return KT_OK;
-  const int threads = 256;
-  const int64_t blocks = (total + threads - 1) / threads;
-  const unsigned grid = (unsigned)(blocks < 65535 * 32 ? blocks : 65535 * 32);
-  if (!backward) {
-    if (vec)
-      max_pool_fwd<T, 4><<<grid, threads, 0, s>>>((const T *)a, (T *)b, (uint8_t *)c_, total, g);
-    else
-      max_pool_fwd<T, 1><<<grid, threads, 0, s>>>((const T *)a, (T *)b, (uint8_t *)c_, total, g);
-  } else {
-    if (vec)
-      max_pool_bwd<T, 4><<<grid, threads, 0, s>>>((const T *)a, (const uint8_t *)b, (T *)c_, total, g);
-    else
-      max_pool_bwd<T, 1><<<grid, threads, 0, s>>>((const T *)a, (const uint8_t *)b, (T *)c_, total, g);
-  }
+  // every element index, and the thread loop's last step past it, below 2^32
+  const bool small = p->n * p->c * (p->h * p->w > p->oh * p->ow ? p->h * p->w : p->oh * p->ow) < (1ll << 31);
+  if (vec && small) max_pool_launch<T, 4, uint32_t>(backward, a, b, c, (uint32_t)total, g, s);
+  else if (vec) max_pool_launch<T, 4, int64_t>(backward, a, b, c, total, g, s);
+  else if (small) max_pool_launch<T, 1, uint32_t>(backward, a, b, c, (uint32_t)total, g, s);
+  else max_pool_launch<T, 1, int64_t>(backward, a, b, c, total, g, s);
   return kt::status_of(cudaGetLastError());
 }
 

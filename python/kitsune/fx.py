@@ -41,6 +41,9 @@ Patterns (each intermediate must have no other user, so nothing observable is lo
                               non-overlapping k windows: stride k or None, no padding or
                               dilation, floor mode, no indices; F.max_pool2d,
                               torch.max_pool2d or nn.MaxPool2d)
+  cat([channel_bias(y_i, b_i)], 1) -> kitsune.bias_cat([y_i], [b_i]) (each part a Conv2d's bias,
+                              as above, used only by a torch.cat over dim 1: an Inception
+                              block's branches)
   max_pool2d(x), any other  -> kitsune.max_pool2d(x, k, stride, padding, ceil_mode) (dilation 1,
                               no indices; optimize only, not the torch.compile backend, where
                               Inductor fuses the pooling with its neighbours): a byte per
@@ -581,6 +584,35 @@ def _rewrite_conv_bias(gm, g, node, conv, where, report):
         g.erase_node(n)
 
 
+def _rewrite_bias_cat(g, node, where, report):
+    """torch.cat over dim 1 of convolutions' channel_bias(y, b, "none") (an Inception block's
+    branches, after _rewrite_conv_bias) -> kitsune.bias_cat([y...], [b...])."""
+    from . import ops as ko
+    if node.op != "call_function" or node.target not in (torch.cat, torch.concat, torch.concatenate):
+        return False
+    names = ("tensors", "dim")
+    a = {"dim": 0}
+    a.update(zip(names, node.args))
+    a.update({("dim" if k == "axis" else k): v for k, v in node.kwargs.items()})
+    parts = a.get("tensors")
+    if a["dim"] != 1 or not isinstance(parts, (list, tuple)) or not parts:
+        return False
+    if not all(isinstance(p, tfx.Node) and p.op == "call_function" and p.target is ko.channel_bias
+               and len(p.args) == 3 and not p.kwargs and p.args[2] == "none" for p in parts):
+        return False
+    if any(set(p.users) != {node} for p in parts):
+        report.left.append((where, "cat(conv2d biases): a part is also used elsewhere"))
+        return False
+    report.fused.append((where, f"cat(conv2d biases) -> bias_cat ({node.name}, {len(parts)} parts)"))
+    with g.inserting_before(node):
+        new = g.call_function(ko.bias_cat, ([p.args[0] for p in parts], [p.args[1] for p in parts]))
+    node.replace_all_uses_with(new)
+    g.erase_node(node)
+    for p in dict.fromkeys(parts):
+        g.erase_node(p)
+    return True
+
+
 def _fuse_pair(g, node, inner, where, report, pattern, op, make):
     """Replaces node(inner(...)) by the node make() inserts, when inner has no other user."""
     if len(inner.users) != 1:
@@ -677,6 +709,8 @@ def _rewrite(gm, report, prefix, linear_bias=True, max_pool=True):
             _rewrite_conv_bias(gm, g, node, conv, where, report)
             continue
         if max_pool and _rewrite_max_pool(gm, g, node, where, report):
+            continue
+        if _rewrite_bias_cat(g, node, where, report):
             continue
         act = _act(gm, node)
         # ---- relu(a + b), tanh(a * b), gelu(x + bias), gelu(linear(x)) ----

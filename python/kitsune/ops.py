@@ -41,6 +41,9 @@ Ops (reference semantics):
                                             backward sums the bias gradient in two stages
   bias_relu_pool(y, bias, kernel_size)      F.max_pool2d(relu(y + bias over dim 1), kernel_size):
                                             non-overlapping windows; one kernel each way on CUDA
+  bias_cat(xs, biases)                      torch.cat([x + bias over dim 1 for each part], 1):
+                                            one kernel each way on CUDA; the backward gives
+                                            dense part gradients and the bias sums
   max_pool2d(x, kernel_size, stride, padding, ceil_mode)
                                             F.max_pool2d (dilation 1, no indices): one kernel
                                             each way on CUDA, a byte per output saved
@@ -245,6 +248,11 @@ def _(x, kernel_size, stride, padding, ceil_mode):
     return torch.ops.aten.max_pool2d_with_indices.default(x, kernel_size, stride, padding, [1, 1], ceil_mode)[0]
 
 
+@torch.library.register_fake("kitsune::bias_cat")
+def _(xs, biases):
+    return torch.cat(list(xs), 1)
+
+
 @torch.library.register_fake("kitsune::channel_sum")
 def _(g):
     return g.new_empty((g.shape[1],), dtype=torch.float64 if g.dtype == torch.float64 else torch.float32)
@@ -412,6 +420,16 @@ def bias_relu_pool(y, bias, kernel_size):
     included."""
     k = [kernel_size, kernel_size] if isinstance(kernel_size, int) else list(kernel_size)
     return _lib.bias_relu_pool(y, bias, k)
+
+
+def bias_cat(xs, biases):
+    """torch.cat([x + b.view(1, -1, 1, 1) for x, b in zip(xs, biases)], 1) for parts x (N, C_i,
+    H, W) and biases (C_i,): an Inception block's branch convolutions' biases and their
+    concatenation, as kitsune.optimize takes them together. On CUDA (at most 8 parts
+    sharing one layout, NCHW or channels-last) one kernel forward, and backward one kernel
+    that writes each part's gradient dense (cuDNN copies a channel slice) and sums the bias
+    gradients, plus their final column sum; equal to the unfused ops."""
+    return _lib.bias_cat(list(xs), list(biases))
 
 
 def max_pool2d(x, kernel_size, stride=None, padding=0, ceil_mode=False):

@@ -470,6 +470,30 @@ def test_max_poolings_become_kitsune_max_pool2d():
     assert not kitsune.fx.last_compile_report.fused, kitsune.fx.last_compile_report
 
 
+class Branches(nn.Module):
+    """An Inception block, then a concatenation one of whose parts is used elsewhere."""
+    def __init__(self):
+        super().__init__()
+        from kitsune.sched import Inception
+        self.block, self.p, self.q = Inception(8), nn.Conv2d(32, 4, 1), nn.Conv2d(32, 4, 3, padding=1)
+
+    def forward(self, x):
+        y = self.block(x)
+        p = self.p(y)
+        return torch.cat((p, self.q(y)), dim=1) + p.sum()
+
+
+def test_inception_branch_biases_and_cat_become_bias_cat():
+    torch.manual_seed(15)
+    m = Branches().double()
+    rep = kitsune.fx.Report()
+    opt = kitsune.optimize(m, report=rep)
+    assert _kinds(rep).count("bias_cat") == 1, rep
+    assert "cat(conv2d biases): a part is also used elsewhere" in str(rep), rep
+    assert sum(n.target is kitsune.ops.bias_cat for n in opt.graph.nodes) == 1
+    _same_outputs_and_grads(opt, m, torch.randn(2, 8, 9, 7, dtype=torch.float64))
+
+
 class HandAttention(nn.Module):
     """Attention written out by hand, as before scaled_dot_product_attention."""
     def __init__(self, d=32, h=4):

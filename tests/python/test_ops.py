@@ -192,6 +192,23 @@ def _channel_inputs(shape, dtype, device, gen, channels_last=False):
     return [y, _t((shape[1],), dtype, device, gen)], []
 
 
+def _cat_inputs(shape, dtype, device, gen, channels_last=False):
+    """shape (N, H, W, C_0, C_1, ...): the parts (N, C_i, H, W), then their biases."""
+    n, h, w, *cs = shape
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    xs = [_t((n, c, h, w), dtype, device, gen).contiguous(memory_format=fmt) for c in cs]
+    return xs + [_t((c,), dtype, device, gen) for c in cs], []
+
+
+def _bias_cat(*t):
+    return ko.bias_cat(t[:len(t) // 2], t[len(t) // 2:])
+
+
+def _bias_cat_ref(*t):
+    k = len(t) // 2
+    return torch.cat([x + _per_channel(b, x) for x, b in zip(t[:k], t[k:])], 1)
+
+
 OPS2 = {
     "layer_norm_relu": (lambda x, w, b: ko.layer_norm_relu(x, x.shape[-1], w, b),
                         lambda x, w, b: F.relu(F.layer_norm(x, (x.shape[-1],), w, b)), _norm_inputs,
@@ -268,6 +285,11 @@ OPS2 = {
     "bias_relu_pool_3x2": (lambda y, b: ko.bias_relu_pool(y, b, (3, 2)),
                            lambda y, b: F.max_pool2d(F.relu(y + _per_channel(b, y)), (3, 2)),
                            _channel_inputs, [(2, 3, 7, 5), (8, 5, 9, 8)]),
+    # (N, H, W, C_0, C_1, ...): the Inception net's blocks; one part; channel counts that are
+    # not multiples of 4 (a channel a thread)
+    "bias_cat": (_bias_cat, _bias_cat_ref, _cat_inputs, [(2, 3, 4, 2, 3, 1), (2, 5, 3, 4), (64, 32, 32, 64, 64, 64, 64)]),
+    "bias_cat_cl": (_bias_cat, _bias_cat_ref, lambda shape, dtype, device, gen: _cat_inputs(shape, dtype, device, gen, True),
+                    [(2, 3, 4, 4, 8), (2, 3, 5, 3, 2, 5), (64, 32, 32, 64, 64, 64, 64), (64, 16, 16, 64, 64, 64, 64)]),
     # the Inception net's 3 x 3 / 1 / 1 (NCHW, channels-last) and ResNet's stem 3 x 3 / 2 / 1;
     # a 2 x 3 window at stride (2, 1) with padding (1, 0) in ceil mode; a 1 x 1 window
     "max_pool2d": (lambda x: ko.max_pool2d(x, 3, 1, 1), lambda x: F.max_pool2d(x, 3, 1, 1),
@@ -336,6 +358,8 @@ def test_opcheck_more(name):
         "channel_bias_relu_cl": ("channel_bias", lambda: (ts[0], ts[1], "relu")),
         "bias_relu_pool": ("bias_relu_pool", lambda: (ts[0], ts[1], [2, 2])),
         "bias_relu_pool_3x2": ("bias_relu_pool", lambda: (ts[0], ts[1], [3, 2])),
+        "bias_cat": ("bias_cat", lambda: (ts[:len(ts) // 2], ts[len(ts) // 2:])),
+        "bias_cat_cl": ("bias_cat", lambda: (ts[:len(ts) // 2], ts[len(ts) // 2:])),
         "max_pool2d": ("max_pool2d", lambda: (ts[0], [3, 3], [1, 1], [1, 1], False)),
         "max_pool2d_cl": ("max_pool2d", lambda: (ts[0], [3, 3], [1, 1], [1, 1], False)),
         "max_pool2d_stem": ("max_pool2d", lambda: (ts[0], [3, 3], [2, 2], [1, 1], False)),
@@ -430,6 +454,16 @@ def test_more_bad_inputs_name_the_problem():
     with pytest.raises(RuntimeError, match="C, H and W must be non-zero"):
         ko.max_pool2d(torch.randn(2, 0, 4, 4), 2)
     assert ko.max_pool2d(torch.randn(0, 3, 4, 4), 2).shape == (0, 3, 2, 2)   # an empty batch, as F.max_pool2d
+    with pytest.raises(RuntimeError, match="need as many biases as parts .at least one., got 2 parts and 1 biases"):
+        ko.bias_cat([x, x], [torch.randn(3)])
+    with pytest.raises(RuntimeError, match=r"part 1: need x \(N, C, H, W\) and bias \(C,\); got \[2, 3, 4, 4\] and \[2\]"):
+        ko.bias_cat([x, x], [torch.randn(3), torch.randn(2)])
+    with pytest.raises(RuntimeError, match=r"part 1 is \[2, 3, 4, 5\] but part 0 is \[2, 3, 4, 4\] .only dim 1 may differ."):
+        ko.bias_cat([x, torch.randn(2, 3, 4, 5)], [torch.randn(3), torch.randn(3)])
+    with pytest.raises(RuntimeError, match="part 0 is Float but part 1 is Double"):
+        ko.bias_cat([x, x.double()], [torch.randn(3), torch.randn(3, dtype=torch.float64)])
+    with pytest.raises(RuntimeError, match="a part is Float but its bias is Double"):
+        ko.bias_cat([x], [torch.randn(3, dtype=torch.float64)])
 
 
 def test_channel_sum_every_layout_and_empty():
@@ -631,6 +665,53 @@ def test_gpu_max_pool2d_equals_aten(dtype):
                 (rx,) = torch.autograd.grad(ref, xr, go, retain_graph=True)
                 torch.testing.assert_close(gx, rx, rtol=0, atol=0, msg=what)
                 assert gx.stride() == rx.stride(), what
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_gpu_bias_cat_equals_the_unfused_ops(dtype):
+    """bias_cat's kernels against torch.cat([x + b]) in the same dtype: the output bit for
+    bit, each part's gradient equal to its channels of the incoming gradient and dense in
+    the parts' layout (cuDNN copies a slice), the bias gradients within fp32 rounding of
+    the float64 sums; with a dense gradient, one in the other layout and a broadcast one
+    (a mean over H, W after the cat); NCHW, channels-last, channel counts not multiples of
+    4, and in poisoned memory. Mixed layouts and 9 parts take ATen's path and agree too."""
+    g = torch.Generator().manual_seed(31)
+    cases = [((64, 32, 32), (64, 64, 64, 64), "cl"), ((64, 32, 32), (64, 64, 64, 64), "nchw"),
+             ((3, 5, 7), (4, 3, 1, 8), "cl"), ((3, 5, 7), (4, 3, 1, 8), "nchw"), ((2, 1, 1), (8, 4), "cl"),
+             ((2, 3, 3), (2, 2), "mixed"), ((2, 4, 4), (1,) * 9, "cl")]
+    tol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+    for (n, h, w), cs, layout in cases:
+        fmts = [torch.channels_last if layout == "cl" or (layout == "mixed" and i % 2) else torch.contiguous_format
+                for i in range(len(cs))]
+        xs = [_t((n, c, h, w), dtype, "cuda", g).contiguous(memory_format=f) for c, f in zip(cs, fmts)]
+        bs = [_t((c,), dtype, "cuda", g) for c in cs]
+        what = f"{dtype} {(n, h, w)} {cs} {layout}"
+        xa = [x.clone().requires_grad_() for x in xs]
+        ba = [b.clone().requires_grad_() for b in bs]
+        xr = [x.clone().requires_grad_() for x in xs]
+        br = [b.clone().requires_grad_() for b in bs]
+        _poison(4 * n * sum(cs) * h * w, "cuda")
+        out = ko.bias_cat(xa, ba)
+        ref = torch.cat([x + b.view(1, -1, 1, 1) for x, b in zip(xr, br)], 1)
+        torch.testing.assert_close(out, ref, rtol=0, atol=0, msg=what)
+        assert out.stride() == ref.stride(), what
+        gd = torch.randn(ref.shape, generator=g).to("cuda", dtype)
+        for go, kind in ((gd, "dense"), (gd.contiguous(memory_format=torch.channels_last), "cl grad"),
+                         (torch.randn(n, sum(cs), 1, 1, generator=g).to("cuda", dtype).expand_as(ref), "broadcast")):
+            _poison(4 * n * sum(cs) * h * w, "cuda")
+            got = torch.autograd.grad(out, xa + ba, go, retain_graph=True)
+            want = torch.autograd.grad(ref, xr + br, go, retain_graph=True)
+            k = len(cs)
+            for i in range(k):
+                torch.testing.assert_close(got[i], want[i], rtol=0, atol=0, msg=f"{what} {kind} part {i}")
+                if layout != "mixed" and len(cs) <= 8:
+                    assert got[i].is_contiguous(memory_format=fmts[i]), f"{what} {kind} part {i} {got[i].stride()}"
+                w64 = want[i].double().sum((0, 2, 3))
+                torch.testing.assert_close(got[k + i].double(), w64, rtol=tol,
+                                           atol=tol * max(1.0, w64.abs().max().item()), msg=f"{what} {kind} bias {i}")
+                assert got[k + i].dtype == dtype, what
 
 
 def _check_close(got, want64, theirs, dtype, what, scale=1.0):

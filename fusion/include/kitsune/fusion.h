@@ -69,6 +69,28 @@ kt_status kt_max_pool2d(kt_dtype t, const void *x, void *out, uint8_t *where, co
  * in fp32, window rows then columns in order; 0 for elements that won none. */
 kt_status kt_max_pool2d_backward(kt_dtype t, const void *grad_out, const uint8_t *where, void *grad_in,
                                  const kt_pool2d *p, void *stream);
+/* kitsune.bias_cat: parts i < k of (n, c[i], h, w), all NCHW-contiguous (channels_last =
+ * 0) or all channels-last (1), concatenated over dim 1 at channel offsets off[i]
+ * (off[0] = 0, off[i + 1] = off[i] + c[i]; off[k] = the total). */
+#define KT_CAT_MAX 8
+typedef struct kt_cat_parts {
+  int k;
+  void *data[KT_CAT_MAX];       /* the parts: read by the forward, written by the backward */
+  const void *bias[KT_CAT_MAX]; /* c[i] elements each (the forward's) */
+  int64_t c[KT_CAT_MAX], off[KT_CAT_MAX + 1];
+  int64_t n, h, w;
+  int channels_last;
+} kt_cat_parts;
+/* out (n, off[k], h, w), the parts' layout: out[:, off[i] + j] = data[i][:, j] + bias[i][j]. */
+kt_status kt_bias_cat(kt_dtype t, const kt_cat_parts *parts, void *out, void *stream);
+/* The backward: data[i] (dense, the parts' layout) = grad[:, off[i] : off[i] + c[i]], where
+ * grad (n, off[k], h, w) has element strides grad_strides (any, broadcast ones too); and
+ * partial = fp32 partial sums of grad over n, h, w: (kt_bias_cat_partials(parts), off[k]),
+ * whose column sums (kt_colsum) are the bias gradients. kt_bias_cat_partials is -1 for
+ * invalid parts. */
+kt_status kt_bias_cat_backward(kt_dtype t, const void *grad, const int64_t grad_strides[4],
+                               const kt_cat_parts *parts, float *partial, void *stream);
+int64_t kt_bias_cat_partials(const kt_cat_parts *parts);
 /* grad_x[i] = grad[i] * gelu'(x[i] + bias[i % nbias]) (grad of bias = grad_x summed over rows) */
 kt_status kt_bias_gelu_backward(kt_dtype t, const void *grad, const void *x, const void *bias, void *grad_x,
                                 int64_t n, int64_t nbias, int approximate, void *stream);

@@ -203,12 +203,15 @@ def test_gpu_compile_step_spreads_a_branchy_net_and_trains_as_on_one_stream():
     batches = [(torch.randn(16, 3, 16, 16, device="cuda"), torch.randint(0, 10, (16,), device="cuda"))
                for _ in range(4)]
     losses = {}
-    for streams in (4, 1):
-        m = copy.deepcopy(base)
+    for streams, optimized in ((4, False), (1, False), (4, True)):
+        # optimized: the branches' biases and cat in kitsune.bias_cat, the pooling in kitsune.max_pool2d
+        m = kitsune.optimize(copy.deepcopy(base)) if optimized else copy.deepcopy(base)
         step = kitsune.compile_step(m, nn.functional.cross_entropy, torch.optim.AdamW(m.parameters(), lr=1e-3),
                                     streams=streams)
-        losses[streams] = torch.stack([step(*batches[i % 4]) for i in range(20)]).cpu()
+        losses[streams, optimized] = torch.stack([step(*batches[i % 4]) for i in range(20)]).cpu()
         st = step.stats()
         assert st["reason"] is None and st["replays"] == 19, st
         assert (st["streams"] > 1) == (streams > 1), st
-    torch.testing.assert_close(losses[4], losses[1], rtol=1e-4, atol=1e-5)
+    assert {n.target for n in m.graph.nodes} >= {kitsune.ops.bias_cat, kitsune.ops.max_pool2d}
+    torch.testing.assert_close(losses[4, False], losses[1, False], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(losses[4, True], losses[1, False], rtol=1e-4, atol=1e-5)

@@ -45,11 +45,11 @@ def cuda_ms(fn, reps, before=None):
     return statistics.median(times)
 
 
-def graph_us(fn, xs, reps, calls=50):
+def graph_us(fn, xs, reps, calls=50, reset=None):
     """Microseconds a call of fn: calls calls, rotating over the inputs xs, captured in one
-    CUDA graph (after a warm-up on a side stream) and its replay timed with CUDA events,
-    median of reps replays. L2 is not flushed: as inside a training step's graph, an
-    input is what a kernel has just written."""
+    CUDA graph (after a warm-up on a side stream, then reset() if given) and its replay
+    timed with CUDA events, median of reps replays. L2 is not flushed: as inside a
+    training step's graph, an input is what a kernel has just written."""
     import torch
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -57,6 +57,8 @@ def graph_us(fn, xs, reps, calls=50):
         for x in xs:
             fn(x)
     torch.cuda.current_stream().wait_stream(side)
+    if reset is not None:
+        reset()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for i in range(calls):

@@ -29,8 +29,10 @@ if [[ $parts == *" test "* ]]; then
   echo "== gpu-test =="; time make gpu-test 2>&1 | grep -vE "^\[----\] *$|^\[RUN \]|^\[PASS\]"
 fi
 if [[ $parts == *" pytest "* ]]; then
-  echo "== gpu pytest (${KT_PYTEST_ARGS:-all}) =="; time KITSUNE_REQUIRE_GPU=1 KITSUNE_LIBRARY=$PWD/build/libkitsune.so \
-    PYTHONPATH=$PWD/python python3 -m pytest -q -rfEs ${KT_PYTEST_ARGS:-tests/python} 2>&1 | tee "$OUT/pytest.log" | tail -40
+  # eval: KT_PYTEST_ARGS may quote, e.g. -k 'a or b'
+  echo "== gpu pytest (${KT_PYTEST_ARGS:-all}) =="; time eval "KITSUNE_REQUIRE_GPU=1 \
+    KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python python3 -m pytest -q -rfEs \
+    ${KT_PYTEST_ARGS:-tests/python}" 2>&1 | tee "$OUT/pytest.log" | tail -40
 fi
 if [[ $parts == *" bench "* ]]; then
   echo "== bench =="; BENCH_OUT="$OUT" BENCH_TRACE="$OUT/random_10k_4mib.csv" make bench

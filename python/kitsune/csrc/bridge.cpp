@@ -2959,17 +2959,7 @@ struct ChannelBiasFn : torch::autograd::Function<ChannelBiasFn> {
   }
   static variable_list backward(AutogradContext* ctx, variable_list go) {
     Tensor g = go[0];
-    if (ctx->saved_data["relu"].toBool()) {
-      const Tensor out = ctx->get_saved_variables()[0];
-      // channels last in memory, g in the same dense rows: ReLU's mask and the bias sum in
-      // one pass (kt_relu_grad_colsum; a NaN output passes no gradient, as add_relu's)
-      Tensor rows = lt_dtype_ok(g) && out.dim() == 4 && g.strides() == out.strides() ? channel_rows(out) : Tensor();
-      if (rows.defined() && rows.is_contiguous() && rows.numel() > 0) {
-        auto [gx, gb] = relu_grad_colsum(channel_rows(g), rows, g.scalar_type());
-        return {gx.as_strided(out.sizes(), out.strides()), gb, Tensor()};
-      }
-      g = at::threshold_backward(g, out, 0);
-    }
+    if (ctx->saved_data["relu"].toBool()) g = at::threshold_backward(g, ctx->get_saved_variables()[0], 0);
     return {g, channel_sum(g, g.scalar_type()), Tensor()};
   }
 };

@@ -587,6 +587,18 @@ def test_gpu_column_sums_exact_on_integers(dtype):
         check(v, f"{dtype} {what} {tuple(v.shape)} {v.stride()}")
 
 
+def _window_values(shape, dtype, gen, kind, ties):
+    """Pooling inputs on the GPU: "random" normal values; "ties" small integers in
+    [ties[0], ties[1]) (many equal values in a window, exact sums); "nan" normal values
+    with one element in 50 NaN."""
+    if kind == "ties":
+        return torch.randint(*ties, shape, generator=gen).to("cuda", dtype)
+    x = _t(shape, dtype, "cuda", gen)
+    if kind == "nan":
+        x.view(-1)[torch.randint(0, x.numel(), (max(1, x.numel() // 50),), generator=gen).cuda()] = float("nan")
+    return x
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -600,13 +612,9 @@ def test_gpu_bias_relu_pool_equals_the_unfused_ops(dtype):
     g = torch.Generator().manual_seed(23)
     cases = [((64, 6, 28, 28), 2), ((64, 16, 10, 10), 2), ((5, 3, 9, 7), (3, 2)), ((2, 4, 6, 6), 3), ((1, 1, 2, 2), 2)]
     for (shape, k), kind in [(c, kind) for c in cases for kind in ("random", "ties", "nan")]:
-        if kind == "ties":   # small integers: many equal values in a window, exact sums
-            y = torch.randint(-3, 4, shape, generator=g).to("cuda", dtype)
-            b = torch.randint(-1, 2, (shape[1],), generator=g).to("cuda", dtype)
-        else:
-            y, b = _t(shape, dtype, "cuda", g), _t((shape[1],), dtype, "cuda", g)
-            if kind == "nan":
-                y.view(-1)[torch.randint(0, y.numel(), (max(1, y.numel() // 50),), generator=g).cuda()] = float("nan")
+        y = _window_values(shape, dtype, g, kind, (-3, 4))
+        b = (torch.randint(-1, 2, (shape[1],), generator=g).to("cuda", dtype) if kind == "ties" else
+             _t((shape[1],), dtype, "cuda", g))
         for layout in ("nchw", "channels_last"):
             yl = y.contiguous(memory_format=torch.channels_last) if layout == "channels_last" else y
             what = f"{dtype} {shape} k={k} {kind} {layout}"
@@ -640,12 +648,7 @@ def test_gpu_max_pool2d_equals_aten(dtype):
     cases = [((64, 64, 32, 32), 3, 1, 1, False), ((128, 64, 16, 16), 3, 2, 1, False), ((5, 6, 9, 7), (2, 3), (2, 1), (1, 0), True),
              ((3, 8, 6, 6), 2, None, 0, False), ((2, 4, 5, 5), 1, 1, 0, False), ((2, 12, 11, 9), 4, 3, 2, True)]
     for (shape, k, st, pad, ceil), kind in [(c, kind) for c in cases for kind in ("random", "ties", "nan")]:
-        if kind == "ties":
-            x = torch.randint(-2, 3, shape, generator=g).to("cuda", dtype)
-        else:
-            x = _t(shape, dtype, "cuda", g)
-            if kind == "nan":
-                x.view(-1)[torch.randint(0, x.numel(), (max(1, x.numel() // 40),), generator=g).cuda()] = float("nan")
+        x = _window_values(shape, dtype, g, kind, (-2, 3))
         for layout in ("nchw", "channels_last"):
             xl = x.contiguous(memory_format=torch.channels_last) if layout == "channels_last" else x
             what = f"{dtype} {shape} k={k} s={st} p={pad} ceil={ceil} {kind} {layout}"

@@ -41,9 +41,9 @@ Patterns (each intermediate must have no other user, so nothing observable is lo
                               non-overlapping k windows: stride k or None, no padding or
                               dilation, floor mode, no indices; F.max_pool2d,
                               torch.max_pool2d or nn.MaxPool2d)
-  cat([channel_bias(y_i, b_i)], 1) -> kitsune.bias_cat([y_i], [b_i]) (each part a Conv2d's bias,
-                              as above, used only by a torch.cat over dim 1: an Inception
-                              block's branches)
+  cat([channel_bias(y_i, b_i)], d) -> kitsune.bias_cat([y_i], [b_i], d) (each part a Conv2d's
+                              bias, as above, used only by the torch.cat: an Inception block's
+                              branches; one kernel over the channels of batched parts)
   max_pool2d(x), any other  -> kitsune.max_pool2d(x, k, stride, padding, ceil_mode) (dilation 1,
                               no indices; optimize only, not the torch.compile backend, where
                               Inductor fuses the pooling with its neighbours): a byte per
@@ -548,11 +548,29 @@ def _rewrite_max_pool(gm, g, node, where, report):
     return True
 
 
+# A Conv2d's output is (N, C, H, W), or (C, H, W) for an unbatched input, while
+# channel_bias and bias_relu_pool read (N, C, ...): the rewrites call them on a 4-D view.
+# No Python branch on the rank, so an optimized module still traces (torch.fx).
+_ONE_BATCH = torch.Size([-1])
+
+
+def _conv_bias(y, b, act):
+    """kitsune.channel_bias over a Conv2d output's channels (dim -3), batched or not."""
+    from . import ops as ko
+    return ko.channel_bias(y.view(_ONE_BATCH + y.shape[-3:]), b, act).view(y.shape)
+
+
+def _conv_bias_relu_pool(y, b, k):
+    """kitsune.bias_relu_pool over a Conv2d output's channels (dim -3), batched or not."""
+    from . import ops as ko
+    out = ko.bias_relu_pool(y.view(_ONE_BATCH + y.shape[-3:]), b, k)
+    return out.view(y.shape[:-3] + out.shape[-3:])
+
+
 def _rewrite_conv_bias(gm, g, node, conv, where, report):
     """An nn.Conv2d with a bias (zeros padding), and the ReLU after it when that is its
     only user: F.conv2d without the bias, then kitsune.channel_bias; or
     kitsune.bias_relu_pool when that ReLU's only user is a non-overlapping max pooling."""
-    from . import ops as ko
     if conv.bias is None:
         return
     if conv.padding_mode != "zeros":
@@ -577,16 +595,18 @@ def _rewrite_conv_bias(gm, g, node, conv, where, report):
     with g.inserting_before(node):
         w, b = g.get_attr(f"{node.target}.weight"), g.get_attr(f"{node.target}.bias")
         y = g.call_function(F.conv2d, (node.args[0], w, None, conv.stride, conv.padding, conv.dilation, conv.groups))
-        new = (g.call_function(ko.bias_relu_pool, (y, b, pool[1])) if pool_node is not None else
-               g.call_function(ko.channel_bias, (y, b, "none" if relu is None else "relu")))
+        new = (g.call_function(_conv_bias_relu_pool, (y, b, pool[1])) if pool_node is not None else
+               g.call_function(_conv_bias, (y, b, "none" if relu is None else "relu")))
     last.replace_all_uses_with(new)
     for n in dead:
         g.erase_node(n)
 
 
 def _rewrite_bias_cat(g, node, where, report):
-    """torch.cat over dim 1 of convolutions' channel_bias(y, b, "none") (an Inception block's
-    branches, after _rewrite_conv_bias) -> kitsune.bias_cat([y...], [b...])."""
+    """torch.cat(dim=d, an int) of Conv2d outputs' biases, _conv_bias(y, b, "none") (an
+    Inception block's branches, after _rewrite_conv_bias) -> kitsune.bias_cat([y...], [b...],
+    d): one kernel for batched parts concatenated over their channels, the unfused ops for
+    any other dim or rank (an unbatched part's dim 1 is its height)."""
     from . import ops as ko
     if node.op != "call_function" or node.target not in (torch.cat, torch.concat, torch.concatenate):
         return False
@@ -595,17 +615,18 @@ def _rewrite_bias_cat(g, node, where, report):
     a.update(zip(names, node.args))
     a.update({("dim" if k == "axis" else k): v for k, v in node.kwargs.items()})
     parts = a.get("tensors")
-    if a["dim"] != 1 or not isinstance(parts, (list, tuple)) or not parts:
+    if not isinstance(parts, (list, tuple)) or not parts:
         return False
-    if not all(isinstance(p, tfx.Node) and p.op == "call_function" and p.target is ko.channel_bias
-               and len(p.args) == 3 and not p.kwargs and p.args[2] == "none" for p in parts):
+    if type(a["dim"]) is not int or not all(isinstance(p, tfx.Node) and p.op == "call_function"
+                                                and p.target is _conv_bias and len(p.args) == 3 and not p.kwargs
+                                                and p.args[2] == "none" for p in parts):
         return False
     if any(set(p.users) != {node} for p in parts):
         report.left.append((where, "cat(conv2d biases): a part is also used elsewhere"))
         return False
     report.fused.append((where, f"cat(conv2d biases) -> bias_cat ({node.name}, {len(parts)} parts)"))
     with g.inserting_before(node):
-        new = g.call_function(ko.bias_cat, ([p.args[0] for p in parts], [p.args[1] for p in parts]))
+        new = g.call_function(ko.bias_cat, ([p.args[0] for p in parts], [p.args[1] for p in parts], a["dim"]))
     node.replace_all_uses_with(new)
     g.erase_node(node)
     for p in dict.fromkeys(parts):

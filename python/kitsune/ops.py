@@ -41,7 +41,7 @@ Ops (reference semantics):
                                             backward sums the bias gradient in two stages
   bias_relu_pool(y, bias, kernel_size)      F.max_pool2d(relu(y + bias over dim 1), kernel_size):
                                             non-overlapping windows; one kernel each way on CUDA
-  bias_cat(xs, biases)                      torch.cat([x + bias over dim 1 for each part], 1):
+  bias_cat(xs, biases, dim=1)               torch.cat([x + bias over dim -3 for each part], dim):
                                             one kernel each way on CUDA; the backward gives
                                             dense part gradients and the bias sums
   max_pool2d(x, kernel_size, stride, padding, ceil_mode)
@@ -249,8 +249,8 @@ def _(x, kernel_size, stride, padding, ceil_mode):
 
 
 @torch.library.register_fake("kitsune::bias_cat")
-def _(xs, biases):
-    return torch.cat(list(xs), 1)
+def _(xs, biases, dim=1):
+    return torch.cat(list(xs), dim)
 
 
 @torch.library.register_fake("kitsune::channel_sum")
@@ -422,14 +422,15 @@ def bias_relu_pool(y, bias, kernel_size):
     return _lib.bias_relu_pool(y, bias, k)
 
 
-def bias_cat(xs, biases):
-    """torch.cat([x + b.view(1, -1, 1, 1) for x, b in zip(xs, biases)], 1) for parts x (N, C_i,
-    H, W) and biases (C_i,): an Inception block's branch convolutions' biases and their
-    concatenation, as kitsune.optimize takes them together. On CUDA (at most 8 parts
-    sharing one layout, NCHW or channels-last) one kernel forward, and backward one kernel
-    that writes each part's gradient dense (cuDNN copies a channel slice) and sums the bias
-    gradients, plus their final column sum; equal to the unfused ops."""
-    return _lib.bias_cat(list(xs), list(biases))
+def bias_cat(xs, biases, dim=1):
+    """torch.cat([x + b.view(-1, 1, 1) for x, b in zip(xs, biases)], dim) for Conv2d outputs x
+    (N, C_i, H, W) or, unbatched, (C_i, H, W) and biases (C_i,): an Inception block's branch
+    convolutions' biases and their concatenation, as kitsune.optimize takes them together.
+    On CUDA, for 4-D parts concatenated over their channels (at most 8 parts sharing one
+    layout, NCHW or channels-last), one kernel forward, and backward one kernel that writes
+    each part's gradient dense (cuDNN copies a channel slice) and sums the bias gradients,
+    plus their final column sum; equal to the unfused ops."""
+    return _lib.bias_cat(list(xs), list(biases), dim)
 
 
 def max_pool2d(x, kernel_size, stride=None, padding=0, ceil_mode=False):

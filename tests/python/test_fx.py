@@ -494,6 +494,37 @@ def test_inception_branch_biases_and_cat_become_bias_cat():
     _same_outputs_and_grads(opt, m, torch.randn(2, 8, 9, 7, dtype=torch.float64))
 
 
+class Unbatchable(nn.Module):
+    """Conv2d layers take (C, H, W) input too: conv -> relu, conv -> relu -> 2x2 pool, and a
+    cat of conv biases over dim 1 (the height, unbatched) and over dim 0."""
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+        self.p, self.q = nn.Conv2d(8, 8, 1), nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x):
+        x = F.relu(self.a(x))                       # channel_bias: 8 channels, an 8 x 8 image
+        x = F.max_pool2d(F.relu(self.b(x)), 2)      # bias_relu_pool
+        y = torch.cat([self.p(x), self.q(x)], 1)    # bias_cat over dim 1
+        return y + torch.cat([self.p(x), self.q(x)], dim=0).sum()   # and over dim 0
+
+
+def test_conv_rewrites_keep_unbatched_inputs():
+    """An unbatched (C, H, W) input through the conv-bias rewrites gives the original's
+    outputs and gradients (an 8 x 8 image with 8 channels once had the bias added over its
+    height), batched input too; the optimized module traces again with torch.fx."""
+    torch.manual_seed(16)
+    m = Unbatchable().double()
+    rep = kitsune.fx.Report()
+    opt = kitsune.optimize(m, report=rep)
+    assert _kinds(rep).count("bias_cat") == 2 and "bias_relu_pool" in _kinds(rep), rep
+    for shape in ((3, 8, 8), (2, 3, 8, 8)):
+        _same_outputs_and_grads(opt, m, torch.randn(shape, dtype=torch.float64))
+        retraced = torch.fx.symbolic_trace(opt)
+        x = torch.randn(shape, dtype=torch.float64)
+        torch.testing.assert_close(retraced(x), m(x))
+
+
 class HandAttention(nn.Module):
     """Attention written out by hand, as before scaled_dot_product_attention."""
     def __init__(self, d=32, h=4):

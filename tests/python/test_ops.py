@@ -456,9 +456,12 @@ def test_more_bad_inputs_name_the_problem():
     assert ko.max_pool2d(torch.randn(0, 3, 4, 4), 2).shape == (0, 3, 2, 2)   # an empty batch, as F.max_pool2d
     with pytest.raises(RuntimeError, match="need as many biases as parts .at least one., got 2 parts and 1 biases"):
         ko.bias_cat([x, x], [torch.randn(3)])
-    with pytest.raises(RuntimeError, match=r"part 1: need x \(N, C, H, W\) and bias \(C,\); got \[2, 3, 4, 4\] and \[2\]"):
+    with pytest.raises(RuntimeError, match=r"part 1: need x \(N, C, H, W\) or \(C, H, W\), as part 0, and bias "
+                                           r"\(C,\); got \[2, 3, 4, 4\] and \[2\]"):
         ko.bias_cat([x, x], [torch.randn(3), torch.randn(2)])
-    with pytest.raises(RuntimeError, match=r"part 1 is \[2, 3, 4, 5\] but part 0 is \[2, 3, 4, 4\] .only dim 1 may differ."):
+    with pytest.raises(RuntimeError, match=r"part 1: need .*; got \[3, 4, 4\] and \[3\]"):
+        ko.bias_cat([x, x[0]], [torch.randn(3), torch.randn(3)])
+    with pytest.raises(RuntimeError, match="Sizes of tensors must match except in dimension 1"):   # torch.cat's
         ko.bias_cat([x, torch.randn(2, 3, 4, 5)], [torch.randn(3), torch.randn(3)])
     with pytest.raises(RuntimeError, match="part 0 is Float but part 1 is Double"):
         ko.bias_cat([x, x.double()], [torch.randn(3), torch.randn(3, dtype=torch.float64)])

@@ -3190,36 +3190,42 @@ Tensor max_pool2d_autograd(const Tensor& x, c10::IntArrayRef k, c10::IntArrayRef
   return MaxPoolFn::apply(x, k.vec(), s.vec(), p.vec(), ceil);
 }
 
-// ---- bias_cat: torch.cat([x_i + bias_i over dim 1], 1) ----
+// ---- bias_cat: torch.cat([x_i + bias_i over dim -3], dim) ----
 // The branches of an Inception block: their convolutions' biases and the concatenation
 // in one kernel; the backward splits the gradient into dense per-part gradients (what
 // cuDNN takes; a channel slice it copies, twice) and sums the bias gradients on the way
-// (fusion/kernels/cat.cu). On CUDA with at most KT_CAT_MAX parts of fp32/fp16/bf16 that
-// share one layout (NCHW- or channels-last-contiguous); otherwise (the CPU, mixed layouts,
-// fake tensors) channel_bias each and ATen's cat, whose results these equal.
+// (fusion/kernels/cat.cu). Parts are Conv2d outputs, (N, C, H, W) or, from an unbatched
+// input, (C, H, W): the bias is over dim -3 and dim is torch.cat's. On CUDA for 4-D
+// parts concatenated over their channels (dim 1 or -3), at most KT_CAT_MAX of them in
+// fp32/fp16/bf16 sharing one layout (NCHW- or channels-last-contiguous); otherwise (the
+// CPU, 3-D parts, another dim, mixed layouts, fake tensors) the bias adds and ATen's cat,
+// whose results these equal.
 void check_bias_cat(at::TensorList xs, at::TensorList bs) {
   TORCH_CHECK(!xs.empty() && xs.size() == bs.size(), "kitsune.bias_cat: need as many biases as parts (at least one), got ",
               xs.size(), " parts and ", bs.size(), " biases");
   for (size_t i = 0; i < xs.size(); i++) {
     const Tensor &x = xs[i], &b = bs[i];
-    TORCH_CHECK(x.dim() == 4 && b.dim() == 1 && b.size(0) == x.size(1), "kitsune.bias_cat: part ", i,
-                ": need x (N, C, H, W) and bias (C,); got ", x.sizes(), " and ", b.sizes());
+    TORCH_CHECK((x.dim() == 3 || x.dim() == 4) && x.dim() == xs[0].dim() && b.dim() == 1 && b.size(0) == x.size(-3),
+                "kitsune.bias_cat: part ", i, ": need x (N, C, H, W) or (C, H, W), as part 0, and bias (C,); got ",
+                x.sizes(), " and ", b.sizes());
     TORCH_CHECK(at::isFloatingType(x.scalar_type()), "kitsune.bias_cat: part ", i, " must be floating point, got ",
                 x.scalar_type());
     check_same(x, b, "bias_cat", "a part", "its bias");
     check_same(xs[0], x, "bias_cat", "part 0", ("part " + std::to_string(i)).c_str());
-    TORCH_CHECK(x.size(0) == xs[0].size(0) && x.size(2) == xs[0].size(2) && x.size(3) == xs[0].size(3),
-                "kitsune.bias_cat: part ", i, " is ", x.sizes(), " but part 0 is ", xs[0].sizes(),
-                " (only dim 1 may differ)");
   }
 }
 
+// Whether dim (torch.cat's, wrapped) is the parts' channel dim -3.
+bool channel_cat(at::TensorList xs, int64_t dim) { return xs[0].dim() == 4 && (dim == 1 || dim == -3); }
+
 // The kernels' layout for the parts, or nullopt for ATen's path.
-std::optional<at::MemoryFormat> bias_cat_format(at::TensorList xs) {
-  if (xs.size() > KT_CAT_MAX) return std::nullopt;
+std::optional<at::MemoryFormat> bias_cat_format(at::TensorList xs, int64_t dim) {
+  if (xs.size() > KT_CAT_MAX || !channel_cat(xs, dim)) return std::nullopt;
   const auto f = xs[0].suggest_memory_format();
   for (const Tensor& x : xs)
-    if (!lt_dtype_ok(x) || x.suggest_memory_format() != f || !x.is_contiguous(f)) return std::nullopt;
+    if (!lt_dtype_ok(x) || x.suggest_memory_format() != f || !x.is_contiguous(f) || x.size(0) != xs[0].size(0) ||
+        x.size(2) != xs[0].size(2) || x.size(3) != xs[0].size(3))
+      return std::nullopt;
   return f;
 }
 
@@ -3236,12 +3242,13 @@ kt_cat_parts cat_parts(at::TensorList parts, bool channels_last) {
   return p;
 }
 
-Tensor bias_cat_impl(at::TensorList xs, at::TensorList bs) {
-  const auto f = bias_cat_format(xs);
+Tensor bias_cat_impl(at::TensorList xs, at::TensorList bs, int64_t dim) {
+  const auto f = bias_cat_format(xs, dim);
   if (!f) {
     std::vector<Tensor> ys;
-    for (size_t i = 0; i < xs.size(); i++) ys.push_back(channel_bias_fwd(xs[i], bs[i], "none"));
-    return at::cat(ys, 1);
+    for (size_t i = 0; i < xs.size(); i++)
+      ys.push_back(xs[i].dim() == 4 ? channel_bias_fwd(xs[i], bs[i], "none") : at::add(xs[i], bs[i].view({-1, 1, 1})));
+    return at::cat(ys, dim);
   }
   c10::cuda::CUDAGuard g(xs[0].device());
   std::vector<Tensor> bc;
@@ -3252,46 +3259,51 @@ Tensor bias_cat_impl(at::TensorList xs, at::TensorList bs) {
   check_launch(kt_bias_cat(dtype_of(out, "bias_cat"), &p, out.data_ptr(), stream_of(out)), "bias_cat");
   return out;
 }
-Tensor bias_cat_fwd(at::TensorList xs, at::TensorList bs) {
+Tensor bias_cat_fwd(at::TensorList xs, at::TensorList bs, int64_t dim) {
   check_bias_cat(xs, bs);
-  return bias_cat_impl(xs, bs);
+  return bias_cat_impl(xs, bs, dim);
 }
 
 struct BiasCatFn : torch::autograd::Function<BiasCatFn> {
-  static Tensor forward(AutogradContext* ctx, at::TensorList xs, at::TensorList bs) {
+  static Tensor forward(AutogradContext* ctx, at::TensorList xs, at::TensorList bs, int64_t dim) {
     check_bias_cat(xs, bs);
     Tensor out;
     {
       at::AutoDispatchBelowADInplaceOrView g;
-      out = bias_cat_impl(xs, bs);
+      out = bias_cat_impl(xs, bs, dim);
     }
-    std::vector<int64_t> c;
-    for (const Tensor& x : xs) c.push_back(x.size(1));
-    ctx->saved_data["c"] = c;
-    const auto f = bias_cat_format(xs);
+    const int64_t d = at::maybe_wrap_dim(dim, out.dim());
+    std::vector<int64_t> sizes;
+    for (const Tensor& x : xs) sizes.push_back(x.size(d));
+    ctx->saved_data["sizes"] = sizes;
+    ctx->saved_data["dim"] = d;
+    const auto f = bias_cat_format(xs, dim);
     ctx->saved_data["kernel"] = f.has_value();
     ctx->saved_data["cl"] = f == at::MemoryFormat::ChannelsLast;
     ctx->saved_data["bias_dtype"] = bs[0].scalar_type();
     return out;
   }
   static variable_list backward(AutogradContext* ctx, variable_list go) {
-    const auto c = ctx->saved_data["c"].toIntVector();
+    const auto sizes = ctx->saved_data["sizes"].toIntVector();
+    const int64_t d = ctx->saved_data["dim"].toInt();
     const auto bt = ctx->saved_data["bias_dtype"].toScalarType();
-    const size_t k = c.size();
+    const size_t k = sizes.size();
     const Tensor& g = go[0];
-    variable_list grads(2 * k);
-    if (!ctx->saved_data["kernel"].toBool()) {   // ATen's path: cat's narrow views, channel sums
+    variable_list grads(2 * k + 1);
+    if (!ctx->saved_data["kernel"].toBool()) {   // ATen's path: cat's narrow views, sums over all but dim -3
+      const at::ScalarType acc = g.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
       int64_t off = 0;
-      for (size_t i = 0; i < k; off += c[i], i++) {
-        grads[i] = g.narrow(1, off, c[i]);
-        grads[k + i] = channel_sum(grads[i], bt);
+      for (size_t i = 0; i < k; off += sizes[i], i++) {
+        grads[i] = g.narrow(d, off, sizes[i]);
+        grads[k + i] = g.dim() == 4 ? channel_sum(grads[i], bt) : grads[i].sum({1, 2}, false, acc).to(bt);
       }
       return grads;
     }
     const bool cl = ctx->saved_data["cl"].toBool();
     const auto f = cl ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
     c10::cuda::CUDAGuard guard(g.device());
-    for (size_t i = 0; i < k; i++) grads[i] = at::empty({g.size(0), c[i], g.size(2), g.size(3)}, g.options().memory_format(f));
+    for (size_t i = 0; i < k; i++)
+      grads[i] = at::empty({g.size(0), sizes[i], g.size(2), g.size(3)}, g.options().memory_format(f));
     kt_cat_parts p = cat_parts(at::TensorList(grads.data(), k), cl);
     const int64_t ctot = p.off[p.k], rows = kt_bias_cat_partials(&p);
     TORCH_CHECK(rows >= 0, "kitsune.bias_cat backward: invalid parts");
@@ -3301,11 +3313,11 @@ struct BiasCatFn : torch::autograd::Function<BiasCatFn> {
                                       stream_of(g)),
                  "bias_cat backward");
     Tensor sums = rows ? colsum(partial, at::kFloat) : at::zeros({ctot}, g.options().dtype(at::kFloat));
-    for (size_t i = 0; i < k; i++) grads[k + i] = sums.narrow(0, p.off[i], c[i]).to(bt);
+    for (size_t i = 0; i < k; i++) grads[k + i] = sums.narrow(0, p.off[i], sizes[i]).to(bt);
     return grads;
   }
 };
-Tensor bias_cat_autograd(at::TensorList xs, at::TensorList bs) { return BiasCatFn::apply(xs, bs); }
+Tensor bias_cat_autograd(at::TensorList xs, at::TensorList bs, int64_t dim) { return BiasCatFn::apply(xs, bs, dim); }
 
 // kitsune.channel_sum (tests and benches): the bias gradient's sum over every dim but 1,
 // in fp32 (fp64 for fp64 input).
@@ -3505,12 +3517,12 @@ template <c10::DispatchKey Key> struct Autocast {
     static auto op = op_handle<Tensor(const Tensor&, const Tensor&, c10::IntArrayRef)>("kitsune::bias_relu_pool");
     return op.call(y, cast(bias, y.scalar_type()), k);
   }
-  static Tensor bias_cat(at::TensorList xs, at::TensorList bs) {
+  static Tensor bias_cat(at::TensorList xs, at::TensorList bs, int64_t dim) {
     c10::impl::ExcludeDispatchKeyGuard no(Key);
-    static auto op = op_handle<Tensor(at::TensorList, at::TensorList)>("kitsune::bias_cat");
+    static auto op = op_handle<Tensor(at::TensorList, at::TensorList, int64_t)>("kitsune::bias_cat");
     std::vector<Tensor> bc;
     for (size_t i = 0; i < bs.size(); i++) bc.push_back(i < xs.size() ? cast(bs[i], xs[i].scalar_type()) : bs[i]);
-    return op.call(xs, bc);
+    return op.call(xs, bc, dim);
   }
   static Tensor rms_norm(const Tensor& x, const Tensor& w, double eps) {
     c10::impl::ExcludeDispatchKeyGuard no(Key);
@@ -3600,7 +3612,7 @@ TORCH_LIBRARY(kitsune, m) {
   m.impl("bias_relu_pool", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &bias_relu_pool_fwd));
   m.def("max_pool2d(Tensor x, int[] kernel_size, int[] stride, int[] padding, bool ceil_mode) -> Tensor");
   m.impl("max_pool2d", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &max_pool2d_fwd));
-  m.def("bias_cat(Tensor[] xs, Tensor[] biases) -> Tensor");
+  m.def("bias_cat(Tensor[] xs, Tensor[] biases, int dim=1) -> Tensor");
   m.impl("bias_cat", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &bias_cat_fwd));
   m.def("channel_sum(Tensor g) -> Tensor");
   m.impl("channel_sum", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &channel_sum_op));

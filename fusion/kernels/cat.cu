@@ -68,9 +68,16 @@ __global__ void bias_cat_bwd_nhwc(const T *g, kt_cat_parts p, float *partial, in
     const int64_t ci = p.c[q.i];
     T *gx = (T *)p.data[q.i] + q.c;
     const bool vec = gs1 == 1;
+    // dense channels-last rows (the usual gradient): row r at r * ctot, no division
+    const bool rows_dense = vec && gs3 == ctot && gs2 == w * ctot && gs0 == h * w * ctot;
     for (int64_t r = (int64_t)blockIdx.x * blockDim.y + threadIdx.y; r < rows; r += (int64_t)gridDim.x * blockDim.y) {
-      const int64_t hw = h * w, n = r / hw, s = r - n * hw, y = s / w;
-      const T *src = g + n * gs0 + c * gs1 + y * gs2 + (s - y * w) * gs3;
+      const T *src;
+      if (rows_dense) {
+        src = g + r * ctot + c;
+      } else {
+        const int64_t hw = h * w, n = r / hw, s = r - n * hw, y = s / w;
+        src = g + n * gs0 + c * gs1 + y * gs2 + (s - y * w) * gs3;
+      }
       Vec<T, V> v;
       if (vec) v = *reinterpret_cast<const Vec<T, V> *>(src);
       else

@@ -3103,7 +3103,7 @@ MaxPoolArgs check_max_pool2d(const Tensor& x, c10::IntArrayRef k, c10::IntArrayR
 
 // The kernels' memory format for x, or nullopt for ATen's path.
 std::optional<at::MemoryFormat> max_pool_format(const Tensor& x, const MaxPoolArgs& a) {
-  if (!lt_dtype_ok(x) || x.dim() != 4 || a.kh * a.kw > 256) return std::nullopt;
+  if (!lt_dtype_ok(x) || x.dim() != 4 || a.kh * a.kw > 256 || a.sh > INT32_MAX || a.sw > INT32_MAX) return std::nullopt;
   const auto f = x.suggest_memory_format();
   if (f == at::MemoryFormat::ChannelsLast ? x.is_contiguous(f) : x.is_contiguous()) return f;
   return std::nullopt;

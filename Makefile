@@ -163,7 +163,7 @@ gpu-test: $(TEST_BINS) $(BUILD)/libkitsune.so $(BUILD)/libnvtx_record.so $(BUILD
 	@bash tools/sanitizer_oob.sh $(BUILD)
 	@bash tools/run_c_tests.sh $(BUILD)/tests $(TIERS)
 	@KITSUNE_REQUIRE_GPU=1 KITSUNE_LIBRARY=$(CURDIR)/$(BUILD)/libkitsune.so PYTHONPATH=$(CURDIR)/python \
-	  $(PYTHON) -m pytest -q -rs tests/python $${KT_PYTEST_ARGS:-}
+	  $(PYTHON) -m pytest -q -rs --durations=15 tests/python $${KT_PYTEST_ARGS:-}
 
 clean:
 	rm -rf $(BUILD)

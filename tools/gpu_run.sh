@@ -31,7 +31,7 @@ fi
 if [[ $parts == *" pytest "* ]]; then
   # eval: KT_PYTEST_ARGS may quote, e.g. -k 'a or b'
   echo "== gpu pytest (${KT_PYTEST_ARGS:-all}) =="; time eval "KITSUNE_REQUIRE_GPU=1 \
-    KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python python3 -m pytest -q -rfEs \
+    KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python python3 -m pytest -q -rfEs --durations=15 \
     ${KT_PYTEST_ARGS:-tests/python}" 2>&1 | tee "$OUT/pytest.log" | tail -40
 fi
 if [[ $parts == *" bench "* ]]; then

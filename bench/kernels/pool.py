@@ -37,6 +37,8 @@ def main():
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/kernels/pool.py needs a CUDA GPU")
     g = torch.Generator().manual_seed(0)
     rows = []
     for label, shape, k, s, p, cl, dtype in SHAPES:

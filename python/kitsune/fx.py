@@ -549,22 +549,37 @@ def _rewrite_max_pool(gm, g, node, where, report):
 
 
 # A Conv2d's output is (N, C, H, W), or (C, H, W) for an unbatched input, while
-# channel_bias and bias_relu_pool read (N, C, ...): the rewrites call them on a 4-D view.
-# No Python branch on the rank, so an optimized module still traces (torch.fx).
+# channel_bias and bias_relu_pool read (N, C, ...): the rewrites call them through these
+# helpers. On tensors they branch on the rank (a view costs microseconds of host time a
+# call in eager mode); when torch.fx traces an optimized module again, y is a Proxy, whose
+# rank is unknown: then a 4-D view, with no branch.
 _ONE_BATCH = torch.Size([-1])
+_ops = None
+
+
+def _kitsune_ops():
+    global _ops
+    if _ops is None:
+        from . import ops
+        _ops = ops
+    return _ops
 
 
 def _conv_bias(y, b, act):
     """kitsune.channel_bias over a Conv2d output's channels (dim -3), batched or not."""
-    from . import ops as ko
-    return ko.channel_bias(y.view(_ONE_BATCH + y.shape[-3:]), b, act).view(y.shape)
+    op = _kitsune_ops().channel_bias
+    if isinstance(y, tfx.Proxy):
+        return op(y.view(_ONE_BATCH + y.shape[-3:]), b, act).view(y.shape)
+    return op(y, b, act) if y.dim() != 3 else op(y.unsqueeze(0), b, act).squeeze(0)
 
 
 def _conv_bias_relu_pool(y, b, k):
     """kitsune.bias_relu_pool over a Conv2d output's channels (dim -3), batched or not."""
-    from . import ops as ko
-    out = ko.bias_relu_pool(y.view(_ONE_BATCH + y.shape[-3:]), b, k)
-    return out.view(y.shape[:-3] + out.shape[-3:])
+    op = _kitsune_ops().bias_relu_pool
+    if isinstance(y, tfx.Proxy):
+        out = op(y.view(_ONE_BATCH + y.shape[-3:]), b, k)
+        return out.view(y.shape[:-3] + out.shape[-3:])
+    return op(y, b, k) if y.dim() != 3 else op(y.unsqueeze(0), b, k).squeeze(0)
 
 
 def _rewrite_conv_bias(gm, g, node, conv, where, report):

@@ -33,6 +33,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/ExpandUtils.h>
+#include <ATen/native/Pool.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/gelu.h>
@@ -3071,13 +3072,10 @@ struct MaxPoolArgs {
   bool ceil;
 };
 
-// ATen's pooling_output_shape: floor or ceil mode, and in ceil mode no window that
-// starts in the right padding.
+// ATen's own output size (floor or ceil mode; dilation 1), without its checks: ours
+// name the op and the bad value.
 int64_t pooled_size(int64_t in, int64_t k, int64_t s, int64_t p, bool ceil) {
-  const int64_t num = in + 2 * p - (k - 1) - 1 + (ceil ? s - 1 : 0);
-  int64_t out = (num >= 0 ? num / s : -((-num + s - 1) / s)) + 1;
-  if (ceil && (out - 1) * s >= in + p) --out;
-  return out;
+  return at::native::pooling_output_shape_pad_lr<int64_t>(in, k, p, p, s, 1, ceil);
 }
 
 MaxPoolArgs check_max_pool2d(const Tensor& x, c10::IntArrayRef k, c10::IntArrayRef s, c10::IntArrayRef p, bool ceil) {
@@ -3242,13 +3240,18 @@ kt_cat_parts cat_parts(at::TensorList parts, bool channels_last) {
   return p;
 }
 
-Tensor bias_cat_impl(at::TensorList xs, at::TensorList bs, int64_t dim) {
+// out, and the layout the kernels ran in (nullopt: ATen's path), for the backward.
+struct BiasCatOut {
+  Tensor out;
+  std::optional<at::MemoryFormat> format;
+};
+BiasCatOut bias_cat_impl(at::TensorList xs, at::TensorList bs, int64_t dim) {
   const auto f = bias_cat_format(xs, dim);
   if (!f) {
     std::vector<Tensor> ys;
     for (size_t i = 0; i < xs.size(); i++)
       ys.push_back(xs[i].dim() == 4 ? channel_bias_fwd(xs[i], bs[i], "none") : at::add(xs[i], bs[i].view({-1, 1, 1})));
-    return at::cat(ys, dim);
+    return {at::cat(ys, dim), f};
   }
   c10::cuda::CUDAGuard g(xs[0].device());
   std::vector<Tensor> bc;
@@ -3257,31 +3260,30 @@ Tensor bias_cat_impl(at::TensorList xs, at::TensorList bs, int64_t dim) {
   for (int i = 0; i < p.k; i++) p.bias[i] = bc[i].data_ptr();
   Tensor out = at::empty({p.n, p.off[p.k], p.h, p.w}, xs[0].options().memory_format(*f));
   check_launch(kt_bias_cat(dtype_of(out, "bias_cat"), &p, out.data_ptr(), stream_of(out)), "bias_cat");
-  return out;
+  return {out, f};
 }
 Tensor bias_cat_fwd(at::TensorList xs, at::TensorList bs, int64_t dim) {
   check_bias_cat(xs, bs);
-  return bias_cat_impl(xs, bs, dim);
+  return bias_cat_impl(xs, bs, dim).out;
 }
 
 struct BiasCatFn : torch::autograd::Function<BiasCatFn> {
   static Tensor forward(AutogradContext* ctx, at::TensorList xs, at::TensorList bs, int64_t dim) {
     check_bias_cat(xs, bs);
-    Tensor out;
+    BiasCatOut r;
     {
       at::AutoDispatchBelowADInplaceOrView g;
-      out = bias_cat_impl(xs, bs, dim);
+      r = bias_cat_impl(xs, bs, dim);
     }
-    const int64_t d = at::maybe_wrap_dim(dim, out.dim());
+    const int64_t d = at::maybe_wrap_dim(dim, r.out.dim());
     std::vector<int64_t> sizes;
     for (const Tensor& x : xs) sizes.push_back(x.size(d));
     ctx->saved_data["sizes"] = sizes;
     ctx->saved_data["dim"] = d;
-    const auto f = bias_cat_format(xs, dim);
-    ctx->saved_data["kernel"] = f.has_value();
-    ctx->saved_data["cl"] = f == at::MemoryFormat::ChannelsLast;
+    ctx->saved_data["kernel"] = r.format.has_value();
+    ctx->saved_data["cl"] = r.format == at::MemoryFormat::ChannelsLast;
     ctx->saved_data["bias_dtype"] = bs[0].scalar_type();
-    return out;
+    return r.out;
   }
   static variable_list backward(AutogradContext* ctx, variable_list go) {
     const auto sizes = ctx->saved_data["sizes"].toIntVector();

@@ -19,7 +19,6 @@
 
 namespace {
 
-template <typename T, int V> struct alignas(sizeof(T) * V) Vec { T v[V]; };
 
 // The part, and the channel within it, of channel c of the concatenation.
 struct Part {
@@ -45,11 +44,11 @@ __global__ void bias_cat_fwd_nhwc(kt_cat_parts p, T *out, int64_t rows, int64_t 
 #pragma unroll
   for (int l = 0; l < V; l++) b[l] = kt::to_f(bp[l]);
   for (int64_t r = (int64_t)blockIdx.x * blockDim.y + threadIdx.y; r < rows; r += (int64_t)gridDim.x * blockDim.y) {
-    const Vec<T, V> v = *reinterpret_cast<const Vec<T, V> *>(x + r * ci);
-    Vec<T, V> o;
+    const kt::Pack<T, V> v = *reinterpret_cast<const kt::Pack<T, V> *>(x + r * ci);
+    kt::Pack<T, V> o;
 #pragma unroll
     for (int l = 0; l < V; l++) o.v[l] = kt::from_f<T>(kt::to_f(v.v[l]) + b[l]);
-    *reinterpret_cast<Vec<T, V> *>(out + r * ctot + c) = o;
+    *reinterpret_cast<kt::Pack<T, V> *>(out + r * ctot + c) = o;
   }
 }
 
@@ -78,14 +77,14 @@ __global__ void bias_cat_bwd_nhwc(const T *g, kt_cat_parts p, float *partial, in
         const int64_t hw = h * w, n = r / hw, s = r - n * hw, y = s / w;
         src = g + n * gs0 + c * gs1 + y * gs2 + (s - y * w) * gs3;
       }
-      Vec<T, V> v;
-      if (vec) v = *reinterpret_cast<const Vec<T, V> *>(src);
+      kt::Pack<T, V> v;
+      if (vec) v = *reinterpret_cast<const kt::Pack<T, V> *>(src);
       else
 #pragma unroll
         for (int l = 0; l < V; l++) v.v[l] = src[l * gs1];
 #pragma unroll
       for (int l = 0; l < V; l++) acc[l] += kt::to_f(v.v[l]);
-      *reinterpret_cast<Vec<T, V> *>(gx + r * ci) = v;
+      *reinterpret_cast<kt::Pack<T, V> *>(gx + r * ci) = v;
     }
   }
   const int t = threadIdx.y * blockDim.x + threadIdx.x;

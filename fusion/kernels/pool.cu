@@ -164,8 +164,8 @@ struct PoolGeo {
   int kh, kw, sh, sw, ph, pw;
 };
 
-template <typename T, int V> struct alignas(sizeof(T) * V) Pack { T v[V]; };
-template <int V> struct alignas(V) Bytes { uint8_t v[V]; };
+using kt::Pack;
+template <int V> using Bytes = Pack<uint8_t, V>;
 
 // I: the index type, 32-bit unsigned where every index fits (its divisions cost a
 // fraction of 64-bit ones), else int64_t. The Inception step's two backward calls took

@@ -35,6 +35,12 @@ template <int K> __device__ Fv<K> block_sum(Fv<K> a) {
   return warp_sum(a);
 }
 
+// V elements of T as one aligned value: a single load or store of V * sizeof(T) bytes
+// (the pooling and bias_cat kernels' 4 channels a thread).
+template <typename T, int V> struct alignas(sizeof(T) * V) Pack {
+  T v[V];
+};
+
 // Loads V elements at p + i: one 16-byte load when VEC, else one element.
 template <typename T, bool VEC> __device__ __forceinline__ void load_v(const T *p, int64_t i, T *v) {
   if constexpr (VEC) *reinterpret_cast<uint4 *>(v) = *reinterpret_cast<const uint4 *>(p + i);

@@ -565,21 +565,22 @@ def _kitsune_ops():
     return _ops
 
 
-def _conv_bias(y, b, act):
-    """kitsune.channel_bias over a Conv2d output's channels (dim -3), batched or not."""
-    op = _kitsune_ops().channel_bias
+def _on_conv_output(op, y, *args):
+    """op(y, *args) for an op that reads (N, C, H, W), on a Conv2d output y, batched or not."""
     if isinstance(y, tfx.Proxy):
-        return op(y.view(_ONE_BATCH + y.shape[-3:]), b, act).view(y.shape)
-    return op(y, b, act) if y.dim() != 3 else op(y.unsqueeze(0), b, act).squeeze(0)
+        out = op(y.view(_ONE_BATCH + y.shape[-3:]), *args)
+        return out.view(y.shape[:-3] + out.shape[-3:])
+    return op(y, *args) if y.dim() != 3 else op(y.unsqueeze(0), *args).squeeze(0)
+
+
+def _conv_bias(y, b, act):
+    """kitsune.channel_bias over a Conv2d output's channels (dim -3)."""
+    return _on_conv_output(_kitsune_ops().channel_bias, y, b, act)
 
 
 def _conv_bias_relu_pool(y, b, k):
-    """kitsune.bias_relu_pool over a Conv2d output's channels (dim -3), batched or not."""
-    op = _kitsune_ops().bias_relu_pool
-    if isinstance(y, tfx.Proxy):
-        out = op(y.view(_ONE_BATCH + y.shape[-3:]), b, k)
-        return out.view(y.shape[:-3] + out.shape[-3:])
-    return op(y, b, k) if y.dim() != 3 else op(y.unsqueeze(0), b, k).squeeze(0)
+    """kitsune.bias_relu_pool over a Conv2d output's channels (dim -3)."""
+    return _on_conv_output(_kitsune_ops().bias_relu_pool, y, b, k)
 
 
 def _rewrite_conv_bias(gm, g, node, conv, where, report):

@@ -10,12 +10,19 @@ bench/models.py's five models is trained from the same weights on the same batch
 
 and the loss curves are compared step by step:
 
-    python3 bench/loss_match.py [--out DIR] [--models mlp,...] [--steps 100]
+    python3 bench/loss_match.py [--out DIR] [--models mlp,...] [--steps 100] [--strict]
 
 A model passes when kitsune's largest |loss - eager loss| over the steps is at most
 max(3 x eager_fused's, floor), floor = 1e-3 for fp32 models and 2e-2 for the bf16 GPT
 (whose loss is itself a bf16 value: 0.0039 apart at 0.5, 0.0625 at 9). Writes loss_match.json (every curve) to
 --out; exits 1 when a model fails.
+
+By default cuDNN runs fp32 convolutions in TF32 (PyTorch's default), and the three recipes
+share cudnn.benchmark's choices only where their convolutions have the same shapes and
+layouts: eager and eager_fused run the same kernels, Kitsune's graph may not, and TF32's
+10-bit mantissa then rounds each convolution another way, which the eager_fused yardstick
+does not include. --strict turns TF32 off for convolutions and matmuls, so that the curves
+differ by fp32 rounding only; it writes loss_match_strict.json.
 """
 import argparse
 import copy
@@ -65,11 +72,17 @@ def main():
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--models", default="mlp,lenet,resnet18,gpt,inception")
     ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--strict", action="store_true", help="no TF32 in convolutions and matmuls")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/loss_match.py needs a CUDA GPU")
     torch.backends.cudnn.benchmark = True   # as bench/models.py
-    print(f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}, {args.steps} steps", flush=True)
+    if args.strict:
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
+    tf32 = {"cudnn": torch.backends.cudnn.allow_tf32, "matmul": torch.backends.cuda.matmul.allow_tf32}
+    print(f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}, {args.steps} steps, TF32 {tf32}",
+          flush=True)
     rows, failed = [], []
     for name in args.models.split(","):
         gen = torch.Generator().manual_seed(0)
@@ -89,9 +102,9 @@ def main():
               f"bound {bound:.2e}  final loss eager {curves['eager'][-1]:.4f} kitsune {curves['kitsune'][-1]:.4f}  "
               f"({stats['replays']} replays, {stats['eager_steps']} eager steps, reason {stats['reason']})", flush=True)
         del base, data
-    write_result(args.out, "loss_match", {"steps": args.steps, "factor": FACTOR,
-                                          "floor": {str(k).split(".")[-1]: v for k, v in FLOOR.items()},
-                                          "rows": rows})
+    write_result(args.out, "loss_match_strict" if args.strict else "loss_match",
+                 {"steps": args.steps, "factor": FACTOR, "tf32": tf32,
+                  "floor": {str(k).split(".")[-1]: v for k, v in FLOOR.items()}, "rows": rows})
     if failed:
         sys.exit(f"loss curves off for: {', '.join(failed)}")
 

@@ -3,7 +3,7 @@
 # (default "test bench demo": make gpu-test, make bench, make demo; "pytest" runs
 # only the pytest part of gpu-test, on KT_PYTEST_ARGS (paths and options; default tests/python); "data" adds
 # make bench-data, "kernels" make bench-kernels, "profile" tools/profile_train.py, "gaps"
-# tools/step_gaps.py, "optim" bench/kernels/optimizer.py, "ew" bench/kernels/elementwise.py, "lact" bench/kernels/linear_act.py, "colsum" bench/kernels/colsum.py, "pool" bench/kernels/pool.py, "losses" bench/loss_match.py, "copies" tools/copy_sources.py, "train" bench/kernels/train_models.py,
+# tools/step_gaps.py, "optim" bench/kernels/optimizer.py, "ew" bench/kernels/elementwise.py, "lact" bench/kernels/linear_act.py, "colsum" bench/kernels/colsum.py, "pool" bench/kernels/pool.py, "losses" bench/loss_match.py (LOSS_ARGS), "copies" tools/copy_sources.py, "train" bench/kernels/train_models.py,
 # "ncu" Nsight Compute on the dropout kernels, "ncu_ln" on the LayerNorm ones, "models" bench/models.py, "gmem" bench/graph_memory.py, "pgraph"
 # tools/profile_graph.py, "host" tools/host_replay.py, "alloc" the VMM C suites on CUDA, the allocator pytest,
 # bench/alloc_shapes.py and bench/alloc_torch.py; KT_NO_CLEAN=1 keeps
@@ -105,7 +105,7 @@ if [[ $parts == *" models "* ]]; then   # bench/models.py (BENCH_MODELS_ARGS)
 fi
 if [[ $parts == *" losses "* ]]; then   # bench/loss_match.py (LOSS_MODELS): kitsune's loss curves against eager
   echo "== loss match =="; time KT_COMMIT=${KT_COMMIT:-?} KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \
-    python3 bench/loss_match.py --out "$OUT" --models ${LOSS_MODELS:-mlp,lenet,resnet18,gpt,inception} 2>&1 | grep -v -i "warn"
+    python3 bench/loss_match.py --out "$OUT" --models ${LOSS_MODELS:-mlp,lenet,resnet18,gpt,inception} ${LOSS_ARGS:-} 2>&1 | grep -v -i "warn"
 fi
 if [[ $parts == *" gmem "* ]]; then   # bench/graph_memory.py (BENCH_GMEM_ARGS)
   echo "== graph memory =="; time KT_COMMIT=${KT_COMMIT:-?} KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \

@@ -679,13 +679,14 @@ def test_gpu_max_pool2d_equals_aten(dtype):
 def test_gpu_bias_cat_equals_the_unfused_ops(dtype):
     """bias_cat's kernels against torch.cat([x + b]) in the same dtype: the output bit for
     bit, each part's gradient equal to its channels of the incoming gradient and dense in
-    the parts' layout (cuDNN copies a slice), the bias gradients within fp32 rounding of
+    the parts' layout where the kernels ran (cuDNN copies a slice), the bias gradients within fp32 rounding of
     the float64 sums; with a dense gradient, one in the other layout and a broadcast one
     (a mean over H, W after the cat); NCHW, channels-last, channel counts not multiples of
     4, and in poisoned memory. Mixed layouts and 9 parts take ATen's path and agree too."""
     g = torch.Generator().manual_seed(31)
     cases = [((64, 32, 32), (64, 64, 64, 64), "cl"), ((64, 32, 32), (64, 64, 64, 64), "nchw"),
-             ((3, 5, 7), (4, 3, 1, 8), "cl"), ((3, 5, 7), (4, 3, 1, 8), "nchw"), ((2, 1, 1), (8, 4), "cl"),
+             ((3, 5, 7), (4, 3, 6, 8), "cl"), ((3, 5, 7), (4, 3, 1, 8), "cl"), ((3, 5, 7), (4, 3, 1, 8), "nchw"),
+             ((2, 1, 1), (8, 4), "cl"),
              ((2, 3, 3), (2, 2), "mixed"), ((2, 4, 4), (1,) * 9, "cl")]
     tol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
     for (n, h, w), cs, layout in cases:
@@ -703,6 +704,11 @@ def test_gpu_bias_cat_equals_the_unfused_ops(dtype):
         ref = torch.cat([x + b.view(1, -1, 1, 1) for x, b in zip(xr, br)], 1)
         torch.testing.assert_close(out, ref, rtol=0, atol=0, msg=what)
         assert out.stride() == ref.stride(), what
+        # The kernels run when every part is dense in one layout and torch.cat's output is
+        # too. A 1-channel part in channels-last is also NCHW-contiguous (.contiguous keeps
+        # its NCHW strides), so torch.cat returns NCHW and bias_cat takes ATen's path.
+        dense = layout != "mixed" and len(cs) <= 8 and ref.is_contiguous(memory_format=fmts[0])
+        assert dense == (layout != "mixed" and len(cs) <= 8 and not (layout == "cl" and 1 in cs and h * w > 1)), what
         gd = torch.randn(ref.shape, generator=g).to("cuda", dtype)
         for go, kind in ((gd, "dense"), (gd.contiguous(memory_format=torch.channels_last), "cl grad"),
                          (torch.randn(n, sum(cs), 1, 1, generator=g).to("cuda", dtype).expand_as(ref), "broadcast")):
@@ -712,7 +718,7 @@ def test_gpu_bias_cat_equals_the_unfused_ops(dtype):
             k = len(cs)
             for i in range(k):
                 torch.testing.assert_close(got[i], want[i], rtol=0, atol=0, msg=f"{what} {kind} part {i}")
-                if layout != "mixed" and len(cs) <= 8:
+                if dense:
                     assert got[i].is_contiguous(memory_format=fmts[i]), f"{what} {kind} part {i} {got[i].stride()}"
                 w64 = want[i].double().sum((0, 2, 3))
                 torch.testing.assert_close(got[k + i].double(), w64, rtol=tol,

@@ -102,6 +102,181 @@ static kt_status grow(void **arr, int32_t *cap, int32_t need, size_t elem) {
 
 static uint64_t round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
+/* ---- the captured graph's order -------------------------------------------------- */
+/* Node ids noted for blocks: one array, a block holds (first, count) into it. */
+typedef struct tokens {
+  uint64_t *v;
+  int32_t n, cap;
+} tokens;
+
+/* Appends the nodes stream's next work depends on. */
+static kt_status add_frontier(const kt_capture_order *o, kt_stream_t stream, tokens *t) {
+  for (int tries = 0; tries < 2; tries++) {
+    kt_status st = grow((void **)&t->v, &t->cap, t->n + 8, sizeof *t->v);
+    if (st != KT_OK) return st;
+    size_t room = (size_t)(t->cap - t->n), n = 0;
+    st = o->frontier(o->ctx, stream, t->v + t->n, room, &n);
+    if (st != KT_OK) return st;
+    if (n <= room) {
+      for (size_t k = 0; k < n; k++)
+        if (!t->v[t->n + k]) return KT_ERR_INVALID;
+      t->n += (int32_t)n;
+      return KT_OK;
+    }
+    if (n > (size_t)(INT32_MAX / 2 - t->n)) return KT_ERR_HOST_OOM;
+    st = grow((void **)&t->v, &t->cap, t->n + (int32_t)n, sizeof *t->v);
+    if (st != KT_OK) return st;
+  }
+  return KT_ERR_UNAVAILABLE;   /* it grew between two calls */
+}
+
+/* A snapshot of the graph: each node's predecessors, and marks for "an ancestor of,
+ * or one of, the nodes marked last". */
+typedef struct capdag {
+  ptrmap at;             /* node id -> index */
+  int32_t n;
+  int32_t *poff, *pred;  /* node k's predecessors: pred[poff[k] .. poff[k + 1]) */
+  uint32_t *mark, stamp;
+  int32_t *stack;
+  size_t edges;          /* the snapshot's edge count */
+  int valid;
+} capdag;
+
+static void dag_free(capdag *d) {
+  pm_free(&d->at);
+  free(d->poff);
+  free(d->pred);
+  free(d->mark);
+  free(d->stack);
+  memset(d, 0, sizeof *d);
+}
+
+static kt_status dag_index(capdag *d, uint64_t id, int32_t *k) {
+  if (!id) return KT_ERR_INVALID;
+  *k = pm_get(&d->at, (uintptr_t)id);
+  if (*k >= 0) return KT_OK;
+  kt_status st = pm_reserve_one(&d->at);
+  if (st != KT_OK) return st;
+  pm_insert(&d->at, (uintptr_t)id, *k = d->n++);
+  return KT_OK;
+}
+
+/* Builds d from m edges. */
+static kt_status dag_build(capdag *d, const uint64_t *from, const uint64_t *to, size_t m) {
+  dag_free(d);
+  if (m > (size_t)INT32_MAX / 2) return KT_ERR_HOST_OOM;
+  int32_t *ef = malloc((m + 1) * sizeof *ef), *et = malloc((m + 1) * sizeof *et);
+  kt_status st = ef && et ? KT_OK : KT_ERR_HOST_OOM;
+  for (size_t e = 0; e < m && st == KT_OK; e++) {
+    st = dag_index(d, from[e], &ef[e]);
+    if (st == KT_OK) st = dag_index(d, to[e], &et[e]);
+  }
+  if (st == KT_OK) {
+    size_t n = (size_t)d->n + 1;
+    d->poff = calloc(n + 1, sizeof *d->poff);
+    d->pred = malloc((m + 1) * sizeof *d->pred);
+    d->mark = calloc(n, sizeof *d->mark);
+    d->stack = malloc(n * sizeof *d->stack);
+    if (!d->poff || !d->pred || !d->mark || !d->stack) st = KT_ERR_HOST_OOM;
+  }
+  if (st == KT_OK) {
+    for (size_t e = 0; e < m; e++) d->poff[et[e] + 1]++;
+    for (int32_t k = 0; k < d->n; k++) d->poff[k + 1] += d->poff[k];
+    int32_t *fill = d->stack;   /* as a cursor per node while filling */
+    for (int32_t k = 0; k < d->n; k++) fill[k] = d->poff[k];
+    for (size_t e = 0; e < m; e++) d->pred[fill[et[e]]++] = ef[e];
+    d->edges = m;
+    d->valid = 1;
+  }
+  free(ef);
+  free(et);
+  if (st != KT_OK) dag_free(d);
+  return st;
+}
+
+/* Takes the graph's edges when they changed since the last snapshot. */
+static kt_status dag_snapshot(capdag *d, const kt_capture_order *o) {
+  size_t m = 0;
+  kt_status st = o->edges(o->ctx, NULL, NULL, 0, &m);
+  if (st != KT_OK) return st;
+  if (d->valid && m == d->edges) return KT_OK;
+  for (int tries = 0; tries < 2; tries++) {
+    uint64_t *from = malloc((m + 1) * sizeof *from), *to = malloc((m + 1) * sizeof *to);
+    size_t got = 0;
+    st = from && to ? o->edges(o->ctx, from, to, m, &got) : KT_ERR_HOST_OOM;
+    if (st == KT_OK && got <= m) st = dag_build(d, from, to, got);
+    free(from);
+    free(to);
+    if (st != KT_OK || got <= m) return st;
+    m = got;
+  }
+  return KT_ERR_UNAVAILABLE;
+}
+
+/* Marks the ancestors of nodes (and nodes). */
+static void dag_mark(capdag *d, const uint64_t *nodes, int32_t nn) {
+  if (!d->valid) return;
+  if (++d->stamp == 0) {
+    memset(d->mark, 0, (size_t)d->n * sizeof *d->mark);
+    d->stamp = 1;
+  }
+  int32_t sp = 0;
+  for (int32_t i = 0; i < nn; i++) {
+    int32_t k = pm_get(&d->at, (uintptr_t)nodes[i]);
+    if (k >= 0 && d->mark[k] != d->stamp) {
+      d->mark[k] = d->stamp;
+      d->stack[sp++] = k;
+    }
+  }
+  while (sp) {
+    int32_t k = d->stack[--sp];
+    for (int32_t e = d->poff[k]; e < d->poff[k + 1]; e++) {
+      int32_t q = d->pred[e];
+      if (d->mark[q] != d->stamp) {
+        d->mark[q] = d->stamp;
+        d->stack[sp++] = q;
+      }
+    }
+  }
+}
+
+/* Whether every node of before[] is one of marked[] (the last dag_mark's) or an
+ * ancestor of one: whatever ran up to before[] is done when marked[]'s dependents start. */
+static int dag_covers(const capdag *d, const uint64_t *marked, int32_t nm, const uint64_t *before, int32_t nb) {
+  for (int32_t i = 0; i < nb; i++) {
+    int found = 0;
+    for (int32_t j = 0; j < nm && !found; j++) found = before[i] == marked[j];
+    if (found) continue;
+    if (!d->valid) return 0;
+    int32_t k = pm_get(&d->at, (uintptr_t)before[i]);
+    if (k < 0 || d->mark[k] != d->stamp) return 0;
+  }
+  return 1;
+}
+
+/* Adds stream to a block's list of use streams (alloc stream first); 0 when full. */
+static int note_stream(kt_stream_t *use, uint8_t *nuse, kt_stream_t s) {
+  for (uint8_t i = 0; i < *nuse; i++)
+    if (use[i] == s) return 1;
+  if (*nuse == KT_CAPPLAN_STREAMS) return 0;
+  use[(*nuse)++] = s;
+  return 1;
+}
+
+/* Notes the frontiers of a block's streams at its free; 0 when one cannot be had. */
+static int note_free(const kt_capture_order *o, const kt_stream_t *use, uint8_t nuse, tokens *t, int32_t *first,
+                     int32_t *count) {
+  *first = t->n;
+  for (uint8_t i = 0; i < nuse; i++)
+    if (add_frontier(o, use[i], t) != KT_OK) {
+      t->n = *first;
+      *count = 0;
+      return 0;
+    }
+  *count = t->n - *first;
+  return 1;
+}
+
 /* ---- recording ----------------------------------------------------------------- */
 #define REC_LIVE INT64_MIN
 
@@ -111,6 +286,11 @@ typedef struct rec_block {
   int64_t start, end;    /* end: REC_LIVE while live */
   uint8_t elsewhere;     /* used on another stream */
   uint8_t after;         /* freed after the capture ended */
+  uint8_t unordered;     /* no order noted for it (none given, or a frontier missing) */
+  uint8_t nuse;
+  kt_stream_t use[KT_CAPPLAN_STREAMS];   /* its stream, then the others it was used on */
+  int32_t af, naf;       /* tokens: its stream's frontier at the allocation */
+  int32_t ff, nff;       /* tokens: its streams' frontiers at the free */
 } rec_block;
 
 struct kt_caprec {
@@ -120,6 +300,9 @@ struct kt_caprec {
   int ended;
   int32_t freed_after;
   ptrmap live;
+  kt_capture_order ord;  /* ord.frontier NULL: none */
+  tokens tok;
+  capdag dag;            /* the graph, taken at the end */
 };
 
 kt_status kt_caprec_create(kt_caprec **out) {
@@ -133,8 +316,17 @@ kt_status kt_caprec_create(kt_caprec **out) {
 void kt_caprec_destroy(kt_caprec *r) {
   if (!r) return;
   pm_free(&r->live);
+  dag_free(&r->dag);
+  free(r->tok.v);
   free(r->b);
   free(r);
+}
+
+kt_status kt_caprec_set_order(kt_caprec *r, const kt_capture_order *o) {
+  if (!r || (o && (!o->frontier || !o->edges))) return KT_ERR_INVALID;
+  if (o) r->ord = *o;
+  else memset(&r->ord, 0, sizeof r->ord);
+  return KT_OK;
 }
 
 kt_status kt_caprec_alloc(kt_caprec *r, const void *ptr, size_t size, kt_stream_t stream) {
@@ -145,7 +337,13 @@ kt_status kt_caprec_alloc(kt_caprec *r, const void *ptr, size_t size, kt_stream_
   kt_status st = grow((void **)&r->b, &r->cap, r->n + 1, sizeof *r->b);
   if (st == KT_OK) st = pm_reserve_one(&r->live);
   if (st != KT_OK) return st;
-  r->b[r->n] = (rec_block){round_up(size, KT_CAPPLAN_ALIGN), stream, r->t++, REC_LIVE, 0, 0};
+  rec_block *b = &r->b[r->n];
+  *b = (rec_block){.size = round_up(size, KT_CAPPLAN_ALIGN), .stream = stream, .start = r->t++, .end = REC_LIVE};
+  b->use[b->nuse++] = stream;
+  b->af = r->tok.n;
+  b->unordered = !r->ord.frontier || r->ended || add_frontier(&r->ord, stream, &r->tok) != KT_OK;
+  b->naf = b->unordered ? 0 : r->tok.n - b->af;
+  if (b->unordered) r->tok.n = b->af;
   pm_insert(&r->live, k, r->n++);
   return KT_OK;
 }
@@ -160,7 +358,9 @@ kt_status kt_caprec_free(kt_caprec *r, const void *ptr) {
     r->b[i].end = r->t;
     r->freed_after++;
   } else {
-    r->b[i].end = r->t++;
+    rec_block *b = &r->b[i];
+    b->end = r->t++;
+    if (!b->unordered && !note_free(&r->ord, b->use, b->nuse, &r->tok, &b->ff, &b->nff)) b->unordered = 1;
   }
   return KT_OK;
 }
@@ -169,12 +369,15 @@ kt_status kt_caprec_use(kt_caprec *r, const void *ptr, kt_stream_t stream) {
   if (!r) return KT_ERR_INVALID;
   int32_t i = pm_get(&r->live, (uintptr_t)ptr);
   if (i < 0) return KT_ERR_INVALID;
-  if (stream != r->b[i].stream) r->b[i].elsewhere = 1;
+  rec_block *b = &r->b[i];
+  if (stream != b->stream) b->elsewhere = 1;
+  if (!note_stream(b->use, &b->nuse, stream)) b->unordered = 1;
   return KT_OK;
 }
 
 kt_status kt_caprec_end(kt_caprec *r) {
   if (!r) return KT_ERR_INVALID;
+  if (!r->ended && r->ord.edges && dag_snapshot(&r->dag, &r->ord) != KT_OK) dag_free(&r->dag);
   r->ended = 1;
   return KT_OK;
 }
@@ -230,20 +433,70 @@ static kt_status sum_group_peaks(const kt_memplan_block *mb, int32_t n, int32_t 
   return st;
 }
 
-kt_status kt_capplan_create(const kt_caprec *r, kt_capplan **out) {
-  if (!r || !out) return KT_ERR_INVALID;
+/* Which planned blocks may follow which: bit (i, j) set when block i, whose life ends
+ * at or before block j's starts, may share bytes with j. */
+typedef struct order_bits {
+  uint64_t *bits;
+  int32_t n;
+} order_bits;
+
+static int order_share(void *ctx, int32_t i, int32_t j) {
+  const order_bits *o = ctx;
+  size_t k = (size_t)i * (size_t)o->n + (size_t)j;
+  return (int)((o->bits[k / 64] >> (k % 64)) & 1);
+}
+
+/* Fills o for the planned blocks (src[j]: planned block j's rec_block) from the
+ * recorded graph; counts in *cross the pairs only the graph lets share. */
+static kt_status order_fill(kt_caprec *r, const int32_t *src, const kt_memplan_block *mb, int32_t n, order_bits *o,
+                            int32_t *cross) {
+  size_t words = ((size_t)n * (size_t)n + 63) / 64;
+  o->bits = calloc(words ? words : 1, sizeof *o->bits);
+  if (!o->bits) return KT_ERR_HOST_OOM;
+  o->n = n;
+  *cross = 0;
+  for (int32_t j = 0; j < n; j++) {
+    const rec_block *bj = &r->b[src[j]];
+    int marked = 0;
+    for (int32_t i = 0; i < n; i++) {
+      const rec_block *bi = &r->b[src[i]];
+      if (i == j || mb[i].end > mb[j].start) continue;
+      int ok = !bi->elsewhere && !bi->after && bi->stream == bj->stream;   /* stream order */
+      if (!ok && !bi->after && !bi->unordered && !bj->unordered) {
+        if (!marked) {
+          dag_mark(&r->dag, r->tok.v + bj->af, bj->naf);
+          marked = 1;
+        }
+        ok = dag_covers(&r->dag, r->tok.v + bj->af, bj->naf, r->tok.v + bi->ff, bi->nff);
+        *cross += ok;
+      }
+      if (ok) {
+        size_t k = (size_t)i * (size_t)n + (size_t)j;
+        o->bits[k / 64] |= (uint64_t)1 << (k % 64);
+      }
+    }
+  }
+  return KT_OK;
+}
+
+kt_status kt_capplan_create(const kt_caprec *rc, kt_capplan **out) {
+  if (!rc || !out) return KT_ERR_INVALID;
+  kt_caprec *r = (kt_caprec *)rc;   /* only the graph's marks change */
   int32_t n = 0;
   for (int32_t i = 0; i < r->n; i++) n += r->b[i].end != REC_LIVE;
+  int ordered = r->dag.valid && n <= KT_CAPPLAN_ORDER_MAX_BLOCKS;
   kt_capplan *p = calloc(1, sizeof *p);
   kt_memplan_block *mb = malloc(((size_t)n + 1) * sizeof *mb);
   kt_stream_t *seen = malloc(((size_t)n + 1) * sizeof *seen);
+  int32_t *src = malloc(((size_t)n + 1) * sizeof *src);
   if (p) {
     p->size = malloc(((size_t)n + 1) * sizeof *p->size);
     p->off = malloc(((size_t)n + 1) * sizeof *p->off);
   }
-  if (!p || !mb || !seen || !p->size || !p->off) {
+  if (!p || !mb || !seen || !src || !p->size || !p->off) {
     free(mb);
     free(seen);
+    free(src);
     kt_capplan_destroy(p);
     return KT_ERR_HOST_OOM;
   }
@@ -253,24 +506,31 @@ kt_status kt_capplan_create(const kt_caprec *r, kt_capplan **out) {
     const rec_block *b = &r->b[i];
     if (b->end == REC_LIVE) continue;
     int32_t g = stream_group(b->stream, seen, &nseen);
-    /* bytes are shared only within a stream (stream order covers the reuse), and not
-     * after a use on another stream */
-    mb[j] = (kt_memplan_block){b->size, b->start, b->after || b->elsewhere ? end : b->end, g};
+    /* without the graph, bytes are shared only within a stream (stream order covers
+     * the reuse), and not after a use on another stream */
+    mb[j] = (kt_memplan_block){b->size, b->start, b->after || (b->elsewhere && !ordered) ? end : b->end, g};
+    src[j] = i;
     p->size[j++] = b->size;
   }
   free(seen);
+  order_bits ob = {NULL, 0};
+  int32_t cross = 0;
   uint64_t total = 0, peak = 0, group_peak = 0;
-  kt_status st = kt_memplan(mb, n, KT_CAPPLAN_ALIGN, p->off, &total);
+  kt_status st = ordered ? order_fill(r, src, mb, n, &ob, &cross) : KT_OK;
+  if (st == KT_OK)
+    st = kt_memplan_shared(mb, n, KT_CAPPLAN_ALIGN, ordered ? order_share : NULL, &ob, p->off, &total);
   if (st == KT_OK) st = kt_memplan_peak(mb, n, KT_CAPPLAN_ALIGN, &peak);
   if (st == KT_OK) st = sum_group_peaks(mb, n, nseen, &group_peak);
+  free(ob.bits);
   free(mb);
+  free(src);
   if (st != KT_OK) {
     kt_capplan_destroy(p);
     return st;
   }
   p->n = n;
   p->info = (kt_capplan_info){n, (size_t)round_up(total, KT_SEGMENT_ALIGN), (size_t)total, (size_t)peak,
-                              (size_t)group_peak};
+                              (size_t)group_peak, ordered ? r->dag.n : 0, cross};
   *out = p;
   return KT_OK;
 }
@@ -296,6 +556,10 @@ typedef struct pl_block {  /* a planned block of the capture being placed */
   kt_stream_t stream;      /* where it was placed */
   uint8_t state;
   uint8_t elsewhere;       /* used on another stream */
+  uint8_t unordered;       /* no order noted for its free */
+  uint8_t nuse;
+  kt_stream_t use[KT_CAPPLAN_STREAMS];   /* its stream, then the others it was used on */
+  int32_t ff, nff;         /* tokens: its streams' frontiers at the free */
 } pl_block;
 
 typedef struct pl_live {   /* a live block of any capture */
@@ -320,6 +584,10 @@ struct kt_placer {
   int64_t live_blocks;
   int32_t placed, refused;
   size_t plan_bytes, peak_bytes;
+  kt_capture_order ord;    /* ord.frontier NULL: none */
+  tokens tok;              /* the capture being placed's */
+  tokens front;            /* the frontier a placement is checked at */
+  capdag dag;              /* the capture's graph as far as the last check */
 };
 
 kt_status kt_placer_create(const kt_backend *be, int device, kt_placer **out) {
@@ -353,9 +621,19 @@ void kt_placer_destroy(kt_placer *pl) {
     free(pl->cur);
   }
   pm_free(&pl->map);
+  dag_free(&pl->dag);
+  free(pl->tok.v);
+  free(pl->front.v);
   free(pl->lv);
   free(pl->blk);
   free(pl);
+}
+
+kt_status kt_placer_set_order(kt_placer *pl, const kt_capture_order *o) {
+  if (!pl || (o && (!o->frontier || !o->edges))) return KT_ERR_INVALID;
+  if (o) pl->ord = *o;
+  else memset(&pl->ord, 0, sizeof pl->ord);
+  return KT_OK;
 }
 
 kt_status kt_placer_trim(kt_placer *pl) {
@@ -403,13 +681,15 @@ kt_status kt_placer_begin(kt_placer *pl, const kt_capplan *plan) {
     pl->cur = a;
   }
   kt_placer_trim(pl);   /* best effort: a failed release keeps the arena listed */
-  for (int32_t i = 0; i < plan->n; i++) blk[i] = (pl_block){plan->off[i], plan->size[i], NULL, PL_UNPLACED, 0};
+  for (int32_t i = 0; i < plan->n; i++) blk[i] = (pl_block){.off = plan->off[i], .size = plan->size[i]};
   free(pl->blk);
   pl->blk = blk;
   pl->n = plan->n;
   pl->cursor = 0;
   pl->epoch++;
   pl->placed = pl->refused = 0;
+  pl->tok.n = 0;
+  dag_free(&pl->dag);   /* another capture's graph */
   pl->plan_bytes = plan->info.plan_bytes;
   pl->peak_bytes = plan->info.peak_bytes;
   pl->active = 1;
@@ -420,14 +700,32 @@ void kt_placer_end(kt_placer *pl) {
   if (pl) pl->active = 0;
 }
 
+/* Marks what stream's next work will follow in the capture's graph: 0 when that
+ * cannot be had. */
+static int mark_frontier(kt_placer *pl, kt_stream_t stream) {
+  pl->front.n = 0;
+  if (add_frontier(&pl->ord, stream, &pl->front) != KT_OK) return 0;
+  if (dag_snapshot(&pl->dag, &pl->ord) != KT_OK) {
+    dag_free(&pl->dag);   /* dag_covers then only knows equal nodes */
+  }
+  dag_mark(&pl->dag, pl->front.v, pl->front.n);
+  return 1;
+}
+
 /* Whether a block of the current capture, placed on stream at [off, off+size),
- * would share bytes with a placed block that could still be in use: one live, one
- * used on another stream, or one of another stream (no stream order covers it). */
-static int conflicts(const kt_placer *pl, uint64_t off, uint64_t size, kt_stream_t stream) {
+ * would share bytes with a placed block that could still be in use: one live, or
+ * one used on another stream or of another stream whose work the capture's graph
+ * does not put before stream's next work. */
+static int conflicts(kt_placer *pl, uint64_t off, uint64_t size, kt_stream_t stream) {
+  int marked = 0;   /* 1: stream's frontier marked; -1: it cannot be had */
   for (int32_t k = 0; k < pl->cursor; k++) {
     const pl_block *b = &pl->blk[k];
     if (b->state == PL_UNPLACED || b->off >= off + size || off >= b->off + b->size) continue;
-    if (b->state == PL_LIVE || b->elsewhere || b->stream != stream) return 1;
+    if (b->state == PL_LIVE) return 1;
+    if (!b->elsewhere && b->stream == stream) continue;   /* stream order */
+    if (!pl->ord.frontier || b->unordered) return 1;
+    if (!marked) marked = mark_frontier(pl, stream) ? 1 : -1;
+    if (marked < 0 || !dag_covers(&pl->dag, pl->front.v, pl->front.n, pl->tok.v + b->ff, b->nff)) return 1;
   }
   return 0;
 }
@@ -455,6 +753,8 @@ kt_status kt_placer_alloc(kt_placer *pl, size_t size, kt_stream_t stream, void *
   pl_block *b = &pl->blk[j];
   b->state = PL_LIVE;
   b->stream = stream;
+  b->use[0] = stream;
+  b->nuse = 1;
   pl->cursor = j + 1;
   pl->lv[slot] = (pl_live){rs, pl->cur, pl->epoch, j};
   uintptr_t p = pl->cur->base + b->off;
@@ -473,7 +773,12 @@ kt_status kt_placer_free(kt_placer *pl, const void *ptr) {
   if (slot < 0) return KT_ERR_INVALID;
   pm_delete(&pl->map, (uintptr_t)ptr);
   pl_live *l = &pl->lv[slot];
-  if (l->epoch == pl->epoch) pl->blk[l->idx].state = PL_FREED;
+  if (l->epoch == pl->epoch) {
+    pl_block *b = &pl->blk[l->idx];
+    b->state = PL_FREED;
+    if (!pl->active || !pl->ord.frontier || b->unordered || !note_free(&pl->ord, b->use, b->nuse, &pl->tok, &b->ff, &b->nff))
+      b->unordered = 1;
+  }
   l->arena->live--;
   pl->live_bytes -= l->size;
   pl->live_blocks--;
@@ -487,7 +792,11 @@ kt_status kt_placer_use(kt_placer *pl, const void *ptr, kt_stream_t stream) {
   int32_t slot = pm_get(&pl->map, (uintptr_t)ptr);
   if (slot < 0) return KT_ERR_INVALID;
   const pl_live *l = &pl->lv[slot];
-  if (l->epoch == pl->epoch && pl->blk[l->idx].stream != stream) pl->blk[l->idx].elsewhere = 1;
+  if (l->epoch == pl->epoch) {
+    pl_block *b = &pl->blk[l->idx];
+    if (b->stream != stream) b->elsewhere = 1;
+    if (!note_stream(b->use, &b->nuse, stream)) b->unordered = 1;
+  }
   return KT_OK;
 }
 

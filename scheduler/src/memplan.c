@@ -50,19 +50,26 @@ static int by_offset(const void *a, const void *b) {
   return x->off < y->off ? -1 : x->off > y->off;
 }
 
+/* Whether blocks i and j may not share bytes: their lifetimes meet, or (with share) the
+ * earlier may not be followed by the later, or (without) they are of different groups. */
+static int apart(const kt_memplan_block *b, int32_t i, int32_t j, kt_memplan_share_fn share, void *ctx) {
+  if (b[j].start < b[i].end && b[i].start < b[j].end) return 1;
+  if (!share) return b[j].group != b[i].group;
+  return b[i].end <= b[j].start ? !share(ctx, i, j) : !share(ctx, j, i);
+}
+
 /* First fit in the given order: each block at the lowest aligned offset where it
- * overlaps no placed block live at the same time or of another group. Returns the
- * arena's bytes. */
-static uint64_t first_fit(const kt_memplan_block *b, int32_t n, uint64_t align, const key *order,
-                          int32_t *placed, span *meet, uint64_t *off) {
+ * overlaps no placed block it must stay apart from. Returns the arena's bytes. */
+static uint64_t first_fit(const kt_memplan_block *b, int32_t n, uint64_t align, kt_memplan_share_fn share,
+                          void *ctx, const key *order, int32_t *placed, span *meet, uint64_t *off) {
   uint64_t arena = 0;
   for (int32_t k = 0; k < n; k++) {
     int32_t i = order[k].i;
     uint64_t size = up(b[i].size, align);
     int32_t m = 0;
-    for (int32_t q = 0; q < k; q++) {   /* placed blocks alive at the same time as i */
+    for (int32_t q = 0; q < k; q++) {   /* placed blocks i must stay apart from */
       int32_t j = placed[q];
-      if (((b[j].start < b[i].end && b[i].start < b[j].end) || b[j].group != b[i].group) && b[j].size)
+      if (b[j].size && apart(b, i, j, share, ctx))
         meet[m++] = (span){off[j], off[j] + up(b[j].size, align)};
     }
     qsort(meet, (size_t)m, sizeof *meet, by_offset);
@@ -79,6 +86,11 @@ static uint64_t first_fit(const kt_memplan_block *b, int32_t n, uint64_t align, 
 }
 
 kt_status kt_memplan(const kt_memplan_block *b, int32_t n, uint64_t align, uint64_t *offsets, uint64_t *total) {
+  return kt_memplan_shared(b, n, align, NULL, NULL, offsets, total);
+}
+
+kt_status kt_memplan_shared(const kt_memplan_block *b, int32_t n, uint64_t align, kt_memplan_share_fn share, void *ctx,
+                            uint64_t *offsets, uint64_t *total) {
   if (!valid(b, n, align) || (n && !offsets) || !total) return KT_ERR_INVALID;
   size_t cap = (size_t)(n ? n : 1);
   key *order = malloc(sizeof *order * cap);
@@ -93,7 +105,7 @@ kt_status kt_memplan(const kt_memplan_block *b, int32_t n, uint64_t align, uint6
   for (int o = 0; o < KT_MEMPLAN_ORDERS; o++) {
     for (int32_t i = 0; i < n; i++) order[i] = key_of(&b[i], i, o);
     qsort(order, (size_t)n, sizeof *order, by_key);
-    uint64_t a = first_fit(b, n, align, order, placed, meet, off);
+    uint64_t a = first_fit(b, n, align, share, ctx, order, placed, meet, off);
     if (a < arena) {
       arena = a;
       for (int32_t i = 0; i < n; i++) best[i] = off[i];

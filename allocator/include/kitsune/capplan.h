@@ -13,8 +13,9 @@
  * The plan is a guess about the second capture; safety never rests on it. Each
  * placement is checked against the blocks already placed in the same capture: it
  * is refused (KT_ERR_UNAVAILABLE: the caller allocates from its pool instead) when
- * it would overlap a block that is live, that another stream used (kt_placer_use),
- * or that was allocated on another stream, since no stream order covers reuse then.
+ * it would overlap a block that is live, or one that another stream used
+ * (kt_placer_use) or that was allocated on another stream, unless the capture's
+ * order (below) puts that block's work before this one's.
  *
  * Contract of a placer (what compile_step guarantees): the graphs captured through
  * one placer replay one at a time, and whatever an earlier capture left live in the
@@ -22,6 +23,18 @@
  * capture may lay blocks over an earlier capture's live ones; those are still
  * tracked, so their frees are recognised, and a placement never starts at one's
  * address.
+ *
+ * Streams. Without a kt_capture_order, bytes are shared only within one stream, and a
+ * block used on another stream (Tensor.record_stream) is never reused. Given one (the
+ * bridge's asks the CUDA graph being captured), a recording and a placer also note,
+ * for each block, the graph nodes its streams' next work would depend on when it is
+ * allocated and when it is freed. A block may then share bytes with a later one on
+ * any stream when every node its streams had reached at its free is an ancestor of
+ * (or one of) the nodes the later block's stream had reached at its allocation:
+ * whatever used the block is then finished before anything that can use the later
+ * one starts (the edges a stream's join by an event leaves in the graph). The
+ * placer checks this again in the second capture's own graph; a question the
+ * callbacks cannot answer counts as "no".
  *
  * Recorded blocks still live when the plan is made (a cuBLAS workspace the capture
  * created and PyTorch keeps) are left out: the second capture will not allocate them
@@ -50,6 +63,26 @@ extern "C" {
  * this many, so one allocation the plan did not see does not derail the rest. */
 #define KT_CAPPLAN_WINDOW 64
 
+/* Streams one block is noted on (where it was allocated and used); a block used on
+ * more is treated as unordered. */
+#define KT_CAPPLAN_STREAMS 8
+/* More planned blocks than this: the plan keeps streams apart (its order matrix
+ * would take n^2 / 8 bytes). */
+#define KT_CAPPLAN_ORDER_MAX_BLOCKS 16384
+
+/* ---- the order of a capture's work (optional) ------------------------------------- */
+/* Node ids are the captured graph's nodes, nonzero. Both callbacks write the first
+ * min(*n, cap) items and set *n to how many there are (call again with room when
+ * *n > cap); anything but KT_OK means "cannot say". Called with the caller's locks
+ * held; they must not call back into the allocator. */
+typedef struct kt_capture_order {
+  void *ctx;
+  /* the nodes the next operation captured on stream will depend on */
+  kt_status (*frontier)(void *ctx, kt_stream_t stream, uint64_t *nodes, size_t cap, size_t *n);
+  /* the captured graph's edges so far that order completion (from[k] -> to[k]) */
+  kt_status (*edges)(void *ctx, uint64_t *from, uint64_t *to, size_t cap, size_t *n);
+} kt_capture_order;
+
 /* ---- recording --------------------------------------------------------------- */
 typedef struct kt_caprec kt_caprec;
 
@@ -60,8 +93,11 @@ kt_status kt_caprec_alloc(kt_caprec *rec, const void *ptr, size_t size, kt_strea
 kt_status kt_caprec_free(kt_caprec *rec, const void *ptr);
 /* ptr (a live block's start) is used on stream too (Tensor.record_stream). */
 kt_status kt_caprec_use(kt_caprec *rec, const void *ptr, kt_stream_t stream);
-/* The capture ended: later frees count as lasting to the plan's end. */
+/* The capture ended: later frees count as lasting to the plan's end. With an order,
+ * the captured graph's edges are taken now (its nodes stay valid until then). */
 kt_status kt_caprec_end(kt_caprec *rec);
+/* Notes the order of the capture's work from now on (ord is copied; NULL: none). */
+kt_status kt_caprec_set_order(kt_caprec *rec, const kt_capture_order *ord);
 
 typedef struct kt_caprec_info {
   int32_t blocks;        /* allocations recorded */
@@ -74,9 +110,11 @@ kt_status kt_caprec_get_info(const kt_caprec *rec, kt_caprec_info *out);
 typedef struct kt_capplan kt_capplan;
 
 /* Lifetimes from rec: a block freed during the capture lives over [alloc, free) in
- * the order of recorded events; one freed after it, or used on another stream, to
- * the end. Blocks share bytes only with blocks of their own stream (a kt_memplan
- * group per stream). Live blocks are left out. rec may be destroyed afterwards. */
+ * the order of recorded events; one freed after it to the end. Without an order (or
+ * its graph), blocks share bytes only with blocks of their own stream (a kt_memplan
+ * group per stream) and a block used on another stream lives to the end; with one,
+ * blocks share bytes as the order allows (above). Live blocks are left out. rec may
+ * be destroyed afterwards. */
 kt_status kt_capplan_create(const kt_caprec *rec, kt_capplan **out);
 void kt_capplan_destroy(kt_capplan *plan);
 
@@ -88,6 +126,9 @@ typedef struct kt_capplan_info {
   /* the sum over streams of each stream's own live peak: no plan that keeps streams
    * apart is smaller (equal to peak_bytes on one stream) */
   size_t group_peak_bytes;
+  int32_t graph_nodes;   /* nodes of the recorded graph the plan ordered blocks by; 0: none */
+  int32_t cross_shares;  /* pairs of blocks of different streams (or used on another) the
+                          * order let share bytes */
 } kt_capplan_info;
 kt_status kt_capplan_get_info(const kt_capplan *plan, kt_capplan_info *out);
 
@@ -106,6 +147,9 @@ void kt_placer_destroy(kt_placer *pl);
  * reserve may map memory, a release synchronizes. On error the placer is as before
  * and places nothing until the next begin. */
 kt_status kt_placer_begin(kt_placer *pl, const kt_capplan *plan);
+/* Notes the order of the capture being placed (ord copied; NULL: none): blocks then
+ * share bytes across streams as the order allows. Call before kt_placer_begin. */
+kt_status kt_placer_set_order(kt_placer *pl, const kt_capture_order *ord);
 /* Ends placing (later allocations are refused); frees are still recognised. */
 void kt_placer_end(kt_placer *pl);
 /* KT_OK with *out in the arena, or KT_ERR_UNAVAILABLE (not placing, no planned

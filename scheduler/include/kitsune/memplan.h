@@ -39,6 +39,16 @@ typedef struct kt_memplan_block {
 kt_status kt_memplan(const kt_memplan_block *blocks, int32_t n, uint64_t align, uint64_t *offsets,
                      uint64_t *total);
 
+/* Whether block `earlier` (its lifetime ends at or before `later`'s start) may share
+ * bytes with block `later`: 1 yes, 0 no. */
+typedef int (*kt_memplan_share_fn)(void *ctx, int32_t earlier, int32_t later);
+
+/* kt_memplan where share, not the groups, says which blocks whose lifetimes do not
+ * meet may share bytes (a CUDA graph's blocks on streams that one ordered after the
+ * other). share NULL: kt_memplan. */
+kt_status kt_memplan_shared(const kt_memplan_block *blocks, int32_t n, uint64_t align, kt_memplan_share_fn share,
+                            void *ctx, uint64_t *offsets, uint64_t *total);
+
 /* The most bytes live at one event, sizes rounded up to align: no plan is smaller
  * (groups are ignored: with several, this bound is not tight). */
 kt_status kt_memplan_peak(const kt_memplan_block *blocks, int32_t n, uint64_t align, uint64_t *peak);

@@ -485,3 +485,384 @@ Test(capplan, random_captures_replayed_exactly_are_placed_in_full_and_perturbed_
   cr_assert_gt(perturbed_placed, perturbed_allocs / 3, "perturbations derailed most placements");
   cr_assert_lt(perturbed_placed, perturbed_allocs, "the perturbations never made a placement refused");
 }
+
+/* ---- streams ordered by the captured graph (kt_capture_order) --------------------- */
+/* A fake capture: kernels launched on streams become nodes depending on their stream's
+ * frontier; a join (an event recorded on one stream, waited on by another) adds the
+ * first's frontier to the second's. Streams other than the origin capture once they
+ * join one that does. */
+#define S3 ((kt_stream_t)(uintptr_t)0x3000)
+enum { FG_STREAMS = 3, FG_FRONT = 16, FG_EDGES = 40000 };
+typedef struct fgraph {
+  int nodes;
+  uint64_t ef[FG_EDGES], et[FG_EDGES];
+  int ne;
+  uint64_t front[FG_STREAMS][FG_FRONT];
+  int nfront[FG_STREAMS], capturing[FG_STREAMS];
+  int edge_calls;
+} fgraph;
+
+static int sidx(kt_stream_t s) { return s == S1 ? 0 : s == S2 ? 1 : 2; }
+static void fg_begin(fgraph *g) {
+  memset(g, 0, sizeof *g);
+  g->capturing[0] = 1;   /* S1 is the origin */
+}
+static uint64_t fg_launch(fgraph *g, kt_stream_t s) {
+  int k = sidx(s);
+  cr_assert(g->capturing[k], "a launch on a stream outside the capture");
+  uint64_t v = (uint64_t)++g->nodes;
+  for (int i = 0; i < g->nfront[k]; i++) {
+    cr_assert_lt(g->ne, FG_EDGES);
+    g->ef[g->ne] = g->front[k][i];
+    g->et[g->ne++] = v;
+  }
+  g->front[k][0] = v;
+  g->nfront[k] = 1;
+  return v;
+}
+static void fg_join(fgraph *g, kt_stream_t waiter, kt_stream_t from) {
+  int w = sidx(waiter), f = sidx(from);
+  cr_assert(g->capturing[f]);
+  for (int i = 0; i < g->nfront[f]; i++) {
+    int dup = 0;
+    for (int j = 0; j < g->nfront[w]; j++) dup |= g->front[w][j] == g->front[f][i];
+    if (!dup) {
+      cr_assert_lt(g->nfront[w], FG_FRONT);
+      g->front[w][g->nfront[w]++] = g->front[f][i];
+    }
+  }
+  g->capturing[w] = 1;
+}
+static kt_status fg_frontier(void *ctx, kt_stream_t s, uint64_t *nodes, size_t cap, size_t *n) {
+  fgraph *g = ctx;
+  int k = sidx(s);
+  if (!g->capturing[k]) return KT_ERR_UNAVAILABLE;
+  *n = (size_t)g->nfront[k];
+  for (size_t i = 0; i < *n && i < cap; i++) nodes[i] = g->front[k][i];
+  return KT_OK;
+}
+static kt_status fg_edges(void *ctx, uint64_t *from, uint64_t *to, size_t cap, size_t *n) {
+  fgraph *g = ctx;
+  g->edge_calls++;
+  *n = (size_t)g->ne;
+  for (size_t i = 0; i < *n && i < cap && from && to; i++) {
+    from[i] = g->ef[i];
+    to[i] = g->et[i];
+  }
+  return KT_OK;
+}
+/* Whether node a is an ancestor of node b: a plain search, the tests' oracle. */
+static int fg_before(const fgraph *g, uint64_t a, uint64_t b) {
+  static uint64_t stack[FG_EDGES + 1];
+  static unsigned char seen[FG_EDGES + 1];
+  memset(seen, 0, (size_t)g->nodes + 1);
+  int sp = 0;
+  stack[sp++] = b;
+  while (sp) {
+    uint64_t v = stack[--sp];
+    for (int e = 0; e < g->ne; e++)
+      if (g->et[e] == v && !seen[g->ef[e]]) {
+        if (g->ef[e] == a) return 1;
+        seen[g->ef[e]] = 1;
+        stack[sp++] = g->ef[e];
+      }
+  }
+  return 0;
+}
+
+static fgraph G;
+static const kt_capture_order ORDER = {&G, fg_frontier, fg_edges};
+
+/* x (4 MiB) on S1 read on S2 (forked), S2's temp t (4 MiB) freed there; joined (or
+ * not) back to S1, x freed; then y (4 MiB) and z (4 MiB) on S1. */
+static void branch(kt_caprec *r, kt_placer *pl, int join, void **out) {
+  void *x = P(0), *t = P(1), *y = P(2), *z = P(3);
+  if (pl) x = place(pl, 4 * MiB, S1);
+  else cr_assert_eq(kt_caprec_alloc(r, x, 4 * MiB, S1), KT_OK);
+  fg_launch(&G, S1);
+  fg_join(&G, S2, S1);
+  if (pl) cr_assert_eq(kt_placer_use(pl, x, S2), KT_OK);
+  else cr_assert_eq(kt_caprec_use(r, x, S2), KT_OK);
+  if (pl) t = place(pl, 4 * MiB, S2);
+  else cr_assert_eq(kt_caprec_alloc(r, t, 4 * MiB, S2), KT_OK);
+  fg_launch(&G, S2);
+  if (pl) cr_assert_eq(kt_placer_free(pl, t), KT_OK);
+  else cr_assert_eq(kt_caprec_free(r, t), KT_OK);
+  if (join) fg_join(&G, S1, S2);
+  if (pl) cr_assert_eq(kt_placer_free(pl, x), KT_OK);
+  else cr_assert_eq(kt_caprec_free(r, x), KT_OK);
+  if (!pl) {
+    cr_assert_eq(kt_caprec_alloc(r, y, 4 * MiB, S1), KT_OK);
+    fg_launch(&G, S1);
+    cr_assert_eq(kt_caprec_alloc(r, z, 4 * MiB, S1), KT_OK);
+    fg_launch(&G, S1);
+    cr_assert_eq(kt_caprec_free(r, y), KT_OK);
+    cr_assert_eq(kt_caprec_free(r, z), KT_OK);
+    return;
+  }
+  out[0] = x;
+  out[1] = t;
+}
+
+static kt_caprec *record_branch(int join, int order) {
+  kt_caprec *r = rec_new();
+  fg_begin(&G);
+  if (order) cr_assert_eq(kt_caprec_set_order(r, &ORDER), KT_OK);
+  branch(r, NULL, join, NULL);
+  cr_assert_eq(kt_caprec_end(r), KT_OK);
+  return r;
+}
+
+Test(capplan, a_join_lets_blocks_of_another_stream_or_used_on_one_be_reused) {
+  cr_assert_eq(kt_caprec_set_order(NULL, &ORDER), KT_ERR_INVALID);
+  kt_capture_order half = {&G, fg_frontier, NULL};
+  kt_caprec *r = rec_new();
+  cr_assert_eq(kt_caprec_set_order(r, &half), KT_ERR_INVALID);
+  kt_caprec_destroy(r);
+
+  kt_capplan *apart = plan_of(r = record_branch(1, 0));
+  kt_caprec_destroy(r);
+  kt_capplan_info in = info_of(apart);
+  cr_assert_eq(in.graph_nodes, 0);
+  cr_assert_eq(in.plan_bytes, 16 * MiB, "without an order: x (used on S2) lives on, t is S2's, y and z need 8 more");
+  kt_capplan *joined = plan_of(r = record_branch(1, 1));
+  kt_caprec_destroy(r);
+  in = info_of(joined);
+  cr_assert_eq(in.graph_nodes, 4);
+  cr_assert_eq(in.plan_bytes, 8 * MiB, "joined: y and z take x's and t's bytes");
+  cr_assert_eq(in.cross_shares, 4, "x -> y, x -> z, t -> y, t -> z");
+  cr_assert_eq(in.peak_bytes, 8 * MiB);
+  kt_capplan *unjoined = plan_of(r = record_branch(0, 1));
+  kt_caprec_destroy(r);
+  in = info_of(unjoined);
+  cr_assert_eq(in.plan_bytes, 16 * MiB, "S2 never joins S1: nothing of x or t may be reused on S1");
+  cr_assert_eq(in.cross_shares, 0);
+
+  /* placing the joined plan: the same capture is placed in full, over x's and t's bytes */
+  kt_placer *pl = placer_new();
+  cr_assert_eq(kt_placer_set_order(NULL, &ORDER), KT_ERR_INVALID);
+  cr_assert_eq(kt_placer_set_order(pl, &half), KT_ERR_INVALID);
+  cr_assert_eq(kt_placer_set_order(pl, &ORDER), KT_OK);
+  cr_assert_eq(kt_placer_begin(pl, joined), KT_OK);
+  fg_begin(&G);
+  void *xt[2];
+  branch(NULL, pl, 1, xt);
+  char *y = place(pl, 4 * MiB, S1);
+  fg_launch(&G, S1);
+  char *z = place(pl, 4 * MiB, S1);
+  cr_assert(y != z);
+  cr_assert(y == xt[0] || y == xt[1]);
+  cr_assert(z == xt[0] || z == xt[1]);
+  cr_assert_gt(G.edge_calls, 0, "the placer asked the graph");
+  cr_assert_eq(kt_placer_free(pl, y), KT_OK);
+  cr_assert_eq(kt_placer_free(pl, z), KT_OK);
+  cr_assert_eq(pstats(pl).refused, 0);
+
+  /* the second capture forgets the join: y may not take x's or t's bytes */
+  cr_assert_eq(kt_placer_begin(pl, joined), KT_OK);
+  fg_begin(&G);
+  branch(NULL, pl, 0, xt);
+  refused(pl, 4 * MiB, S1);
+  cr_assert_eq(pstats(pl).refused, 1);
+  /* nor without an order at all */
+  cr_assert_eq(kt_placer_set_order(pl, NULL), KT_OK);
+  cr_assert_eq(kt_placer_begin(pl, joined), KT_OK);
+  fg_begin(&G);
+  branch(NULL, pl, 1, xt);
+  refused(pl, 4 * MiB, S1);
+  kt_placer_destroy(pl);
+  kt_capplan_destroy(apart);
+  kt_capplan_destroy(joined);
+  kt_capplan_destroy(unjoined);
+}
+
+/* Random Inception-like captures on three streams: blocks forked to side streams,
+ * side-stream temporaries and outputs, joins that a capture may leave out, frees in
+ * any order. Each is recorded with an order, planned, and placed twice: as recorded,
+ * and with joins dropped and frees delayed. Every placement over a freed block is
+ * checked by the oracle: each kernel that touched the old block must be an ancestor
+ * of the new block's first kernel. */
+enum { OK_ALLOC, OK_USE, OK_FREE, OK_JOIN };
+typedef struct oop { int kind, id; size_t size; kt_stream_t s, from; } oop;
+enum { OMAX = 4000, OIDS = 1200, OTOUCH = 24 };
+
+static int make_branchy(oop *ops) {
+  int n = 0, id = 0, keep[256], nk = 0;
+  int blocks = 2 + (int)(rnd() % 10);
+  for (int blk = 0; blk < blocks; blk++) {
+    int x = id++;
+    size_t xs = (size_t)(1 + rnd() % 16) * 64 * KiB;
+    ops[n++] = (oop){OK_ALLOC, x, xs, S1, NULL};
+    int outs[2];
+    for (int b = 0; b < 2; b++) {
+      kt_stream_t s = b ? S3 : S2;
+      ops[n++] = (oop){OK_JOIN, 0, 0, s, S1};
+      ops[n++] = (oop){OK_USE, x, 0, s, NULL};
+      int t = id++;
+      ops[n++] = (oop){OK_ALLOC, t, (size_t)(1 + rnd() % 16) * 64 * KiB, s, NULL};
+      outs[b] = id++;
+      ops[n++] = (oop){OK_ALLOC, outs[b], (size_t)(1 + rnd() % 8) * 64 * KiB, s, NULL};
+      ops[n++] = (oop){OK_FREE, t, 0, NULL, NULL};
+    }
+    for (int b = 0; b < 2; b++) {
+      ops[n++] = (oop){OK_JOIN, 0, 0, S1, b ? S3 : S2};   /* needed: the output is read on S1 next */
+      ops[n++] = (oop){OK_USE, outs[b], 0, S1, NULL};
+    }
+    int cat = id++;
+    ops[n++] = (oop){OK_ALLOC, cat, (size_t)(1 + rnd() % 8) * 128 * KiB, S1, NULL};
+    for (int b = 0; b < 2; b++) ops[n++] = (oop){OK_FREE, outs[b], 0, NULL, NULL};
+    if (rnd() % 2) ops[n++] = (oop){OK_FREE, x, 0, NULL, NULL};
+    else keep[nk++] = x;
+    keep[nk++] = cat;
+    if (rnd() % 3 == 0) {   /* a side-stream temporary freed with no join after it */
+      int u = id++;
+      ops[n++] = (oop){OK_ALLOC, u, (size_t)(1 + rnd() % 16) * 64 * KiB, S2, NULL};
+      ops[n++] = (oop){OK_FREE, u, 0, NULL, NULL};
+    }
+  }
+  while (nk) {   /* a backward: gradients on S1 and S2, saved blocks freed in reverse */
+    int g = id++;
+    kt_stream_t s = rnd() % 2 ? S1 : S2;
+    if (s == S2) ops[n++] = (oop){OK_JOIN, 0, 0, S2, S1};
+    ops[n++] = (oop){OK_ALLOC, g, (size_t)(1 + rnd() % 16) * 64 * KiB, s, NULL};
+    ops[n++] = (oop){OK_FREE, keep[--nk], 0, NULL, NULL};
+    if (s == S2 && rnd() % 3) ops[n++] = (oop){OK_JOIN, 0, 0, S1, S2};
+    ops[n++] = (oop){OK_FREE, g, 0, NULL, NULL};
+  }
+  for (int s = 1; s < 3; s++) ops[n++] = (oop){OK_JOIN, 0, 0, S1, s == 1 ? S2 : S3};
+  cr_assert_lt(n, OMAX);
+  cr_assert_lt(id, OIDS);
+  return n;
+}
+
+typedef struct oblock {
+  char *p;
+  size_t size;
+  kt_stream_t s;
+  int live, in_arena, foreign, ntouch;   /* foreign: used on another stream than s */
+  uint64_t touch[OTOUCH];   /* kernels that used it */
+} oblock;
+
+static void touch(oblock *b, uint64_t node) {
+  cr_assert_lt(b->ntouch, OTOUCH);
+  b->touch[b->ntouch++] = node;
+}
+
+/* Runs ops in the fake graph, through r (recording) or pl (placing, checked). With
+ * perturb, a join from a side stream to S1 after a side-stream free is sometimes
+ * dropped (when nothing read on S1 needs it) and frees are sometimes delayed. */
+static void run_branchy(const oop *ops, int n, kt_caprec *r, kt_placer *pl, int perturb, int *placed, int *allocs,
+                        int *over_foreign) {
+  static oblock b[OIDS];
+  memset(b, 0, sizeof b);
+  fg_begin(&G);
+  char *fallback = (char *)(uintptr_t)0x700000000000ull;
+  int delayed = -1;
+  *placed = *allocs = 0;
+  for (int i = 0; i < n; i++) {
+    oop o = ops[i];
+    if (o.kind == OK_JOIN) {
+      /* a join to S1 that no read on S1 needs next */
+      int needed = i + 1 < n && ops[i + 1].kind == OK_USE;
+      if (perturb && o.s == S1 && !needed && rnd() % 3 == 0) continue;
+      if (G.capturing[sidx(o.from)]) fg_join(&G, o.s, o.from);
+    } else if (o.kind == OK_ALLOC) {
+      oblock *x = &b[o.id];
+      if (pl) {
+        void *p = NULL;
+        kt_status st = kt_placer_alloc(pl, o.size, o.s, &p);
+        (*allocs)++;
+        *x = (oblock){st == KT_OK ? p : fallback, (o.size + 511) / 512 * 512, o.s, 1, st == KT_OK, 0, 0, {0}};
+        if (st == KT_OK) (*placed)++;
+        else fallback += 64 * MiB;
+      } else {
+        cr_assert_eq(kt_caprec_alloc(r, P(o.id), o.size, o.s), KT_OK);
+        *x = (oblock){(char *)P(o.id), o.size, o.s, 1, 0, 0, 0, {0}};
+      }
+      uint64_t first = fg_launch(&G, o.s);
+      touch(x, first);
+      if (pl && x->in_arena)
+        for (int k = 0; k < OIDS; k++) {   /* the oracle */
+          oblock *y = &b[k];
+          if (y == x || !y->in_arena || !(y->p < x->p + x->size && x->p < y->p + y->size)) continue;
+          cr_assert(!y->live, "a placement overlaps a live block");
+          for (int q = 0; q < y->ntouch; q++)
+            cr_assert(fg_before(&G, y->touch[q], first), "a placement overlaps a block whose kernel %llu may "
+                      "still run (new block's first kernel %llu)", (unsigned long long)y->touch[q],
+                      (unsigned long long)first);
+          (*over_foreign) += y->foreign || y->s != o.s;
+        }
+    } else if (o.kind == OK_USE) {
+      oblock *x = &b[o.id];
+      if (pl && x->in_arena) cr_assert_eq(kt_placer_use(pl, x->p, o.s), KT_OK);
+      if (!pl) cr_assert_eq(kt_caprec_use(r, P(o.id), o.s), KT_OK);
+      touch(x, fg_launch(&G, o.s));
+      x->foreign |= o.s != x->s;
+    } else {
+      if (perturb && delayed < 0 && rnd() % 6 == 0) {
+        delayed = o.id;
+        continue;
+      }
+      int ids[2] = {o.id, delayed}, m = delayed >= 0 && o.kind == OK_FREE ? 2 : 1;
+      if (m == 2) delayed = -1;
+      for (int q = 0; q < m; q++) {
+        oblock *x = &b[ids[q]];
+        if (pl && x->in_arena) cr_assert_eq(kt_placer_free(pl, x->p), KT_OK);
+        if (!pl) cr_assert_eq(kt_caprec_free(r, P(ids[q])), KT_OK);
+        x->live = 0;
+      }
+    }
+  }
+  if (delayed >= 0) {
+    if (pl && b[delayed].in_arena) cr_assert_eq(kt_placer_free(pl, b[delayed].p), KT_OK);
+    if (!pl) cr_assert_eq(kt_caprec_free(r, P(delayed)), KT_OK);
+  }
+}
+
+Test(capplan, random_branchy_captures_share_across_streams_only_where_the_graph_orders_it) {
+  static oop ops[OMAX];
+  rng_state = 0x2545f4914f6cdd1dull;
+  int trials = 120, refused_total = 0, placed_total = 0, allocs_total = 0, foreign = 0;
+  double gain = 0, worst = 0;
+  for (int t = 0; t < trials; t++) {
+    int n = make_branchy(ops), placed, allocs, over = 0;
+    kt_caprec *r = rec_new();
+    cr_assert_eq(kt_caprec_set_order(r, &ORDER), KT_OK);
+    run_branchy(ops, n, r, NULL, 0, &placed, &allocs, &over);
+    cr_assert_eq(kt_caprec_end(r), KT_OK);
+    kt_capplan *p = plan_of(r);
+    kt_capplan_info in = info_of(p);
+    cr_assert_gt(in.graph_nodes, 0);
+    cr_assert_geq(in.plan_bytes, in.peak_bytes);
+    /* the same recording without an order keeps streams apart */
+    kt_caprec *r0 = rec_new();
+    run_branchy(ops, n, r0, NULL, 0, &placed, &allocs, &over);
+    kt_capplan *p0 = plan_of(r0);
+    double g = (double)info_of(p0).plan_bytes / (double)in.plan_bytes;
+    cr_assert_geq(g, 1.0, "trial %d: the order made the plan larger (%zu vs %zu)", t, in.plan_bytes,
+                  info_of(p0).plan_bytes);
+    gain += g;
+    if ((double)in.plan_bytes / (double)in.peak_bytes > worst) worst = (double)in.plan_bytes / (double)in.peak_bytes;
+    kt_placer *pl = placer_new();
+    cr_assert_eq(kt_placer_set_order(pl, &ORDER), KT_OK);
+    cr_assert_eq(kt_placer_begin(pl, p), KT_OK);
+    run_branchy(ops, n, NULL, pl, 0, &placed, &allocs, &foreign);
+    cr_assert_eq(placed, allocs, "trial %d: the recorded capture was not placed in full (%d of %d)", t, placed, allocs);
+    cr_assert_eq(kt_placer_begin(pl, p), KT_OK);
+    run_branchy(ops, n, NULL, pl, 1, &placed, &allocs, &over);
+    refused_total += allocs - placed;
+    placed_total += placed;
+    allocs_total += allocs;
+    kt_placer_destroy(pl);
+    kt_capplan_destroy(p);
+    kt_capplan_destroy(p0);
+    kt_caprec_destroy(r);
+    kt_caprec_destroy(r0);
+  }
+  cr_log_info("ordered plan: %.3fx smaller than streams kept apart (mean), worst %.3fx the live peak; %d placements "
+              "over blocks of or used on another stream; perturbed: placed %d of %d", gain / trials, worst, foreign, placed_total,
+              allocs_total);
+  cr_assert_gt(gain / trials, 1.05, "the order hardly changed the plans");
+  cr_assert_gt(foreign, 0, "no placement ever reused a block used on another stream");
+  cr_assert_gt(refused_total, 0, "the perturbations never made a placement refused");
+}

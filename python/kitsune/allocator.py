@@ -93,10 +93,12 @@ class CapturePlan:
     capture into a pool out by it. ``info``: planned ``blocks``, ``arena_bytes``,
     ``plan_bytes`` (the layout's extent), ``peak_bytes`` (the most bytes live at once
     in the recording: no layout is smaller), ``stream_peak_bytes`` (the sum of each
-    stream's own live peak: no layout that keeps streams apart, as this one does, is
-    smaller), ``recorded`` allocations, of them ``left_live`` (still live when planned,
-    left out: a workspace PyTorch keeps) and ``freed_after`` (freed after the capture,
-    planned to its end)."""
+    stream's own live peak: no layout that keeps streams apart is smaller),
+    ``recorded`` allocations, of them ``left_live`` (still live when planned, left
+    out: a workspace PyTorch keeps) and ``freed_after`` (freed after the capture,
+    planned to its end), ``graph_nodes`` (the captured graph's nodes the plan ordered
+    blocks by; 0: streams were kept apart) and ``cross_shares`` (pairs of blocks of
+    different streams, or used on another, the graph's order let share bytes)."""
 
     def __init__(self, handle, info):
         self._handle, self.info = handle, info
@@ -147,10 +149,10 @@ def _take_plan(pool, device=0):
     ends. Free the graph's outputs first: what is still live is left out."""
     b, d, i0, i1 = _pool_args(pool, device)
     h = ctypes.c_void_p()
-    out = (ctypes.c_int64 * 8)()
+    out = (ctypes.c_int64 * 10)()
     check(b.kt_bridge_pool_take_plan(d, i0, i1, ctypes.byref(h), out), f"planning pool {pool}'s recorded capture")
     keys = ("blocks", "arena_bytes", "plan_bytes", "peak_bytes", "recorded", "left_live", "freed_after",
-            "stream_peak_bytes")
+            "stream_peak_bytes", "graph_nodes", "cross_shares")
     return CapturePlan(h.value, dict(zip(keys, list(out))))
 
 

@@ -597,8 +597,9 @@ def test_gpu_compile_step_with_planned_memory_trains_as_eager(case):
     planned, captured again by the plan. It trains as the eager loop does (checked in
     plan_workloads.py), and the plan was used: on one stream every recorded block is
     placed at its offset; with several batch shapes (max_shapes=2) the arena grows and
-    graphs are dropped and captured again; on a streamed branchy net placements that
-    would share bytes across streams are refused, and it still trains alike."""
+    graphs are dropped and captured again; on a streamed branchy net the plan lets
+    blocks of different streams share bytes where the captured graph orders their work
+    (the bridge read the graph: graph_nodes, cross_shares), and it still trains alike."""
     here = os.path.dirname(os.path.abspath(__file__))
     r = subprocess.run([sys.executable, os.path.join(here, "plan_workloads.py"), case], capture_output=True,
                        text=True, env=env(), timeout=600)
@@ -616,3 +617,4 @@ def test_gpu_compile_step_with_planned_memory_trains_as_eager(case):
         assert st["graphs"] == 2 and st["evictions"] >= 1, st
     if case == "branchy":
         assert st["streams"] > 1, st
+        assert mp["graph_nodes"] > 0 and mp["cross_shares"] > 0, mp

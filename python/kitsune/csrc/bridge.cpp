@@ -57,6 +57,7 @@
 #include <mutex>
 #include <shared_mutex>
 #include <unordered_set>
+#include <memory>
 #include <vector>
 
 extern "C" {
@@ -104,6 +105,74 @@ kt_status create_device_pool(int device, kt_pool_t** out, bool device_pool = fal
   o.vmm = device_pool && env_int("KITSUNE_VMM", device_count == 1) != 0;
   if (be) o.shared_segment = KT_SEGMENT_ALIGN;   // a private pool's segments are cheap blocks of the device's
   return kt_pool_create(&o, be ? be : kt_cuda_backend(), out);
+}
+
+// ---- the order of a capture's work, for capture plans (kitsune/capplan.h) -------------
+// The graph being captured, as the allocator sees it: cudaStreamGetCaptureInfo gives a
+// stream's frontier (the nodes its next work depends on) and the graph; its edges say
+// what finishes before what. Only plain edges count: a programmatic one (a kernel that
+// may start before its predecessor ends) orders nothing here. KITSUNE_CAPTURE_ORDER=0
+// turns this off (streams are then kept apart, as before 71e76aa).
+struct CaptureOrder {
+  cudaGraph_t graph = nullptr;   // the capture's, from the first frontier asked
+  kt_capture_order ops{};
+};
+
+bool plain_edges(const cudaGraphEdgeData* e, size_t n) {
+  for (size_t i = 0; e && i < n; i++)
+    if (e[i].type != cudaGraphDependencyTypeDefault) return false;
+  return true;
+}
+
+kt_status capture_frontier(void* ctx, kt_stream_t stream, uint64_t* nodes, size_t cap, size_t* n) {
+  auto* c = static_cast<CaptureOrder*>(ctx);
+  auto s = static_cast<cudaStream_t>(stream);
+  // the legacy and per-thread default streams: asking about them during a capture
+  // could invalidate it, and a capture never runs on them
+  if (reinterpret_cast<uintptr_t>(s) <= 2) return KT_ERR_UNAVAILABLE;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  cudaGraph_t g = nullptr;
+  const cudaGraphNode_t* deps = nullptr;
+  const cudaGraphEdgeData* data = nullptr;
+  size_t nd = 0;
+  if (cudaStreamGetCaptureInfo(s, &status, nullptr, &g, &deps, &data, &nd) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return KT_ERR_UNAVAILABLE;
+  }
+  if (status != cudaStreamCaptureStatusActive || !g || !plain_edges(data, nd)) return KT_ERR_UNAVAILABLE;
+  if (!c->graph) c->graph = g;
+  else if (c->graph != g) return KT_ERR_UNAVAILABLE;   // a stream of another capture
+  *n = nd;
+  for (size_t i = 0; i < nd && i < cap; i++) nodes[i] = reinterpret_cast<uint64_t>(deps[i]);
+  return KT_OK;
+}
+
+kt_status capture_edges(void* ctx, uint64_t* from, uint64_t* to, size_t cap, size_t* n) {
+  auto* c = static_cast<CaptureOrder*>(ctx);
+  if (!c->graph) return KT_ERR_UNAVAILABLE;
+  size_t m = 0;
+  if (cudaGraphGetEdges(c->graph, nullptr, nullptr, nullptr, &m) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return KT_ERR_UNAVAILABLE;
+  }
+  if (!from || !to || m > cap) {   // the count only (programmatic edges not yet left out)
+    *n = m;
+    return KT_OK;
+  }
+  std::vector<cudaGraphNode_t> f(m), t(m);
+  std::vector<cudaGraphEdgeData> e(m);
+  if (m && cudaGraphGetEdges(c->graph, f.data(), t.data(), e.data(), &m) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return KT_ERR_UNAVAILABLE;
+  }
+  size_t k = 0;
+  for (size_t i = 0; i < m && i < cap; i++)
+    if (e[i].type == cudaGraphDependencyTypeDefault) {
+      from[k] = reinterpret_cast<uint64_t>(f[i]);
+      to[k++] = reinterpret_cast<uint64_t>(t[i]);
+    }
+  *n = k;
+  return KT_OK;
 }
 
 Stat to_stat(const kt_stat& s) {
@@ -512,7 +581,8 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
   }
   // The plan of (dev, id)'s recorded capture; the recording ends. *info: planned
   // blocks, arena bytes, plan bytes, live peak, recorded blocks, of them still live
-  // (left out), freed after the capture, the sum of the streams' live peaks.
+  // (left out), freed after the capture, the sum of the streams' live peaks, the
+  // recorded graph's nodes (0: streams kept apart), pairs shared across streams.
   kt_status take_plan(c10::DeviceIndex dev, c10::cuda::MempoolId_t id, kt_capplan** out, int64_t* info) {
     std::lock_guard<std::mutex> g(mu_);
     Private* p = find_private(dev, id);
@@ -523,9 +593,9 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
     if (st != KT_OK) return st;
     kt_capplan_info ci;
     kt_capplan_get_info(*out, &ci);
-    int64_t v[8] = {ci.blocks, static_cast<int64_t>(ci.arena_bytes), static_cast<int64_t>(ci.plan_bytes),
-                    static_cast<int64_t>(ci.peak_bytes), ri.blocks, ri.live, ri.freed_after,
-                    static_cast<int64_t>(ci.group_peak_bytes)};
+    int64_t v[10] = {ci.blocks, static_cast<int64_t>(ci.arena_bytes), static_cast<int64_t>(ci.plan_bytes),
+                     static_cast<int64_t>(ci.peak_bytes), ri.blocks, ri.live, ri.freed_after,
+                     static_cast<int64_t>(ci.group_peak_bytes), ci.graph_nodes, ci.cross_shares};
     std::memcpy(info, v, sizeof v);
     kt_caprec_destroy(p->rec);
     p->rec = nullptr;
@@ -637,6 +707,7 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
     kt_caprec* rec = nullptr;
     kt_placer* placer = nullptr;
     kt_status placer_status = KT_OK;   // of the last kt_placer_begin
+    std::shared_ptr<CaptureOrder> order;   // the capture's graph (heap: Private moves)
   };
   // What the next capture into a pool does, asked before the pool may exist.
   struct Pending {
@@ -676,13 +747,25 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
       Pending q = pending_[i];
       if (q.device != dev || q.id != id) continue;
       pending_.erase(pending_.begin() + static_cast<std::ptrdiff_t>(i));
+      static const bool ordered = env_int("KITSUNE_CAPTURE_ORDER", 1) != 0;
+      const kt_capture_order* ord = nullptr;
+      if (ordered) {
+        if (!p->order) {
+          p->order = std::make_shared<CaptureOrder>();
+          p->order->ops = kt_capture_order{p->order.get(), capture_frontier, capture_edges};
+        }
+        p->order->graph = nullptr;   // this capture's is taken from its first frontier
+        ord = &p->order->ops;
+      }
       if (q.record) {
         kt_caprec_destroy(p->rec);
         p->rec = nullptr;
         if (kt_caprec_create(&p->rec) != KT_OK) p->rec = nullptr;
+        if (p->rec) (void)kt_caprec_set_order(p->rec, ord);
       }
       if (q.plan) {
         p->placer_status = p->placer ? KT_OK : kt_placer_create(subs_[dev], dev, &p->placer);
+        if (p->placer_status == KT_OK) p->placer_status = kt_placer_set_order(p->placer, ord);
         if (p->placer_status == KT_OK) p->placer_status = kt_placer_begin(p->placer, q.plan);
       }
       return;

@@ -138,7 +138,7 @@ typedef struct capdag {
   int32_t *poff, *pred;  /* node k's predecessors: pred[poff[k] .. poff[k + 1]) */
   uint32_t *mark, stamp;
   int32_t *stack;
-  size_t edges;          /* the snapshot's edge count */
+  size_t edges;          /* the edge count the snapshot was taken at */
   int valid;
 } capdag;
 
@@ -185,7 +185,6 @@ static kt_status dag_build(capdag *d, const uint64_t *from, const uint64_t *to, 
     int32_t *fill = d->stack;   /* as a cursor per node while filling */
     for (int32_t k = 0; k < d->n; k++) fill[k] = d->poff[k];
     for (size_t e = 0; e < m; e++) d->pred[fill[et[e]]++] = ef[e];
-    d->edges = m;
     d->valid = 1;
   }
   free(ef);
@@ -194,23 +193,23 @@ static kt_status dag_build(capdag *d, const uint64_t *from, const uint64_t *to, 
   return st;
 }
 
-/* Takes the graph's edges when they changed since the last snapshot. */
+/* Takes the graph's edges when their count (asked with no room: it may include edges
+ * the fetch then leaves out) changed since the last snapshot. */
 static kt_status dag_snapshot(capdag *d, const kt_capture_order *o) {
-  size_t m = 0;
-  kt_status st = o->edges(o->ctx, NULL, NULL, 0, &m);
+  size_t count = 0;
+  kt_status st = o->edges(o->ctx, NULL, NULL, 0, &count);
   if (st != KT_OK) return st;
-  if (d->valid && m == d->edges) return KT_OK;
-  for (int tries = 0; tries < 2; tries++) {
-    uint64_t *from = malloc((m + 1) * sizeof *from), *to = malloc((m + 1) * sizeof *to);
-    size_t got = 0;
-    st = from && to ? o->edges(o->ctx, from, to, m, &got) : KT_ERR_HOST_OOM;
-    if (st == KT_OK && got <= m) st = dag_build(d, from, to, got);
-    free(from);
-    free(to);
-    if (st != KT_OK || got <= m) return st;
-    m = got;
-  }
-  return KT_ERR_UNAVAILABLE;
+  if (d->valid && count == d->edges) return KT_OK;
+  if (count > SIZE_MAX / 16) return KT_ERR_HOST_OOM;
+  uint64_t *from = malloc((count + 1) * sizeof *from), *to = malloc((count + 1) * sizeof *to);
+  size_t got = 0;
+  st = from && to ? o->edges(o->ctx, from, to, count, &got) : KT_ERR_HOST_OOM;
+  if (st == KT_OK && got > count) st = KT_ERR_UNAVAILABLE;   /* it grew between the calls */
+  if (st == KT_OK) st = dag_build(d, from, to, got);
+  if (st == KT_OK) d->edges = count;
+  free(from);
+  free(to);
+  return st;
 }
 
 /* Marks the ancestors of nodes (and nodes). */

@@ -866,3 +866,37 @@ Test(capplan, random_branchy_captures_share_across_streams_only_where_the_graph_
   cr_assert_gt(foreign, 0, "no placement ever reused a block used on another stream");
   cr_assert_gt(refused_total, 0, "the perturbations never made a placement refused");
 }
+
+/* The bridge's edge count (asked with no room) includes programmatic edges its fetch
+ * leaves out: a snapshot is still taken once per count, and the plan still holds. */
+static kt_status fg_edges_counting_more(void *ctx, uint64_t *from, uint64_t *to, size_t cap, size_t *n) {
+  kt_status st = fg_edges(ctx, from, to, cap, n);
+  if (!from || !to) *n += 3;
+  return st;
+}
+
+Test(capplan, an_edge_count_above_what_is_fetched_is_taken_once) {
+  kt_capture_order more = {&G, fg_frontier, fg_edges_counting_more};
+  kt_caprec *r = rec_new();
+  fg_begin(&G);
+  cr_assert_eq(kt_caprec_set_order(r, &more), KT_OK);
+  branch(r, NULL, 1, NULL);
+  cr_assert_eq(kt_caprec_end(r), KT_OK);
+  kt_capplan *p = plan_of(r);
+  cr_assert_eq(info_of(p).plan_bytes, 8 * MiB);
+  kt_placer *pl = placer_new();
+  cr_assert_eq(kt_placer_set_order(pl, &more), KT_OK);
+  cr_assert_eq(kt_placer_begin(pl, p), KT_OK);
+  fg_begin(&G);
+  void *xt[2];
+  branch(NULL, pl, 1, xt);
+  void *y = place(pl, 4 * MiB, S1);   /* checks: counts, fetches */
+  cr_assert_eq(G.edge_calls, 2, "one count, one fetch");
+  void *z = place(pl, 4 * MiB, S1);   /* the graph did not change: counts only */
+  cr_assert_eq(G.edge_calls, 3, "the same count was fetched again");
+  cr_assert_eq(kt_placer_free(pl, y), KT_OK);
+  cr_assert_eq(kt_placer_free(pl, z), KT_OK);
+  kt_placer_destroy(pl);
+  kt_capplan_destroy(p);
+  kt_caprec_destroy(r);
+}

@@ -152,3 +152,59 @@ Test(memplan, random_instances_are_always_valid) {
     free(b);
   }
 }
+
+/* kt_memplan_shared: share(i, j) over random pairs (a matrix); blocks that may not
+ * share (lifetimes meet, or share says no) never overlap; with share = "same group",
+ * the offsets are kt_memplan's with groups. */
+typedef struct { const unsigned char *ok; int32_t n; int calls; const blk *b; } share_ctx;
+static int share_of(void *ctx, int32_t i, int32_t j) {
+  share_ctx *c = ctx;
+  c->calls++;
+  cr_assert_leq(c->b[i].end, c->b[j].start, "share asked about blocks %d, %d out of order", i, j);
+  return c->ok[(size_t)i * (size_t)c->n + (size_t)j];
+}
+
+Test(memplan, shared_plans_keep_apart_what_share_refuses) {
+  for (uint64_t seed = 1; seed <= 200; seed++) {
+    uint64_t s = seed * 0x9E3779B97F4A7C15ull;
+    int32_t n = 1 + (int32_t)(rnd(&s) % 50);
+    blk *b = calloc((size_t)n, sizeof *b);
+    unsigned char *ok = calloc((size_t)n * (size_t)n, 1), *same = calloc((size_t)n * (size_t)n, 1);
+    for (int32_t i = 0; i < n; i++) {
+      int64_t a = (int64_t)(rnd(&s) % 100);
+      b[i] = (blk){1 + rnd(&s) % 100000, a, a + 1 + (int64_t)(rnd(&s) % 30), (int32_t)(rnd(&s) % 3)};
+    }
+    for (int32_t i = 0; i < n; i++)
+      for (int32_t j = 0; j < n; j++) {
+        ok[(size_t)i * (size_t)n + (size_t)j] = (unsigned char)(rnd(&s) % 2);
+        same[(size_t)i * (size_t)n + (size_t)j] = b[i].group == b[j].group;
+      }
+    uint64_t *off = malloc(sizeof *off * (size_t)n), *off2 = malloc(sizeof *off2 * (size_t)n), total, total2;
+    share_ctx c = {ok, n, 0, b};
+    cr_assert_eq(kt_memplan_shared(b, n, 512, share_of, &c, off, &total), KT_OK);
+    uint64_t peak;
+    cr_assert_eq(kt_memplan_peak(b, n, 512, &peak), KT_OK);
+    cr_assert_geq(total, peak);
+    for (int32_t i = 0; i < n; i++) {
+      cr_assert_leq(off[i] + (b[i].size + 511) / 512 * 512, total);
+      for (int32_t j = 0; j < n; j++) {
+        if (i == j) continue;
+        int meet = b[i].start < b[j].end && b[j].start < b[i].end;
+        int apart = meet || (b[i].end <= b[j].start && !ok[(size_t)i * (size_t)n + (size_t)j]);
+        uint64_t si = (b[i].size + 511) / 512 * 512, sj = (b[j].size + 511) / 512 * 512;
+        cr_assert(!(apart && off[i] < off[j] + sj && off[j] < off[i] + si), "seed %llu: blocks %d and %d overlap",
+                  (unsigned long long)seed, i, j);
+      }
+    }
+    c = (share_ctx){same, n, 0, b};
+    cr_assert_eq(kt_memplan_shared(b, n, 512, share_of, &c, off, &total), KT_OK);
+    cr_assert_eq(kt_memplan(b, n, 512, off2, &total2), KT_OK);
+    cr_assert_eq(total, total2);
+    for (int32_t i = 0; i < n; i++) cr_assert_eq(off[i], off2[i], "seed %llu: block %d", (unsigned long long)seed, i);
+    free(off);
+    free(off2);
+    free(ok);
+    free(same);
+    free(b);
+  }
+}

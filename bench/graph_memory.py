@@ -9,6 +9,8 @@ For each model of bench/models.py (same builders, batches and AdamW), kitsune.op
                 a Kitsune private pool drawing on the device pool
   kitsune_plan  kitsune.allocator.install(); compile_step(plan_memory=True): captured once
                 while recording, laid out by kt_memplan, captured again by the plan
+  kitsune_plan_1s  the same on one stream (compile_step(streams=1)); only when named in
+                --configs: how much of a streamed graph's memory its streams take
 
 Each process runs 5 eager steps, then measures one more: `static` is what is allocated
 before it (parameters, optimizer state, batches, workspaces; gradients dropped),
@@ -39,6 +41,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = ("native", "kitsune_pool", "kitsune_plan")
+EXTRA = ("kitsune_plan_1s",)   # by name only (--configs)
 MiB = 2 ** 20
 
 
@@ -80,7 +83,8 @@ def child(model_name, config, steps):
     eager_peak, eager_reserved_peak = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     opt.zero_grad(set_to_none=True)
 
-    step = kitsune.compile_step(model, loss_fn, opt, plan_memory=config == "kitsune_plan")
+    step = kitsune.compile_step(model, loss_fn, opt, plan_memory=config.startswith("kitsune_plan"),
+                                streams=1 if config == "kitsune_plan_1s" else 4)
     losses, blocks, i = [], [], 0
     while i < steps:
         n = min(10, steps - i)
@@ -119,6 +123,9 @@ def main():
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--child", nargs=2)
     a = ap.parse_args()
+    for c in a.configs.split(","):
+        if c not in CONFIGS + EXTRA:
+            ap.error(f"--configs: unknown configuration {c!r} (known: {', '.join(CONFIGS + EXTRA)})")
     if a.child:
         return child(a.child[0], a.child[1], a.steps)
     import torch
@@ -147,16 +154,16 @@ def table(rows):
     print("MiB; graph/eager = graph_reserved / eager_peak")
     print("static: allocated before the eager step; eager+: its peak above static; graph+: graph_reserved above static")
     print("rsv/rsv: graph_reserved / the eager step's peak reserved (both after an empty_cache)")
-    print(f"{'model':<10}{'config':<14}{'static':>9}{'eager pk':>10}{'eager+':>8}{'graph rsv':>11}{'graph+':>8}"
+    print(f"{'model':<10}{'config':<17}{'static':>9}{'eager pk':>10}{'eager+':>8}{'graph rsv':>11}{'graph+':>8}"
           f"{'graph/eager':>12}{'rsv/rsv':>8}{'plan':>8}{'live pk':>9}{'placed':>10}{'ms':>8}{'loss':>9}")
     for r in rows:
         if "error" in r:
-            print(f"{r['model']:<10}{r['config']:<14}  error: {r['error']}")
+            print(f"{r['model']:<10}{r['config']:<17}  error: {r['error']}")
             continue
         mp = r["compile_step"]["memory_plan"] or {}
         plan = f"{mp['plan_bytes'] / MiB:8.1f}{mp['peak_bytes'] / MiB:9.1f}{mp['placed']:>5}/{mp['blocks']:<4}" \
             if "plan_bytes" in mp else f"{'':8}{'':9}{'':10}"
-        print(f"{r['model']:<10}{r['config']:<14}{r['static'] / MiB:9.1f}{r['eager_peak'] / MiB:10.1f}"
+        print(f"{r['model']:<10}{r['config']:<17}{r['static'] / MiB:9.1f}{r['eager_peak'] / MiB:10.1f}"
               f"{(r['eager_peak'] - r['static']) / MiB:8.1f}{r['graph_reserved'] / MiB:11.1f}"
               f"{(r['graph_reserved'] - r['static']) / MiB:8.1f}{r['graph_reserved'] / r['eager_peak']:12.3f}"
               f"{r['graph_reserved'] / r['eager_reserved_peak']:8.3f}{plan}"
@@ -167,7 +174,7 @@ def table(rows):
         if "error" in r:
             continue
         bd, bl = r.get("breakdown"), r.get("blas_workspaces") or {}
-        line = (f"{r['model']:<10}{r['config']:<14}static cache {(r['static_reserved'] - r['static']) / MiB:7.1f}   "
+        line = (f"{r['model']:<10}{r['config']:<17}static cache {(r['static_reserved'] - r['static']) / MiB:7.1f}   "
                 f"cache {(r['graph_reserved'] - r['graph_allocated']) / MiB:7.1f}")
         if not bd:
             print(line + f"   cuBLAS shared/apart {bl.get('shared')}/{bl.get('apart')}")

@@ -389,6 +389,14 @@ kt_status kt_caprec_get_info(const kt_caprec *r, kt_caprec_info *out) {
   return KT_OK;
 }
 
+kt_status kt_caprec_get_block(const kt_caprec *r, int32_t i, kt_caprec_block *out) {
+  if (!r || !out || i < 0 || i >= r->n) return KT_ERR_INVALID;
+  const rec_block *b = &r->b[i];
+  *out = (kt_caprec_block){b->size, b->stream, b->start, b->end == REC_LIVE ? -1 : b->end, b->after,
+                           b->nuse - 1, b->unordered};
+  return KT_OK;
+}
+
 /* ---- the plan ------------------------------------------------------------------- */
 struct kt_capplan {
   int32_t n;
@@ -531,6 +539,13 @@ kt_status kt_capplan_create(const kt_caprec *rc, kt_capplan **out) {
   p->info = (kt_capplan_info){n, (size_t)round_up(total, KT_SEGMENT_ALIGN), (size_t)total, (size_t)peak,
                               (size_t)group_peak, ordered ? r->dag.n : 0, cross};
   *out = p;
+  return KT_OK;
+}
+
+kt_status kt_capplan_get_block(const kt_capplan *p, int32_t j, uint64_t *offset, uint64_t *size) {
+  if (!p || !offset || !size || j < 0 || j >= p->n) return KT_ERR_INVALID;
+  *offset = p->off[j];
+  *size = p->size[j];
   return KT_OK;
 }
 

@@ -131,3 +131,30 @@ def test_demo_training_table_runs_on_cpu():
     for r in rows:
         eager_loss, kitsune_loss = float(r[-2]), float(r[-1])
         assert abs(eager_loss - kitsune_loss) < 1e-4 * max(1.0, abs(eager_loss)), out.stdout
+
+
+def test_capplan_log_tool_reads_a_log(tmp_path):
+    """tools/capplan_log.py on a log in the bridge's format: the live peak over the
+    recorded events, what is live there by stream, each stream's own peak."""
+    log = tmp_path / "capplan_1_0.csv"
+    MiB = 2 ** 20
+    log.write_text("# plan_bytes 9437184 peak_bytes 8388608 stream_peak_bytes 10485760 graph_nodes 40 cross_shares 3\n"
+                   "block,size,stream,start,end,after,uses,unordered,offset\n"
+                   f"0,{4 * MiB},0,0,3,0,1,0,0\n"        # x: S0, read on S1, freed at 3
+                   f"1,{2 * MiB},1,1,2,0,0,0,4194304\n"  # t: S1 temporary
+                   f"2,{4 * MiB},0,4,7,1,0,0,0\n"        # y: freed after the capture
+                   f"3,{1 * MiB},1,5,-1,0,0,1,-1\n")     # z: still live (left out of the plan)
+    r = subprocess.run([sys.executable, os.path.join(REPO, "tools", "capplan_log.py"), str(log)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "4 blocks, plan 9.0 MiB" in out and "graph nodes 40" in out
+    assert "peak 6.0 MiB at event 1" in out, out                 # x and t
+    assert "stream 0, used on another: 4.0 MiB in 1 blocks" in out, out
+    assert "stream 1: 2.0 MiB in 1 blocks" in out, out
+    assert "stream 0 alone: peak 4.0 MiB" in out and "stream 1 alone: peak 2.0 MiB" in out, out
+    bad = tmp_path / "other.csv"
+    bad.write_text("a,b\n1,2\n")
+    r = subprocess.run([sys.executable, os.path.join(REPO, "tools", "capplan_log.py"), str(bad)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "not a capplan log" in r.stderr

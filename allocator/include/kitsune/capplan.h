@@ -106,6 +106,17 @@ typedef struct kt_caprec_info {
 } kt_caprec_info;
 kt_status kt_caprec_get_info(const kt_caprec *rec, kt_caprec_info *out);
 
+/* Recorded block i (0 <= i < blocks), for logs and analysis. */
+typedef struct kt_caprec_block {
+  uint64_t size;         /* rounded up to KT_CAPPLAN_ALIGN */
+  kt_stream_t stream;    /* where it was allocated */
+  int64_t start, end;    /* recorded events; end -1 while live */
+  int32_t after;         /* freed after the capture ended */
+  int32_t uses;          /* streams it was used on besides its own */
+  int32_t unordered;     /* no order noted for it */
+} kt_caprec_block;
+kt_status kt_caprec_get_block(const kt_caprec *rec, int32_t i, kt_caprec_block *out);
+
 /* ---- the plan ------------------------------------------------------------------ */
 typedef struct kt_capplan kt_capplan;
 
@@ -132,6 +143,9 @@ typedef struct kt_capplan_info {
                           * order let share bytes */
 } kt_capplan_info;
 kt_status kt_capplan_get_info(const kt_capplan *plan, kt_capplan_info *out);
+/* Planned block j (the recorded blocks freed when planned, in recorded order): its
+ * offset in the arena and its size. */
+kt_status kt_capplan_get_block(const kt_capplan *plan, int32_t j, uint64_t *offset, uint64_t *size);
 
 /* ---- placing ------------------------------------------------------------------- */
 typedef struct kt_placer kt_placer;

@@ -49,6 +49,8 @@
 #include <atomic>
 #include <csignal>
 #include <cstdio>
+#include <string>
+#include <unistd.h>
 #include <execinfo.h>
 #include <cstring>
 #include <cstdlib>
@@ -173,6 +175,39 @@ kt_status capture_edges(void* ctx, uint64_t* from, uint64_t* to, size_t cap, siz
     }
   *n = k;
   return KT_OK;
+}
+
+// KITSUNE_CAPPLAN_LOG=DIR: each plan compile_step takes also goes to
+// DIR/capplan_<pid>_<n>.csv, a row a recorded block (size, stream as the order streams
+// first appeared, recorded events, flags, planned offset or -1), for analysis off the
+// GPU (tools/capplan_log.py). Best effort: a file that cannot be written is skipped.
+void log_plan(const kt_caprec* rec, const kt_capplan* plan) {
+  static const char* dir = std::getenv("KITSUNE_CAPPLAN_LOG");
+  static std::atomic<int> seq{0};
+  if (!dir || !*dir) return;
+  std::string path = std::string(dir) + "/capplan_" + std::to_string(getpid()) + "_" + std::to_string(seq++) + ".csv";
+  FILE* f = std::fopen(path.c_str(), "w");
+  if (!f) return;
+  kt_capplan_info pi;
+  kt_capplan_get_info(plan, &pi);
+  std::fprintf(f, "# plan_bytes %zu peak_bytes %zu stream_peak_bytes %zu graph_nodes %d cross_shares %d\n",
+               pi.plan_bytes, pi.peak_bytes, pi.group_peak_bytes, pi.graph_nodes, pi.cross_shares);
+  std::fprintf(f, "block,size,stream,start,end,after,uses,unordered,offset\n");
+  kt_caprec_info ri;
+  kt_caprec_get_info(rec, &ri);
+  std::vector<kt_stream_t> streams;
+  for (int32_t i = 0, j = 0; i < ri.blocks; i++) {
+    kt_caprec_block b;
+    if (kt_caprec_get_block(rec, i, &b) != KT_OK) break;
+    size_t k = 0;
+    while (k < streams.size() && streams[k] != b.stream) k++;
+    if (k == streams.size()) streams.push_back(b.stream);
+    uint64_t off = 0, size = 0;
+    long long o = b.end >= 0 && kt_capplan_get_block(plan, j++, &off, &size) == KT_OK ? static_cast<long long>(off) : -1;
+    std::fprintf(f, "%d,%llu,%zu,%lld,%lld,%d,%d,%d,%lld\n", i, static_cast<unsigned long long>(b.size), k,
+                 static_cast<long long>(b.start), static_cast<long long>(b.end), b.after, b.uses, b.unordered, o);
+  }
+  std::fclose(f);
 }
 
 Stat to_stat(const kt_stat& s) {
@@ -591,6 +626,7 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
     kt_caprec_get_info(p->rec, &ri);
     kt_status st = kt_capplan_create(p->rec, out);
     if (st != KT_OK) return st;
+    log_plan(p->rec, *out);
     kt_capplan_info ci;
     kt_capplan_get_info(*out, &ci);
     int64_t v[10] = {ci.blocks, static_cast<int64_t>(ci.arena_bytes), static_cast<int64_t>(ci.plan_bytes),

@@ -900,3 +900,27 @@ Test(capplan, an_edge_count_above_what_is_fetched_is_taken_once) {
   kt_capplan_destroy(p);
   kt_caprec_destroy(r);
 }
+
+Test(capplan, recorded_and_planned_blocks_can_be_read_back) {
+  kt_caprec *r = chain();
+  cr_assert_eq(kt_caprec_alloc(r, P(9), 700, S2), KT_OK);   /* still live when planned */
+  cr_assert_eq(kt_caprec_use(r, P(9), S1), KT_OK);
+  kt_capplan *p = plan_of(r);
+  kt_caprec_block b;
+  cr_assert_eq(kt_caprec_get_block(r, 0, &b), KT_OK);
+  cr_assert(b.size == 4 * MiB && b.stream == S1 && b.start == 0 && b.end == 2 && !b.after && !b.uses);
+  cr_assert_eq(kt_caprec_get_block(r, 3, &b), KT_OK);
+  cr_assert_eq(b.size, 1024, "rounded up");
+  cr_assert_eq(kt_caprec_get_block(r, 4, &b), KT_OK);
+  cr_assert(b.end == -1 && b.uses == 1 && b.stream == S2 && b.unordered, "live, used on S1, no order given");
+  cr_assert_eq(kt_caprec_get_block(r, 5, &b), KT_ERR_INVALID);
+  cr_assert_eq(kt_caprec_get_block(r, -1, &b), KT_ERR_INVALID);
+  cr_assert_eq(kt_caprec_get_block(r, 0, NULL), KT_ERR_INVALID);
+  uint64_t off[4], size;
+  for (int32_t j = 0; j < 4; j++) cr_assert_eq(kt_capplan_get_block(p, j, &off[j], &size), KT_OK);
+  cr_assert_eq(kt_capplan_get_block(p, 4, &off[0], &size), KT_ERR_INVALID, "the live block is not planned");
+  cr_assert_eq(size, 1024);
+  cr_assert_eq(off[2], off[0], "c takes a's bytes");
+  kt_capplan_destroy(p);
+  kt_caprec_destroy(r);
+}

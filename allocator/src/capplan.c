@@ -455,11 +455,20 @@ static int order_share(void *ctx, int32_t i, int32_t j) {
 
 /* Fills o for the planned blocks (src[j]: planned block j's rec_block) from the
  * recorded graph; counts in *cross the pairs only the graph lets share. */
-static kt_status order_fill(kt_caprec *r, const int32_t *src, const kt_memplan_block *mb, int32_t n, order_bits *o,
-                            int32_t *cross) {
+static kt_status order_fill(const kt_caprec *r, const int32_t *src, const kt_memplan_block *mb, int32_t n,
+                            order_bits *o, int32_t *cross) {
   size_t words = ((size_t)n * (size_t)n + 63) / 64;
+  /* the recording's graph with marks of its own: the recording is not changed */
+  capdag dag = r->dag;
+  dag.mark = calloc((size_t)dag.n + 1, sizeof *dag.mark);
+  dag.stack = malloc(((size_t)dag.n + 1) * sizeof *dag.stack);
+  dag.stamp = 0;
   o->bits = calloc(words ? words : 1, sizeof *o->bits);
-  if (!o->bits) return KT_ERR_HOST_OOM;
+  if (!o->bits || !dag.mark || !dag.stack) {
+    free(dag.mark);
+    free(dag.stack);
+    return KT_ERR_HOST_OOM;
+  }
   o->n = n;
   *cross = 0;
   for (int32_t j = 0; j < n; j++) {
@@ -471,10 +480,10 @@ static kt_status order_fill(kt_caprec *r, const int32_t *src, const kt_memplan_b
       int ok = !bi->elsewhere && !bi->after && bi->stream == bj->stream;   /* stream order */
       if (!ok && !bi->after && !bi->unordered && !bj->unordered) {
         if (!marked) {
-          dag_mark(&r->dag, r->tok.v + bj->af, bj->naf);
+          dag_mark(&dag, r->tok.v + bj->af, bj->naf);
           marked = 1;
         }
-        ok = dag_covers(&r->dag, r->tok.v + bj->af, bj->naf, r->tok.v + bi->ff, bi->nff);
+        ok = dag_covers(&dag, r->tok.v + bj->af, bj->naf, r->tok.v + bi->ff, bi->nff);
         *cross += ok;
       }
       if (ok) {
@@ -483,12 +492,13 @@ static kt_status order_fill(kt_caprec *r, const int32_t *src, const kt_memplan_b
       }
     }
   }
+  free(dag.mark);
+  free(dag.stack);
   return KT_OK;
 }
 
-kt_status kt_capplan_create(const kt_caprec *rc, kt_capplan **out) {
-  if (!rc || !out) return KT_ERR_INVALID;
-  kt_caprec *r = (kt_caprec *)rc;   /* only the graph's marks change */
+kt_status kt_capplan_create(const kt_caprec *r, kt_capplan **out) {
+  if (!r || !out) return KT_ERR_INVALID;
   int32_t n = 0;
   for (int32_t i = 0; i < r->n; i++) n += r->b[i].end != REC_LIVE;
   int ordered = r->dag.valid && n <= KT_CAPPLAN_ORDER_MAX_BLOCKS;

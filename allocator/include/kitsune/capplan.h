@@ -125,8 +125,7 @@ typedef struct kt_capplan kt_capplan;
  * its graph), blocks share bytes only with blocks of their own stream (a kt_memplan
  * group per stream) and a block used on another stream lives to the end; with one,
  * blocks share bytes as the order allows (above). Live blocks are left out. rec may
- * be destroyed afterwards; it is not changed, but scratch marks in its graph are, so
- * one recording is planned from one thread at a time. */
+ * be destroyed afterwards. */
 kt_status kt_capplan_create(const kt_caprec *rec, kt_capplan **out);
 void kt_capplan_destroy(kt_capplan *plan);
 

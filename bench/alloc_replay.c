@@ -1,12 +1,15 @@
 /* bench/alloc_replay.c — replays an allocation trace against the allocator.
  *
- *   alloc_replay TRACE.csv [--backend fake|cuda] [--repeat R] [--json FILE]
+ *   alloc_replay TRACE.csv [--backend fake|cuda] [--repeat R] [--json FILE] [--vmm]
  *
  * TRACE is what kt_trace_start / kitsune.allocator.trace() record:
  *   thread,time_ns,action,ptr,size,stream
  * Events are replayed in file order on one thread; recorded pointers map to the new
  * ones, recorded streams to fake handles or to fresh CUDA streams. Prints ns/op and
- * peak reserved / peak live (live = sum of requested sizes of live blocks).
+ * peak reserved / peak live (live = sum of requested sizes of live blocks), and what
+ * is reserved and live when the trace ends (after an empty_cache at its end: the cache
+ * the pool cannot give back). --vmm: the pool maps granules of one range, as the torch
+ * bridge's device pool does on one GPU.
  */
 #include "bench_common.h"
 
@@ -49,15 +52,16 @@ static void map_del(map *m, size_t i) {   /* backward-shift deletion */
 
 int main(int argc, char **argv) {
   const char *path = NULL, *backend = "fake", *json = NULL;
-  int repeat = 1;
+  int repeat = 1, vmm = 0;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--backend") && i + 1 < argc) backend = argv[++i];
     else if (!strcmp(argv[i], "--repeat") && i + 1 < argc) repeat = atoi(argv[++i]);
     else if (!strcmp(argv[i], "--json") && i + 1 < argc) json = argv[++i];
+    else if (!strcmp(argv[i], "--vmm")) vmm = 1;
     else if (!path && argv[i][0] != '-') path = argv[i];
-    else { fprintf(stderr, "usage: %s TRACE.csv [--backend fake|cuda] [--repeat R] [--json FILE]\n", argv[0]); return 2; }
+    else { fprintf(stderr, "usage: %s TRACE.csv [--backend fake|cuda] [--repeat R] [--json FILE] [--vmm]\n", argv[0]); return 2; }
   }
-  if (!path) { fprintf(stderr, "usage: %s TRACE.csv [--backend fake|cuda] [--repeat R] [--json FILE]\n", argv[0]); return 2; }
+  if (!path) { fprintf(stderr, "usage: %s TRACE.csv [--backend fake|cuda] [--repeat R] [--json FILE] [--vmm]\n", argv[0]); return 2; }
   FILE *f = fopen(path, "r");
   if (!f) { fprintf(stderr, "cannot read %s\n", path); return 1; }
   size_t cap = 1 << 16, n = 0;
@@ -102,11 +106,12 @@ int main(int argc, char **argv) {
     }
   }
   double best = 1e30;
-  size_t peak_reserved = 0, peak_live = 0;
+  size_t peak_reserved = 0, peak_live = 0, end_reserved = 0, end_live = 0;
   long ops = 0, missing = 0;
   for (int r = 0; r < repeat; r++) {
     kt_pool_options o;
     kt_pool_options_default(&o);
+    o.vmm = vmm;
     kt_pool_t *pool;
     if (kt_pool_create(&o, be, &pool) != KT_OK) return 1;
     map m = {0};
@@ -142,6 +147,8 @@ int main(int argc, char **argv) {
     kt_stats st;
     kt_get_stats(pool, &st);
     peak_reserved = (size_t)st.reserved_bytes.peak;
+    end_reserved = (size_t)st.reserved_bytes.current;
+    end_live = live;
     for (size_t i = 0; i < m.cap; i++) if (m.key[i]) kt_free(pool, m.val[i], m.size[i], NULL);
     free(m.key); free(m.val); free(m.size);
     kt_pool_destroy(pool);
@@ -151,13 +158,15 @@ int main(int argc, char **argv) {
   printf("replay %s: %zu events, %d streams, backend %s (%s)\n", path, n, nstreams, be->name, device);
   printf("  %.1f ns/op (best of %d), peak reserved %zu, peak live %zu, reserved/live %.3f%s\n", ns, repeat,
          peak_reserved, peak_live, ratio, missing ? " (frees of untraced blocks skipped)" : "");
+  printf("  at the end: reserved %zu, live %zu%s\n", end_reserved, end_live, vmm ? " (VMM pool)" : "");
   if (json) {
     FILE *js = fopen(json, "w");
     if (!js) { fprintf(stderr, "cannot write %s\n", json); return 1; }
     fprintf(js, "{\"benchmark\": \"alloc_replay\", \"trace\": \"%s\", \"backend\": \"%s\", \"device\": \"%s\", \"date\": \"%s\", "
             "\"commit\": \"%s\", \"events\": %zu, \"ns_per_op\": %.1f, \"peak_reserved\": %zu, \"peak_live\": %zu, "
-            "\"reserved_over_live\": %.4f}\n", path, be->name, device, date, getenv("KT_COMMIT") ? getenv("KT_COMMIT") : "?",
-            n, ns, peak_reserved, peak_live, ratio);
+            "\"reserved_over_live\": %.4f, \"end_reserved\": %zu, \"end_live\": %zu, \"vmm\": %d}\n", path, be->name, device,
+            date, getenv("KT_COMMIT") ? getenv("KT_COMMIT") : "?", n, ns, peak_reserved, peak_live, ratio, end_reserved,
+            end_live, vmm);
     fclose(js);
   }
   return 0;

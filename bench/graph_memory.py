@@ -29,9 +29,15 @@ peak memory <= the eager step's peak allocated", strictly: reserved against
 allocated), graph_reserved / eager_reserved_peak (both as the device holds them), the graph's share above static, the
 plan's numbers (arena, the recording's live peak, placed / refused), ms per step (the
 median over blocks of 10 between CUDA events) and the last loss. Writes
-graph_memory.json and prints a table.
+graph_memory.json and prints a table. KITSUNE_GMEM_TRACE=DIR: with Kitsune, each
+process also traces the device pool to DIR/alloc_<model>_<config>.csv, which
+`build/bench/alloc_replay TRACE --vmm` replays on the host fake backend (what stays
+reserved at the end: the cache empty_cache cannot give back). The replay is
+approximate: what a capture does to the pool (kt_pool_prepare_capture, releases held
+while capturing) is not in the trace.
 """
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -48,10 +54,15 @@ MiB = 2 ** 20
 def child(model_name, config, steps):
     import faulthandler
     faulthandler.enable()
+    trace_dir = os.environ.get("KITSUNE_GMEM_TRACE")
+    tracing = contextlib.ExitStack()
     if config != "native":
         import kitsune.allocator as ka
         ka.install()
     import torch
+    if trace_dir and config != "native":   # the device pool's allocations, for bench/alloc_replay off the GPU
+        torch.cuda.init()   # the pools exist from here
+        tracing.enter_context(ka.trace(os.path.join(trace_dir, f"alloc_{model_name}_{config}.csv")))
     sys.path.insert(0, HERE)
     sys.path.insert(0, os.path.join(HERE, "kernels"))
     import kitsune
@@ -106,6 +117,7 @@ def child(model_name, config, steps):
         import kitsune.allocator as ka
         ws = ka.capture_info()["workspaces"]   # cuBLAS + cuBLASLt workspace bytes the last capture might allocate
         breakdown = ka.memory_breakdown()      # where the reserved bytes are (device pool, graph pools, arenas)
+        tracing.close()
     out = {"capture_workspaces": ws, "breakdown": breakdown, "blas_workspaces": st["blas_workspaces"],
            "model": model_name, "config": config, "static": static, "eager_peak": eager_peak,
            "static_reserved": static_reserved, "eager_reserved_peak": eager_reserved_peak,

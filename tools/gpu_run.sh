@@ -108,7 +108,8 @@ if [[ $parts == *" losses "* ]]; then   # bench/loss_match.py (LOSS_MODELS): kit
     python3 bench/loss_match.py --out "$OUT" --models ${LOSS_MODELS:-mlp,lenet,resnet18,gpt,inception} ${LOSS_ARGS:-} 2>&1 | grep -v -i "warn"
 fi
 if [[ $parts == *" gmem "* ]]; then   # bench/graph_memory.py (BENCH_GMEM_ARGS; GMEM_LOG=1: the plans' CSV logs to $OUT)
-  [ -n "${GMEM_LOG:-}" ] && export KITSUNE_CAPPLAN_LOG="$OUT"
+  [ -n "${GMEM_LOG:-}" ] && export KITSUNE_CAPPLAN_LOG="$OUT"   # GMEM_TRACE=1: device-pool traces to $OUT
+  [ -n "${GMEM_TRACE:-}" ] && export KITSUNE_GMEM_TRACE="$OUT"
   echo "== graph memory =="; time KT_COMMIT=${KT_COMMIT:-?} KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \
     python3 bench/graph_memory.py --out "$OUT" ${BENCH_GMEM_ARGS:-} 2>&1 | grep -v -i "warn"
 fi

@@ -924,3 +924,29 @@ Test(capplan, recorded_and_planned_blocks_can_be_read_back) {
   kt_capplan_destroy(p);
   kt_caprec_destroy(r);
 }
+
+Test(capplan, a_block_freed_after_the_capture_is_never_reused_even_with_an_order) {
+  kt_caprec *r = rec_new();
+  fg_begin(&G);
+  cr_assert_eq(kt_caprec_set_order(r, &ORDER), KT_OK);
+  cr_assert_eq(kt_caprec_alloc(r, P(0), 4 * MiB, S1), KT_OK);   /* the loss, say: freed after the capture */
+  fg_launch(&G, S1);
+  cr_assert_eq(kt_caprec_alloc(r, P(1), 4 * MiB, S1), KT_OK);
+  fg_launch(&G, S1);
+  cr_assert_eq(kt_caprec_free(r, P(1)), KT_OK);
+  cr_assert_eq(kt_caprec_alloc(r, P(2), 4 * MiB, S1), KT_OK);   /* takes P(1)'s bytes, not P(0)'s */
+  fg_launch(&G, S1);
+  cr_assert_eq(kt_caprec_free(r, P(2)), KT_OK);
+  cr_assert_eq(kt_caprec_end(r), KT_OK);
+  cr_assert_eq(kt_caprec_free(r, P(0)), KT_OK);
+  kt_capplan *p = plan_of(r);
+  kt_capplan_info in = info_of(p);
+  cr_assert_eq(in.plan_bytes, 8 * MiB);
+  cr_assert_gt(in.graph_nodes, 0);
+  uint64_t off[3], size;
+  for (int32_t j = 0; j < 3; j++) cr_assert_eq(kt_capplan_get_block(p, j, &off[j], &size), KT_OK);
+  cr_assert_eq(off[2], off[1]);
+  cr_assert_neq(off[2], off[0]);
+  kt_capplan_destroy(p);
+  kt_caprec_destroy(r);
+}

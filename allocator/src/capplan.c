@@ -253,27 +253,45 @@ static int dag_covers(const capdag *d, const uint64_t *marked, int32_t nm, const
   return 1;
 }
 
-/* Adds stream to a block's list of use streams (alloc stream first); 0 when full. */
-static int note_stream(kt_stream_t *use, uint8_t *nuse, kt_stream_t s) {
-  for (uint8_t i = 0; i < *nuse; i++)
-    if (use[i] == s) return 1;
-  if (*nuse == KT_CAPPLAN_STREAMS) return 0;
-  use[(*nuse)++] = s;
-  return 1;
+/* Copies an order (NULL: none) after checking it. */
+static kt_status set_order(kt_capture_order *dst, const kt_capture_order *o) {
+  if (o && (!o->frontier || !o->edges)) return KT_ERR_INVALID;
+  if (o) *dst = *o;
+  else memset(dst, 0, sizeof *dst);
+  return KT_OK;
 }
 
-/* Notes the frontiers of a block's streams at its free; 0 when one cannot be had. */
-static int note_free(const kt_capture_order *o, const kt_stream_t *use, uint8_t nuse, tokens *t, int32_t *first,
-                     int32_t *count) {
-  *first = t->n;
-  for (uint8_t i = 0; i < nuse; i++)
-    if (add_frontier(o, use[i], t) != KT_OK) {
-      t->n = *first;
-      *count = 0;
-      return 0;
+/* What a recorded or placed block notes for the order: the streams it was on and its
+ * streams' frontiers at its free. Used on another stream: nuse > 1. */
+typedef struct noted {
+  kt_stream_t use[KT_CAPPLAN_STREAMS];   /* its stream, then the others it was used on */
+  uint8_t nuse;
+  uint8_t unordered;     /* no order noted for it (none given, a frontier missing, too many streams) */
+  int32_t ff, nff;       /* tokens: its streams' frontiers at the free */
+} noted;
+
+static void note_use(noted *b, kt_stream_t s) {
+  for (uint8_t i = 0; i < b->nuse; i++)
+    if (b->use[i] == s) return;
+  if (b->nuse == KT_CAPPLAN_STREAMS) b->unordered = 1;
+  else b->use[b->nuse++] = s;
+}
+
+/* Notes the frontiers of b's streams at its free (none without an order). */
+static void note_free(const kt_capture_order *o, noted *b, tokens *t) {
+  b->ff = t->n;
+  b->nff = 0;
+  if (b->unordered || !o->frontier) {
+    b->unordered = 1;
+    return;
+  }
+  for (uint8_t i = 0; i < b->nuse; i++)
+    if (add_frontier(o, b->use[i], t) != KT_OK) {
+      t->n = b->ff;
+      b->unordered = 1;
+      return;
     }
-  *count = t->n - *first;
-  return 1;
+  b->nff = t->n - b->ff;
 }
 
 /* ---- recording ----------------------------------------------------------------- */
@@ -283,13 +301,9 @@ typedef struct rec_block {
   uint64_t size;
   kt_stream_t stream;
   int64_t start, end;    /* end: REC_LIVE while live */
-  uint8_t elsewhere;     /* used on another stream */
   uint8_t after;         /* freed after the capture ended */
-  uint8_t unordered;     /* no order noted for it (none given, or a frontier missing) */
-  uint8_t nuse;
-  kt_stream_t use[KT_CAPPLAN_STREAMS];   /* its stream, then the others it was used on */
+  noted o;
   int32_t af, naf;       /* tokens: its stream's frontier at the allocation */
-  int32_t ff, nff;       /* tokens: its streams' frontiers at the free */
 } rec_block;
 
 struct kt_caprec {
@@ -322,10 +336,7 @@ void kt_caprec_destroy(kt_caprec *r) {
 }
 
 kt_status kt_caprec_set_order(kt_caprec *r, const kt_capture_order *o) {
-  if (!r || (o && (!o->frontier || !o->edges))) return KT_ERR_INVALID;
-  if (o) r->ord = *o;
-  else memset(&r->ord, 0, sizeof r->ord);
-  return KT_OK;
+  return r ? set_order(&r->ord, o) : KT_ERR_INVALID;
 }
 
 kt_status kt_caprec_alloc(kt_caprec *r, const void *ptr, size_t size, kt_stream_t stream) {
@@ -338,11 +349,11 @@ kt_status kt_caprec_alloc(kt_caprec *r, const void *ptr, size_t size, kt_stream_
   if (st != KT_OK) return st;
   rec_block *b = &r->b[r->n];
   *b = (rec_block){.size = round_up(size, KT_CAPPLAN_ALIGN), .stream = stream, .start = r->t++, .end = REC_LIVE};
-  b->use[b->nuse++] = stream;
+  b->o.use[b->o.nuse++] = stream;
   b->af = r->tok.n;
-  b->unordered = !r->ord.frontier || r->ended || add_frontier(&r->ord, stream, &r->tok) != KT_OK;
-  b->naf = b->unordered ? 0 : r->tok.n - b->af;
-  if (b->unordered) r->tok.n = b->af;
+  b->o.unordered = !r->ord.frontier || r->ended || add_frontier(&r->ord, stream, &r->tok) != KT_OK;
+  b->naf = b->o.unordered ? 0 : r->tok.n - b->af;
+  if (b->o.unordered) r->tok.n = b->af;
   pm_insert(&r->live, k, r->n++);
   return KT_OK;
 }
@@ -357,9 +368,8 @@ kt_status kt_caprec_free(kt_caprec *r, const void *ptr) {
     r->b[i].end = r->t;
     r->freed_after++;
   } else {
-    rec_block *b = &r->b[i];
-    b->end = r->t++;
-    if (!b->unordered && !note_free(&r->ord, b->use, b->nuse, &r->tok, &b->ff, &b->nff)) b->unordered = 1;
+    r->b[i].end = r->t++;
+    note_free(&r->ord, &r->b[i].o, &r->tok);
   }
   return KT_OK;
 }
@@ -368,9 +378,7 @@ kt_status kt_caprec_use(kt_caprec *r, const void *ptr, kt_stream_t stream) {
   if (!r) return KT_ERR_INVALID;
   int32_t i = pm_get(&r->live, (uintptr_t)ptr);
   if (i < 0) return KT_ERR_INVALID;
-  rec_block *b = &r->b[i];
-  if (stream != b->stream) b->elsewhere = 1;
-  if (!note_stream(b->use, &b->nuse, stream)) b->unordered = 1;
+  note_use(&r->b[i].o, stream);
   return KT_OK;
 }
 
@@ -393,7 +401,7 @@ kt_status kt_caprec_get_block(const kt_caprec *r, int32_t i, kt_caprec_block *ou
   if (!r || !out || i < 0 || i >= r->n) return KT_ERR_INVALID;
   const rec_block *b = &r->b[i];
   *out = (kt_caprec_block){b->size, b->stream, b->start, b->end == REC_LIVE ? -1 : b->end, b->after,
-                           b->nuse - 1, b->unordered};
+                           b->o.nuse - 1, b->o.unordered};
   return KT_OK;
 }
 
@@ -477,13 +485,13 @@ static kt_status order_fill(const kt_caprec *r, const int32_t *src, const kt_mem
     for (int32_t i = 0; i < n; i++) {
       const rec_block *bi = &r->b[src[i]];
       if (i == j || mb[i].end > mb[j].start) continue;
-      int ok = !bi->elsewhere && !bi->after && bi->stream == bj->stream;   /* stream order */
-      if (!ok && !bi->after && !bi->unordered && !bj->unordered) {
+      int ok = bi->o.nuse == 1 && !bi->after && bi->stream == bj->stream;   /* stream order */
+      if (!ok && !bi->after && !bi->o.unordered && !bj->o.unordered) {
         if (!marked) {
           dag_mark(&dag, r->tok.v + bj->af, bj->naf);
           marked = 1;
         }
-        ok = dag_covers(&dag, r->tok.v + bj->af, bj->naf, r->tok.v + bi->ff, bi->nff);
+        ok = dag_covers(&dag, r->tok.v + bj->af, bj->naf, r->tok.v + bi->o.ff, bi->o.nff);
         *cross += ok;
       }
       if (ok) {
@@ -525,7 +533,7 @@ kt_status kt_capplan_create(const kt_caprec *r, kt_capplan **out) {
     int32_t g = stream_group(b->stream, seen, &nseen);
     /* without the graph, bytes are shared only within a stream (stream order covers
      * the reuse), and not after a use on another stream */
-    mb[j] = (kt_memplan_block){b->size, b->start, b->after || (b->elsewhere && !ordered) ? end : b->end, g};
+    mb[j] = (kt_memplan_block){b->size, b->start, b->after || (b->o.nuse > 1 && !ordered) ? end : b->end, g};
     src[j] = i;
     p->size[j++] = b->size;
   }
@@ -579,11 +587,7 @@ typedef struct pl_block {  /* a planned block of the capture being placed */
   uint64_t off, size;
   kt_stream_t stream;      /* where it was placed */
   uint8_t state;
-  uint8_t elsewhere;       /* used on another stream */
-  uint8_t unordered;       /* no order noted for its free */
-  uint8_t nuse;
-  kt_stream_t use[KT_CAPPLAN_STREAMS];   /* its stream, then the others it was used on */
-  int32_t ff, nff;         /* tokens: its streams' frontiers at the free */
+  noted o;
 } pl_block;
 
 typedef struct pl_live {   /* a live block of any capture */
@@ -654,10 +658,7 @@ void kt_placer_destroy(kt_placer *pl) {
 }
 
 kt_status kt_placer_set_order(kt_placer *pl, const kt_capture_order *o) {
-  if (!pl || (o && (!o->frontier || !o->edges))) return KT_ERR_INVALID;
-  if (o) pl->ord = *o;
-  else memset(&pl->ord, 0, sizeof pl->ord);
-  return KT_OK;
+  return pl ? set_order(&pl->ord, o) : KT_ERR_INVALID;
 }
 
 kt_status kt_placer_trim(kt_placer *pl) {
@@ -746,10 +747,10 @@ static int conflicts(kt_placer *pl, uint64_t off, uint64_t size, kt_stream_t str
     const pl_block *b = &pl->blk[k];
     if (b->state == PL_UNPLACED || b->off >= off + size || off >= b->off + b->size) continue;
     if (b->state == PL_LIVE) return 1;
-    if (!b->elsewhere && b->stream == stream) continue;   /* stream order */
-    if (!pl->ord.frontier || b->unordered) return 1;
+    if (b->o.nuse == 1 && b->stream == stream) continue;   /* stream order */
+    if (!pl->ord.frontier || b->o.unordered) return 1;
     if (!marked) marked = mark_frontier(pl, stream) ? 1 : -1;
-    if (marked < 0 || !dag_covers(&pl->dag, pl->front.v, pl->front.n, pl->tok.v + b->ff, b->nff)) return 1;
+    if (marked < 0 || !dag_covers(&pl->dag, pl->front.v, pl->front.n, pl->tok.v + b->o.ff, b->o.nff)) return 1;
   }
   return 0;
 }
@@ -777,8 +778,8 @@ kt_status kt_placer_alloc(kt_placer *pl, size_t size, kt_stream_t stream, void *
   pl_block *b = &pl->blk[j];
   b->state = PL_LIVE;
   b->stream = stream;
-  b->use[0] = stream;
-  b->nuse = 1;
+  b->o.use[0] = stream;
+  b->o.nuse = 1;
   pl->cursor = j + 1;
   pl->lv[slot] = (pl_live){rs, pl->cur, pl->epoch, j};
   uintptr_t p = pl->cur->base + b->off;
@@ -800,8 +801,8 @@ kt_status kt_placer_free(kt_placer *pl, const void *ptr) {
   if (l->epoch == pl->epoch) {
     pl_block *b = &pl->blk[l->idx];
     b->state = PL_FREED;
-    if (!pl->active || !pl->ord.frontier || b->unordered || !note_free(&pl->ord, b->use, b->nuse, &pl->tok, &b->ff, &b->nff))
-      b->unordered = 1;
+    if (!pl->active) b->o.unordered = 1;   /* after the capture: nothing to ask */
+    note_free(&pl->ord, &b->o, &pl->tok);
   }
   l->arena->live--;
   pl->live_bytes -= l->size;
@@ -816,11 +817,7 @@ kt_status kt_placer_use(kt_placer *pl, const void *ptr, kt_stream_t stream) {
   int32_t slot = pm_get(&pl->map, (uintptr_t)ptr);
   if (slot < 0) return KT_ERR_INVALID;
   const pl_live *l = &pl->lv[slot];
-  if (l->epoch == pl->epoch) {
-    pl_block *b = &pl->blk[l->idx];
-    if (b->stream != stream) b->elsewhere = 1;
-    if (!note_stream(b->use, &b->nuse, stream)) b->unordered = 1;
-  }
+  if (l->epoch == pl->epoch) note_use(&pl->blk[l->idx].o, stream);
   return KT_OK;
 }
 

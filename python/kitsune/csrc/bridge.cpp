@@ -743,7 +743,7 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
     kt_caprec* rec = nullptr;
     kt_placer* placer = nullptr;
     kt_status placer_status = KT_OK;   // of the last kt_placer_begin
-    std::shared_ptr<CaptureOrder> order;   // the capture's graph (heap: Private moves)
+    std::unique_ptr<CaptureOrder> order;   // the capture's graph (heap: Private moves)
   };
   // What the next capture into a pool does, asked before the pool may exist.
   struct Pending {
@@ -787,7 +787,7 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
       const kt_capture_order* ord = nullptr;
       if (ordered) {
         if (!p->order) {
-          p->order = std::make_shared<CaptureOrder>();
+          p->order = std::make_unique<CaptureOrder>();
           p->order->ops = kt_capture_order{p->order.get(), capture_frontier, capture_edges};
         }
         p->order->graph = nullptr;   // this capture's is taken from its first frontier

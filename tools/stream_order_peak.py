@@ -80,8 +80,11 @@ def main():
     x, y = torch.randn(64, 3, 32, 32), torch.randint(0, 10, (64,))
     km = kitsune.optimize(InceptionNet())
     sm, plan = sched.streamed(km, x, streams=4)
+    planned = set(plan.order)
+    original = [n.name for n in sched._traced(km).graph.nodes if n.name in planned]
+    moved = sum(a != b for a, b in zip(original, plan.order))
     print(f"torch {torch.__version__}, CPU; Inception net (bench/models.py), batch 64, "
-          f"{plan.streams_used} streams planned")
+          f"{plan.streams_used} streams planned; {moved} of {len(original)} operations in another place")
     for name, m in (("original order", km), ("streamed order", sm)):
         peak, left = step_peak(m, x, y)
         print(f"{name:15s} peak {peak / 2**20:7.1f} MiB, left after the step {left / 2**20:5.1f} MiB")

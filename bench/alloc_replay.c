@@ -7,8 +7,8 @@
  * Events are replayed in file order on one thread; recorded pointers map to the new
  * ones, recorded streams to fake handles or to fresh CUDA streams. Prints ns/op and
  * peak reserved / peak live (live = sum of requested sizes of live blocks), and what
- * is reserved and live when the trace ends (after an empty_cache at its end: the cache
- * the pool cannot give back). --vmm: the pool maps granules of one range, as the torch
+ * is reserved and live when the trace ends (for a trace that ends with an empty_cache,
+ * as bench/graph_memory.py's do: the cache the pool cannot give back). --vmm: the pool maps granules of one range, as the torch
  * bridge's device pool does on one GPU.
  */
 #include "bench_common.h"

@@ -3,6 +3,9 @@ weights on the same batches:
 
     python bench/models.py [--out DIR] [--models mlp,lenet,resnet18,gpt,inception] [--steps N]
 
+A model may name its batch size: --models inception:8,inception:64 (the rows' model is
+then "inception:8").
+
 Models: mlp (784-512-256-10, batch 64), lenet (LeNet-5 on 1x32x32, batch 64),
 resnet18 (torchvision, 10 classes, 3x32x32, batch 128), gpt (6 layers, d 512, 8 heads,
 seq 256, batch 16, vocab 8192, bf16 parameters; bench/kernels/train_models.py's
@@ -105,14 +108,17 @@ def lm_loss(logits, target):
     return F.cross_entropy(logits.view(-1, logits.size(-1)), target.view(-1))
 
 
-def build(name, gen):
-    """(model on cuda, loss_fn, batches): four fixed batches, cycled."""
+def build(name, gen, batch=None):
+    """(model on cuda, loss_fn, batches): four fixed batches, cycled. batch: the batch size
+    instead of the model's default (the image models; e.g. --models inception:16)."""
     def images(b, c, hw, classes=10):
+        b = batch or b
         return [(torch.randn(b, c, hw, hw, generator=gen).cuda(), torch.randint(0, classes, (b,), generator=gen).cuda())
                 for _ in range(4)]
     if name == "mlp":
         m = nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 10))
-        data = [(torch.randn(64, 784, generator=gen).cuda(), torch.randint(0, 10, (64,), generator=gen).cuda())
+        b = batch or 64
+        data = [(torch.randn(b, 784, generator=gen).cuda(), torch.randint(0, 10, (b,), generator=gen).cuda())
                 for _ in range(4)]
         return m.cuda(), F.cross_entropy, data
     if name == "lenet":
@@ -126,7 +132,7 @@ def build(name, gen):
         m = GPT().cuda().to(torch.bfloat16)
         data = []
         for _ in range(4):
-            t = torch.randint(0, 8192, (16, 257), generator=gen).cuda()
+            t = torch.randint(0, 8192, (batch or 16, 257), generator=gen).cuda()
             data.append((t[:, :-1].contiguous(), t[:, 1:].contiguous()))
         return m, lm_loss, data
     raise ValueError(f"unknown model {name!r}")
@@ -265,7 +271,8 @@ def main():
         gen = torch.Generator().manual_seed(0)
         torch.manual_seed(0)
         try:
-            base, loss_fn, data = build(name, gen)
+            model_name, _, batch = name.partition(":")   # inception:16 = the inception net at batch 16
+            base, loss_fn, data = build(model_name, gen, int(batch) if batch else None)
         except Exception as e:   # noqa: BLE001 - report and go on (e.g. torchvision missing)
             print(f"{name}: cannot build: {e}", flush=True)
             rows.append({"model": name, "error": f"build: {e}"})

@@ -8,6 +8,10 @@ lives over [start, end); one freed after it, or still live, to the end), their p
 what is live there (by stream, and whether used on another stream), each stream's own
 peak, and the plan's extent against them. Off the GPU: the logs come from a device run
 (e.g. bench/graph_memory.py with the variable set).
+
+    --largest K     also list the K largest blocks live at the peak (block, MiB, events)
+    --without B,..  the peak again with those blocks left out: what the capture would
+                    peak at if the operations that allocate them did not
 """
 import argparse
 import csv
@@ -50,7 +54,7 @@ def peak(blocks):
     return most, at
 
 
-def report(path):
+def report(path, largest=0, without=()):
     head, rows = load(path)
     blocks = lifetimes(rows)
     most, at = peak(blocks)
@@ -68,17 +72,29 @@ def report(path):
         for (s, used), sz in sorted(by.items()):
             n = sum(1 for b in here if (b[1], b[4]) == (s, used))
             lines.append(f"    stream {s}{', used on another' if used else ''}: {sz / MiB:.1f} MiB in {n} blocks")
+        live = sorted((i for i, b in enumerate(blocks) if b[2] <= at < b[3]), key=lambda i: -blocks[i][0])
+        for i in live[:largest]:
+            sz, s, start, end, _ = blocks[i]
+            lines.append(f"    block {rows[i]['block']}: {sz / MiB:.3f} MiB, stream {s}, events [{start}, {end})")
     for s in sorted({b[1] for b in blocks}):
         p, _ = peak([b for b in blocks if b[1] == s])
         lines.append(f"  stream {s} alone: peak {p / MiB:.1f} MiB")
+    if without:
+        rest = [b for b, r in zip(blocks, rows) if r["block"] not in without]
+        p, t = peak(rest)
+        lines.append(f"  without blocks {', '.join(map(str, sorted(without)))}: peak {p / MiB:.1f} MiB at event {t}")
     return "\n".join(lines)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("logs", nargs="+")
-    for path in ap.parse_args().logs:
-        print(report(path))
+    ap.add_argument("--largest", type=int, default=0)
+    ap.add_argument("--without", default="", help="block numbers, comma-separated")
+    args = ap.parse_args()
+    without = {int(b) for b in args.without.split(",") if b}
+    for path in args.logs:
+        print(report(path, args.largest, without))
 
 
 if __name__ == "__main__":

@@ -135,7 +135,8 @@ def test_demo_training_table_runs_on_cpu():
 
 def test_capplan_log_tool_reads_a_log(tmp_path):
     """tools/capplan_log.py on a log in the bridge's format: the live peak over the
-    recorded events, what is live there by stream, each stream's own peak."""
+    recorded events, what is live there by stream, each stream's own peak; the largest
+    blocks at the peak, and the peak with a block left out."""
     log = tmp_path / "capplan_1_0.csv"
     MiB = 2 ** 20
     log.write_text("# plan_bytes 9437184 peak_bytes 8388608 stream_peak_bytes 10485760 graph_nodes 40 cross_shares 3\n"
@@ -153,6 +154,11 @@ def test_capplan_log_tool_reads_a_log(tmp_path):
     assert "stream 0, used on another: 4.0 MiB in 1 blocks" in out, out
     assert "stream 1: 2.0 MiB in 1 blocks" in out, out
     assert "stream 0 alone: peak 4.0 MiB" in out and "stream 1 alone: peak 2.0 MiB" in out, out
+    r = subprocess.run([sys.executable, os.path.join(REPO, "tools", "capplan_log.py"), "--largest", "1",
+                        "--without", "1", str(log)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "block 0: 4.000 MiB, stream 0, events [0, 3)" in r.stdout and "block 1:" not in r.stdout, r.stdout
+    assert "without blocks 1: peak 5.0 MiB at event 5" in r.stdout, r.stdout   # y and z, to the end
     bad = tmp_path / "other.csv"
     bad.write_text("a,b\n1,2\n")
     r = subprocess.run([sys.executable, os.path.join(REPO, "tools", "capplan_log.py"), str(bad)],

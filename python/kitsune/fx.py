@@ -49,6 +49,11 @@ Patterns (each intermediate must have no other user, so nothing observable is lo
                               Inductor fuses the pooling with its neighbours): a byte per
                               output saved for a gather backward, where ATen saves int64
                               indices
+  x.mean((2, 3)), adaptive_avg_pool2d(x, 1)  -> kitsune.global_avg_pool(x, dim, keepdim) (dim (2, 3)
+                              or (-2, -1), no dtype; F.adaptive_avg_pool2d, nn.AdaptiveAvgPool2d
+                              with output size 1; optimize only): on CUDA for channels-last
+                              maps one kernel each way and no workspace, where ATen's strided
+                              reduction stages partial sums in a buffer twice the map's size
   (q @ k^T) * s, (q @ k^T) / s   -> kitsune.attention_score(q, k, scale) (s a Python
                               number; k^T as k.transpose(-2, -1) or k.mT; one GEMM
                               with the scale as alpha; unfused for broadcast batches)
@@ -548,6 +553,58 @@ def _rewrite_max_pool(gm, g, node, where, report):
     return True
 
 
+_HW_DIMS = ({2, 3}, {-2, -1})
+
+
+def _global_avg_pool_of(gm, node):
+    """(input, dim, keepdim) when node takes the mean over the last two dims of an (N, C, H,
+    W) map: x.mean(d, keepdim) / torch.mean(x, d, keepdim) with d (2, 3) or (-2, -1) in any
+    order and no dtype, or F.adaptive_avg_pool2d(x, 1) / nn.AdaptiveAvgPool2d(1) (output
+    size 1 or (1, 1)); else None."""
+    if not isinstance(node, tfx.Node):
+        return None
+    m = _module(gm, node)
+    if type(m) is nn.AdaptiveAvgPool2d:
+        out = m.output_size
+        return (node.args[0], [-2, -1], True) if len(node.args) == 1 and not node.kwargs and _pair(out) == (1, 1) \
+            else None
+    if node.op == "call_function" and node.target is F.adaptive_avg_pool2d:
+        a = dict(zip(("input", "output_size"), node.args))
+        a.update(node.kwargs)
+        if set(a) != {"input", "output_size"} or _pair(a["output_size"]) != (1, 1):
+            return None
+        return a["input"], [-2, -1], True
+    if not ((node.op == "call_method" and node.target == "mean") or
+            (node.op == "call_function" and node.target is torch.mean)):
+        return None
+    a = dict(zip(("input", "dim", "keepdim"), node.args))
+    a.update(node.kwargs)
+    if not set(a) <= {"input", "dim", "keepdim"} or len(node.args) > 3 or "input" not in a:
+        return None
+    dim, keepdim = a.get("dim"), a.get("keepdim", False)
+    if not isinstance(dim, (tuple, list)) or len(dim) != 2 or not all(type(d) is int for d in dim):
+        return None
+    if set(dim) not in _HW_DIMS or not isinstance(keepdim, bool):
+        return None
+    return a["input"], list(dim), keepdim
+
+
+def _rewrite_global_avg_pool(gm, g, node, where, report):
+    """The mean over H and W -> kitsune.global_avg_pool (ATen's mean wherever its kernels
+    do not apply, so any rank and layout stays correct)."""
+    from . import ops as ko
+    pool = _global_avg_pool_of(gm, node)
+    if pool is None:
+        return False
+    x, dim, keepdim = pool
+    report.fused.append((where, f"mean over H, W -> kitsune.global_avg_pool ({node.name})"))
+    with g.inserting_before(node):
+        new = g.call_function(ko.global_avg_pool, (x, dim, keepdim))
+    node.replace_all_uses_with(new)
+    g.erase_node(node)
+    return True
+
+
 # A Conv2d's output is (N, C, H, W), or (C, H, W) for an unbatched input, while
 # channel_bias and bias_relu_pool read (N, C, ...): the rewrites call them through these
 # helpers. On tensors they branch on the rank (a view costs microseconds of host time a
@@ -734,7 +791,7 @@ def _rewrite_linear_bias(gm, g, prefix, report):
         g.erase_node(node)
 
 
-def _rewrite(gm, report, prefix, linear_bias=True, max_pool=True):
+def _rewrite(gm, report, prefix, linear_bias=True, optimize_only=True):
     from . import ops as ko   # loads the bridge (the ops' CPU and CUDA kernels)
     g = gm.graph
     for node in list(g.nodes):
@@ -745,7 +802,9 @@ def _rewrite(gm, report, prefix, linear_bias=True, max_pool=True):
         if type(conv) is nn.Conv2d:
             _rewrite_conv_bias(gm, g, node, conv, where, report)
             continue
-        if max_pool and _rewrite_max_pool(gm, g, node, where, report):
+        if optimize_only and _rewrite_max_pool(gm, g, node, where, report):
+            continue
+        if optimize_only and _rewrite_global_avg_pool(gm, g, node, where, report):
             continue
         if _rewrite_bias_cat(g, node, where, report):
             continue
@@ -1004,7 +1063,7 @@ def kitsune_backend(gm, example_inputs):
     from torch._inductor.compile_fx import compile_fx
     report = Report()
     # Inductor sums a bias gradient in its own kernels, and fuses a pooling with its neighbours
-    _rewrite(gm, report, "", linear_bias=False, max_pool=False)
+    _rewrite(gm, report, "", linear_bias=False, optimize_only=False)
     last_compile_report = report
     return compile_fx(gm, example_inputs)
 

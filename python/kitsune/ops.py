@@ -47,6 +47,10 @@ Ops (reference semantics):
   max_pool2d(x, kernel_size, stride, padding, ceil_mode)
                                             F.max_pool2d (dilation 1, no indices): one kernel
                                             each way on CUDA, a byte per output saved
+  global_avg_pool(x, dim=(-2, -1), keepdim=False)
+                                            x.mean(dim, keepdim) over H and W of (N, C, H, W):
+                                            on CUDA for channels-last x one kernel each way,
+                                            no workspace (ATen's stages 2x the input)
 The dropout ops draw (seed, offset) from PyTorch's default generator of the device
 (torch.manual_seed repeats a mask) and never store the mask: the backward rebuilds it
 with the same Philox code (kitsune/philox.h); ``dropout_mask(rng, n, p, dtype)`` gives it.
@@ -248,6 +252,11 @@ def _(x, kernel_size, stride, padding, ceil_mode):
     return torch.ops.aten.max_pool2d_with_indices.default(x, kernel_size, stride, padding, [1, 1], ceil_mode)[0]
 
 
+@torch.library.register_fake("kitsune::global_avg_pool")
+def _(x, dim, keepdim=False):
+    return torch.ops.aten.mean.dim(x, dim, keepdim)
+
+
 @torch.library.register_fake("kitsune::bias_cat")
 def _(xs, biases, dim=1):
     return torch.cat(list(xs), dim)
@@ -443,6 +452,15 @@ def max_pool2d(x, kernel_size, stride=None, padding=0, ceil_mode=False):
         return [v, v] if isinstance(v, int) else list(v)
     return _lib.max_pool2d(x, ints(kernel_size), [] if stride is None else ints(stride), ints(padding),
                            bool(ceil_mode))
+
+
+def global_avg_pool(x, dim=(-2, -1), keepdim=False):
+    """x.mean(dim, keepdim): global average pooling when dim names H and W of an (N, C, H,
+    W) x ((2, 3) or (-2, -1)). On CUDA, for a channels-last x in fp32/fp16/bf16, Kitsune's
+    kernels: a fixed-order fp32 sum a channel, no workspace, and a backward that writes
+    the gradient dense in channels-last. ATen's mean elsewhere (the CPU, NCHW, other dims
+    or ranks), with ATen's errors."""
+    return _lib.global_avg_pool(x, [dim] if isinstance(dim, int) else list(dim), bool(keepdim))
 
 
 def linear_act(x, weight, bias, act="relu"):

@@ -318,13 +318,14 @@ def test_under_autocast_fp32_parameters_meet_bf16_activations(make):
 
 
 @pytest.mark.parametrize("arch,fusions", [("resnet18", {"add_relu": 8, "batch_norm_relu": 9, "linear_act(none)": 1,
-                                                       "kitsune.max_pool2d": 1}),
+                                                       "kitsune.max_pool2d": 1, "kitsune.global_avg_pool": 1}),
                                           ("resnet50", {"add_relu": 16, "batch_norm_relu": 33, "linear_act(none)": 1,
-                                                        "kitsune.max_pool2d": 1})])
+                                                        "kitsune.max_pool2d": 1, "kitsune.global_avg_pool": 1})])
 def test_torchvision_resnets_as_shipped(arch, fusions):
     """torchvision's ResNet-18/50 (random weights): each `relu(bn(conv(x)))` becomes
-    batch_norm_relu, each block's `out += identity; relu(out)` add_relu and the stem's
-    max pooling kitsune.max_pool2d; in train
+    batch_norm_relu, each block's `out += identity; relu(out)` add_relu, the stem's
+    max pooling kitsune.max_pool2d and the head's AdaptiveAvgPool2d((1, 1))
+    kitsune.global_avg_pool; in train
     mode outputs, running stats and input gradients equal the original's, in eval mode
     outputs."""
     tvm = pytest.importorskip("torchvision.models")
@@ -465,6 +466,44 @@ def test_max_poolings_become_kitsune_max_pool2d():
     orig, cfx.compile_fx = cfx.compile_fx, lambda gm, inputs: gm.forward   # the backend's rewrite only
     try:
         kitsune.fx.kitsune_backend(torch.fx.symbolic_trace(Pools()), [])
+    finally:
+        cfx.compile_fx = orig
+    assert not kitsune.fx.last_compile_report.fused, kitsune.fx.last_compile_report
+
+
+class Means(nn.Module):
+    """Means over H and W in each spelling, and the means global_avg_pool leaves."""
+    def __init__(self):
+        super().__init__()
+        self.gap, self.gap2, self.two = nn.AdaptiveAvgPool2d(1), nn.AdaptiveAvgPool2d((1, 1)), nn.AdaptiveAvgPool2d(2)
+
+    def forward(self, x):
+        a = x.mean((2, 3)) + torch.mean(x, dim=[-1, -2])                       # taken, both
+        b = self.gap(x).flatten(1) * self.gap2(x)[:, :, 0, 0]                  # taken, both
+        c = F.adaptive_avg_pool2d(x, (1, 1)).squeeze(-1).squeeze(-1) + x.mean((3, 2), keepdim=True)[..., 0, 0]   # both
+        d = x.mean((1, 2)).sum(-1, keepdim=True) + x.mean(3).mean(-1) + x.mean((2, 3), dtype=torch.float64)   # left
+        return a + b + c + d + self.two(x).sum((2, 3)) + F.adaptive_avg_pool2d(x, (1, 2)).sum(-1).squeeze(-1)  # left
+
+
+def test_means_over_h_and_w_become_global_avg_pool():
+    """Each mean over the last two dims of a 4-D map (x.mean, torch.mean, adaptive average
+    pooling to 1 x 1) becomes kitsune.global_avg_pool with its own dims and keepdim; other
+    dims, a dtype or a larger output are left; outputs and gradients equal. A 3-D input
+    (an unbatched map) takes ATen's mean through the op; the torch.compile backend leaves
+    the means to Inductor."""
+    torch.manual_seed(15)
+    m = Means().double()
+    rep = kitsune.fx.Report()
+    opt = kitsune.optimize(m, report=rep)
+    assert _kinds(rep) == ["kitsune.global_avg_pool"] * 6, rep
+    _same_outputs_and_grads(opt, m, torch.randn(2, 3, 5, 6, dtype=torch.float64))
+    x3 = torch.randn(3, 5, 6, dtype=torch.float64)
+    gm = kitsune.optimize(nn.AdaptiveAvgPool2d(1))
+    torch.testing.assert_close(gm(x3), F.adaptive_avg_pool2d(x3, 1))
+    import torch._inductor.compile_fx as cfx
+    orig, cfx.compile_fx = cfx.compile_fx, lambda gm, inputs: gm.forward   # the backend's rewrite only
+    try:
+        kitsune.fx.kitsune_backend(torch.fx.symbolic_trace(Means()), [])
     finally:
         cfx.compile_fx = orig
     assert not kitsune.fx.last_compile_report.fused, kitsune.fx.last_compile_report

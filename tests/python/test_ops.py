@@ -310,6 +310,19 @@ OPS2 = {
     "max_pool2d_1x1": (lambda x: ko.max_pool2d(x, 1), lambda x: F.max_pool2d(x, 1),
                        lambda shape, dtype, device, gen: ([_t(shape, dtype, device, gen)], []),
                        [(2, 3, 4, 5), (3, 2, 3, 3)]),
+    # the mean over H and W: NCHW (ATen's mean on every device) and channels-last (Kitsune's
+    # kernels on CUDA): the Inception net's 64 x 256 x 32 x 32 and ResNet-18's 128 x 512 x 4 x 4;
+    # channel counts not a multiple of 4 (a channel a lane), more channels than a 32-channel
+    # tile, one row of pixels, and more images than a grid's 65535 rows
+    "global_avg_pool": (lambda x: ko.global_avg_pool(x, (2, 3)), lambda x: x.mean((2, 3)),
+                        lambda shape, dtype, device, gen: ([_t(shape, dtype, device, gen)], []),
+                        [(2, 3, 4, 5), (3, 6, 5, 7), (64, 256, 32, 32)]),
+    "global_avg_pool_cl": (lambda x: ko.global_avg_pool(x, (-1, -2), keepdim=True),
+                           lambda x: x.mean((2, 3), keepdim=True),
+                           lambda shape, dtype, device, gen: (
+                               [_t(shape, dtype, device, gen).contiguous(memory_format=torch.channels_last)], []),
+                           [(2, 6, 5, 7), (3, 40, 4, 4), (2, 33, 3, 3), (1, 8, 1, 9), (64, 256, 32, 32),
+                            (128, 512, 4, 4), (70000, 4, 1, 2)]),
 }
 
 
@@ -365,6 +378,8 @@ def test_opcheck_more(name):
         "max_pool2d_stem": ("max_pool2d", lambda: (ts[0], [3, 3], [2, 2], [1, 1], False)),
         "max_pool2d_ceil": ("max_pool2d", lambda: (ts[0], [2, 3], [2, 1], [1, 0], True)),
         "max_pool2d_1x1": ("max_pool2d", lambda: (ts[0], [1, 1], [], [0, 0], False)),
+        "global_avg_pool": ("global_avg_pool", lambda: (ts[0], [2, 3], False)),
+        "global_avg_pool_cl": ("global_avg_pool", lambda: (ts[0], [-1, -2], True)),
     }[name]
     torch.library.opcheck(getattr(torch.ops.kitsune, opname).default, args())
 
@@ -454,6 +469,11 @@ def test_more_bad_inputs_name_the_problem():
     with pytest.raises(RuntimeError, match="C, H and W must be non-zero"):
         ko.max_pool2d(torch.randn(2, 0, 4, 4), 2)
     assert ko.max_pool2d(torch.randn(0, 3, 4, 4), 2).shape == (0, 3, 2, 2)   # an empty batch, as F.max_pool2d
+    with pytest.raises(IndexError, match="Dimension out of range"):   # ATen's own errors, through the op
+        ko.global_avg_pool(torch.randn(2, 3, 4, 4), (2, 4))
+    with pytest.raises(RuntimeError, match="mean"):
+        ko.global_avg_pool(torch.ones(2, 3, 4, 4, dtype=torch.long))
+    assert torch.isnan(ko.global_avg_pool(torch.randn(2, 3, 0, 4))).all()   # no pixels: NaN, as x.mean
     with pytest.raises(RuntimeError, match="need as many biases as parts .at least one., got 2 parts and 1 biases"):
         ko.bias_cat([x, x], [torch.randn(3)])
     with pytest.raises(RuntimeError, match=r"part 1: need x \(N, C, H, W\) or \(C, H, W\), as part 0, and bias "
@@ -758,6 +778,42 @@ def test_gpu_more_match_fp64_reference(name, dtype):
         theirs = torch.autograd.grad(_outs(ref(*ts, *other)), ts, gos)
         for k, (a, w, th) in enumerate(zip(got, want, theirs)):
             _check_close(a, w, th, dtype, f"{name} {dtype} {shape} grad{k}", max(1.0, w.abs().max().item()))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_global_avg_pool_needs_no_workspace(dtype):
+    """On the Inception net's channels-last 64 x 256 x 32 x 32 map, ATen's mean over H and W
+    stages partial sums in a buffer twice the input's size (128 MiB in fp32, the whole gap
+    between the captured step's live peak and eager's): Kitsune's forward allocates its
+    output alone, its backward the gradient alone, dense in channels-last; the values
+    equal ATen's to rounding, and two calls give the same bits (a fixed summing order)."""
+    g = torch.Generator().manual_seed(23)
+    x = _t((64, 256, 32, 32), dtype, "cuda", g).contiguous(memory_format=torch.channels_last)
+
+    def peak(fn):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out = fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base, out
+
+    out_bytes = 64 * 256 * x.element_size()
+    used, out = peak(lambda: ko.global_avg_pool(x, (2, 3)))
+    aten_used, want = peak(lambda: x.mean((2, 3)))
+    print(f"{dtype}: forward peak above its input: kitsune {used / 2**20:.3f} MiB, ATen {aten_used / 2**20:.3f} MiB")
+    assert used <= out_bytes + 512, f"the forward allocated {used} bytes for a {out_bytes}-byte output"
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-5 if dtype == torch.float32 else 1e-2)
+    assert torch.equal(out, ko.global_avg_pool(x, (2, 3)))
+    xr = x.detach().requires_grad_()
+    y = ko.global_avg_pool(xr, (2, 3))
+    go = _t(y.shape, dtype, "cuda", g)
+    used, (gx,) = peak(lambda: torch.autograd.grad(y, xr, go))
+    assert used <= x.numel() * x.element_size() + 2**20, f"the backward allocated {used} bytes"
+    assert gx.is_contiguous(memory_format=torch.channels_last), gx.stride()
+    torch.testing.assert_close(gx, (go / 1024)[:, :, None, None].expand(x.shape), rtol=0, atol=0)
 
 
 @pytest.mark.gpu

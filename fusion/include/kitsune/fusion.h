@@ -69,6 +69,14 @@ kt_status kt_max_pool2d(kt_dtype t, const void *x, void *out, uint8_t *where, co
  * in fp32, window rows then columns in order; 0 for elements that won none. */
 kt_status kt_max_pool2d_backward(kt_dtype t, const void *grad_out, const uint8_t *where, void *grad_in,
                                  const kt_pool2d *p, void *stream);
+/* Global average pooling of a channels-last x (n, c, h, w), NHWC in memory, hw = h * w > 0:
+ * out (n, c) dense = each (image, channel)'s pixels summed in fp32 in a fixed order
+ * (independent of timing), times 1 / hw, rounded once. n * c = 0 does nothing. */
+kt_status kt_global_avg_pool(kt_dtype t, const void *x, void *out, int64_t n, int64_t c, int64_t hw, void *stream);
+/* Its backward: grad_in (n, c, h, w) NHWC-dense = grad[i, j] * (1 / hw) at every pixel,
+ * rounded once; grad (n, c) dense. */
+kt_status kt_global_avg_pool_backward(kt_dtype t, const void *grad, void *grad_in, int64_t n, int64_t c, int64_t hw,
+                                      void *stream);
 /* kitsune.bias_cat: parts i < k of (n, c[i], h, w), all NCHW-contiguous (channels_last =
  * 0) or all channels-last (1), concatenated over dim 1 at channel offsets off[i]
  * (off[0] = 0, off[i + 1] = off[i] + c[i]; off[k] = the total). */

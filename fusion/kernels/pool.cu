@@ -172,7 +172,9 @@ template <int V> using Bytes = Pack<uint8_t, V>;
 // 201.1 us before it and 87.4 after, the forward's 71.8 and 56.9; bias_cat landed in
 // between and the step runs on four streams, so that is not a controlled measurement
 // (bench/results/h100_profile_graph_inception_a71d291.log, _43fab21.log).
-template <typename T, int V, typename I>
+// K > 0: windows of at most K x K (the Inception net's 3 x 3), their loads unrolled and
+// issued before the first compare; K = 0: runtime loops. Both compare in the same order.
+template <typename T, int V, typename I, int K>
 __global__ void max_pool_fwd(const T *x, T *out, uint8_t *where, I total, PoolGeo geo) {
   const I groups = (I)geo.groups, ow = (I)geo.ow, oh = (I)geo.oh, w = (I)geo.w, h = (I)geo.h, cs = (I)geo.cs;
   const int kh = geo.kh, kw = geo.kw;
@@ -187,15 +189,31 @@ __global__ void max_pool_fwd(const T *x, T *out, uint8_t *where, I total, PoolGe
     uint8_t who[V];
 #pragma unroll
     for (int l = 0; l < V; l++) best[l] = -INFINITY, who[l] = (uint8_t)(a0 * kw + b0);
-    for (int a = a0; a < a1; a++)
-      for (int b = b0; b < b1; b++) {
-        const Pack<T, V> v = *reinterpret_cast<const Pack<T, V> *>(base + ((I)(h0 + a) * w + (I)(w0 + b)) * cs);
+    auto take = [&](const Pack<T, V> &v, int a, int b) {
 #pragma unroll
-        for (int l = 0; l < V; l++) {
-          const float f = kt::to_f(v.v[l]);
-          if (f > best[l] || f != f) best[l] = f, who[l] = (uint8_t)(a * kw + b);
-        }
+      for (int l = 0; l < V; l++) {
+        const float f = kt::to_f(v.v[l]);
+        if (f > best[l] || f != f) best[l] = f, who[l] = (uint8_t)(a * kw + b);
       }
+    };
+    if constexpr (K > 0) {
+      Pack<T, V> v[K][K];
+#pragma unroll
+      for (int a = 0; a < K; a++)
+#pragma unroll
+        for (int b = 0; b < K; b++)
+          if (a >= a0 && a < a1 && b >= b0 && b < b1)
+            v[a][b] = *reinterpret_cast<const Pack<T, V> *>(base + ((I)(h0 + a) * w + (I)(w0 + b)) * cs);
+#pragma unroll
+      for (int a = 0; a < K; a++)
+#pragma unroll
+        for (int b = 0; b < K; b++)
+          if (a >= a0 && a < a1 && b >= b0 && b < b1) take(v[a][b], a, b);
+    } else {
+      for (int a = a0; a < a1; a++)
+        for (int b = b0; b < b1; b++)
+          take(*reinterpret_cast<const Pack<T, V> *>(base + ((I)(h0 + a) * w + (I)(w0 + b)) * cs), a, b);
+    }
     Pack<T, V> res;
     Bytes<V> wb;
 #pragma unroll
@@ -208,7 +226,11 @@ __global__ void max_pool_fwd(const T *x, T *out, uint8_t *where, I total, PoolGe
 
 // Input element (ih, iw) lies in the windows of outputs [i0, i1) x [j0, j1) (ATen's
 // p_start / p_end); it takes the gradient of those whose winner it is.
-template <typename T, int V, typename I>
+// K > 0: windows of at most K x K, so at most K x K of them hold an input element: their
+// winner bytes and gradients are loaded unrolled, all in flight at once (a runtime loop
+// waited for each window's byte before loading its gradient), then summed in ATen's
+// order as with K = 0.
+template <typename T, int V, typename I, int K>
 __global__ void max_pool_bwd(const T *g_out, const uint8_t *where, T *g_in, I total, PoolGeo geo) {
   const I groups = (I)geo.groups, ow = (I)geo.ow, oh = (I)geo.oh, w = (I)geo.w, h = (I)geo.h, cs = (I)geo.cs;
   const I kh = (I)geo.kh, kw = (I)geo.kw, sh = (I)geo.sh, sw = (I)geo.sw, ph = (I)geo.ph, pw = (I)geo.pw;
@@ -223,20 +245,44 @@ __global__ void max_pool_bwd(const T *g_out, const uint8_t *where, T *g_in, I to
 #pragma unroll
     for (int l = 0; l < V; l++) acc[l] = 0.f;
     const I plane = outer * oh;
-    for (I i = i0; i < i1; i++)
-      for (I j = j0; j < j1; j++) {
-        const uint8_t mine = (uint8_t)((hp - i * sh) * kw + (wp - j * sw));
-        const I at = ((plane + i) * ow + j) * cs + q * V;
-        const Bytes<V> wb = *reinterpret_cast<const Bytes<V> *>(where + at);
-        bool any = false;
+    if constexpr (K > 0) {
+      Bytes<V> wb[K][K];
+      Pack<T, V> gv[K][K];
 #pragma unroll
-        for (int l = 0; l < V; l++) any |= wb.v[l] == mine;
-        if (!any) continue;
-        const Pack<T, V> gv = *reinterpret_cast<const Pack<T, V> *>(g_out + at);
+      for (int di = 0; di < K; di++)
 #pragma unroll
-        for (int l = 0; l < V; l++)
-          if (wb.v[l] == mine) acc[l] += kt::to_f(gv.v[l]);
-      }
+        for (int dj = 0; dj < K; dj++)
+          if (i0 + di < i1 && j0 + dj < j1) {
+            const I at = ((plane + i0 + di) * ow + j0 + dj) * cs + q * V;
+            wb[di][dj] = *reinterpret_cast<const Bytes<V> *>(where + at);
+            gv[di][dj] = *reinterpret_cast<const Pack<T, V> *>(g_out + at);
+          }
+#pragma unroll
+      for (int di = 0; di < K; di++)
+#pragma unroll
+        for (int dj = 0; dj < K; dj++)
+          if (i0 + di < i1 && j0 + dj < j1) {
+            const uint8_t mine = (uint8_t)((hp - (i0 + di) * sh) * kw + (wp - (j0 + dj) * sw));
+#pragma unroll
+            for (int l = 0; l < V; l++)
+              if (wb[di][dj].v[l] == mine) acc[l] += kt::to_f(gv[di][dj].v[l]);
+          }
+    } else {
+      for (I i = i0; i < i1; i++)
+        for (I j = j0; j < j1; j++) {
+          const uint8_t mine = (uint8_t)((hp - i * sh) * kw + (wp - j * sw));
+          const I at = ((plane + i) * ow + j) * cs + q * V;
+          const Bytes<V> wb = *reinterpret_cast<const Bytes<V> *>(where + at);
+          bool any = false;
+#pragma unroll
+          for (int l = 0; l < V; l++) any |= wb.v[l] == mine;
+          if (!any) continue;
+          const Pack<T, V> gv = *reinterpret_cast<const Pack<T, V> *>(g_out + at);
+#pragma unroll
+          for (int l = 0; l < V; l++)
+            if (wb.v[l] == mine) acc[l] += kt::to_f(gv.v[l]);
+        }
+    }
     Pack<T, V> res;
 #pragma unroll
     for (int l = 0; l < V; l++) res.v[l] = kt::from_f<T>(acc[l]);
@@ -255,16 +301,23 @@ bool max_pool_args_ok(const kt_pool2d *p) {
          (p->oh - 1) * p->sh - p->ph + p->kh > 0 && (p->ow - 1) * p->sw - p->pw + p->kw > 0;
 }
 
-template <typename T, int V, typename I>
-void max_pool_launch(bool backward, const void *a, const void *b, void *c, I total, const PoolGeo &g,
-                     cudaStream_t s) {
+template <typename T, int V, typename I, int K>
+void max_pool_launch_k(bool backward, const void *a, const void *b, void *c, I total, const PoolGeo &g,
+                       cudaStream_t s) {
   const int threads = 256;
   const int64_t blocks = ((int64_t)total + threads - 1) / threads;
   const unsigned grid = (unsigned)(blocks < 65535 * 32 ? blocks : 65535 * 32);
   if (backward)
-    max_pool_bwd<T, V, I><<<grid, threads, 0, s>>>((const T *)a, (const uint8_t *)b, (T *)c, total, g);
+    max_pool_bwd<T, V, I, K><<<grid, threads, 0, s>>>((const T *)a, (const uint8_t *)b, (T *)c, total, g);
   else
-    max_pool_fwd<T, V, I><<<grid, threads, 0, s>>>((const T *)a, (T *)b, (uint8_t *)c, total, g);
+    max_pool_fwd<T, V, I, K><<<grid, threads, 0, s>>>((const T *)a, (T *)b, (uint8_t *)c, total, g);
+}
+
+template <typename T, int V, typename I>
+void max_pool_launch(bool backward, const void *a, const void *b, void *c, I total, const PoolGeo &g,
+                     cudaStream_t s) {
+  if (g.kh <= 3 && g.kw <= 3) max_pool_launch_k<T, V, I, 3>(backward, a, b, c, total, g, s);
+  else max_pool_launch_k<T, V, I, 0>(backward, a, b, c, total, g, s);
 }
 
 // Four channels a thread where channels are last and come in fours (aligned pointers),

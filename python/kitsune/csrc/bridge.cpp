@@ -3009,6 +3009,16 @@ Tensor channel_rows(const Tensor& g) {
   return rows ? g.as_strided({N * H * W, C}, {ld, 1}) : Tensor();
 }
 
+// t as its dense (rows, C) matrix: a 2-D contiguous t, or a 4-D one dense in
+// channels-last (N H W rows); undefined otherwise (including fake tensors, whose sizes
+// may be symbolic, and empty ones).
+Tensor dense_channel_rows(const Tensor& t) {
+  if (!t.is_cuda() || t.key_set().has(c10::DispatchKey::Python) || t.numel() == 0) return Tensor();
+  if (t.dim() == 2) return t.is_contiguous() ? t : Tensor();
+  if (t.dim() != 4 || !t.is_contiguous(at::MemoryFormat::ChannelsLast)) return Tensor();
+  return t.permute({0, 2, 3, 1}).reshape({-1, t.size(1)});   // a view: NHWC is dense
+}
+
 Tensor channel_sum(const Tensor& g, at::ScalarType out_t) {
   const int64_t C = g.size(1), N = g.size(0);
   const at::ScalarType acc = g.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
@@ -3079,7 +3089,20 @@ struct ChannelBiasFn : torch::autograd::Function<ChannelBiasFn> {
   }
   static variable_list backward(AutogradContext* ctx, variable_list go) {
     Tensor g = go[0];
-    if (ctx->saved_data["relu"].toBool()) g = at::threshold_backward(g, ctx->get_saved_variables()[0], 0);
+    if (ctx->saved_data["relu"].toBool()) {
+      const Tensor y = ctx->get_saved_variables()[0];
+      // g and y dense with channels last (a channels-last convolution's output and its
+      // gradient, or (rows, C)): ReLU's mask and the bias gradient in one pass over
+      // their (N H W, C) rows (kt_relu_grad_colsum), where threshold_backward and the
+      // column sum read the gradient twice (the Inception net's 6 ReLU'd convolutions)
+      const Tensor g2 = dense_channel_rows(g), y2 = dense_channel_rows(y);
+      if (g2.defined() && y2.defined() && lt_dtype_ok(g) && g.scalar_type() == y.scalar_type()) {
+        auto [gx, sums] = relu_grad_colsum(g2, y2, g.scalar_type());
+        return {g.dim() == 2 ? gx : gx.view({g.size(0), g.size(2), g.size(3), g.size(1)}).permute({0, 3, 1, 2}),
+                sums, Tensor()};
+      }
+      g = at::threshold_backward(g, y, 0);
+    }
     return {g, channel_sum(g, g.scalar_type()), Tensor()};
   }
 };

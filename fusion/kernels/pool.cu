@@ -226,11 +226,12 @@ __global__ void max_pool_fwd(const T *x, T *out, uint8_t *where, I total, PoolGe
 
 // Input element (ih, iw) lies in the windows of outputs [i0, i1) x [j0, j1) (ATen's
 // p_start / p_end); it takes the gradient of those whose winner it is.
-// K > 0: windows of at most K x K, so at most K x K of them hold an input element: their
-// winner bytes and gradients are loaded unrolled, all in flight at once (a runtime loop
-// waited for each window's byte before loading its gradient), then summed in ATen's
-// order as with K = 0.
-template <typename T, int V, typename I, int K>
+// One window at a time: its winner byte, then its gradient only where the byte names
+// this element. Loading all (up to 9) windows' bytes and gradients unrolled, before any
+// compare, took 129.6 us for the Inception step's two calls against this loop's 80.6:
+// nine 16-byte gradient loads a thread where one or two are used
+// (bench/results/h100_profile_graph_inception_31881b1.log, _5d29be8.log).
+template <typename T, int V, typename I>
 __global__ void max_pool_bwd(const T *g_out, const uint8_t *where, T *g_in, I total, PoolGeo geo) {
   const I groups = (I)geo.groups, ow = (I)geo.ow, oh = (I)geo.oh, w = (I)geo.w, h = (I)geo.h, cs = (I)geo.cs;
   const I kh = (I)geo.kh, kw = (I)geo.kw, sh = (I)geo.sh, sw = (I)geo.sw, ph = (I)geo.ph, pw = (I)geo.pw;
@@ -245,44 +246,20 @@ __global__ void max_pool_bwd(const T *g_out, const uint8_t *where, T *g_in, I to
 #pragma unroll
     for (int l = 0; l < V; l++) acc[l] = 0.f;
     const I plane = outer * oh;
-    if constexpr (K > 0) {
-      Bytes<V> wb[K][K];
-      Pack<T, V> gv[K][K];
+    for (I i = i0; i < i1; i++)
+      for (I j = j0; j < j1; j++) {
+        const uint8_t mine = (uint8_t)((hp - i * sh) * kw + (wp - j * sw));
+        const I at = ((plane + i) * ow + j) * cs + q * V;
+        const Bytes<V> wb = *reinterpret_cast<const Bytes<V> *>(where + at);
+        bool any = false;
 #pragma unroll
-      for (int di = 0; di < K; di++)
+        for (int l = 0; l < V; l++) any |= wb.v[l] == mine;
+        if (!any) continue;
+        const Pack<T, V> gv = *reinterpret_cast<const Pack<T, V> *>(g_out + at);
 #pragma unroll
-        for (int dj = 0; dj < K; dj++)
-          if (i0 + di < i1 && j0 + dj < j1) {
-            const I at = ((plane + i0 + di) * ow + j0 + dj) * cs + q * V;
-            wb[di][dj] = *reinterpret_cast<const Bytes<V> *>(where + at);
-            gv[di][dj] = *reinterpret_cast<const Pack<T, V> *>(g_out + at);
-          }
-#pragma unroll
-      for (int di = 0; di < K; di++)
-#pragma unroll
-        for (int dj = 0; dj < K; dj++)
-          if (i0 + di < i1 && j0 + dj < j1) {
-            const uint8_t mine = (uint8_t)((hp - (i0 + di) * sh) * kw + (wp - (j0 + dj) * sw));
-#pragma unroll
-            for (int l = 0; l < V; l++)
-              if (wb[di][dj].v[l] == mine) acc[l] += kt::to_f(gv[di][dj].v[l]);
-          }
-    } else {
-      for (I i = i0; i < i1; i++)
-        for (I j = j0; j < j1; j++) {
-          const uint8_t mine = (uint8_t)((hp - i * sh) * kw + (wp - j * sw));
-          const I at = ((plane + i) * ow + j) * cs + q * V;
-          const Bytes<V> wb = *reinterpret_cast<const Bytes<V> *>(where + at);
-          bool any = false;
-#pragma unroll
-          for (int l = 0; l < V; l++) any |= wb.v[l] == mine;
-          if (!any) continue;
-          const Pack<T, V> gv = *reinterpret_cast<const Pack<T, V> *>(g_out + at);
-#pragma unroll
-          for (int l = 0; l < V; l++)
-            if (wb.v[l] == mine) acc[l] += kt::to_f(gv.v[l]);
-        }
-    }
+        for (int l = 0; l < V; l++)
+          if (wb.v[l] == mine) acc[l] += kt::to_f(gv.v[l]);
+      }
     Pack<T, V> res;
 #pragma unroll
     for (int l = 0; l < V; l++) res.v[l] = kt::from_f<T>(acc[l]);
@@ -308,7 +285,7 @@ void max_pool_launch_k(bool backward, const void *a, const void *b, void *c, I t
   const int64_t blocks = ((int64_t)total + threads - 1) / threads;
   const unsigned grid = (unsigned)(blocks < 65535 * 32 ? blocks : 65535 * 32);
   if (backward)
-    max_pool_bwd<T, V, I, K><<<grid, threads, 0, s>>>((const T *)a, (const uint8_t *)b, (T *)c, total, g);
+    max_pool_bwd<T, V, I><<<grid, threads, 0, s>>>((const T *)a, (const uint8_t *)b, (T *)c, total, g);
   else
     max_pool_fwd<T, V, I, K><<<grid, threads, 0, s>>>((const T *)a, (T *)b, (uint8_t *)c, total, g);
 }

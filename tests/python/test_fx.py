@@ -452,6 +452,18 @@ class Pools(nn.Module):
         return F.max_pool2d(y, x.size(-1) // 5) + idx.sum()                   # size computed: left
 
 
+def _backend_fuses_nothing(module):
+    """The torch.compile backend's rewrite alone (Inductor's compile stubbed out) fuses
+    nothing in module: what it leaves to Inductor."""
+    import torch._inductor.compile_fx as cfx
+    orig, cfx.compile_fx = cfx.compile_fx, lambda gm, inputs: gm.forward
+    try:
+        kitsune.fx.kitsune_backend(torch.fx.symbolic_trace(module), [])
+    finally:
+        cfx.compile_fx = orig
+    assert not kitsune.fx.last_compile_report.fused, kitsune.fx.last_compile_report
+
+
 def test_max_poolings_become_kitsune_max_pool2d():
     """Each 2-D max pooling with dilation 1 and no indices becomes kitsune.max_pool2d with its
     own geometry, outputs and gradients equal; the torch.compile backend leaves them to
@@ -462,13 +474,7 @@ def test_max_poolings_become_kitsune_max_pool2d():
     opt = kitsune.optimize(m, report=rep)
     assert _kinds(rep) == ["kitsune.max_pool2d"] * 5, rep
     _same_outputs_and_grads(opt, m, torch.randn(2, 3, 29, 30, dtype=torch.float64))
-    import torch._inductor.compile_fx as cfx
-    orig, cfx.compile_fx = cfx.compile_fx, lambda gm, inputs: gm.forward   # the backend's rewrite only
-    try:
-        kitsune.fx.kitsune_backend(torch.fx.symbolic_trace(Pools()), [])
-    finally:
-        cfx.compile_fx = orig
-    assert not kitsune.fx.last_compile_report.fused, kitsune.fx.last_compile_report
+    _backend_fuses_nothing(Pools())
 
 
 class Means(nn.Module):
@@ -500,13 +506,7 @@ def test_means_over_h_and_w_become_global_avg_pool():
     x3 = torch.randn(3, 5, 6, dtype=torch.float64)
     gm = kitsune.optimize(nn.AdaptiveAvgPool2d(1))
     torch.testing.assert_close(gm(x3), F.adaptive_avg_pool2d(x3, 1))
-    import torch._inductor.compile_fx as cfx
-    orig, cfx.compile_fx = cfx.compile_fx, lambda gm, inputs: gm.forward   # the backend's rewrite only
-    try:
-        kitsune.fx.kitsune_backend(torch.fx.symbolic_trace(Means()), [])
-    finally:
-        cfx.compile_fx = orig
-    assert not kitsune.fx.last_compile_report.fused, kitsune.fx.last_compile_report
+    _backend_fuses_nothing(Means())
 
 
 class Branches(nn.Module):

@@ -489,6 +489,32 @@ def test_more_bad_inputs_name_the_problem():
         ko.bias_cat([x], [torch.randn(3, dtype=torch.float64)])
 
 
+def test_global_avg_pool_launchers_check_their_arguments():
+    """kt_global_avg_pool and its backward (C, through ctypes) refuse a negative size, a
+    missing pointer where there is work, no pixels for a forward with outputs, and an
+    unknown dtype, all before any launch (so no GPU is needed); an empty problem is a
+    success that touches nothing."""
+    import ctypes
+    from kitsune import _native
+    lib = ctypes.CDLL(_native.library_path())
+    i64, p = ctypes.c_int64, ctypes.c_void_p
+    fwd, bwd = lib.kt_global_avg_pool, lib.kt_global_avg_pool_backward
+    for f in (fwd, bwd):
+        f.argtypes, f.restype = [ctypes.c_int, p, p, i64, i64, i64, p], ctypes.c_int
+    OK, INVALID = 0, 1
+    a, b = p(0x1000), p(0x2000)   # never dereferenced: every case ends before a launch
+    for f in (fwd, bwd):
+        assert f(0, a, b, -1, 4, 4, None) == INVALID
+        assert f(0, a, b, 2, -4, 4, None) == INVALID
+        assert f(0, a, b, 2, 4, -1, None) == INVALID
+        assert f(0, a, None, 2, 4, 4, None) == INVALID
+        assert f(0, None, b, 2, 4, 4, None) == INVALID
+        assert f(7, a, b, 2, 4, 4, None) == INVALID   # no such dtype
+        assert f(0, None, None, 0, 4, 4, None) == OK and f(0, None, None, 2, 0, 4, None) == OK
+    assert fwd(0, a, b, 2, 4, 0, None) == INVALID   # the mean of no pixels is ATen's NaN, not ours
+    assert bwd(0, None, None, 2, 4, 0, None) == OK  # nothing to write
+
+
 def test_channel_sum_every_layout_and_empty():
     """The bias gradient's two-stage sum equals a float64 sum over every dim but 1, for
     NCHW, channels-last, 2-D and non-contiguous input, and copies no slice of a

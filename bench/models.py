@@ -28,6 +28,8 @@ Recipes:
                  (model.to(memory_format=torch.channels_last), PyTorch's recipe for
                  channels-last training: convolution weights dense in NHWC, so cuDNN
                  does not copy them every call); the model is otherwise the same
+  kitsune_mc     kitsune with the stream plan's costs measured on the first batch
+                 (compile_step(stream_costs="measured")) instead of the roofline's
 
 Each recipe runs --steps steps (default 60). Reported: ms/step (the median over blocks
 of 10 steps between CUDA events, steps 20 on, no sync inside a block), the host's ms
@@ -60,7 +62,7 @@ import kitsune  # noqa: E402
 from kitsune.sched import Inception  # noqa: E402
 
 RECIPES = ["eager", "eager_fused", "compile", "compile_ro", "stock_graph", "kitsune_eager", "kitsune", "kitsune_1s",
-           "kitsune_cl"]
+           "kitsune_cl", "kitsune_mc"]
 
 
 # ---- models and their batches ---------------------------------------------------------
@@ -195,7 +197,8 @@ def make(recipe, model, loss_fn):
     opt = kitsune.KitsuneOptimizer(torch.optim.AdamW, km.parameters(), **adamw)
     if recipe == "kitsune_eager":
         return eager_step(km, loss_fn, opt), opt
-    step = kitsune.compile_step(km, loss_fn, opt, streams=1 if recipe == "kitsune_1s" else 4)
+    step = kitsune.compile_step(km, loss_fn, opt, streams=1 if recipe == "kitsune_1s" else 4,
+                                stream_costs="measured" if recipe == "kitsune_mc" else None)
     return step, step
 
 
@@ -236,7 +239,7 @@ def run(recipe, base, loss_fn, data, steps):
            "peak_reserved_mib": (torch.cuda.max_memory_reserved() - reserved0) / 2**20,
            "left_before_mib": alloc0 / 2**20,
            "final_loss": losses[-1].float().item(), "steps": steps}
-    if recipe in ("kitsune", "kitsune_1s", "kitsune_cl"):
+    if recipe in ("kitsune", "kitsune_1s", "kitsune_cl", "kitsune_mc"):
         st = extra.stats()
         row["compile_step"] = {k: st[k] for k in ("replays", "eager_steps", "captures", "reason", "streams",
                                                   "streams_reason", "memory_plan")}

@@ -37,6 +37,10 @@ Streams: the first capture plans the model's forward graph with kitsune.sched
 independent branches on separate streams (their backward follows them). A model
 torch.fx cannot trace, or whose plan gains under 5%, is captured on one stream;
 ``stats()["streams"]`` and ``["streams_reason"]`` say which. ``streams=1`` turns it off.
+The plan's costs are the roofline's (``stream_costs=None``) or, with
+``stream_costs="measured"``, each operation's time measured on the first batch
+(``kitsune.sched.measure_costs``: the forward run operation by operation, a few times,
+without autograd; buffers and random generators put back).
 
 Layout: a model with Conv2d layers is captured on channels-last copies of its 4-D
 floating inputs (``channels_last=None``, the default; True or False force it): cuDNN
@@ -88,7 +92,7 @@ class CompiledStep:
     """A training step as a CUDA graph; see the module docstring."""
 
     def __init__(self, model, loss_fn, optimizer, *, max_shapes=8, autocast_dtype=None, max_grad_norm=None,
-                 streams=4, channels_last=None, plan_memory=None):
+                 streams=4, channels_last=None, plan_memory=None, stream_costs=None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"compile_step: model must be a torch.nn.Module, got {type(model).__name__}")
         if loss_fn is not None and not callable(loss_fn):
@@ -107,6 +111,10 @@ class CompiledStep:
             raise ValueError(f"compile_step: max_grad_norm must be None or > 0, got {max_grad_norm!r}")
         if isinstance(streams, bool) or not isinstance(streams, int) or not 1 <= streams <= 64:
             raise ValueError(f"compile_step: streams must be an int in 1..64, got {streams!r}")
+        if stream_costs not in (None, "measured"):
+            raise ValueError(f"compile_step: stream_costs must be None (the roofline) or 'measured', got "
+                             f"{stream_costs!r}")
+        self.stream_costs = stream_costs
         if channels_last not in (None, True, False):
             raise ValueError(f"compile_step: channels_last must be None (auto), True or False, got {channels_last!r}")
         if plan_memory not in (None, True, False):
@@ -370,12 +378,18 @@ class CompiledStep:
         from . import sched
         inputs = batch[:-1] if self.loss_fn is not None else batch
         try:
-            module, plan = sched.streamed(self.model, *inputs, streams=self.streams)
+            # measured costs: the forward's operations timed as the step runs them (under its autocast)
+            amp = (torch.autocast("cuda", dtype=self.autocast_dtype, cache_enabled=False)
+                   if self.autocast_dtype is not None and self.stream_costs else contextlib.nullcontext())
+            with amp:
+                module, plan = sched.streamed(self.model, *inputs, streams=self.streams, costs=self.stream_costs)
         except Exception as e:   # noqa: BLE001 - an untraceable model keeps one stream
             self._stream_info = {"streams": 1, "streams_reason": f"not planned: {_describe(e)}"}
             return self.model
-        self._stream_info = {"streams": plan.streams_used, "streams_reason": plan.reason or
-                             f"plan: {plan.gain:.2f}x estimated, {len(plan.syncs)} syncs"}
+        source = "measured" if self.stream_costs else "roofline"
+        self._stream_info = {"streams": plan.streams_used, "streams_reason": (
+            f"{plan.reason} ({source} costs)" if plan.reason else
+            f"plan: {plan.gain:.2f}x estimated from {source} costs, {len(plan.syncs)} syncs")}
         if module is not self.model:
             module._kitsune_streams.prepare(device)
         return module
@@ -488,9 +502,9 @@ def _signature(batch):
 
 
 def compile_step(model, loss_fn, optimizer, *, max_shapes=8, autocast_dtype=None, max_grad_norm=None, streams=4,
-                 channels_last=None, plan_memory=None):
+                 channels_last=None, plan_memory=None, stream_costs=None):
     """A callable ``step(*batch) -> loss`` running the whole training step as a CUDA
     graph; see kitsune.graph."""
     return CompiledStep(model, loss_fn, optimizer, max_shapes=max_shapes, autocast_dtype=autocast_dtype,
                         max_grad_norm=max_grad_norm, streams=streams, channels_last=channels_last,
-                        plan_memory=plan_memory)
+                        plan_memory=plan_memory, stream_costs=stream_costs)

@@ -7,7 +7,11 @@
 The model is traced with torch.fx and its shapes propagated on fake tensors (nothing
 is computed). Each operation gets a roofline cost from its FLOPs and bytes (Linear,
 convolutions and matmuls count 2 FLOPs a multiply-add; everything else one FLOP an
-output element; views, reshapes, getitem and the like are free). The C core schedules
+output element; views, reshapes, getitem and the like are free), or, with
+``costs="measured"``, its measured time: ``measure_costs`` runs the forward operation
+by operation on the example inputs and times each (CUDA events on a GPU), the model's
+buffers and the random generators put back afterwards; ``costs`` may also map node
+names to seconds. The C core schedules
 the DAG by critical-path list scheduling onto `streams` streams and gives the fewest
 cross-stream syncs. ``plan.streams_used`` is 1 when more streams would not shorten
 the estimated step by at least 5%: a sequential model keeps one stream.
@@ -169,20 +173,94 @@ def _schedule(lib, costs, edges, k):
         lib.kt_dag_destroy(dag)
 
 
-def plan(model, *example_inputs, streams=4, roofline=None, min_gain=1.05):
+def plan(model, *example_inputs, streams=4, roofline=None, min_gain=1.05, costs=None):
     """Plans ``model``'s forward graph on ``streams`` CUDA streams (1..64); see the
     module docstring. ``example_inputs`` give the shapes (they may live on any
-    device; only their shapes and dtypes are used)."""
-    return _plan(_traced(model), example_inputs, streams, roofline, min_gain)
+    device; only their shapes and dtypes are used, except with ``costs="measured"``,
+    which runs the model on them). ``costs``: None (the roofline), "measured", or a
+    dict of node name -> seconds covering every operation."""
+    return _plan(_traced(model), example_inputs, streams, roofline, min_gain, costs)
+
+
+class _Timer(tfx.Interpreter):
+    """Runs a graph node by node, timing each operation that is not free: CUDA events
+    around it when its inputs or outputs are on a GPU, else the host clock (synchronous
+    CPU ops). ``times[name]`` collects one duration a run, in seconds."""
+
+    def __init__(self, gm, timed):
+        super().__init__(gm)
+        self.timed, self.times, self._events = timed, {name: [] for name in timed}, []
+
+    def run_node(self, n):
+        if n.name not in self.timed:
+            return super().run_node(n)
+        import time
+        cuda = any(t.is_cuda for a in n.all_input_nodes for t in _tensors(self.env.get(a)))
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            out = super().run_node(n)
+            b.record()
+            self._events.append((n.name, a, b))
+            return out
+        t0 = time.perf_counter()
+        out = super().run_node(n)
+        self.times[n.name].append(time.perf_counter() - t0)
+        return out
+
+    def collect(self):
+        if self._events:
+            torch.cuda.synchronize()
+        for name, a, b in self._events:
+            self.times[name].append(a.elapsed_time(b) / 1e3)
+        self._events = []
+
+
+def measure_costs(model, *example_inputs, reps=5):
+    """{node name: seconds} for each operation of ``model``'s traced forward: the graph
+    run once to warm up and then ``reps`` times operation by operation on
+    ``example_inputs`` (real tensors, on the device to measure), each operation's median
+    kept; free operations (views, getitem, ...) cost 0. Runs without autograd; the
+    model's buffers (BatchNorm's running statistics) and the CPU and CUDA random
+    generators are put back as they were, so measuring changes no later result."""
+    if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
+        raise ValueError(f"kitsune.sched.measure_costs: reps must be a positive int, got {reps!r}")
+    gm = _traced(model)
+    ops = [n for n in gm.graph.nodes if n.op in ("call_module", "call_function", "call_method")]
+    timed = {n.name for n in ops if not _is_free(gm, n)}
+    buffers = [(b, b.detach().clone()) for b in gm.buffers()]
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if cuda else None)
+    timer = _Timer(gm, timed)
+    try:
+        with torch.no_grad():
+            for i in range(reps + 1):
+                timer.run(*example_inputs)
+                timer.collect()
+                if i == 0:   # the warm-up run: first calls pay for allocation and autotuning
+                    timer.times = {name: [] for name in timed}
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        torch.set_rng_state(rng[0])
+        if rng[1] is not None:
+            torch.cuda.set_rng_state_all(rng[1])
+    import statistics
+    return {n.name: statistics.median(timer.times[n.name]) if n.name in timed else 0.0 for n in ops}
 
 
 def _traced(model):
     return model if isinstance(model, tfx.GraphModule) else tfx.symbolic_trace(model)
 
 
-def _plan(gm, example_inputs, streams, roofline, min_gain):
+def _plan(gm, example_inputs, streams, roofline, min_gain, costs=None):
     if isinstance(streams, bool) or not isinstance(streams, int) or not 1 <= streams <= 64:
         raise ValueError(f"kitsune.sched.plan: streams must be an int in 1..64, got {streams!r}")
+    if not (costs is None or costs == "measured" or isinstance(costs, dict)):
+        raise ValueError(f"kitsune.sched.plan: costs must be None (the roofline), 'measured' or a dict of node name "
+                         f"-> seconds, got {costs!r}")
+    given = measure_costs(gm, *example_inputs) if costs == "measured" else costs
     rl = roofline or Roofline()
     from torch._subclasses.fake_tensor import FakeTensorMode
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -190,9 +268,20 @@ def _plan(gm, example_inputs, streams, roofline, min_gain):
                                                for t in example_inputs])
     ops = [n for n in gm.graph.nodes if n.op in ("call_module", "call_function", "call_method")]
     index = {n: i for i, n in enumerate(ops)}
+    if given is not None:
+        missing = [n.name for n in ops if n.name not in given]
+        if missing:
+            raise ValueError(f"kitsune.sched.plan: costs has no entry for {missing[:5]} "
+                             f"({len(missing)} of {len(ops)} operations)")
+        bad = {k: v for k, v in given.items() if not isinstance(v, (int, float)) or not v >= 0}
+        if bad:
+            raise ValueError(f"kitsune.sched.plan: costs must be seconds >= 0, got {dict(list(bad.items())[:5])}")
     costs = []
     for n in ops:
         out = _meta_val(n)
+        if given is not None:
+            costs.append(float(given[n.name]))
+            continue
         if _is_free(gm, n) or not out:
             costs.append(0.0)
             continue
@@ -315,13 +404,13 @@ def _register_ops():
         _LIB.impl(name, fn, "CompositeExplicitAutograd")
 
 
-def streamed(model, *example_inputs, streams=4, roofline=None, min_gain=1.05, eager=False):
+def streamed(model, *example_inputs, streams=4, roofline=None, min_gain=1.05, eager=False, costs=None):
     """``(module, plan)``: ``model``'s forward with the plan's streams applied (see the
     module docstring), or ``model`` itself when the plan keeps one stream. ``eager=True``
-    also runs the streams outside a capture (for tests). Raises what torch.fx raises
-    when the model cannot be traced."""
+    also runs the streams outside a capture (for tests); ``costs`` as for plan. Raises
+    what torch.fx raises when the model cannot be traced."""
     gm = _traced(model)
-    p = _plan(gm, example_inputs, streams, roofline, min_gain)
+    p = _plan(gm, example_inputs, streams, roofline, min_gain, costs)
     if p.streams_used <= 1:
         return model, p
     return _apply(gm, p, eager), p

@@ -120,6 +120,70 @@ def test_streamed_keeps_a_sequential_model_and_refuses_bad_counts():
         ks.streamed(mlp, torch.randn(2, 8), streams=0)
 
 
+class _Measured(nn.Module):
+    """A heavy and a light branch, a BatchNorm (running statistics) and a dropout (the
+    random generator): what measuring must leave as it found it."""
+    def __init__(self):
+        super().__init__()
+        self.big, self.bn, self.drop = nn.Linear(512, 512), nn.BatchNorm1d(512), nn.Dropout(0.5)
+
+    def forward(self, x):
+        heavy = self.drop(self.bn(self.big(x @ x.t() @ x)))
+        light = x[:4].view(-1) + 1
+        return heavy.sum() + light.sum()
+
+
+def test_measured_costs_time_each_operation_and_change_nothing():
+    """measure_costs: a positive time for each operation that computes, 0 for views,
+    transposes and getitem, the matrix products above the small add; BatchNorm's running
+    statistics and the random generator are as before it ran."""
+    torch.manual_seed(5)
+    m = _Measured().train()
+    x = torch.randn(512, 512)
+    stats = (m.bn.running_mean.clone(), m.bn.running_var.clone(), m.bn.num_batches_tracked.clone())
+    state = torch.get_rng_state()
+    c = ks.measure_costs(m, x, reps=3)
+    assert torch.equal(torch.get_rng_state(), state)
+    for before, after in zip(stats, (m.bn.running_mean, m.bn.running_var, m.bn.num_batches_tracked)):
+        assert torch.equal(before, after)
+    free = {"t", "getitem", "view"}
+    assert all(c[k] == 0 for k in c if k in free), c
+    assert all(c[k] > 0 for k in c if k not in free), c
+    assert c["matmul"] > 5 * c["add"] and c["matmul_1"] > 5 * c["add"], c   # 2 x 512^3 FLOPs against 2048 adds
+    with pytest.raises(ValueError, match="reps must be a positive int, got 0"):
+        ks.measure_costs(m, x, reps=0)
+
+
+def test_plans_take_measured_or_given_costs():
+    """costs="measured" plans on measured times; a dict of node name -> seconds is used as
+    given: on an Inception block with one branch ten times the rest, one stream takes the
+    sum and four the critical path through that branch; a missing node or a negative
+    time is refused with its name."""
+    torch.manual_seed(6)
+    block, x = ks.Inception(8), torch.randn(2, 8, 8, 8)
+    p = ks.plan(block, x, streams=4, costs="measured")
+    assert p.streams_used > 1 and p.makespan_one_stream > p.makespan > 0, p
+    names = [n for n in p.order]
+    given = {n: 1e-3 for n in names}
+    given["b3_2"] = 10e-3
+    p = ks.plan(block, x, streams=4, costs=given)
+    assert p.makespan_one_stream == pytest.approx(19e-3) and p.makespan == pytest.approx(13e-3), p   # b3_0, b3_1, b3_2, cat
+    del given["b1"]
+    with pytest.raises(ValueError, match=r"costs has no entry for \['b1'\]"):
+        ks.plan(block, x, streams=4, costs=given)
+    given["b1"] = -1.0
+    with pytest.raises(ValueError, match=r"costs must be seconds >= 0, got \{'b1': -1.0\}"):
+        ks.plan(block, x, streams=4, costs=given)
+    with pytest.raises(ValueError, match="costs must be None .the roofline., 'measured' or a dict"):
+        ks.plan(block, x, streams=4, costs="profiled")
+
+
+def test_compile_step_refuses_unknown_stream_costs():
+    m = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="compile_step: stream_costs must be None .the roofline. or 'measured', got 'x'"):
+        kitsune.compile_step(m, nn.functional.mse_loss, torch.optim.SGD(m.parameters(), lr=0.1), stream_costs="x")
+
+
 def test_compile_step_refuses_bad_stream_counts():
     m = nn.Linear(2, 2)
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
@@ -203,15 +267,18 @@ def test_gpu_compile_step_spreads_a_branchy_net_and_trains_as_on_one_stream():
     batches = [(torch.randn(16, 3, 16, 16, device="cuda"), torch.randint(0, 10, (16,), device="cuda"))
                for _ in range(4)]
     losses = {}
-    for streams, optimized in ((4, False), (1, False), (4, True)):
-        # optimized: the branches' biases and cat in kitsune.bias_cat, the pooling in kitsune.max_pool2d
+    for streams, optimized, costs in ((4, False, None), (1, False, None), (4, True, None), (4, True, "measured")):
+        # optimized: the branches' biases and cat in kitsune.bias_cat, the pooling in kitsune.max_pool2d;
+        # measured: the plan on each operation's time on the first batch (which changes no buffer or generator)
         m = kitsune.optimize(copy.deepcopy(base)) if optimized else copy.deepcopy(base)
         step = kitsune.compile_step(m, nn.functional.cross_entropy, torch.optim.AdamW(m.parameters(), lr=1e-3),
-                                    streams=streams)
-        losses[streams, optimized] = torch.stack([step(*batches[i % 4]) for i in range(20)]).cpu()
+                                    streams=streams, stream_costs=costs)
+        losses[streams, optimized, costs] = torch.stack([step(*batches[i % 4]) for i in range(20)]).cpu()
         st = step.stats()
         assert st["reason"] is None and st["replays"] == 19, st
-        assert (st["streams"] > 1) == (streams > 1), st
+        assert costs or (st["streams"] > 1) == (streams > 1), st   # measured times decide for themselves
+        assert streams == 1 or f"{costs or 'roofline'} costs" in st["streams_reason"], st
     assert {n.target for n in m.graph.nodes} >= {kitsune.ops.bias_cat, kitsune.ops.max_pool2d}
-    torch.testing.assert_close(losses[4, False], losses[1, False], rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(losses[4, True], losses[1, False], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(losses[4, False, None], losses[1, False, None], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(losses[4, True, None], losses[1, False, None], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(losses[4, True, "measured"], losses[1, False, None], rtol=1e-4, atol=1e-5)

@@ -9,7 +9,9 @@
  * peak reserved / peak live (live = sum of requested sizes of live blocks), and what
  * is reserved and live when the trace ends (for a trace that ends with an empty_cache,
  * as bench/graph_memory.py's do: the cache the pool cannot give back). --vmm: the pool maps granules of one range, as the torch
- * bridge's device pool does on one GPU.
+ * bridge's device pool does on one GPU. With --vmm the end state is also split by 2 MiB
+ * granule: how many granules the live blocks touch and how full they are (the cache
+ * that fragmentation pins), and how much is reserved beyond them (free granules kept).
  */
 #include "bench_common.h"
 
@@ -39,6 +41,54 @@ static long map_find(map *m, uint64_t k) {
   if (!m->cap) return -1;
   for (size_t i = hash(k, m->cap); m->key[i]; i = (i + 1) & (m->cap - 1)) if (m->key[i] == k) return (long)i;
   return -1;
+}
+
+/* Live bytes a granule: one piece per (block, granule) it touches, summed by granule. */
+typedef struct piece { uint64_t g; size_t bytes; } piece;
+
+static int piece_cmp(const void *a, const void *b) {
+  const piece *x = a, *y = b;
+  return x->g < y->g ? -1 : x->g > y->g;
+}
+
+/* The live blocks' granules at the end: touched granules, live bytes in them, and those
+ * under a quarter full (their live bytes and blocks). */
+typedef struct granules { size_t touched, live, sparse, sparse_live, sparse_blocks; } granules;
+
+static granules granule_split(void **ptr, size_t *size, uint64_t *key, size_t cap) {
+  const uint64_t G = KT_SEGMENT_ALIGN;
+  size_t n = 0, k = 0;
+  for (size_t i = 0; i < cap; i++)
+    if (key[i] && size[i]) n += (size_t)((((uintptr_t)ptr[i] + size[i] - 1) / G) - ((uintptr_t)ptr[i] / G) + 1);
+  piece *pc = malloc((n ? n : 1) * sizeof *pc);
+  uint64_t *owner_g = malloc((n ? n : 1) * sizeof *owner_g);   /* the granule each block starts in */
+  size_t nb = 0;
+  for (size_t i = 0; i < cap; i++) {
+    if (!key[i] || !size[i]) continue;
+    uintptr_t a = (uintptr_t)ptr[i], b = a + size[i];
+    owner_g[nb++] = a / G;
+    for (uintptr_t g = a / G; g * G < b; g++) {
+      uintptr_t lo = a > g * G ? a : g * G, hi = b < (g + 1) * G ? b : (g + 1) * G;
+      pc[k++] = (piece){g, hi - lo};
+    }
+  }
+  qsort(pc, k, sizeof *pc, piece_cmp);
+  granules r = {0};
+  for (size_t i = 0; i < k;) {
+    size_t j = i, bytes = 0;
+    for (; j < k && pc[j].g == pc[i].g; j++) bytes += pc[j].bytes;
+    r.touched++;
+    r.live += bytes;
+    if (bytes < G / 4) {
+      r.sparse++;
+      r.sparse_live += bytes;
+      for (size_t q = 0; q < nb; q++) r.sparse_blocks += owner_g[q] == pc[i].g;
+    }
+    i = j;
+  }
+  free(pc);
+  free(owner_g);
+  return r;
 }
 
 static void map_del(map *m, size_t i) {   /* backward-shift deletion */
@@ -107,6 +157,7 @@ int main(int argc, char **argv) {
   }
   double best = 1e30;
   size_t peak_reserved = 0, peak_live = 0, end_reserved = 0, end_live = 0;
+  granules end_g = {0};
   long ops = 0, missing = 0;
   for (int r = 0; r < repeat; r++) {
     kt_pool_options o;
@@ -149,6 +200,7 @@ int main(int argc, char **argv) {
     peak_reserved = (size_t)st.reserved_bytes.peak;
     end_reserved = (size_t)st.reserved_bytes.current;
     end_live = live;
+    end_g = granule_split(m.val, m.size, m.key, m.cap);
     for (size_t i = 0; i < m.cap; i++) if (m.key[i]) kt_free(pool, m.val[i], m.size[i], NULL);
     free(m.key); free(m.val); free(m.size);
     kt_pool_destroy(pool);
@@ -159,6 +211,14 @@ int main(int argc, char **argv) {
   printf("  %.1f ns/op (best of %d), peak reserved %zu, peak live %zu, reserved/live %.3f%s\n", ns, repeat,
          peak_reserved, peak_live, ratio, missing ? " (frees of untraced blocks skipped)" : "");
   printf("  at the end: reserved %zu, live %zu%s\n", end_reserved, end_live, vmm ? " (VMM pool)" : "");
+  if (vmm) {
+    const double M = 1048576.0;
+    size_t held = end_g.touched * KT_SEGMENT_ALIGN;
+    printf("  granules: live blocks touch %zu (%.1f MiB, %.1f MiB live in them); %zu are under a quarter full "
+           "(%.2f MiB live in %zu blocks starting there); reserved beyond the touched granules %.1f MiB\n",
+           end_g.touched, held / M, end_g.live / M, end_g.sparse, end_g.sparse_live / M, end_g.sparse_blocks,
+           end_reserved > held ? (end_reserved - held) / M : 0.0);
+  }
   if (json) {
     FILE *js = fopen(json, "w");
     if (!js) { fprintf(stderr, "cannot write %s\n", json); return 1; }

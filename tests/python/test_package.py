@@ -115,6 +115,24 @@ def test_trace_then_replay(pool, tmp_path):
     assert "6 events" in r.stdout and "peak live 3345828" in r.stdout
 
 
+def test_replay_splits_the_end_state_by_granule(tmp_path):
+    """alloc_replay --vmm: a 4 KiB block left between two freed 8 MiB blocks, then an
+    empty_cache: one granule stays mapped, touched by the live block and under a quarter
+    full; nothing is reserved beyond it."""
+    replay = os.path.join(REPO, "build", "bench", "alloc_replay")
+    if not os.path.exists(replay):
+        pytest.skip("build/bench/alloc_replay not built")
+    path = tmp_path / "frag.csv"
+    path.write_text("thread,time_ns,action,ptr,size,stream\n1,1,alloc,1000,8388608,0\n1,2,alloc,2000,4096,0\n"
+                    "1,3,alloc,3000,8388608,0\n1,4,free,1000,8388608,0\n1,5,free,3000,8388608,0\n"
+                    "1,6,empty_cache,0,0,0\n")
+    r = subprocess.run([replay, str(path), "--vmm"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "at the end: reserved 2097152, live 4096 (VMM pool)" in r.stdout, r.stdout
+    assert "live blocks touch 1 (2.0 MiB" in r.stdout and "1 are under a quarter full" in r.stdout, r.stdout
+    assert "in 1 blocks starting there); reserved beyond the touched granules 0.0 MiB" in r.stdout, r.stdout
+
+
 def test_demo_training_table_runs_on_cpu():
     """make demo's training script (GPU on the demo machine) runs end to end on the CPU
     and both variants reach the same loss (same weights, same batches)."""

@@ -278,23 +278,19 @@ bool max_pool_args_ok(const kt_pool2d *p) {
          (p->oh - 1) * p->sh - p->ph + p->kh > 0 && (p->ow - 1) * p->sw - p->pw + p->kw > 0;
 }
 
-template <typename T, int V, typename I, int K>
-void max_pool_launch_k(bool backward, const void *a, const void *b, void *c, I total, const PoolGeo &g,
-                       cudaStream_t s) {
+// The forward's windows of up to 3 x 3 take its unrolled loads (K = 3).
+template <typename T, int V, typename I>
+void max_pool_launch(bool backward, const void *a, const void *b, void *c, I total, const PoolGeo &g,
+                     cudaStream_t s) {
   const int threads = 256;
   const int64_t blocks = ((int64_t)total + threads - 1) / threads;
   const unsigned grid = (unsigned)(blocks < 65535 * 32 ? blocks : 65535 * 32);
   if (backward)
     max_pool_bwd<T, V, I><<<grid, threads, 0, s>>>((const T *)a, (const uint8_t *)b, (T *)c, total, g);
+  else if (g.kh <= 3 && g.kw <= 3)
+    max_pool_fwd<T, V, I, 3><<<grid, threads, 0, s>>>((const T *)a, (T *)b, (uint8_t *)c, total, g);
   else
-    max_pool_fwd<T, V, I, K><<<grid, threads, 0, s>>>((const T *)a, (T *)b, (uint8_t *)c, total, g);
-}
-
-template <typename T, int V, typename I>
-void max_pool_launch(bool backward, const void *a, const void *b, void *c, I total, const PoolGeo &g,
-                     cudaStream_t s) {
-  if (g.kh <= 3 && g.kw <= 3) max_pool_launch_k<T, V, I, 3>(backward, a, b, c, total, g, s);
-  else max_pool_launch_k<T, V, I, 0>(backward, a, b, c, total, g, s);
+    max_pool_fwd<T, V, I, 0><<<grid, threads, 0, s>>>((const T *)a, (T *)b, (uint8_t *)c, total, g);
 }
 
 // Four channels a thread where channels are last and come in fours (aligned pointers),

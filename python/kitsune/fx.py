@@ -565,9 +565,8 @@ def _global_avg_pool_of(gm, node):
         return None
     m = _module(gm, node)
     if type(m) is nn.AdaptiveAvgPool2d:
-        out = m.output_size
-        return (node.args[0], [-2, -1], True) if len(node.args) == 1 and not node.kwargs and _pair(out) == (1, 1) \
-            else None
+        whole = len(node.args) == 1 and not node.kwargs and _pair(m.output_size) == (1, 1)
+        return (node.args[0], [-2, -1], True) if whole else None
     if node.op == "call_function" and node.target is F.adaptive_avg_pool2d:
         a = dict(zip(("input", "output_size"), node.args))
         a.update(node.kwargs)

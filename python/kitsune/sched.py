@@ -254,6 +254,18 @@ def _traced(model):
     return model if isinstance(model, tfx.GraphModule) else tfx.symbolic_trace(model)
 
 
+def _roofline_cost(gm, n, rl):
+    """launch + max(FLOPs / peak, bytes / bandwidth) from n's propagated shapes; 0 for free
+    operations and those without a tensor output."""
+    out = _meta_val(n)
+    if _is_free(gm, n) or not out:
+        return 0.0
+    ins = [t for a in n.all_input_nodes for t in _meta_val(a)]
+    nbytes = sum(_bytes(t) for t in out + ins)
+    peak = rl.flops.get(out[0].dtype, rl.flops[torch.float32])
+    return rl.launch + max(_flops(gm, n, out) / peak, nbytes / rl.bandwidth)
+
+
 def _plan(gm, example_inputs, streams, roofline, min_gain, costs=None):
     if isinstance(streams, bool) or not isinstance(streams, int) or not 1 <= streams <= 64:
         raise ValueError(f"kitsune.sched.plan: streams must be an int in 1..64, got {streams!r}")
@@ -262,10 +274,11 @@ def _plan(gm, example_inputs, streams, roofline, min_gain, costs=None):
                          f"-> seconds, got {costs!r}")
     given = measure_costs(gm, *example_inputs) if costs == "measured" else costs
     rl = roofline or Roofline()
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    ShapeProp(gm, fake_mode=mode).propagate(*[mode.from_tensor(t) if isinstance(t, torch.Tensor) else t
-                                               for t in example_inputs])
+    if given is None:   # the roofline needs shapes; measured or given costs do not
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        ShapeProp(gm, fake_mode=mode).propagate(*[mode.from_tensor(t) if isinstance(t, torch.Tensor) else t
+                                                   for t in example_inputs])
     ops = [n for n in gm.graph.nodes if n.op in ("call_module", "call_function", "call_method")]
     index = {n: i for i, n in enumerate(ops)}
     if given is not None:
@@ -276,19 +289,7 @@ def _plan(gm, example_inputs, streams, roofline, min_gain, costs=None):
         bad = {k: v for k, v in given.items() if not isinstance(v, (int, float)) or not v >= 0}
         if bad:
             raise ValueError(f"kitsune.sched.plan: costs must be seconds >= 0, got {dict(list(bad.items())[:5])}")
-    costs = []
-    for n in ops:
-        out = _meta_val(n)
-        if given is not None:
-            costs.append(float(given[n.name]))
-            continue
-        if _is_free(gm, n) or not out:
-            costs.append(0.0)
-            continue
-        ins = [t for a in n.all_input_nodes for t in _meta_val(a)]
-        nbytes = sum(_bytes(t) for t in out + ins)
-        peak = rl.flops.get(out[0].dtype, rl.flops[torch.float32])
-        costs.append(rl.launch + max(_flops(gm, n, out) / peak, nbytes / rl.bandwidth))
+    costs = [float(given[n.name]) for n in ops] if given is not None else [_roofline_cost(gm, n, rl) for n in ops]
     edges = [(index[a], index[n]) for n in ops for a in n.all_input_nodes if a in index]
     lib = native()
     one, _, order1, _ = _schedule(lib, costs, edges, 1)

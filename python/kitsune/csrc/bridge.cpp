@@ -3009,14 +3009,13 @@ Tensor channel_rows(const Tensor& g) {
   return rows ? g.as_strided({N * H * W, C}, {ld, 1}) : Tensor();
 }
 
-// t as its dense (rows, C) matrix: a 2-D contiguous t, or a 4-D one dense in
-// channels-last (N H W rows); undefined otherwise (including fake tensors, whose sizes
-// may be symbolic, and empty ones).
+// t as its dense (rows, C) matrix: a 2-D contiguous t, or channel_rows of a 4-D one
+// whose rows are C apart (dense in channels-last); undefined otherwise (including fake
+// tensors, whose sizes may be symbolic, and empty ones).
 Tensor dense_channel_rows(const Tensor& t) {
   if (!t.is_cuda() || t.key_set().has(c10::DispatchKey::Python) || t.numel() == 0) return Tensor();
-  if (t.dim() == 2) return t.is_contiguous() ? t : Tensor();
-  if (t.dim() != 4 || !t.is_contiguous(at::MemoryFormat::ChannelsLast)) return Tensor();
-  return t.permute({0, 2, 3, 1}).reshape({-1, t.size(1)});   // a view: NHWC is dense
+  const Tensor r = t.dim() == 2 ? t : t.dim() == 4 ? channel_rows(t) : Tensor();
+  return r.defined() && r.is_contiguous() ? r : Tensor();
 }
 
 Tensor channel_sum(const Tensor& g, at::ScalarType out_t) {

@@ -57,26 +57,18 @@ def main():
         xs = [torch.randn(shape, generator=g).to("cuda", dtype).contiguous(memory_format=fmt).requires_grad_()
               for _ in range(BACKWARD_CALLS)]
         ops = {"aten": lambda x: F.max_pool2d(x, k, s, p), "kitsune": lambda x: ko.max_pool2d(x, k, s, p)}
-        out0 = ops["aten"](xs[0])
-        gos = [torch.randn(out0.shape, generator=g).to("cuda", dtype).contiguous(memory_format=fmt)
+        with torch.no_grad():
+            out_shape = ops["aten"](xs[0]).shape
+        gos = [torch.randn(out_shape, generator=g).to("cuda", dtype).contiguous(memory_format=fmt)
                for _ in range(BACKWARD_CALLS)]
-        want = ops["aten"](xs[0])
-        (want_g,) = torch.autograd.grad(want, xs[0], gos[0])
+        want, want_g = forward_backward(ops["aten"], xs[0], gos[0])
         row = {"shape": label, "size": list(shape), "kernel": k, "stride": s, "padding": p, "channels_last": cl,
                "dtype": str(dtype).split(".")[-1]}
         for name, op in ops.items():
-            out = op(xs[0])
-            (gx,) = torch.autograd.grad(out, xs[0], gos[0])
+            out, gx = forward_backward(op, xs[0], gos[0])
             assert torch.equal(out, want) and torch.equal(gx, want_g), f"{label} {name}: differs from ATen"
             row[f"{name}_fwd_us"] = graph_us(lambda x: op(x.detach()), xs[:COPIES], args.reps)
-
-            def clear():
-                for x in xs:
-                    x.grad = None
-            # .backward into each leaf's .grad, as a training step does (autograd.grad in a
-            # capture would sync the legacy stream)
-            row[f"{name}_fwd_bwd_us"] = graph_us(lambda xg: op(xg[0]).backward(xg[1]), list(zip(xs, gos)), args.reps,
-                                                 calls=BACKWARD_CALLS, reset=clear)
+            row[f"{name}_fwd_bwd_us"] = fwd_bwd_us(op, xs, gos, args.reps)
         rows.append(row)
         print(f"{label:26s} {str(tuple(shape)):18s} fwd aten {row['aten_fwd_us']:7.2f} us kitsune "
               f"{row['kitsune_fwd_us']:7.2f} us | fwd+bwd aten {row['aten_fwd_bwd_us']:7.2f} us kitsune "
@@ -84,6 +76,25 @@ def main():
     means = [bench_mean(label, shape, dtype, g, args.reps) for label, shape, dtype in MEANS]
     write_result(args.out, "kernels_pool", {"forward_inputs": COPIES, "backward_calls": BACKWARD_CALLS,
                                             "reps": args.reps, "rows": rows, "means": means})
+
+
+def fwd_bwd_us(op, xs, gos, reps):
+    """Microseconds of op's forward + backward, .backward into each leaf's .grad as a
+    training step does (autograd.grad in a capture would sync the legacy stream)."""
+    def clear():
+        for x in xs:
+            x.grad = None
+    return graph_us(lambda xg: op(xg[0]).backward(xg[1]), list(zip(xs, gos)), reps,
+                    calls=BACKWARD_CALLS, reset=clear)
+
+
+def forward_backward(op, x, go):
+    """op(x) and its gradient for go, both detached: no output outlives this call holding
+    x's AccumulateGrad node, which records the stream it was made on (the default one
+    here) and would tie a later capture's backward to that stream."""
+    out = op(x)
+    (gx,) = torch.autograd.grad(out, x, go)
+    return out.detach(), gx
 
 
 def peak_above(fn):
@@ -102,22 +113,16 @@ def bench_mean(label, shape, dtype, g, reps):
     ops = {"aten": lambda x: x.mean((2, 3)), "kitsune": lambda x: ko.global_avg_pool(x, (2, 3))}
     gos = [torch.randn(shape[:2], generator=g).to("cuda", dtype) for _ in range(BACKWARD_CALLS)]
     want = ops["aten"](xs[0].detach().double())
-    (want_g,) = torch.autograd.grad(ops["aten"](xs[0]), xs[0], gos[0])
+    want_g = forward_backward(ops["aten"], xs[0], gos[0])[1]
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     row = {"shape": label, "size": list(shape), "dtype": str(dtype).split(".")[-1]}
     for name, op in ops.items():
-        out = op(xs[0])
-        (gx,) = torch.autograd.grad(out, xs[0], gos[0])
+        out, gx = forward_backward(op, xs[0], gos[0])
         torch.testing.assert_close(out.double(), want, rtol=0, atol=tol, msg=f"{label} {name}")
         torch.testing.assert_close(gx, want_g, rtol=0, atol=tol, msg=f"{label} {name} gradient")
         row[f"{name}_fwd_peak_mib"] = peak_above(lambda: op(xs[0].detach()))
         row[f"{name}_fwd_us"] = graph_us(lambda x: op(x.detach()), xs[:COPIES], reps)
-
-        def clear():
-            for x in xs:
-                x.grad = None
-        row[f"{name}_fwd_bwd_us"] = graph_us(lambda xg: op(xg[0]).backward(xg[1]), list(zip(xs, gos)), reps,
-                                             calls=BACKWARD_CALLS, reset=clear)
+        row[f"{name}_fwd_bwd_us"] = fwd_bwd_us(op, xs, gos, reps)
     print(f"mean {label:24s} {str(tuple(shape)):18s} fwd aten {row['aten_fwd_us']:7.2f} us "
           f"({row['aten_fwd_peak_mib']:.2f} MiB) kitsune {row['kitsune_fwd_us']:7.2f} us "
           f"({row['kitsune_fwd_peak_mib']:.2f} MiB) | fwd+bwd aten {row['aten_fwd_bwd_us']:7.2f} us kitsune "

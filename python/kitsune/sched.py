@@ -274,11 +274,12 @@ def _plan(gm, example_inputs, streams, roofline, min_gain, costs=None):
                          f"-> seconds, got {costs!r}")
     given = measure_costs(gm, *example_inputs) if costs == "measured" else costs
     rl = roofline or Roofline()
-    if given is None:   # the roofline needs shapes; measured or given costs do not
-        from torch._subclasses.fake_tensor import FakeTensorMode
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
-        ShapeProp(gm, fake_mode=mode).propagate(*[mode.from_tensor(t) if isinstance(t, torch.Tensor) else t
-                                                   for t in example_inputs])
+    # shapes on fake tensors, whatever the costs: the roofline reads them, and so does
+    # streamed's rewrite (which nodes are tensors, to fork from and to hand across streams)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    ShapeProp(gm, fake_mode=mode).propagate(*[mode.from_tensor(t) if isinstance(t, torch.Tensor) else t
+                                               for t in example_inputs])
     ops = [n for n in gm.graph.nodes if n.op in ("call_module", "call_function", "call_method")]
     index = {n: i for i, n in enumerate(ops)}
     if given is not None:

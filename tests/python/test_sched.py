@@ -178,6 +178,20 @@ def test_plans_take_measured_or_given_costs():
         ks.plan(block, x, streams=4, costs="profiled")
 
 
+def test_streamed_applies_plans_on_measured_or_given_costs():
+    """streamed's rewrite needs the graph's shapes whatever the costs: on measured times
+    and on given ones it inserts the stream ops and computes what the block computes."""
+    torch.manual_seed(7)
+    block, x = ks.Inception(8), torch.randn(2, 8, 8, 8)
+    given = {n: 1e-3 for n in ks.plan(block, x, streams=4).order}
+    for costs in ("measured", given):
+        sm, p = ks.streamed(block, x, streams=4, costs=costs)
+        assert p.streams_used > 1 and sm is not block, (costs, p)
+        names = [str(n.target).split(".")[-1] for n in _stream_ops(sm)]
+        assert names[0] == "stream_fork" and names[-1] == "stream_join", names
+        torch.testing.assert_close(sm(x), block(x), rtol=0, atol=0)
+
+
 def test_compile_step_refuses_unknown_stream_costs():
     m = nn.Linear(2, 2)
     with pytest.raises(ValueError, match="compile_step: stream_costs must be None .the roofline. or 'measured', got 'x'"):

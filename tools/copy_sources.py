@@ -1,16 +1,19 @@
 """Where a model's copy kernels come from: one eager training step of the kitsune recipe
-(kitsune.optimize, channels-last input as compile_step captures it) under the profiler,
+(kitsune.optimize, KitsuneOptimizer's AdamW, channels-last input and Conv2d weights as
+compile_step captures a conv net) under the profiler,
 every aten::copy_ listed by the chain of operators that called it, with its shapes and
 the GPU time of the kernels it launched. (A TorchDispatchMode listing copying ops with
 their strides was tried at 68d5f38 and dropped: it sees no copy made inside an ATen
 kernel, which is where these are: bench/results/h100_copies_68d5f38.log.)
 
     python tools/copy_sources.py inception
+    python tools/copy_sources.py resnet18 --kernels 'Fill|Memset|add<long>'   # other kernels, by operator
 
 A diagnostic (tools/gpu_run.sh part "copies", models in COPY_MODELS): the captured step
 runs the same operators, but its kernels cannot be attributed to them.
 """
 import os
+import re
 import sys
 from collections import defaultdict
 
@@ -20,6 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import models  # noqa: E402
 
 import kitsune  # noqa: E402
+from kitsune.graph import _conv_weights, _relayout  # noqa: E402
 
 
 def chain(e):
@@ -34,28 +38,47 @@ def chain(e):
 def main():
     torch.backends.cudnn.benchmark = True
     print(f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
-    for name in sys.argv[1:] or ["inception"]:
+    args = sys.argv[1:]
+    pattern = None
+    if "--kernels" in args:   # --kernels REGEX: the kernels so named, by the operator that launched them
+        i = args.index("--kernels")
+        pattern, args = args[i + 1], args[:i] + args[i + 2:]
+    for name in args or ["inception"]:
         gen = torch.Generator().manual_seed(0)
         model, loss_fn, data = models.build(name, gen)
         km = kitsune.optimize(model)
+        opt = kitsune.KitsuneOptimizer(torch.optim.AdamW, km.parameters(), lr=1e-3)
         x, y = data[0]
-        if x.dim() == 4:
+        if x.dim() == 4:   # as compile_step lays out a conv net: input and Conv2d weights channels-last
             x = x.contiguous(memory_format=torch.channels_last)
-        for _ in range(2):   # warm-up: cuDNN's algorithm search
+            _relayout(_conv_weights(km), opt, torch.channels_last)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
             loss_fn(km(x), y).backward()
+            opt.step()
+        for _ in range(2):   # warm-up: cuDNN's algorithm search
+            step()
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA], record_shapes=True) as prof:
-            loss_fn(km(x), y).backward()
+            step()
             torch.cuda.synchronize()
         rows = defaultdict(lambda: [0, 0.0])
         for e in prof.events():
-            if e.name == "aten::copy_":
+            if pattern is None and e.name == "aten::copy_":
                 key = (chain(e), str(e.input_shapes[:2]))
                 rows[key][0] += 1
                 rows[key][1] += e.device_time_total
+            elif pattern is not None and e.device_type == torch.autograd.DeviceType.CPU:
+                for k in e.kernels:   # the kernels this operator itself launched
+                    if re.search(pattern, k.name):
+                        key = (f"{k.name[:40]} in {e.name} < {chain(e)}", str(e.input_shapes[:2]))
+                        rows[key][0] += 1
+                        rows[key][1] += k.duration
         total = sum(r[1] for r in rows.values())
-        print(f"== {name}: {sum(r[0] for r in rows.values())} aten::copy_ calls, {total:.1f} us of their kernels")
+        what = "aten::copy_ calls" if pattern is None else f"kernels matching {pattern!r}"
+        print(f"== {name}: {sum(r[0] for r in rows.values())} {what}, {total:.1f} us of them")
         for (where, shapes), (n, us) in sorted(rows.items(), key=lambda kv: -kv[1][1]):
             print(f"  {us:8.1f} us {n:3d}x  {where[:110]}  {shapes[:90]}")
 

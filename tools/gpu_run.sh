@@ -3,7 +3,7 @@
 # (default "test bench demo": make gpu-test, make bench, make demo; "pytest" runs
 # only the pytest part of gpu-test, on KT_PYTEST_ARGS (paths and options; default tests/python); "data" adds
 # make bench-data, "kernels" make bench-kernels, "profile" tools/profile_train.py, "gaps"
-# tools/step_gaps.py, "optim" bench/kernels/optimizer.py, "ew" bench/kernels/elementwise.py, "lact" bench/kernels/linear_act.py, "colsum" bench/kernels/colsum.py, "pool" bench/kernels/pool.py, "losses" bench/loss_match.py (LOSS_ARGS), "copies" tools/copy_sources.py, "train" bench/kernels/train_models.py,
+# tools/step_gaps.py, "optim" bench/kernels/optimizer.py, "ew" bench/kernels/elementwise.py, "lact" bench/kernels/linear_act.py, "colsum" bench/kernels/colsum.py, "pool" bench/kernels/pool.py, "losses" bench/loss_match.py (LOSS_ARGS), "copies" tools/copy_sources.py (COPY_MODELS, COPY_ARGS), "train" bench/kernels/train_models.py,
 # "ncu" Nsight Compute on the dropout kernels, "ncu_ln" on the LayerNorm ones, "models" bench/models.py, "gmem" bench/graph_memory.py, "pgraph"
 # tools/profile_graph.py, "host" tools/host_replay.py, "alloc" the VMM C suites on CUDA, the allocator pytest,
 # bench/alloc_shapes.py and bench/alloc_torch.py; KT_NO_CLEAN=1 keeps
@@ -77,7 +77,7 @@ if [[ $parts == *" pool "* ]]; then   # bench/kernels/pool.py
 fi
 if [[ $parts == *" copies "* ]]; then   # tools/copy_sources.py (COPY_MODELS), to $OUT/copies.log
   echo "== copy sources =="; KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \
-    python3 tools/copy_sources.py ${COPY_MODELS:-inception} 2>&1 | grep -v -i "warn" | tee "$OUT/copies.log" | head -60
+    python3 tools/copy_sources.py ${COPY_MODELS:-inception} ${COPY_ARGS:-} 2>&1 | grep -v -i "warn" | tee "$OUT/copies.log" | head -60
 fi
 if [[ $parts == *" train "* ]]; then   # bench/kernels/train_models.py alone (GPT-2 and LLaMA, eager / kitsune / compile)
   echo "== train_models =="; time KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \

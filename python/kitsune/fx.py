@@ -32,6 +32,10 @@ Patterns (each intermediate must have no other user, so nothing observable is lo
                               F.linear's forward, the bias gradient by Kitsune's column sum
   relu(BatchNorm(x))       -> kitsune.batch_norm_relu (nn.BatchNorm1d/2d/3d; the
                               module's mode, momentum and running stats read at run time)
+  BatchNorms' batch counts -> one torch._foreach_add_ of their num_batches_tracked, before
+                              the first (two or more nn.BatchNorm1d/2d/3d, each called once,
+                              with a momentum; optimize only): one launch where there were one
+                              a module
   [relu](Conv2d(x))        -> kitsune.channel_bias(F.conv2d(x, W, None, ...), b, "relu" | "none")
                               (an nn.Conv2d with a bias and zeros padding; the ReLU when it
                               is the convolution's only user): the bias gradient's sum in
@@ -366,23 +370,79 @@ def _rewrite_add_layer_norm(gm, g, node, where, report):
     return True
 
 
-def _batch_norm_relu(x, bn):
+def _batch_norm_relu(x, bn, count=True):
     """relu(bn(x)) for an nn.BatchNorm module, through batch_norm_relu when the dtypes
-    allow it, deciding statistics and momentum exactly as nn.BatchNorm's forward does."""
+    allow it, deciding statistics and momentum exactly as nn.BatchNorm's forward does.
+    count=False: the module's num_batches_tracked is counted by _count_batches instead."""
     from . import ops as ko
     params = [t for t in (bn.weight, bn.bias) if t is not None]
     if (any(t.dtype != x.dtype for t in params) or torch.is_autocast_enabled(x.device.type) or
             (x.device.type == "cuda" and x.dtype not in (torch.float32, torch.float16, torch.bfloat16))):
-        return F.relu(bn(x))
+        return F.relu(bn(x) if count else _batch_norm(x, bn))
     bn._check_input_dim(x)
     momentum = 0.0 if bn.momentum is None else bn.momentum
     if bn.training and bn.track_running_stats and bn.num_batches_tracked is not None:
-        bn.num_batches_tracked.add_(1)
+        if count or bn.momentum is None:   # momentum set to None after optimize: counted here
+            bn.num_batches_tracked.add_(1)
         momentum = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
     use_batch = bn.training or (bn.running_mean is None and bn.running_var is None)
     keep = not bn.training or bn.track_running_stats
     return ko.batch_norm_relu(x, bn.running_mean if keep else None, bn.running_var if keep else None, bn.weight,
                               bn.bias, use_batch, momentum, bn.eps)
+
+
+def _batch_norm(x, bn):
+    """nn.BatchNorm's forward without its num_batches_tracked add (_count_batches makes
+    it), for a momentum that is not None; a momentum set to None after optimize reads
+    the count, and nn.BatchNorm's forward makes it (_count_batches skips that module)."""
+    if bn.momentum is None:
+        return bn(x)
+    bn._check_input_dim(x)
+    use_batch = bn.training or (bn.running_mean is None and bn.running_var is None)
+    keep = not bn.training or bn.track_running_stats
+    return F.batch_norm(x, bn.running_mean if keep else None, bn.running_var if keep else None, bn.weight,
+                        bn.bias, use_batch, bn.momentum, bn.eps)
+
+
+def _count_batches(*bns):
+    """The num_batches_tracked adds that nn.BatchNorm's forward makes one by one (one
+    launch each on a GPU), as one foreach add, for the modules that count now."""
+    counts = [bn.num_batches_tracked for bn in bns if bn.training and bn.track_running_stats
+              and bn.num_batches_tracked is not None and bn.momentum is not None]
+    if counts:
+        torch._foreach_add_(counts, 1)
+
+
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+
+def _rewrite_batch_counts(gm, g, prefix, report):
+    """Every BatchNorm of the graph with a momentum (nn.BatchNorm's own forward, or
+    through _batch_norm_relu) counts its batch in one _count_batches node before the
+    first of them. A module called more than once, or whose momentum is None (its
+    forward reads the count), keeps its own add."""
+    calls = {}
+    for n in g.nodes:
+        if n.op == "call_module" and type(_module(gm, n)) in _BATCH_NORMS:
+            calls.setdefault(n.target, []).append(n)
+        elif n.op == "call_function" and n.target is _batch_norm_relu and n.args[1].op == "get_attr":
+            calls.setdefault(n.args[1].target, []).append(n)
+    take = {t: ns[0] for t, ns in calls.items() if len(ns) == 1 and gm.get_submodule(t).momentum is not None}
+    if len(take) < 2:
+        return
+    first = next(n for n in g.nodes if n in take.values())
+    with g.inserting_before(first):
+        counter = g.call_function(_count_batches, tuple(g.get_attr(t) for t in take))
+    for t, n in take.items():
+        if n.op == "call_module":
+            with g.inserting_before(n):
+                new = g.call_function(_batch_norm, (n.args[0], g.get_attr(t)))
+            n.replace_all_uses_with(new)
+            g.erase_node(n)
+        else:
+            n.args = (n.args[0], n.args[1], False)
+    report.fused.append((f"{prefix}{counter.name}", f"BatchNorms' num_batches_tracked adds -> foreach_add "
+                                                   f"({len(take)} modules)"))
 
 
 def _dropout_of(gm, node):
@@ -957,6 +1017,8 @@ def _rewrite(gm, report, prefix, linear_bias=True, optimize_only=True):
                 g.erase_node(node)
     if linear_bias:
         _rewrite_linear_bias(gm, g, prefix, report)
+    if optimize_only:
+        _rewrite_batch_counts(gm, g, prefix, report)
     g.lint()
     gm.recompile()
 

@@ -45,9 +45,12 @@ without autograd; buffers and random generators put back).
 Layout: a model with Conv2d layers is captured on channels-last copies of its 4-D
 floating inputs (``channels_last=None``, the default; True or False force it): cuDNN
 runs NHWC kernels on H100s, and on NCHW input it transposes around each convolution.
-The parameters keep their layout. The warm-up step tries it first; a model that
-refuses it (a ``.view`` needing NCHW strides, say) is captured NCHW, and
-``stats()["channels_last_reason"]`` says so.
+Its Conv2d weights are made channels-last too, in place (the same Parameters and
+values, with their gradients and optimizer state, as ``model.to(memory_format=
+torch.channels_last)`` would): else cuDNN copies each weight to NHWC in the forward
+and its gradient back in the backward, every step. The warm-up step tries it first; a
+model that refuses it (a ``.view`` needing NCHW strides, say) gets its weights back in
+NCHW and is captured NCHW, and ``stats()["channels_last_reason"]`` says so.
 
 Memory (``plan_memory``, default: when Kitsune's allocator is installed): the step is
 captured once while the allocator records every allocation, the recorded lifetimes are
@@ -346,11 +349,15 @@ class CompiledStep:
 
     def _warm_up(self, batch):
         """The first step of a signature, eager. With channels-last on it tries that layout
-        first; a model that refuses it (a .view() needing NCHW strides, say) gets its
-        buffers and the CUDA rng put back, and the step runs NCHW from then on."""
+        first, its Conv2d weights made channels-last; a model that refuses it (a .view()
+        needing NCHW strides, say) gets its buffers, the CUDA rng and the weights' layout
+        put back, and the step runs NCHW from then on."""
         if self._cl:
             buffers = list(self.model.buffers())
             saved, rng = [b.detach().clone() for b in buffers], torch.cuda.get_rng_state()
+            moved = _relayout(_conv_weights(self.model), self.optimizer, torch.channels_last)
+            if moved:
+                self._cl_reason += f"; {len(moved)} Conv2d weight(s) made channels-last"
             try:
                 return self._eager(self._layout(batch))
             except Exception as e:   # noqa: BLE001 - whatever the model raises on that layout
@@ -358,6 +365,7 @@ class CompiledStep:
                     for b, v in zip(buffers, saved):
                         b.copy_(v)
                 torch.cuda.set_rng_state(rng)
+                _relayout(moved, self.optimizer, torch.contiguous_format)
                 self._cl, self._cl_reason = False, f"the model refused channels-last input: {_describe(e)}"
         return self._eager(batch)
 
@@ -467,6 +475,34 @@ def _share_workspaces(partner, side):
     out = (ctypes.c_int64 * 3)()
     _native.check(b.kt_bridge_blas_share(partner.cuda_stream, side.cuda_stream, out), "sharing cuBLAS workspaces")
     return dict(zip(("shared", "moved", "apart"), out))
+
+
+def _conv_weights(model):
+    """The model's Conv2d weights (4-D Parameters), each once."""
+    return list({id(m.weight): m.weight for m in model.modules() if isinstance(m, torch.nn.Conv2d)
+                 and isinstance(m.weight, torch.nn.Parameter) and m.weight.dim() == 4}.values())
+
+
+def _relayout(weights, optimizer, fmt):
+    """Lays each weight out in memory format fmt, in place (the same Parameter, the same
+    values, as model.to(memory_format=...) does), with its gradient and the optimizer's
+    state tensors of its shape; returns those that moved. On channels-last activations
+    cuDNN otherwise copies each NCHW weight to NHWC in the forward and its gradient back
+    in the backward, every step."""
+    state, moved = optimizer.optimizer.state, []
+    with torch.no_grad():
+        for w in weights:
+            if w.is_contiguous(memory_format=fmt):
+                continue
+            w.data = w.data.contiguous(memory_format=fmt)
+            if w.grad is not None:
+                w.grad = w.grad.contiguous(memory_format=fmt)
+            st = state.get(w, {})
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor) and v.shape == w.shape:
+                    st[k] = v.contiguous(memory_format=fmt)
+            moved.append(w)
+    return moved
 
 
 def _describe(e):

@@ -318,14 +318,16 @@ def test_under_autocast_fp32_parameters_meet_bf16_activations(make):
 
 
 @pytest.mark.parametrize("arch,fusions", [("resnet18", {"add_relu": 8, "batch_norm_relu": 9, "linear_act(none)": 1,
-                                                       "kitsune.max_pool2d": 1, "kitsune.global_avg_pool": 1}),
+                                                       "kitsune.max_pool2d": 1, "kitsune.global_avg_pool": 1,
+                                                       "foreach_add": 1}),
                                           ("resnet50", {"add_relu": 16, "batch_norm_relu": 33, "linear_act(none)": 1,
-                                                        "kitsune.max_pool2d": 1, "kitsune.global_avg_pool": 1})])
+                                                        "kitsune.max_pool2d": 1, "kitsune.global_avg_pool": 1,
+                                                        "foreach_add": 1})])
 def test_torchvision_resnets_as_shipped(arch, fusions):
     """torchvision's ResNet-18/50 (random weights): each `relu(bn(conv(x)))` becomes
     batch_norm_relu, each block's `out += identity; relu(out)` add_relu, the stem's
-    max pooling kitsune.max_pool2d and the head's AdaptiveAvgPool2d((1, 1))
-    kitsune.global_avg_pool; in train
+    max pooling kitsune.max_pool2d, the head's AdaptiveAvgPool2d((1, 1))
+    kitsune.global_avg_pool and the BatchNorms' batch counts one foreach add; in train
     mode outputs, running stats and input gradients equal the original's, in eval mode
     outputs."""
     tvm = pytest.importorskip("torchvision.models")
@@ -349,6 +351,57 @@ def test_torchvision_resnets_as_shipped(arch, fusions):
     torch.testing.assert_close(xo.grad, xr.grad)
     m.eval(), opt.eval()
     torch.testing.assert_close(opt(x), m(x))
+
+
+class _Norms(nn.Module):
+    """BatchNorms that count in one add (a under a ReLU, b), one called twice (d) and
+    one without a momentum (c), which keep their own."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.d = nn.BatchNorm2d(4), nn.BatchNorm2d(4, momentum=0.3), nn.BatchNorm2d(4)
+        self.c = nn.BatchNorm2d(4, momentum=None)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        h = self.b(h) + self.d(h)
+        return self.c(self.d(h))
+
+
+def test_batch_norms_count_their_batches_in_one_add():
+    """Two BatchNorms count in one _count_batches node; in train mode outputs, gradients
+    and every buffer (running stats, num_batches_tracked) follow the original's step by
+    step, in eval mode nothing counts, and a momentum set to None afterwards counts
+    where nn.BatchNorm would."""
+    torch.manual_seed(11)
+    m = _Norms()
+    rep = kitsune.fx.Report()
+    opt = kitsune.optimize(m, report=rep)
+    assert _kinds(rep) == ["batch_norm_relu", "foreach_add"] and "(2 modules)" in rep.fused[1][1], rep
+    counters = [n for n in opt.graph.nodes if n.target is kitsune.fx._count_batches]
+    assert len(counters) == 1 and [a.target for a in counters[0].args] == ["a", "b"]
+    assert sorted(n.target for n in opt.graph.nodes if n.op == "call_module") == ["c", "d", "d"]
+
+    def same(train, momentum_b=0.3):
+        m.train(train), opt.train(train)
+        m.b.momentum = opt.b.momentum = momentum_b
+        x = torch.randn(3, 4, 5, 5)
+        xo, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
+        yo, ym = opt(xo), m(xm)
+        torch.testing.assert_close(yo, ym, rtol=1e-5, atol=1e-6)
+        yo.square().sum().backward()
+        ym.square().sum().backward()
+        torch.testing.assert_close(xo.grad, xm.grad, rtol=1e-4, atol=1e-5)
+        bufs = dict(m.named_buffers())
+        for name, t in opt.named_buffers():
+            torch.testing.assert_close(t, bufs[name], rtol=1e-5, atol=1e-6, msg=name)
+    for _ in range(3):
+        same(True)
+    assert [int(opt.get_submodule(k).num_batches_tracked) for k in "abcd"] == [3, 3, 3, 6]
+    same(False)
+    assert int(opt.a.num_batches_tracked) == 3
+    same(True, momentum_b=None)   # b now reads its count: its forward makes the add, the node skips it
+    assert [int(opt.get_submodule(k).num_batches_tracked) for k in "abcd"] == [4, 4, 4, 8]
 
 
 def test_mlp_relu_linear_becomes_linear_act():

@@ -473,6 +473,55 @@ def test_gpu_compile_step_channels_last_trains_as_eager(view_head):
     _assert_same_training(m1, o1, m2, o2, l1, l2, rtol=1e-4, atol=1e-5)
     for a, b in zip(m1.buffers(), m2.buffers()):   # running stats: a refused try left no trace
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    # the weight follows the activations' layout (put back NCHW when they were refused)
+    w = m2.conv.weight
+    fmt = torch.contiguous_format if view_head else torch.channels_last
+    assert w.is_contiguous(memory_format=fmt) and o2.state[w]["exp_avg"].is_contiguous(memory_format=fmt)
+    assert ("1 Conv2d weight(s) made channels-last" in st["channels_last_reason"]) is (not view_head), st
+
+
+class _TwoConvs(torch.nn.Module):
+    """A 3 x 3 convolution, then one 1 x 1 convolution applied twice (one weight)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.fc = torch.nn.Conv2d(3, 8, 3), torch.nn.Conv2d(8, 8, 1), torch.nn.Linear(8 * 4 * 4, 4)
+
+    def forward(self, x):
+        return self.fc(self.b(torch.relu(self.b(self.a(x)))).flatten(1))
+
+
+def test_relayout_moves_conv_weights_with_their_gradients_and_state():
+    """compile_step's channels-last weights: each Conv2d weight (a shared one once) is laid
+    out again in place, values unchanged, with its gradient and its optimizer state;
+    other parameters and the step count stay as they were; moving back restores NCHW."""
+    from kitsune.graph import _conv_weights, _relayout
+    torch.manual_seed(3)
+    m = _TwoConvs()
+    opt = KitsuneOptimizer(torch.optim.AdamW, m.parameters(), lr=1e-2)
+    for _ in range(2):   # the second backward leaves gradients beside the first step's state
+        m(torch.randn(2, 3, 6, 6)).square().sum().backward()
+        if not opt.state:
+            opt.step()
+    weights = _conv_weights(m)
+    assert weights == [m.a.weight, m.b.weight]
+    before = [(p, p.detach().clone(), p.grad.clone(), {k: v.clone() for k, v in opt.state[p].items()})
+              for p in m.parameters()]
+    moved = _relayout(weights, opt, torch.channels_last)
+    assert moved == [m.a.weight]   # a 1 x 1 kernel is channels-last contiguous already
+    assert _relayout(weights, opt, torch.channels_last) == []
+    for p, value, grad, state in before:
+        torch.testing.assert_close(p, value, rtol=0, atol=0)
+        torch.testing.assert_close(p.grad, grad, rtol=0, atol=0)
+        for k, v in state.items():
+            torch.testing.assert_close(opt.state[p][k], v, rtol=0, atol=0)
+        nchw = p is not m.a.weight
+        assert p.is_contiguous() is nchw and p.grad.is_contiguous() is nchw, p.shape
+        assert opt.state[p]["exp_avg"].is_contiguous() is nchw and opt.state[p]["exp_avg_sq"].is_contiguous() is nchw
+    assert m.a.weight.is_contiguous(memory_format=torch.channels_last)
+    opt.step()   # the fused step runs on the moved tensors
+    assert opt.get_stats()["fused_steps"] == 2, opt.get_stats()
+    assert _relayout(moved, opt, torch.contiguous_format) == moved and m.a.weight.is_contiguous()
 
 
 def test_compile_step_refuses_a_bad_channels_last():

@@ -2756,6 +2756,7 @@ struct BatchNormReluFn : torch::autograd::Function<BatchNormReluFn> {
     ctx->saved_data["training"] = training;
     ctx->save_for_backward({x, out, w, mean, invstd});
     ctx->mark_non_differentiable({mean, invstd});
+    ctx->set_materialize_grads(false);   // else two zero-filled (C,) gradients a call, for mean and invstd
     return {out, mean, invstd};
   }
   static variable_list backward(AutogradContext* ctx, variable_list go) {
@@ -3590,6 +3591,7 @@ struct GeluDropoutFn : torch::autograd::Function<GeluDropoutFn> {
     ctx->saved_data["approximate"] = approx;
     ctx->save_for_backward({x, rng});
     ctx->mark_non_differentiable({rng});
+    ctx->set_materialize_grads(false);   // else a zero-filled gradient for rng
     return {out, rng};
   }
   static variable_list backward(AutogradContext* ctx, variable_list go) {
@@ -3618,6 +3620,7 @@ struct BiasDropoutAddFn : torch::autograd::Function<BiasDropoutAddFn> {
     ctx->saved_data["bias_dtype"] = (int64_t)bias.scalar_type();
     ctx->save_for_backward({rng});
     ctx->mark_non_differentiable({rng});
+    ctx->set_materialize_grads(false);   // else a zero-filled gradient for rng
     return {out, rng};
   }
   static variable_list backward(AutogradContext* ctx, variable_list go) {

@@ -438,7 +438,7 @@ class _ConvBN(torch.nn.Module):
 
     def __init__(self, view_head=False):
         super().__init__()
-        self.conv = torch.nn.Conv2d(3, 16, 3, padding=1, bias=False)   # a bias before BN has no gradient
+        self.conv = torch.nn.Conv2d(8, 16, 3, padding=1, bias=False)   # a bias before BN has no gradient
                                                                          # but rounding, which Adam would amplify
         self.bn = torch.nn.BatchNorm2d(16)
         self.fc = torch.nn.Linear(16 * 8 * 8, 10)
@@ -459,7 +459,7 @@ def test_gpu_compile_step_channels_last_trains_as_eager(view_head):
     torch.manual_seed(0)
     torch.backends.cudnn.deterministic = True
     gen = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(8, 3, 8, 8, generator=gen).cuda(), torch.randint(0, 10, (8,), generator=gen).cuda())
+    batches = [(torch.randn(8, 8, 8, 8, generator=gen).cuda(), torch.randint(0, 10, (8,), generator=gen).cuda())
                for _ in range(12)]
     base = kitsune.optimize(_ConvBN(view_head).cuda())
     m1, o1, m2, o2 = _twins(base, torch.optim.AdamW, lr=1e-3)
@@ -522,6 +522,30 @@ def test_relayout_moves_conv_weights_with_their_gradients_and_state():
     opt.step()   # the fused step runs on the moved tensors
     assert opt.get_stats()["fused_steps"] == 2, opt.get_stats()
     assert _relayout(moved, opt, torch.contiguous_format) == moved and m.a.weight.is_contiguous()
+
+
+def test_channels_last_is_chosen_where_most_convolutions_have_8_aligned_channels():
+    """channels_last=None: channels-last where at least half the Conv2d layers have in and
+    out channels (per group) that are multiples of 8; LeNet-5's 1 -> 6 -> 16 stays NCHW."""
+    from kitsune.graph import _nhwc_suits
+    nn = torch.nn
+    lenet = nn.Sequential(nn.Conv2d(1, 6, 5), nn.Conv2d(6, 16, 5))
+    resnet_like = nn.Sequential(nn.Conv2d(3, 64, 7), nn.Conv2d(64, 64, 3), nn.Conv2d(64, 128, 3))
+    half = nn.Sequential(nn.Conv2d(3, 16, 3), nn.Conv2d(16, 32, 3))
+    grouped = nn.Sequential(nn.Conv2d(48, 48, 3, groups=6), nn.Conv2d(48, 48, 3, groups=3))   # 8 and 16 a group
+    odd_groups = nn.Sequential(nn.Conv2d(48, 48, 3, groups=48))   # one channel a group
+    assert _nhwc_suits(lenet) == (False, "0 of 2 Conv2d layers have channel counts that are multiples of 8")
+    assert _nhwc_suits(resnet_like) == (True, "2 of 3 Conv2d layers have channel counts that are multiples of 8")
+    assert _nhwc_suits(half)[0] and _nhwc_suits(grouped)[0] and not _nhwc_suits(odd_groups)[0]
+    assert _nhwc_suits(nn.Linear(4, 4)) == (False, "no Conv2d layer")
+    for model, forced, want in ((lenet, None, False), (resnet_like, None, True), (lenet, True, True),
+                                (resnet_like, False, False)):
+        step = kitsune.compile_step(model, torch.nn.functional.cross_entropy,
+                                    torch.optim.SGD(model.parameters(), lr=0.1), channels_last=forced)
+        st = step.stats()
+        assert st["channels_last"] is want, st
+        assert st["channels_last_reason"] == (_nhwc_suits(model)[1] if forced is None else
+                                              "asked" if forced else "off"), st
 
 
 def test_compile_step_refuses_a_bad_channels_last():

@@ -455,16 +455,18 @@ class _ConvBN(torch.nn.Module):
 def test_gpu_compile_step_channels_last_trains_as_eager(view_head):
     """A conv net is captured on channels-last input (batch_norm_relu runs NHWC rows):
     losses, parameters and optimizer state follow the eager NCHW loop. A .view head
-    refuses channels-last: the warm-up finds it and the step is captured NCHW."""
+    refuses channels-last: the warm-up finds it and the step is captured NCHW. The
+    convolutions run in fp32, not TF32 (the NCHW and NHWC algorithms round TF32 apart:
+    0.0006 in a loss with 8 input channels, H100, bench/results/h100_pytest_graph_cd46713.log)."""
     torch.manual_seed(0)
-    torch.backends.cudnn.deterministic = True
     gen = torch.Generator().manual_seed(1)
     batches = [(torch.randn(8, 8, 8, 8, generator=gen).cuda(), torch.randint(0, 10, (8,), generator=gen).cuda())
                for _ in range(12)]
     base = kitsune.optimize(_ConvBN(view_head).cuda())
     m1, o1, m2, o2 = _twins(base, torch.optim.AdamW, lr=1e-3)
-    l1 = _eager_reference(m1, o1, batches, torch.nn.functional.cross_entropy)
-    l2, step = _compiled(m2, o2, batches, torch.nn.functional.cross_entropy)
+    with torch.backends.cudnn.flags(enabled=True, deterministic=True, allow_tf32=False):
+        l1 = _eager_reference(m1, o1, batches, torch.nn.functional.cross_entropy)
+        l2, step = _compiled(m2, o2, batches, torch.nn.functional.cross_entropy)
     st = step.stats()
     assert st["reason"] is None and st["replays"] == 11, st
     assert st["channels_last"] is (not view_head), st

@@ -1,6 +1,9 @@
 // fusion/kernels/batch_norm.cu — BatchNorm over (N, C, S) (S: the spatial elements,
 // 1 for (N, C) input) followed by ReLU, training and eval, and its backward:
-//   y = relu((x - mean_c) * invstd_c * w_c + b_c)
+//   y = relu((x - mean_c) * invstd_c * w_c + b_c [+ r])
+// r: an optional residual of x's shape and layout, added before the ReLU (a ResNet
+// block's relu(bn(conv(h)) + identity): the normalized values are never stored, and
+// the backward writes the residual's gradient, g' below, in the same pass as gx).
 // Training: mean and biased var per channel from the batch (fp32 sums of x - s_c,
 // s_c the channel's first element, so a large mean does not cancel); running stats,
 // fp32, updated as running = (1 - momentum) * running + momentum * batch (var
@@ -143,19 +146,20 @@ __device__ __forceinline__ int64_t channel_of(int64_t v, int64_t nvec, int64_t v
 // and runs of consecutive planes with a constants table at 79%, both 76 registers a
 // thread; H100, 707707a and 9743aae.)
 template <typename T, bool VEC>
-__global__ void __launch_bounds__(256) bn_apply(const T *x, T *y, int64_t nvec, int64_t vs, int64_t C,
+__global__ void __launch_bounds__(256) bn_apply(const T *x, const T *res, T *y, int64_t nvec, int64_t vs, int64_t C,
                                                 const float *mean, const float *invstd, const T *w, const T *b,
                                                 bool relu) {
   constexpr int V = kt::Row<T, VEC>::V;
   const int64_t v = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (v >= nvec) return;
   const int64_t c = channel_of(v, nvec, vs, C);
-  T in[V], o[V];
+  T in[V], rv[V], o[V];
   kt::load_v<T, VEC>(x, v * V, in);
+  if (res) kt::load_v<T, VEC>(res, v * V, rv);
   const float mu = mean[c], sc = invstd[c] * (w ? kt::to_f(w[c]) : 1.f), sh = b ? kt::to_f(b[c]) : 0.f;
 #pragma unroll
   for (int q = 0; q < V; q++) {
-    const float r = (kt::to_f(in[q]) - mu) * sc + sh;
+    const float r = (kt::to_f(in[q]) - mu) * sc + sh + (res ? kt::to_f(rv[q]) : 0.f);
     o[q] = kt::from_f<T>(relu ? fmaxf(r, 0.f) : r);
   }
   kt::store_v<T, VEC>(y, v * V, o);
@@ -199,7 +203,7 @@ __global__ void bn_sum_parts(const float *part, int64_t splits, int64_t C, float
 
 // The backward apply, elementwise as bn_apply
 template <typename T, bool VEC>
-__global__ void __launch_bounds__(256) bn_bwd_apply(const T *g, const T *x, const T *y, T *gx, int64_t nvec,
+__global__ void __launch_bounds__(256) bn_bwd_apply(const T *g, const T *x, const T *y, T *gx, T *gres, int64_t nvec,
                                                     int64_t vs, int64_t C, int64_t M, const float *mean,
                                                     const float *invstd, const T *w, const float *sum_g,
                                                     const float *sum_gx, bool relu, bool training) {
@@ -207,7 +211,7 @@ __global__ void __launch_bounds__(256) bn_bwd_apply(const T *g, const T *x, cons
   const int64_t v = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (v >= nvec) return;
   const int64_t c = channel_of(v, nvec, vs, C);
-  T gv[V], xv[V], yv[V], o[V];
+  T gv[V], xv[V], yv[V], o[V], go[V];
   kt::load_v<T, VEC>(g, v * V, gv);
   if (training) kt::load_v<T, VEC>(x, v * V, xv);
   if (relu) kt::load_v<T, VEC>(y, v * V, yv);
@@ -216,10 +220,12 @@ __global__ void __launch_bounds__(256) bn_bwd_apply(const T *g, const T *x, cons
 #pragma unroll
   for (int q = 0; q < V; q++) {
     float gq = (relu && !(kt::to_f(yv[q]) > 0.f)) ? 0.f : kt::to_f(gv[q]);
+    go[q] = kt::from_f<T>(gq);
     if (training) gq = gq - mg - (kt::to_f(xv[q]) - mu) * is * mgx;
     o[q] = kt::from_f<T>(scale * gq);
   }
   kt::store_v<T, VEC>(gx, v * V, o);
+  if (gres) kt::store_v<T, VEC>(gres, v * V, go);   // the residual's gradient: g'
 }
 
 // ---- rows: S == 1, x a (R, C) matrix ----
@@ -299,34 +305,36 @@ __global__ void __launch_bounds__(256) bn_bwd_stats_rows(const T *g, const T *x,
 // The apply over rows with 16-byte vectors (C a multiple of the vector: a vector is
 // V consecutive channels of one row)
 template <typename T>
-__global__ void __launch_bounds__(256) bn_apply_rows(const T *x, T *y, int64_t nvec, int64_t C, const float *mean,
-                                                     const float *invstd, const T *w, const T *b, bool relu) {
+__global__ void __launch_bounds__(256) bn_apply_rows(const T *x, const T *res, T *y, int64_t nvec, int64_t C,
+                                                     const float *mean, const float *invstd, const T *w, const T *b,
+                                                     bool relu) {
   constexpr int V = 16 / sizeof(T);
   const int64_t v = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (v >= nvec) return;
   const int64_t c0 = channel_of(v * V, nvec * V, 1, C);
-  T in[V], o[V];
+  T in[V], rv[V], o[V];
   kt::load_v<T, true>(x, v * V, in);
+  if (res) kt::load_v<T, true>(res, v * V, rv);
 #pragma unroll
   for (int q = 0; q < V; q++) {
     const int64_t c = c0 + q;   // bn_apply's arithmetic, so both layouts round alike
     const float sc = invstd[c] * (w ? kt::to_f(w[c]) : 1.f), sh = b ? kt::to_f(b[c]) : 0.f;
-    const float r = (kt::to_f(in[q]) - mean[c]) * sc + sh;
+    const float r = (kt::to_f(in[q]) - mean[c]) * sc + sh + (res ? kt::to_f(rv[q]) : 0.f);
     o[q] = kt::from_f<T>(relu ? fmaxf(r, 0.f) : r);
   }
   kt::store_v<T, true>(y, v * V, o);
 }
 
 template <typename T>
-__global__ void __launch_bounds__(256) bn_bwd_apply_rows(const T *g, const T *x, const T *y, T *gx, int64_t nvec,
-                                                         int64_t C, int64_t M, const float *mean, const float *invstd,
-                                                         const T *w, const float *sum_g, const float *sum_gx,
-                                                         bool relu, bool training) {
+__global__ void __launch_bounds__(256) bn_bwd_apply_rows(const T *g, const T *x, const T *y, T *gx, T *gres,
+                                                         int64_t nvec, int64_t C, int64_t M, const float *mean,
+                                                         const float *invstd, const T *w, const float *sum_g,
+                                                         const float *sum_gx, bool relu, bool training) {
   constexpr int V = 16 / sizeof(T);
   const int64_t v = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (v >= nvec) return;
   const int64_t c0 = channel_of(v * V, nvec * V, 1, C);
-  T gv[V], xv[V], yv[V], o[V];
+  T gv[V], xv[V], yv[V], o[V], go[V];
   kt::load_v<T, true>(g, v * V, gv);
   if (training) kt::load_v<T, true>(x, v * V, xv);
   if (relu) kt::load_v<T, true>(y, v * V, yv);
@@ -335,10 +343,12 @@ __global__ void __launch_bounds__(256) bn_bwd_apply_rows(const T *g, const T *x,
     const int64_t c = c0 + q;   // bn_bwd_apply's arithmetic
     const float is = invstd[c], scale = (w ? kt::to_f(w[c]) : 1.f) * is;
     float gq = (relu && !(kt::to_f(yv[q]) > 0.f)) ? 0.f : kt::to_f(gv[q]);
+    go[q] = kt::from_f<T>(gq);
     if (training) gq = gq - sum_g[c] / (float)M - (kt::to_f(xv[q]) - mean[c]) * is * (sum_gx[c] / (float)M);
     o[q] = kt::from_f<T>(scale * gq);
   }
   kt::store_v<T, true>(gx, v * V, o);
+  if (gres) kt::store_v<T, true>(gres, v * V, go);
 }
 
 // Row stripes: about 1024 blocks of 32 channels, each at least 64 rows
@@ -365,12 +375,12 @@ unsigned warp_grid(int64_t C) { return (unsigned)((C * 32 + 255) / 256); }   // 
 unsigned vec_grid(int64_t nvec) { return (unsigned)((nvec + 255) / 256); }   // a vector a thread, 256 threads
 
 template <typename T>
-kt_status fwd(const void *x, void *y, const void *w, const void *b, int64_t N, int64_t C, int64_t S, int training,
-              float momentum, float eps, float *mean, float *invstd, float *rm, float *rv, float *work, int relu,
-              cudaStream_t s) {
-  const bool vec = kt::row_vec_ok<T>(S, {x, y});
+kt_status fwd(const void *x, const void *res, void *y, const void *w, const void *b, int64_t N, int64_t C, int64_t S,
+              int training, float momentum, float eps, float *mean, float *invstd, float *rm, float *rv, float *work,
+              int relu, cudaStream_t s) {
+  const bool vec = kt::row_vec_ok<T>(S, {x, y, res ? res : x});
   const int V = vec ? 16 / sizeof(T) : 1;
-  const T *xt = (const T *)x, *wt = (const T *)w, *bt = (const T *)b;
+  const T *xt = (const T *)x, *wt = (const T *)w, *bt = (const T *)b, *rt = (const T *)res;
   if (training) {
     const int64_t sp = S == 1 ? row_splits_for(N, C) : splits_for(N, C, S);
     if (S == 1) {
@@ -381,23 +391,23 @@ kt_status fwd(const void *x, void *y, const void *w, const void *b, int64_t N, i
     }
     bn_finish<T><<<warp_grid(C), 256, 0, s>>>(xt, work, sp, C, S, N * S, eps, momentum, mean, invstd, rm, rv);
   }
-  if (S == 1 && kt::row_vec_ok<T>(C, {x, y})) {   // rows of C: vectors of consecutive channels
+  if (S == 1 && kt::row_vec_ok<T>(C, {x, y, res ? res : x})) {   // rows of C: vectors of consecutive channels
     const int64_t nvec = N * C / (16 / sizeof(T));
-    bn_apply_rows<T><<<vec_grid(nvec), 256, 0, s>>>(xt, (T *)y, nvec, C, mean, invstd, wt, bt, relu);
+    bn_apply_rows<T><<<vec_grid(nvec), 256, 0, s>>>(xt, rt, (T *)y, nvec, C, mean, invstd, wt, bt, relu);
     return kt::status_of(cudaGetLastError());
   }
   const int64_t nvec = N * C * S / V;
   auto apply = vec ? bn_apply<T, true> : bn_apply<T, false>;
-  apply<<<vec_grid(nvec), 256, 0, s>>>(xt, (T *)y, nvec, S / V, C, mean, invstd, wt, bt, relu);
+  apply<<<vec_grid(nvec), 256, 0, s>>>(xt, rt, (T *)y, nvec, S / V, C, mean, invstd, wt, bt, relu);
   return kt::status_of(cudaGetLastError());
 }
 
 template <typename T>
-kt_status bwd(const void *g, const void *x, const void *y, void *gx, const void *w, int64_t N, int64_t C, int64_t S,
-              int training, const float *mean, const float *invstd, float *sum_g, float *sum_gx, float *work, int relu,
-              cudaStream_t s) {
+kt_status bwd(const void *g, const void *x, const void *y, void *gx, void *gres, const void *w, int64_t N, int64_t C,
+              int64_t S, int training, const float *mean, const float *invstd, float *sum_g, float *sum_gx, float *work,
+              int relu, cudaStream_t s) {
   const int64_t sp = S == 1 ? row_splits_for(N, C) : splits_for(N, C, S);
-  const bool vec = kt::row_vec_ok<T>(S, {g, x, y, gx});
+  const bool vec = kt::row_vec_ok<T>(S, {g, x, y, gx, gres ? gres : gx});
   const int V = vec ? 16 / sizeof(T) : 1;
   const T *gt = (const T *)g, *xt = (const T *)x, *yt = (const T *)y, *wt = (const T *)w;
   if (S == 1) {
@@ -409,16 +419,16 @@ kt_status bwd(const void *g, const void *x, const void *y, void *gx, const void 
                                                                                    relu, work);
   }
   bn_sum_parts<<<warp_grid(C), 256, 0, s>>>(work, sp, C, sum_g, sum_gx);
-  if (S == 1 && kt::row_vec_ok<T>(C, {g, x, y, gx})) {
+  if (S == 1 && kt::row_vec_ok<T>(C, {g, x, y, gx, gres ? gres : gx})) {
     const int64_t nvec = N * C / (16 / sizeof(T));
-    bn_bwd_apply_rows<T><<<vec_grid(nvec), 256, 0, s>>>(gt, xt, yt, (T *)gx, nvec, C, N * S, mean, invstd, wt, sum_g,
-                                                         sum_gx, relu, training);
+    bn_bwd_apply_rows<T><<<vec_grid(nvec), 256, 0, s>>>(gt, xt, yt, (T *)gx, (T *)gres, nvec, C, N * S, mean, invstd,
+                                                         wt, sum_g, sum_gx, relu, training);
     return kt::status_of(cudaGetLastError());
   }
   const int64_t nvec = N * C * S / V;
   auto apply = vec ? bn_bwd_apply<T, true> : bn_bwd_apply<T, false>;
-  apply<<<vec_grid(nvec), 256, 0, s>>>(gt, xt, yt, (T *)gx, nvec, S / V, C, N * S, mean, invstd, wt, sum_g, sum_gx,
-                                       relu, training);
+  apply<<<vec_grid(nvec), 256, 0, s>>>(gt, xt, yt, (T *)gx, (T *)gres, nvec, S / V, C, N * S, mean, invstd, wt, sum_g,
+                                       sum_gx, relu, training);
   return kt::status_of(cudaGetLastError());
 }
 
@@ -431,23 +441,23 @@ extern "C" int64_t kt_batch_norm_workspace(int64_t N, int64_t C, int64_t S) {
   return N > 0 && C > 0 && S > 0 ? 2 * C * (S == 1 ? row_splits_for(N, C) : splits_for(N, C, S)) : 0;
 }
 
-extern "C" kt_status kt_batch_norm(kt_dtype t, const void *x, void *y, const void *w, const void *b, int64_t N,
-                                   int64_t C, int64_t S, int training, float momentum, float eps, float *mean,
-                                   float *invstd, float *running_mean, float *running_var, float *workspace, int relu,
-                                   void *stream) {
+extern "C" kt_status kt_batch_norm(kt_dtype t, const void *x, const void *residual, void *y, const void *w,
+                                   const void *b, int64_t N, int64_t C, int64_t S, int training, float momentum,
+                                   float eps, float *mean, float *invstd, float *running_mean, float *running_var,
+                                   float *workspace, int relu, void *stream) {
   if (bad(N, C, S) || !x || !y || !mean || !invstd || (training && !workspace) || !(eps >= 0)) return KT_ERR_INVALID;
   const cudaStream_t s = (cudaStream_t)stream;
-  KT_DISPATCH(t, fwd<T>(x, y, w, b, N, C, S, training, momentum, eps, mean, invstd, running_mean, running_var,
-                        workspace, relu, s))
+  KT_DISPATCH(t, fwd<T>(x, residual, y, w, b, N, C, S, training, momentum, eps, mean, invstd, running_mean,
+                        running_var, workspace, relu, s))
 }
 
 extern "C" kt_status kt_batch_norm_backward(kt_dtype t, const void *grad, const void *x, const void *y, void *grad_x,
-                                            const void *w, int64_t N, int64_t C, int64_t S, int training,
-                                            const float *mean, const float *invstd, float *sum_g, float *sum_gx,
-                                            float *workspace, int relu, void *stream) {
+                                            void *grad_residual, const void *w, int64_t N, int64_t C, int64_t S,
+                                            int training, const float *mean, const float *invstd, float *sum_g,
+                                            float *sum_gx, float *workspace, int relu, void *stream) {
   if (bad(N, C, S) || !grad || !x || !grad_x || !mean || !invstd || !sum_g || !sum_gx || !workspace || (relu && !y))
     return KT_ERR_INVALID;
   const cudaStream_t s = (cudaStream_t)stream;
-  KT_DISPATCH(t, bwd<T>(grad, x, y, grad_x, w, N, C, S, training, mean, invstd, sum_g, sum_gx, workspace, relu,
-                        s))
+  KT_DISPATCH(t, bwd<T>(grad, x, y, grad_x, grad_residual, w, N, C, S, training, mean, invstd, sum_g, sum_gx,
+                        workspace, relu, s))
 }

@@ -32,6 +32,9 @@ Patterns (each intermediate must have no other user, so nothing observable is lo
                               F.linear's forward, the bias gradient by Kitsune's column sum
   relu(BatchNorm(x))       -> kitsune.batch_norm_relu (nn.BatchNorm1d/2d/3d; the
                               module's mode, momentum and running stats read at run time)
+  relu(BatchNorm(x) + r)   -> kitsune.batch_norm_add_relu (as above; r of x's shape and dtype at
+                              run time, else the unfused ops; before relu(a + b) -> add_relu):
+                              a ResNet block's end, the normalized values never stored
   BatchNorms' batch counts -> one torch._foreach_add_ of their num_batches_tracked, before
                               the first (two or more nn.BatchNorm1d/2d/3d, each called once,
                               with a momentum; optimize only): one launch where there were one
@@ -370,15 +373,36 @@ def _rewrite_add_layer_norm(gm, g, node, where, report):
     return True
 
 
+def _fused_bn_ok(x, bn):
+    """Whether Kitsune's BatchNorm ops take x and bn's parameters (else nn.BatchNorm runs)."""
+    params = [t for t in (bn.weight, bn.bias) if t is not None]
+    return not (any(t.dtype != x.dtype for t in params) or torch.is_autocast_enabled(x.device.type) or
+                (x.device.type == "cuda" and x.dtype not in (torch.float32, torch.float16, torch.bfloat16)))
+
+
 def _batch_norm_relu(x, bn, count=True):
     """relu(bn(x)) for an nn.BatchNorm module, through batch_norm_relu when the dtypes
     allow it, deciding statistics and momentum exactly as nn.BatchNorm's forward does.
     count=False: the module's num_batches_tracked is counted by _count_batches instead."""
     from . import ops as ko
-    params = [t for t in (bn.weight, bn.bias) if t is not None]
-    if (any(t.dtype != x.dtype for t in params) or torch.is_autocast_enabled(x.device.type) or
-            (x.device.type == "cuda" and x.dtype not in (torch.float32, torch.float16, torch.bfloat16))):
+    if not _fused_bn_ok(x, bn):
         return F.relu(bn(x) if count else _batch_norm(x, bn))
+    return ko.batch_norm_relu(x, *_bn_state(x, bn, count))
+
+
+def _batch_norm_add_relu(x, residual, bn, count=True):
+    """relu(bn(x) + residual), as _batch_norm_relu, through batch_norm_add_relu where the
+    residual has x's shape, dtype and device (else the unfused ops)."""
+    from . import ops as ko
+    if not (_fused_bn_ok(x, bn) and isinstance(residual, torch.Tensor) and residual.shape == x.shape
+            and residual.dtype == x.dtype and residual.device == x.device):
+        return F.relu((bn(x) if count else _batch_norm(x, bn)) + residual)
+    return ko.batch_norm_add_relu(x, residual, *_bn_state(x, bn, count))
+
+
+def _bn_state(x, bn, count):
+    """(running_mean, running_var, weight, bias, training, momentum, eps) for the fused
+    ops, as nn.BatchNorm's forward decides them (counting the batch unless count=False)."""
     bn._check_input_dim(x)
     momentum = 0.0 if bn.momentum is None else bn.momentum
     if bn.training and bn.track_running_stats and bn.num_batches_tracked is not None:
@@ -387,8 +411,8 @@ def _batch_norm_relu(x, bn, count=True):
         momentum = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
     use_batch = bn.training or (bn.running_mean is None and bn.running_var is None)
     keep = not bn.training or bn.track_running_stats
-    return ko.batch_norm_relu(x, bn.running_mean if keep else None, bn.running_var if keep else None, bn.weight,
-                              bn.bias, use_batch, momentum, bn.eps)
+    return (bn.running_mean if keep else None, bn.running_var if keep else None, bn.weight, bn.bias, use_batch,
+            momentum, bn.eps)
 
 
 def _batch_norm(x, bn):
@@ -414,6 +438,7 @@ def _count_batches(*bns):
 
 
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+_BN_SLOT = {_batch_norm_relu: 1, _batch_norm_add_relu: 2}   # the argument that is the module
 
 
 def _rewrite_batch_counts(gm, g, prefix, report):
@@ -425,8 +450,8 @@ def _rewrite_batch_counts(gm, g, prefix, report):
     for n in g.nodes:
         if n.op == "call_module" and type(_module(gm, n)) in _BATCH_NORMS:
             calls.setdefault(n.target, []).append(n)
-        elif n.op == "call_function" and n.target is _batch_norm_relu and n.args[1].op == "get_attr":
-            calls.setdefault(n.args[1].target, []).append(n)
+        elif n.op == "call_function" and n.target in _BN_SLOT and n.args[_BN_SLOT[n.target]].op == "get_attr":
+            calls.setdefault(n.args[_BN_SLOT[n.target]].target, []).append(n)
     take = {t: ns[0] for t, ns in calls.items() if len(ns) == 1 and gm.get_submodule(t).momentum is not None}
     if len(take) < 2:
         return
@@ -440,7 +465,7 @@ def _rewrite_batch_counts(gm, g, prefix, report):
             n.replace_all_uses_with(new)
             g.erase_node(n)
         else:
-            n.args = (n.args[0], n.args[1], False)
+            n.args = n.args[:_BN_SLOT[n.target] + 1] + (False,)
     report.fused.append((f"{prefix}{counter.name}", f"BatchNorms' num_batches_tracked adds -> foreach_add "
                                                    f"({len(take)} modules)"))
 
@@ -766,6 +791,16 @@ def _rewrite_bias_cat(g, node, where, report):
     return True
 
 
+def _bn_feeding(gm, add, a, b):
+    """(BatchNorm node, the other operand) when an operand of add (a first) is an
+    nn.BatchNorm1d/2d/3d call read only by add, else None."""
+    for h, r in ((a, b), (b, a)):
+        if h.op == "call_module" and type(_module(gm, h)) in _BATCH_NORMS and len(h.users) == 1 and \
+                next(iter(h.users)) is add and len(h.args) == 1 and not h.kwargs:
+            return h, r
+    return None
+
+
 def _fuse_pair(g, node, inner, where, report, pattern, op, make):
     """Replaces node(inner(...)) by the node make() inserts, when inner has no other user."""
     if len(inner.users) != 1:
@@ -949,6 +984,16 @@ def _rewrite(gm, report, prefix, linear_bias=True, optimize_only=True):
                         report.left.append((where, "gelu(x + y): y is not a 1-D parameter (no bias to fuse)"))
                         continue
                     args, target, what = (x, b if x is a else a, approximate), ko.bias_gelu, "gelu(x + bias) -> bias_gelu"
+                elif kind == "relu" and _bn_feeding(gm, inner, a, b) is not None:
+                    h, r = _bn_feeding(gm, inner, a, b)
+                    report.fused.append((where, f"relu(batch_norm(x) + r) -> batch_norm_add_relu ({h.name})"))
+                    with g.inserting_before(node):
+                        new = g.call_function(_batch_norm_add_relu, (h.args[0], r, g.get_attr(h.target)))
+                    node.replace_all_uses_with(new)
+                    g.erase_node(node)
+                    g.erase_node(inner)
+                    g.erase_node(h)
+                    continue
                 elif kind == "relu":
                     args, target, what = (a, b), ko.add_relu, "relu(a + b) -> add_relu"
                 else:

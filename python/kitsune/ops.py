@@ -37,6 +37,8 @@ Ops (reference semantics):
                                             F.linear, the bias gradient by Kitsune's column sum
   batch_norm_relu(x, running_mean, running_var, weight, bias, training, momentum, eps)
                                relu(F.batch_norm(...)), running stats updated as F.batch_norm does
+  batch_norm_add_relu(x, residual, running_mean, running_var, weight, bias, training, momentum, eps)
+                               relu(F.batch_norm(...) + residual): a ResNet block's end
   channel_bias(y, bias, act="none")         act(y + bias over dim 1): a convolution's bias; its
                                             backward sums the bias gradient in two stages
   bias_relu_pool(y, bias, kernel_size)      F.max_pool2d(relu(y + bias over dim 1), kernel_size):
@@ -231,6 +233,21 @@ def _(grad, x, out, weight, save_mean, save_invstd, training):
             torch.empty_like(weight) if weight is not None else x.new_empty((0,)), x.new_empty((x.shape[1],)))
 
 
+@torch.library.register_fake("kitsune::batch_norm_add_relu")
+def _(x, residual, weight, bias, running_mean, running_var, training, momentum, eps):
+    c = x.shape[1]
+    st = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return (torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty((c,), dtype=st),
+            x.new_empty((c,), dtype=st))
+
+
+@torch.library.register_fake("kitsune::batch_norm_add_relu_backward")
+def _(grad, x, out, weight, save_mean, save_invstd, training):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(weight) if weight is not None else x.new_empty((0,)), x.new_empty((x.shape[1],)))
+
+
 @torch.library.register_fake("kitsune::linear_act")
 def _(x, weight, bias, act="relu"):
     return x.new_empty(tuple(x.shape[:-1]) + (weight.shape[0],))
@@ -410,6 +427,15 @@ def batch_norm_relu(x, running_mean, running_var, weight=None, bias=None, traini
     """relu(F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum,
     eps)) over dim 1, fused; the running stats are updated in place in training."""
     return _lib.batch_norm_relu(x, weight, bias, running_mean, running_var, training, momentum, eps)[0]
+
+
+def batch_norm_add_relu(x, residual, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1,
+                        eps=1e-5):
+    """relu(F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum,
+    eps) + residual), residual of x's shape and dtype: a ResNet block's end in one
+    pass each way (the normalized values are never stored; the backward writes the
+    residual's gradient beside x's)."""
+    return _lib.batch_norm_add_relu(x, residual, weight, bias, running_mean, running_var, training, momentum, eps)[0]
 
 
 def channel_bias(y, bias, act="none"):

@@ -317,15 +317,16 @@ def test_under_autocast_fp32_parameters_meet_bf16_activations(make):
             torch.testing.assert_close(a, b, rtol=5e-2, atol=5e-2 * max(1.0, b.abs().max().item()), msg=name)
 
 
-@pytest.mark.parametrize("arch,fusions", [("resnet18", {"add_relu": 8, "batch_norm_relu": 9, "linear_act(none)": 1,
-                                                       "kitsune.max_pool2d": 1, "kitsune.global_avg_pool": 1,
-                                                       "foreach_add": 1}),
-                                          ("resnet50", {"add_relu": 16, "batch_norm_relu": 33, "linear_act(none)": 1,
+@pytest.mark.parametrize("arch,fusions", [("resnet18", {"batch_norm_add_relu": 8, "batch_norm_relu": 9,
+                                                       "linear_act(none)": 1, "kitsune.max_pool2d": 1,
+                                                       "kitsune.global_avg_pool": 1, "foreach_add": 1}),
+                                          ("resnet50", {"batch_norm_add_relu": 16, "batch_norm_relu": 33,
+                                                        "linear_act(none)": 1,
                                                         "kitsune.max_pool2d": 1, "kitsune.global_avg_pool": 1,
                                                         "foreach_add": 1})])
 def test_torchvision_resnets_as_shipped(arch, fusions):
     """torchvision's ResNet-18/50 (random weights): each `relu(bn(conv(x)))` becomes
-    batch_norm_relu, each block's `out += identity; relu(out)` add_relu, the stem's
+    batch_norm_relu, each block's `out = bn(...); out += identity; relu(out)` batch_norm_add_relu, the stem's
     max pooling kitsune.max_pool2d, the head's AdaptiveAvgPool2d((1, 1))
     kitsune.global_avg_pool and the BatchNorms' batch counts one foreach add; in train
     mode outputs, running stats and input gradients equal the original's, in eval mode
@@ -402,6 +403,48 @@ def test_batch_norms_count_their_batches_in_one_add():
     assert int(opt.a.num_batches_tracked) == 3
     same(True, momentum_b=None)   # b now reads its count: its forward makes the add, the node skips it
     assert [int(opt.get_submodule(k).num_batches_tracked) for k in "abcd"] == [4, 4, 4, 8]
+
+
+class _ResidualEnd(nn.Module):
+    """relu(bn(conv(x)) += r), fused; then relu(bn2(h) + r) where bn2's output is also
+    read elsewhere, which stays add_relu."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.bn2 = nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.BatchNorm2d(4)
+
+    def forward(self, x, r):
+        out = self.bn(self.conv(x))
+        out += r
+        h = torch.relu(out)
+        y = self.bn2(h)
+        return torch.relu(y + r) + y
+
+
+def test_batch_norm_plus_residual_under_relu_becomes_batch_norm_add_relu():
+    """relu(bn(x) + r) -> batch_norm_add_relu when bn's output has no other reader; in
+    train mode outputs, gradients (x, r, parameters) and buffers equal the original's,
+    with r of x's shape (the fused op) and broadcast over (C, 1, 1) (the unfused ops)."""
+    torch.manual_seed(15)
+    m = _ResidualEnd()
+    rep = kitsune.fx.Report()
+    opt = kitsune.optimize(m, report=rep)
+    assert _kinds(rep) == ["batch_norm_add_relu", "add_relu", "foreach_add"], rep
+    for rshape in [(2, 4, 6, 6), (4, 1, 1)]:
+        x, r = torch.randn(2, 4, 6, 6), torch.randn(rshape)
+        xo, ro, xm, rm = (t.clone().requires_grad_() for t in (x, r, x, r))
+        yo, ym = opt(xo, ro), m(xm, rm)
+        torch.testing.assert_close(yo, ym, rtol=1e-5, atol=1e-5)
+        go = torch.randn(yo.shape)
+        names = [n for n, _ in m.named_parameters()]
+        po, pm = dict(opt.named_parameters()), dict(m.named_parameters())
+        got = torch.autograd.grad(yo, [xo, ro] + [po[n] for n in names], go)
+        want = torch.autograd.grad(ym, [xm, rm] + [pm[n] for n in names], go)
+        for k, (a, b) in enumerate(zip(got, want)):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"{rshape} gradient {k}")
+        bufs = dict(m.named_buffers())
+        for name, t in opt.named_buffers():
+            torch.testing.assert_close(t, bufs[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_mlp_relu_linear_becomes_linear_act():

@@ -1005,8 +1005,9 @@ def test_gpu_dropout_uses_the_cpu_mask_and_matches_fp64(name, dtype):
 
 
 # ---- batch_norm_relu ----------------------------------------------------------------
-def _bn_ref(x, w, b, rm, rv, training, momentum=0.1, eps=1e-5):
-    return torch.relu(F.batch_norm(x, rm, rv, w, b, training, momentum, eps))
+def _bn_ref(x, w, b, rm, rv, training, momentum=0.1, eps=1e-5, r=None):
+    y = F.batch_norm(x, rm, rv, w, b, training, momentum, eps)
+    return torch.relu(y if r is None else y + r)
 
 
 @pytest.mark.parametrize("training", [True, False])
@@ -1028,7 +1029,34 @@ def test_batch_norm_relu_cpu_matches_and_gradcheck(training):
     torch.testing.assert_close(ko.batch_norm_relu(x, None, None, training=True), _bn_ref(x, None, None, None, None, True))
 
 
-@pytest.mark.parametrize("name", ["batch_norm_relu", "gelu_dropout", "bias_dropout_add"])
+@pytest.mark.parametrize("training", [True, False])
+def test_batch_norm_add_relu_cpu_matches_and_gradcheck(training):
+    """relu(batch_norm(x) + r): the reference in fp64, running stats updated alike,
+    gradcheck over x, r, weight and bias; a residual of another shape or dtype is
+    refused by name; opcheck."""
+    g = torch.Generator().manual_seed(14)
+    for shape in [(5, 3), (2, 3, 5, 6)]:
+        x, r = _t(shape, torch.float64, "cpu", g, shift=2.0), _t(shape, torch.float64, "cpu", g)
+        w, b = _t((3,), torch.float64, "cpu", g), _t((3,), torch.float64, "cpu", g)
+        rm, rv = _t((3,), torch.float64, "cpu", g), _t((3,), torch.float64, "cpu", g).abs() + 0.5
+        rm2, rv2 = rm.clone(), rv.clone()
+        out = ko.batch_norm_add_relu(x, r, rm, rv, w, b, training, 0.2, 1e-4)
+        torch.testing.assert_close(out, _bn_ref(x, w, b, rm2, rv2, training, 0.2, 1e-4, r=r))
+        torch.testing.assert_close(rm, rm2), torch.testing.assert_close(rv, rv2)
+        ts = [t.clone().requires_grad_() for t in (x, r, w, b)]
+        assert torch.autograd.gradcheck(
+            lambda x, r, w, b: ko.batch_norm_add_relu(x, r, rm.clone(), rv.clone(), w, b, training), ts), shape
+    with pytest.raises(RuntimeError, match=r"batch_norm_add_relu: residual must have x's shape"):
+        ko.batch_norm_add_relu(torch.randn(4, 3), torch.randn(4, 4), None, None, training=True)
+    with pytest.raises(RuntimeError, match=r"residual must have x's shape, dtype"):
+        ko.batch_norm_add_relu(torch.randn(4, 3), torch.randn(4, 3, dtype=torch.float64), None, None, training=True)
+    x = _t((4, 3, 5), torch.float32, "cpu", g).requires_grad_()
+    torch.library.opcheck(torch.ops.kitsune.batch_norm_add_relu.default,
+                          (x, torch.randn(4, 3, 5, requires_grad=True), None, None, torch.zeros(3), torch.ones(3), True,
+                           0.1, 1e-5))
+
+
+@pytest.mark.parametrize("name", ["batch_norm_relu", "batch_norm_add_relu", "gelu_dropout", "bias_dropout_add"])
 def test_backward_fills_no_gradient_for_outputs_that_have_none(name):
     """Ops with non-differentiable outputs (batch_norm_relu's mean and invstd, the
     dropouts' rng) do not have autograd fill zero gradients for them: a fill launch
@@ -1036,8 +1064,10 @@ def test_backward_fills_no_gradient_for_outputs_that_have_none(name):
     The backward creates no zero tensor, and its gradients are the same."""
     from torch.utils._python_dispatch import TorchDispatchMode
     g = torch.Generator().manual_seed(13)
-    x = _t((8, 6, 4, 4) if name == "batch_norm_relu" else (8, 6), torch.float32, "cpu", g).requires_grad_()
+    x = _t((8, 6, 4, 4) if name.startswith("batch_norm") else (8, 6), torch.float32, "cpu", g).requires_grad_()
     ops = {"batch_norm_relu": lambda: ko.batch_norm_relu(x, torch.zeros(6), torch.ones(6), training=True),
+           "batch_norm_add_relu": lambda: ko.batch_norm_add_relu(x, torch.ones(8, 6, 4, 4), torch.zeros(6),
+                                                                 torch.ones(6), training=True),
            "gelu_dropout": lambda: ko.gelu_dropout(x, 0.25),
            "bias_dropout_add": lambda: ko.bias_dropout_add(x, torch.zeros(6), torch.ones(8, 6), 0.25)}
 
@@ -1077,7 +1107,10 @@ def test_batch_norm_relu_opcheck_and_errors():
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("training", [True, False])
-def test_gpu_batch_norm_relu_matches_fp64(dtype, training):
+@pytest.mark.parametrize("residual", [False, True], ids=["batch_norm_relu", "batch_norm_add_relu"])
+def test_gpu_batch_norm_relu_matches_fp64(dtype, training, residual):
+    """batch_norm_relu, and batch_norm_add_relu with a residual of x's layout (its
+    gradient checked too), against fp64 and torch's own kernels in the dtype."""
     g = torch.Generator().manual_seed(13)
     # planes of 1 and of 2 vectors (flat apply), of >= 64 not a multiple of the vector, of 1024
     # (16-byte vectors), and 37 images in 21 stripes of 2 (the last ones empty)
@@ -1094,26 +1127,33 @@ def test_gpu_batch_norm_relu_matches_fp64(dtype, training):
         r64 = (rm.double(), rv.double())
         # torch's own kernel, one dtype throughout; copies (for fp32, .to() would alias rm)
         rt = (rm.to(dtype, copy=True), rv.to(dtype, copy=True))
+        res = _t(shape, dtype, "cuda", g).contiguous(memory_format=torch.channels_last if cl else
+                                                      torch.contiguous_format) if residual else None
+
+        def op(x, rm, rv, w, b, r):
+            return ko.batch_norm_add_relu(x, r, rm, rv, w, b, training) if residual else \
+                ko.batch_norm_relu(x, rm, rv, w, b, training)
         _poison(x.numel(), "cuda")
-        out = ko.batch_norm_relu(x, rm, rv, w, b, training)
-        want = _bn_ref(x.double(), w.double(), b.double(), *r64, training)
-        theirs = _bn_ref(x, w, b, *rt, training)
+        out = op(x, rm, rv, w, b, res)
+        want = _bn_ref(x.double(), w.double(), b.double(), *r64, training, r=res.double() if residual else None)
+        theirs = _bn_ref(x, w, b, *rt, training, r=res)
         _check_close(out, want, theirs, dtype, f"{dtype} {shape} cl={cl} training={training}")
         assert out.is_contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
         if training:
             torch.testing.assert_close(rm.double(), r64[0], rtol=1e-3, atol=1e-3)
             torch.testing.assert_close(rv.double(), r64[1], rtol=1e-3, atol=1e-3)
-        ts = [t.clone().requires_grad_() for t in (x, w, b)]
+        ts = [t.clone().requires_grad_() for t in (x, w, b) + ((res,) if residual else ())]
         go = torch.randn(shape, generator=g, dtype=torch.float64).to("cuda", dtype)
-        got = torch.autograd.grad(ko.batch_norm_relu(ts[0], rm.clone(), rv.clone(), ts[1], ts[2], training), ts, go)
+        got = torch.autograd.grad(op(ts[0], rm.clone(), rv.clone(), ts[1], ts[2], ts[3] if residual else None), ts, go)
         t64 = [t.detach().double().requires_grad_() for t in ts]
         # the reference takes our output's ReLU mask: where a 16-bit output rounds to 0 the masks
         # differ (seen once, fp16 (8, 24, 7, 9), in both layouts alike); the forward check covers the mask
         mask = (out > 0).double()
-        want = torch.autograd.grad(F.batch_norm(t64[0], rm.double(), rv.double(), t64[1], t64[2], training) * mask,
-                                   t64, go.double())
+        y64 = F.batch_norm(t64[0], rm.double(), rv.double(), t64[1], t64[2], training)
+        want = torch.autograd.grad(((y64 + t64[3]) if residual else y64) * mask, t64, go.double())
         tt = [t.detach().clone().requires_grad_() for t in ts]
-        theirs = torch.autograd.grad(_bn_ref(*tt, rm.to(dtype), rv.to(dtype), training), tt, go)
+        theirs = torch.autograd.grad(_bn_ref(*tt[:3], rm.to(dtype), rv.to(dtype), training,
+                                             r=tt[3] if residual else None), tt, go)
         for k, (a, w_, th) in enumerate(zip(got, want, theirs)):
             _check_close(a, w_, th, dtype, f"{dtype} {shape} training={training} grad{k}",
                          max(1.0, w_.abs().max().item()))

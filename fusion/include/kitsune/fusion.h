@@ -214,22 +214,24 @@ kt_status kt_bias_dropout_add(kt_dtype t, const void *x, const void *bias, const
 kt_status kt_dropout_backward(kt_dtype t, const void *grad, void *grad_x, int64_t n, double p, uint64_t seed,
                               uint64_t offset, void *stream);
 
-/* BatchNorm over (N, C, S) contiguous (S = spatial elements, 1 for (N, C)), then ReLU
- * when relu != 0; per-channel weight/bias (C elements, may be NULL).
+/* BatchNorm over (N, C, S) contiguous (S = spatial elements, 1 for (N, C)), plus
+ * residual (x's shape and layout; may be NULL), then ReLU when relu != 0; per-channel
+ * weight/bias (C elements, may be NULL).
  * training: mean and invstd (C fp32 each, written) from the batch; running_mean and
  * running_var (C fp32, may be NULL) updated with momentum (var unbiased).
  * eval (training 0): mean and invstd are inputs (from the running stats).
  * workspace: kt_batch_norm_workspace(N, C, S) fp32 values. */
-kt_status kt_batch_norm(kt_dtype t, const void *x, void *y, const void *weight, const void *bias, int64_t N, int64_t C,
-                        int64_t S, int training, float momentum, float eps, float *mean, float *invstd,
-                        float *running_mean, float *running_var, float *workspace, int relu, void *stream);
+kt_status kt_batch_norm(kt_dtype t, const void *x, const void *residual, void *y, const void *weight, const void *bias,
+                        int64_t N, int64_t C, int64_t S, int training, float momentum, float eps, float *mean,
+                        float *invstd, float *running_mean, float *running_var, float *workspace, int relu,
+                        void *stream);
 /* grad_x of kt_batch_norm (y its output, needed with relu: g' = grad where y > 0);
  * sum_g and sum_gx (C fp32, written) are sum(g') and sum(g' * xhat): the bias and
- * weight gradients. */
+ * weight gradients; grad_residual (may be NULL) gets g', the residual's gradient. */
 kt_status kt_batch_norm_backward(kt_dtype t, const void *grad, const void *x, const void *y, void *grad_x,
-                                 const void *weight, int64_t N, int64_t C, int64_t S, int training, const float *mean,
-                                 const float *invstd, float *sum_g, float *sum_gx, float *workspace, int relu,
-                                 void *stream);
+                                 void *grad_residual, const void *weight, int64_t N, int64_t C, int64_t S, int training,
+                                 const float *mean, const float *invstd, float *sum_g, float *sum_gx, float *workspace,
+                                 int relu, void *stream);
 int64_t kt_batch_norm_workspace(int64_t N, int64_t C, int64_t S);
 
 #ifdef __cplusplus

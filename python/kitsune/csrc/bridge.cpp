@@ -2469,14 +2469,23 @@ bool bn_channels_last(const Tensor& x) {
 BnShape bn_kernel_shape(const Tensor& x, BnShape s) {
   return bn_channels_last(x) ? BnShape{s.N * s.S, s.C, 1} : s;
 }
-std::tuple<Tensor, Tensor, Tensor> batch_norm_relu_cuda(const Tensor& x, const OptTensor& w, const OptTensor& b,
-                                                        const OptTensor& rm, const OptTensor& rv, bool training,
-                                                        double momentum, double eps) {
-  const char* op = "batch_norm_relu";
+// batch_norm_add_relu: relu(F.batch_norm(x, ...) + residual), residual x's shape and
+// dtype (a ResNet block's end); the backward also returns the residual's gradient.
+void bn_residual_checks(const Tensor& x, const Tensor& r, const char* op) {
+  TORCH_CHECK(r.sizes() == x.sizes() && r.scalar_type() == x.scalar_type() && r.device() == x.device(), "kitsune.", op,
+              ": residual must have x's shape, dtype and device ", x.sizes(), " ", x.scalar_type(), " ", x.device(),
+              "; got ", r.sizes(), " ", r.scalar_type(), " ", r.device());
+}
+std::tuple<Tensor, Tensor, Tensor> bn_relu_cuda(const Tensor& x, const Tensor* res, const OptTensor& w,
+                                                const OptTensor& b, const OptTensor& rm, const OptTensor& rv,
+                                                bool training, double momentum, double eps, const char* op) {
   auto s = bn_kernel_shape(x, bn_forward_checks(x, w, b, rm, rv, training, eps, op));
+  if (res) bn_residual_checks(x, *res, op);
   kt_dtype dt = dtype_of(x, op);
   c10::cuda::CUDAGuard g(x.device());
   Tensor xc = bn_channels_last(x) ? x : x.contiguous(), out = at::empty_like(xc);
+  Tensor rc = res ? res->contiguous(bn_channels_last(x) ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous)
+                  : Tensor();
   auto fopt = x.options().dtype(at::kFloat);
   Tensor wc = w && w->defined() ? w->contiguous() : Tensor(), bc = b && b->defined() ? b->contiguous() : Tensor();
   Tensor mean, invstd, rmf, rvf, ws;
@@ -2490,7 +2499,8 @@ std::tuple<Tensor, Tensor, Tensor> batch_norm_relu_cuda(const Tensor& x, const O
     invstd = (rv->to(at::kFloat) + eps).rsqrt().contiguous();
   }
   if (s.N * s.C * s.S > 0)
-    check_launch(kt_batch_norm(dt, xc.data_ptr(), out.data_ptr(), wc.defined() ? wc.data_ptr() : nullptr,
+    check_launch(kt_batch_norm(dt, xc.data_ptr(), rc.defined() ? rc.data_ptr() : nullptr, out.data_ptr(),
+                               wc.defined() ? wc.data_ptr() : nullptr,
                                bc.defined() ? bc.data_ptr() : nullptr, s.N, s.C, s.S, training, (float)momentum,
                                (float)eps, mean.data_ptr<float>(), invstd.data_ptr<float>(),
                                rmf.defined() ? rmf.data_ptr<float>() : nullptr,
@@ -2501,11 +2511,22 @@ std::tuple<Tensor, Tensor, Tensor> batch_norm_relu_cuda(const Tensor& x, const O
   if (rvf.defined() && !rvf.is_same(*rv)) rv->copy_(rvf);
   return {out, mean, invstd};
 }
-std::tuple<Tensor, Tensor, Tensor> batch_norm_relu_cpu(const Tensor& x, const OptTensor& w, const OptTensor& b,
-                                                       const OptTensor& rm, const OptTensor& rv, bool training,
-                                                       double momentum, double eps) {
-  const char* op = "batch_norm_relu";
+std::tuple<Tensor, Tensor, Tensor> batch_norm_relu_cuda(const Tensor& x, const OptTensor& w, const OptTensor& b,
+                                                        const OptTensor& rm, const OptTensor& rv, bool training,
+                                                        double momentum, double eps) {
+  return bn_relu_cuda(x, nullptr, w, b, rm, rv, training, momentum, eps, "batch_norm_relu");
+}
+std::tuple<Tensor, Tensor, Tensor> batch_norm_add_relu_cuda(const Tensor& x, const Tensor& res, const OptTensor& w,
+                                                            const OptTensor& b, const OptTensor& rm,
+                                                            const OptTensor& rv, bool training, double momentum,
+                                                            double eps) {
+  return bn_relu_cuda(x, &res, w, b, rm, rv, training, momentum, eps, "batch_norm_add_relu");
+}
+std::tuple<Tensor, Tensor, Tensor> bn_relu_cpu(const Tensor& x, const Tensor* res, const OptTensor& w,
+                                               const OptTensor& b, const OptTensor& rm, const OptTensor& rv,
+                                               bool training, double momentum, double eps, const char* op) {
   auto s = bn_forward_checks(x, w, b, rm, rv, training, eps, op);
+  if (res) bn_residual_checks(x, *res, op);
   auto om = opmath(x);
   Tensor xf = x.to(om), mean, invstd;
   auto dims = bn_dims(x);
@@ -2524,18 +2545,29 @@ std::tuple<Tensor, Tensor, Tensor> batch_norm_relu_cpu(const Tensor& x, const Op
   Tensor y = (xf - mean.view(bc)) * invstd.view(bc);
   if (w && w->defined()) y = y * w->to(om).view(bc);
   if (b && b->defined()) y = y + b->to(om).view(bc);
+  if (res) y = y + res->to(om);
   return {at::relu(y).to(x.scalar_type()), mean, invstd};
 }
-std::tuple<Tensor, Tensor, Tensor> batch_norm_relu_backward_cuda(const Tensor& grad, const Tensor& x,
-                                                                 const Tensor& out, const OptTensor& w,
-                                                                 const Tensor& mean, const Tensor& invstd,
-                                                                 bool training) {
-  const char* op = "batch_norm_relu_backward";
+std::tuple<Tensor, Tensor, Tensor> batch_norm_relu_cpu(const Tensor& x, const OptTensor& w, const OptTensor& b,
+                                                       const OptTensor& rm, const OptTensor& rv, bool training,
+                                                       double momentum, double eps) {
+  return bn_relu_cpu(x, nullptr, w, b, rm, rv, training, momentum, eps, "batch_norm_relu");
+}
+std::tuple<Tensor, Tensor, Tensor> batch_norm_add_relu_cpu(const Tensor& x, const Tensor& res, const OptTensor& w,
+                                                           const OptTensor& b, const OptTensor& rm, const OptTensor& rv,
+                                                           bool training, double momentum, double eps) {
+  return bn_relu_cpu(x, &res, w, b, rm, rv, training, momentum, eps, "batch_norm_add_relu");
+}
+// (gx, gres (undefined unless asked for), gw, gb)
+using BnBwd = std::tuple<Tensor, Tensor, Tensor, Tensor>;
+BnBwd bn_relu_backward_cuda(const Tensor& grad, const Tensor& x, const Tensor& out, const OptTensor& w,
+                            const Tensor& mean, const Tensor& invstd, bool training, bool residual, const char* op) {
   auto s = bn_kernel_shape(x, bn_shape(x, {{"weight", &w}}, op));
   check_same(grad, x, op, "grad", "x");
   c10::cuda::CUDAGuard g(x.device());
   const auto fmt = bn_channels_last(x) ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
   Tensor gc = grad.contiguous(fmt), xc = x.contiguous(fmt), oc = out.contiguous(fmt), gx = at::empty_like(xc);
+  Tensor gr = residual ? at::empty_like(xc) : Tensor();
   auto fopt = x.options().dtype(at::kFloat);
   Tensor sum_g = at::empty({s.C}, fopt), sum_gx = at::empty({s.C}, fopt);   // every channel written
   Tensor ws = at::empty({std::max<int64_t>(1, kt_batch_norm_workspace(s.N, s.C, s.S))}, fopt);
@@ -2543,18 +2575,16 @@ std::tuple<Tensor, Tensor, Tensor> batch_norm_relu_backward_cuda(const Tensor& g
   Tensor mf = mean.to(at::kFloat).contiguous(), isf = invstd.to(at::kFloat).contiguous();
   if (s.N * s.C * s.S > 0)
     check_launch(kt_batch_norm_backward(dtype_of(x, op), gc.data_ptr(), xc.data_ptr(), oc.data_ptr(), gx.data_ptr(),
-                                        wc.defined() ? wc.data_ptr() : nullptr, s.N, s.C, s.S, training,
+                                        gr.defined() ? gr.data_ptr() : nullptr, wc.defined() ? wc.data_ptr() : nullptr, s.N, s.C, s.S, training,
                                         mf.data_ptr<float>(), isf.data_ptr<float>(), sum_g.data_ptr<float>(),
                                         sum_gx.data_ptr<float>(), ws.data_ptr<float>(), 1, stream_of(gx)),
                  op);
   Tensor gw = w && w->defined() ? sum_gx.to(w->scalar_type()) : at::empty({0}, x.options());
   Tensor gb = sum_g.to(x.scalar_type());
-  return {gx, gw, gb};
+  return {gx, gr, gw, gb};
 }
-std::tuple<Tensor, Tensor, Tensor> batch_norm_relu_backward_cpu(const Tensor& grad, const Tensor& x, const Tensor& out,
-                                                                const OptTensor& w, const Tensor& mean,
-                                                                const Tensor& invstd, bool training) {
-  const char* op = "batch_norm_relu_backward";
+BnBwd bn_relu_backward_cpu(const Tensor& grad, const Tensor& x, const Tensor& out, const OptTensor& w,
+                           const Tensor& mean, const Tensor& invstd, bool training, bool residual, const char* op) {
   auto s = bn_shape(x, {{"weight", &w}}, op);
   auto om = opmath(x);
   auto bc = bn_bcast(x);
@@ -2567,7 +2597,28 @@ std::tuple<Tensor, Tensor, Tensor> batch_norm_relu_backward_cpu(const Tensor& gr
   const double M = (double)(s.N * s.S);
   Tensor gx = training ? scale * (gp - sum_g.view(bc) / M - xh * sum_gx.view(bc) / M) : scale * gp;
   Tensor gw = w && w->defined() ? sum_gx.to(w->scalar_type()) : at::empty({0}, x.options());
-  return {gx.to(x.scalar_type()), gw, sum_g.to(x.scalar_type())};
+  return {gx.to(x.scalar_type()), residual ? gp.to(x.scalar_type()) : Tensor(), gw, sum_g.to(x.scalar_type())};
+}
+std::tuple<Tensor, Tensor, Tensor> batch_norm_relu_backward_cuda(const Tensor& grad, const Tensor& x,
+                                                                 const Tensor& out, const OptTensor& w,
+                                                                 const Tensor& mean, const Tensor& invstd,
+                                                                 bool training) {
+  auto [gx, gr, gw, gb] = bn_relu_backward_cuda(grad, x, out, w, mean, invstd, training, false, "batch_norm_relu_backward");
+  return {gx, gw, gb};
+}
+std::tuple<Tensor, Tensor, Tensor> batch_norm_relu_backward_cpu(const Tensor& grad, const Tensor& x, const Tensor& out,
+                                                                const OptTensor& w, const Tensor& mean,
+                                                                const Tensor& invstd, bool training) {
+  auto [gx, gr, gw, gb] = bn_relu_backward_cpu(grad, x, out, w, mean, invstd, training, false, "batch_norm_relu_backward");
+  return {gx, gw, gb};
+}
+BnBwd batch_norm_add_relu_backward_cuda(const Tensor& grad, const Tensor& x, const Tensor& out, const OptTensor& w,
+                                        const Tensor& mean, const Tensor& invstd, bool training) {
+  return bn_relu_backward_cuda(grad, x, out, w, mean, invstd, training, true, "batch_norm_add_relu_backward");
+}
+BnBwd batch_norm_add_relu_backward_cpu(const Tensor& grad, const Tensor& x, const Tensor& out, const OptTensor& w,
+                                       const Tensor& mean, const Tensor& invstd, bool training) {
+  return bn_relu_backward_cpu(grad, x, out, w, mean, invstd, training, true, "batch_norm_add_relu_backward");
 }
 
 // ---- autograd in C++ for the ops a model calls once per layer ----
@@ -2777,6 +2828,50 @@ std::tuple<Tensor, Tensor, Tensor> batch_norm_relu_autograd(const Tensor& x, con
   auto out = BatchNormReluFn::apply(x, placeholder_if_absent(w, x), placeholder_if_absent(b, x),
                                     placeholder_if_absent(rm, x), placeholder_if_absent(rv, x), present, training,
                                     momentum, eps);
+  return {out[0], out[1], out[2]};
+}
+
+// batch_norm_add_relu: as BatchNormReluFn, plus the residual (its gradient is g', the
+// gradient through the ReLU's mask, which the backward kernel writes beside gx).
+struct BatchNormAddReluFn : torch::autograd::Function<BatchNormAddReluFn> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& r, const Tensor& w,
+                               const Tensor& b, const Tensor& rm, const Tensor& rv, int64_t present, bool training,
+                               double momentum, double eps) {
+    static auto op = op_handle<std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const OptTensor&,
+                                                                  const OptTensor&, const OptTensor&,
+                                                                  const OptTensor&, bool, double, double)>(
+        "kitsune::batch_norm_add_relu");
+    Tensor out, mean, invstd;
+    {
+      at::AutoDispatchBelowADInplaceOrView g;
+      std::tie(out, mean, invstd) = op.call(x, r, opt_if(w, present, 1), opt_if(b, present, 2), opt_if(rm, present, 4),
+                                            opt_if(rv, present, 8), training, momentum, eps);
+    }
+    ctx->saved_data["present"] = present;
+    ctx->saved_data["training"] = training;
+    ctx->save_for_backward({x, out, w, mean, invstd});
+    ctx->mark_non_differentiable({mean, invstd});
+    ctx->set_materialize_grads(false);
+    return {out, mean, invstd};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list go) {
+    static auto op = op_handle<BnBwd(const Tensor&, const Tensor&, const Tensor&, const OptTensor&, const Tensor&,
+                                     const Tensor&, bool)>("kitsune::batch_norm_add_relu_backward");
+    auto s = ctx->get_saved_variables();
+    const int64_t p = ctx->saved_data["present"].toInt();
+    Tensor g = go[0].defined() ? go[0] : at::zeros_like(s[1]);
+    auto [gx, gr, gw, gb] = op.call(g, s[0], s[1], opt_if(s[2], p, 1), s[3], s[4], ctx->saved_data["training"].toBool());
+    return {gx, gr, grad_if(gw, p, 1), grad_if(gb, p, 2), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+};
+std::tuple<Tensor, Tensor, Tensor> batch_norm_add_relu_autograd(const Tensor& x, const Tensor& r, const OptTensor& w,
+                                                                const OptTensor& b, const OptTensor& rm,
+                                                                const OptTensor& rv, bool training, double momentum,
+                                                                double eps) {
+  int64_t present = present_bits(w, b) | (rm && rm->defined() ? 4 : 0) | (rv && rv->defined() ? 8 : 0);
+  auto out = BatchNormAddReluFn::apply(x, r, placeholder_if_absent(w, x), placeholder_if_absent(b, x),
+                                       placeholder_if_absent(rm, x), placeholder_if_absent(rv, x), present, training,
+                                       momentum, eps);
   return {out[0], out[1], out[2]};
 }
 
@@ -3800,6 +3895,8 @@ TORCH_LIBRARY(kitsune, m) {
   m.def("sgd_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, float lr, float momentum, float dampening, float weight_decay, bool nesterov, bool first) -> ()");
   m.def("batch_norm_relu(Tensor x, Tensor? weight, Tensor? bias, Tensor(a!)? running_mean, Tensor(b!)? running_var, bool training, float momentum, float eps) -> (Tensor, Tensor, Tensor)");
   m.def("batch_norm_relu_backward(Tensor grad, Tensor x, Tensor out, Tensor? weight, Tensor save_mean, Tensor save_invstd, bool training) -> (Tensor, Tensor, Tensor)");
+  m.def("batch_norm_add_relu(Tensor x, Tensor residual, Tensor? weight, Tensor? bias, Tensor(a!)? running_mean, Tensor(b!)? running_var, bool training, float momentum, float eps) -> (Tensor, Tensor, Tensor)");
+  m.def("batch_norm_add_relu_backward(Tensor grad, Tensor x, Tensor out, Tensor? weight, Tensor save_mean, Tensor save_invstd, bool training) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("linear_act(Tensor x, Tensor weight, Tensor bias, str act='relu') -> Tensor");
   m.impl("linear_act", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &linear_act_fwd));
   m.def("channel_bias(Tensor y, Tensor bias, str act='none') -> Tensor");
@@ -3845,7 +3942,9 @@ TORCH_LIBRARY(kitsune, m) {
   X(bias_dropout_add) \
   X(dropout_backward) \
   X(batch_norm_relu) \
-  X(batch_norm_relu_backward)
+  X(batch_norm_relu_backward) \
+  X(batch_norm_add_relu) \
+  X(batch_norm_add_relu_backward)
 
 #define KT_IMPL_CUDA(name) m.impl(#name, &name##_cuda);
 #define KT_IMPL_CPU(name) m.impl(#name, &name##_cpu);
@@ -3876,6 +3975,7 @@ TORCH_LIBRARY_IMPL(kitsune, Autograd, m) {
   m.impl("layer_norm_relu", &layer_norm_relu_autograd);
   m.impl("add_layer_norm", &add_layer_norm_autograd);
   m.impl("batch_norm_relu", &batch_norm_relu_autograd);
+  m.impl("batch_norm_add_relu", &batch_norm_add_relu_autograd);
   m.impl("linear_act", &linear_act_autograd);
   m.impl("channel_bias", &channel_bias_autograd);
   m.impl("bias_relu_pool", &bias_relu_pool_autograd);

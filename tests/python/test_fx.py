@@ -171,7 +171,7 @@ def _mlp():
 @pytest.mark.parametrize("make,shape,want", [
     (GPT2Block, (2, 5, 32), {"bias_gelu": 1, "add_layer_norm": 1, "linear_act(none)": 3}),
     (LlamaBlock, (2, 5, 32), {"kitsune.rms_norm": 2, "swiglu": 1}),
-    (BasicBlock, (2, 8, 6, 6), {"add_relu": 1}),
+    (BasicBlock, (2, 8, 6, 6), {"batch_norm_relu": 1, "batch_norm_add_relu": 1}),
 ])
 def test_model_blocks(make, shape, want):
     torch.manual_seed(1)

@@ -1137,7 +1137,11 @@ def test_gpu_batch_norm_relu_matches_fp64(dtype, training, residual):
         out = op(x, rm, rv, w, b, res)
         want = _bn_ref(x.double(), w.double(), b.double(), *r64, training, r=res.double() if residual else None)
         theirs = _bn_ref(x, w, b, *rt, training, r=res)
-        _check_close(out, want, theirs, dtype, f"{dtype} {shape} cl={cl} training={training}")
+        # the bound scales with the outputs' magnitude, as the gradients' below: with the residual
+        # they reach about 5, and an fp32 error of 3.3e-6 at (4, 5, 3, 3) channels-last exceeded
+        # the unscaled 2 x torch's + 1e-6 (H100, bench/results/h100_pytest_14f1993.log)
+        _check_close(out, want, theirs, dtype, f"{dtype} {shape} cl={cl} training={training}",
+                     max(1.0, want.abs().max().item()))
         assert out.is_contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
         if training:
             torch.testing.assert_close(rm.double(), r64[0], rtol=1e-3, atol=1e-3)

@@ -421,11 +421,7 @@ def _batch_norm(x, bn):
     the count, and nn.BatchNorm's forward makes it (_count_batches skips that module)."""
     if bn.momentum is None:
         return bn(x)
-    bn._check_input_dim(x)
-    use_batch = bn.training or (bn.running_mean is None and bn.running_var is None)
-    keep = not bn.training or bn.track_running_stats
-    return F.batch_norm(x, bn.running_mean if keep else None, bn.running_var if keep else None, bn.weight,
-                        bn.bias, use_batch, bn.momentum, bn.eps)
+    return F.batch_norm(x, *_bn_state(x, bn, count=False))
 
 
 def _count_batches(*bns):

@@ -219,33 +219,38 @@ def _(grad, rng, p):
     return torch.empty_like(grad, memory_format=torch.contiguous_format)
 
 
+def _bn_fake(x):
+    """(out, save_mean, save_invstd) of the BatchNorm ops: statistics fp32 (fp64 for fp64)."""
+    st = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return (torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty((x.shape[1],), dtype=st),
+            x.new_empty((x.shape[1],), dtype=st))
+
+
+def _bn_backward_fake(x, weight, residual):
+    """(gx, [g_residual,] gw, gb) of the BatchNorm ops' backward."""
+    gx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return (gx,) + ((torch.empty_like(gx),) if residual else ()) + (
+        torch.empty_like(weight) if weight is not None else x.new_empty((0,)), x.new_empty((x.shape[1],)))
+
+
 @torch.library.register_fake("kitsune::batch_norm_relu")
 def _(x, weight, bias, running_mean, running_var, training, momentum, eps):
-    c = x.shape[1]
-    st = torch.float64 if x.dtype == torch.float64 else torch.float32
-    return (torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty((c,), dtype=st),
-            x.new_empty((c,), dtype=st))
+    return _bn_fake(x)
 
 
 @torch.library.register_fake("kitsune::batch_norm_relu_backward")
 def _(grad, x, out, weight, save_mean, save_invstd, training):
-    return (torch.empty_like(x, memory_format=torch.contiguous_format),
-            torch.empty_like(weight) if weight is not None else x.new_empty((0,)), x.new_empty((x.shape[1],)))
+    return _bn_backward_fake(x, weight, residual=False)
 
 
 @torch.library.register_fake("kitsune::batch_norm_add_relu")
 def _(x, residual, weight, bias, running_mean, running_var, training, momentum, eps):
-    c = x.shape[1]
-    st = torch.float64 if x.dtype == torch.float64 else torch.float32
-    return (torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty((c,), dtype=st),
-            x.new_empty((c,), dtype=st))
+    return _bn_fake(x)
 
 
 @torch.library.register_fake("kitsune::batch_norm_add_relu_backward")
 def _(grad, x, out, weight, save_mean, save_invstd, training):
-    return (torch.empty_like(x, memory_format=torch.contiguous_format),
-            torch.empty_like(x, memory_format=torch.contiguous_format),
-            torch.empty_like(weight) if weight is not None else x.new_empty((0,)), x.new_empty((x.shape[1],)))
+    return _bn_backward_fake(x, weight, residual=True)
 
 
 @torch.library.register_fake("kitsune::linear_act")

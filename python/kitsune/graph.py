@@ -42,17 +42,19 @@ The plan's costs are the roofline's (``stream_costs=None``) or, with
 (``kitsune.sched.measure_costs``: the forward run operation by operation, a few times,
 without autograd; buffers and random generators put back).
 
-Layout: a model whose Conv2d layers mostly have channel counts that are multiples of 8
-is captured on channels-last copies of its 4-D floating inputs (``channels_last=None``,
-the default; True or False force it): cuDNN runs NHWC kernels on H100s, and on NCHW
-input it transposes around each convolution. (Convolutions of few channels, LeNet-5's,
-run faster NCHW.)
+Layout: a model at least half of whose Conv2d layers have channel counts (in and out,
+per group) that are multiples of 8 is captured on channels-last copies of its 4-D
+floating inputs (``channels_last=None``, the default; True or False force it): cuDNN
+runs NHWC kernels on H100s, and on NCHW input it transposes around each convolution.
+(Convolutions of few channels, LeNet-5's, run faster NCHW.)
 Its Conv2d weights are made channels-last too, in place (the same Parameters and
 values, with their gradients and optimizer state, as ``model.to(memory_format=
 torch.channels_last)`` would): else cuDNN copies each weight to NHWC in the forward
 and its gradient back in the backward, every step. The warm-up step tries it first; a
 model that refuses it (a ``.view`` needing NCHW strides, say) gets its weights back in
-NCHW and is captured NCHW, and ``stats()["channels_last_reason"]`` says so.
+NCHW and is captured NCHW, and ``stats()["channels_last_reason"]`` says so. Use one
+compile_step per model: another one that moved the weights after this one captured
+would leave this one's graphs on the weights' old storage.
 
 Memory (``plan_memory``, default: when Kitsune's allocator is installed): the step is
 captured once while the allocator records every allocation, the recorded lifetimes are

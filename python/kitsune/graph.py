@@ -52,9 +52,9 @@ values, with their gradients and optimizer state, as ``model.to(memory_format=
 torch.channels_last)`` would): else cuDNN copies each weight to NHWC in the forward
 and its gradient back in the backward, every step. The warm-up step tries it first; a
 model that refuses it (a ``.view`` needing NCHW strides, say) gets its weights back in
-NCHW and is captured NCHW, and ``stats()["channels_last_reason"]`` says so. Use one
-compile_step per model: another one that moved the weights after this one captured
-would leave this one's graphs on the weights' old storage.
+NCHW and is captured NCHW, and ``stats()["channels_last_reason"]`` says so. While
+another compile_step of the same model holds captured graphs (on the weights'
+storage), the weights are left as they are, and the reason says so.
 
 Memory (``plan_memory``, default: when Kitsune's allocator is installed): the step is
 captured once while the allocator records every allocation, the recorded lifetimes are
@@ -272,6 +272,7 @@ class CompiledStep:
             self._fall_back(f"the step could not be captured: {_describe(e)}")
             return loss
         self._graphs[key] = _Graph(graph, static, slots, static_loss, plan)
+        _CAPTURED.setdefault(self.model, weakref.WeakSet()).add(self)
         if len(self._graphs) > self.max_shapes:
             self._graphs.popitem(last=False)
             self._n["evictions"] += 1
@@ -359,9 +360,13 @@ class CompiledStep:
         if self._cl:
             buffers = list(self.model.buffers())
             saved, rng = [b.detach().clone() for b in buffers], torch.cuda.get_rng_state()
-            moved = _relayout(_conv_weights(self.model), self.optimizer, torch.channels_last)
+            held = _graphs_elsewhere(self)
+            moved = [] if held else _relayout(_conv_weights(self.model), self.optimizer, torch.channels_last)
             if moved:
                 self._cl_reason += f"; {len(moved)} Conv2d weight(s) made channels-last"
+            elif held:
+                self._cl_reason += f"; Conv2d weights kept as they are ({held} other compile_step(s) hold graphs " \
+                                   f"on them)"
             try:
                 return self._eager(self._layout(batch))
             except Exception as e:   # noqa: BLE001 - whatever the model raises on that layout
@@ -456,6 +461,14 @@ class CompiledStep:
 # one per device for every compile_step, never destroyed.
 _CAPTURE_STREAMS = {}   # read and filled under _CAPTURE_LOCK (_capture_stream is called from _first)
 _CAPTURE_LOCK = threading.RLock()   # a first step and its capture, one thread at a time
+# model -> the compile_steps that captured graphs of it: a graph holds the parameters'
+# storage, so another compile_step of the same model must not move the weights
+_CAPTURED = weakref.WeakKeyDictionary()
+
+
+def _graphs_elsewhere(step):
+    """How many other compile_steps of step's model hold captured graphs."""
+    return sum(1 for other in _CAPTURED.get(step.model, ()) if other is not step and other._graphs)
 
 
 def _capture_stream(device, here):

@@ -9,11 +9,13 @@ as the eager loop does (losses, parameters, optimizer state and step counts), wi
 LR scheduler, gradient clipping, several batch shapes, bf16 autocast, SGD momentum;
 a step that cannot be captured falls back with the reason."""
 import copy
+import gc
 import json
 import os
 import subprocess
 import sys
 import warnings
+import weakref
 
 import pytest
 
@@ -548,6 +550,50 @@ def test_channels_last_is_chosen_where_most_convolutions_have_8_aligned_channels
         assert st["channels_last"] is want, st
         assert st["channels_last_reason"] == (_nhwc_suits(model)[1] if forced is None else
                                               "asked" if forced else "off"), st
+
+
+def test_weights_are_not_moved_under_another_compile_steps_graphs():
+    """A compile_step whose graphs hold a model's weights keeps a second compile_step of
+    that model from moving them (the graphs would write the old storage); a step with
+    no graphs left, or the same step, does not count."""
+    from kitsune.graph import _CAPTURED, _graphs_elsewhere
+    m = torch.nn.Conv2d(8, 8, 3)
+    first, second = (kitsune.compile_step(m, None, torch.optim.SGD(m.parameters(), lr=0.1)) for _ in range(2))
+    assert _graphs_elsewhere(second) == 0
+    _CAPTURED.setdefault(m, weakref.WeakSet()).add(first)
+    first._graphs["signature"] = object()   # what a capture leaves
+    assert _graphs_elsewhere(second) == 1 and _graphs_elsewhere(first) == 0
+    first._graphs.clear()
+    assert _graphs_elsewhere(second) == 0
+    first._graphs["signature"] = object()
+    del first
+    gc.collect()
+    assert _graphs_elsewhere(second) == 0   # a dropped compile_step holds nothing
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_a_second_compile_step_leaves_the_first_ones_weights_alone():
+    """A model captured NCHW by one compile_step, then by a channels-last one: the
+    second keeps the weights where the first's graph holds them, says so, and both
+    steps go on training the same parameters as an eager loop would."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(8, 8, 8, 8, generator=gen).cuda(), torch.randint(0, 10, (8,), generator=gen).cuda())
+               for _ in range(8)]
+    base = kitsune.optimize(_ConvBN().cuda())
+    m1, o1, m2, o2 = _twins(base, torch.optim.AdamW, lr=1e-3)
+    ce = torch.nn.functional.cross_entropy
+    with torch.backends.cudnn.flags(enabled=True, deterministic=True, allow_tf32=False):
+        l1 = _eager_reference(m1, o1, batches, ce)
+        nchw = kitsune.compile_step(m2, ce, o2, channels_last=False)
+        cl = kitsune.compile_step(m2, ce, o2)
+        l2 = torch.stack([(nchw if i % 2 == 0 else cl)(*batches[i]) for i in range(8)])
+    for st in (nchw.stats(), cl.stats()):
+        assert st["reason"] is None and st["captures"] == 1, st
+    assert "kept as they are (1 other compile_step(s) hold graphs on them)" in cl.stats()["channels_last_reason"]
+    assert m2.conv.weight.is_contiguous()
+    _assert_same_training(m1, o1, m2, o2, l1, l2, rtol=1e-4, atol=1e-5)
 
 
 def test_compile_step_refuses_a_bad_channels_last():

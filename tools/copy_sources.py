@@ -1,6 +1,6 @@
 """Where a model's copy kernels come from: one eager training step of the kitsune recipe
-(kitsune.optimize, KitsuneOptimizer's AdamW, channels-last input and Conv2d weights as
-compile_step captures a conv net) under the profiler,
+(kitsune.optimize, KitsuneOptimizer's AdamW, channels-last input and Conv2d weights where
+compile_step's default would choose them) under the profiler,
 every aten::copy_ listed by the chain of operators that called it, with its shapes and
 the GPU time of the kernels it launched. (A TorchDispatchMode listing copying ops with
 their strides was tried at 68d5f38 and dropped: it sees no copy made inside an ATen
@@ -12,6 +12,7 @@ kernel, which is where these are: bench/results/h100_copies_68d5f38.log.)
 A diagnostic (tools/gpu_run.sh part "copies", models in COPY_MODELS): the captured step
 runs the same operators, but its kernels cannot be attributed to them.
 """
+import argparse
 import os
 import re
 import sys
@@ -23,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import models  # noqa: E402
 
 import kitsune  # noqa: E402
-from kitsune.graph import _conv_weights, _relayout  # noqa: E402
+from kitsune.graph import _conv_weights, _nhwc_suits, _relayout  # noqa: E402
 
 
 def chain(e):
@@ -38,18 +39,19 @@ def chain(e):
 def main():
     torch.backends.cudnn.benchmark = True
     print(f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
-    args = sys.argv[1:]
-    pattern = None
-    if "--kernels" in args:   # --kernels REGEX: the kernels so named, by the operator that launched them
-        i = args.index("--kernels")
-        pattern, args = args[i + 1], args[:i] + args[i + 2:]
-    for name in args or ["inception"]:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("models", nargs="*", default=["inception"])
+    ap.add_argument("--kernels", metavar="REGEX", help="the kernels so named, by the operator that launched them "
+                    "(default: every aten::copy_)")
+    args = ap.parse_args()
+    pattern = args.kernels
+    for name in args.models:
         gen = torch.Generator().manual_seed(0)
         model, loss_fn, data = models.build(name, gen)
         km = kitsune.optimize(model)
         opt = kitsune.KitsuneOptimizer(torch.optim.AdamW, km.parameters(), lr=1e-3)
         x, y = data[0]
-        if x.dim() == 4:   # as compile_step lays out a conv net: input and Conv2d weights channels-last
+        if x.dim() == 4 and _nhwc_suits(km)[0]:   # as compile_step lays out a conv net: input and weights
             x = x.contiguous(memory_format=torch.channels_last)
             _relayout(_conv_weights(km), opt, torch.channels_last)
 

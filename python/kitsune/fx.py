@@ -37,7 +37,7 @@ Patterns (each intermediate must have no other user, so nothing observable is lo
                               a ResNet block's end, the normalized values never stored
   BatchNorms' batch counts -> one torch._foreach_add_ of their num_batches_tracked, before
                               the first (two or more nn.BatchNorm1d/2d/3d, each called once,
-                              with a momentum; optimize only): one launch where there were one
+                              with a momentum; optimize only): one launch where there was one
                               a module
   [relu](Conv2d(x))        -> kitsune.channel_bias(F.conv2d(x, W, None, ...), b, "relu" | "none")
                               (an nn.Conv2d with a bias and zeros padding; the ReLU when it
@@ -439,8 +439,8 @@ _BN_SLOT = {_batch_norm_relu: 1, _batch_norm_add_relu: 2}   # the argument that 
 
 def _rewrite_batch_counts(gm, g, prefix, report):
     """Every BatchNorm of the graph with a momentum (nn.BatchNorm's own forward, or
-    through _batch_norm_relu) counts its batch in one _count_batches node before the
-    first of them. A module called more than once, or whose momentum is None (its
+    through _batch_norm_relu / _batch_norm_add_relu) counts its batch in one
+    _count_batches node before the first of them. A module called more than once, or whose momentum is None (its
     forward reads the count), keeps its own add."""
     calls = {}
     for n in g.nodes:
@@ -980,8 +980,8 @@ def _rewrite(gm, report, prefix, linear_bias=True, optimize_only=True):
                         report.left.append((where, "gelu(x + y): y is not a 1-D parameter (no bias to fuse)"))
                         continue
                     args, target, what = (x, b if x is a else a, approximate), ko.bias_gelu, "gelu(x + bias) -> bias_gelu"
-                elif kind == "relu" and _bn_feeding(gm, inner, a, b) is not None:
-                    h, r = _bn_feeding(gm, inner, a, b)
+                elif kind == "relu" and (fed := _bn_feeding(gm, inner, a, b)) is not None:
+                    h, r = fed
                     report.fused.append((where, f"relu(batch_norm(x) + r) -> batch_norm_add_relu ({h.name})"))
                     with g.inserting_before(node):
                         new = g.call_function(_batch_norm_add_relu, (h.args[0], r, g.get_attr(h.target)))

@@ -142,7 +142,7 @@ class CompiledStep:
         self._n = {"replays": 0, "eager_steps": 0, "captures": 0, "evictions": 0, "recaptures": 0}
         self._setup_s = 0.0
         self.streams = streams
-        # channels-last 4-D inputs: None = when most 2-D convolutions suit cuDNN's NHWC kernels
+        # channels-last 4-D inputs: None = when at least half the 2-D convolutions suit cuDNN's NHWC kernels
         if channels_last is None:
             self._cl, self._cl_reason = _nhwc_suits(model)
         else:

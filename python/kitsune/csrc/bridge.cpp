@@ -2575,7 +2575,8 @@ BnBwd bn_relu_backward_cuda(const Tensor& grad, const Tensor& x, const Tensor& o
   Tensor mf = mean.to(at::kFloat).contiguous(), isf = invstd.to(at::kFloat).contiguous();
   if (s.N * s.C * s.S > 0)
     check_launch(kt_batch_norm_backward(dtype_of(x, op), gc.data_ptr(), xc.data_ptr(), oc.data_ptr(), gx.data_ptr(),
-                                        gr.defined() ? gr.data_ptr() : nullptr, wc.defined() ? wc.data_ptr() : nullptr, s.N, s.C, s.S, training,
+                                        gr.defined() ? gr.data_ptr() : nullptr,
+                                        wc.defined() ? wc.data_ptr() : nullptr, s.N, s.C, s.S, training,
                                         mf.data_ptr<float>(), isf.data_ptr<float>(), sum_g.data_ptr<float>(),
                                         sum_gx.data_ptr<float>(), ws.data_ptr<float>(), 1, stream_of(gx)),
                  op);
@@ -2603,13 +2604,15 @@ std::tuple<Tensor, Tensor, Tensor> batch_norm_relu_backward_cuda(const Tensor& g
                                                                  const Tensor& out, const OptTensor& w,
                                                                  const Tensor& mean, const Tensor& invstd,
                                                                  bool training) {
-  auto [gx, gr, gw, gb] = bn_relu_backward_cuda(grad, x, out, w, mean, invstd, training, false, "batch_norm_relu_backward");
+  auto [gx, gr, gw, gb] =
+      bn_relu_backward_cuda(grad, x, out, w, mean, invstd, training, false, "batch_norm_relu_backward");
   return {gx, gw, gb};
 }
 std::tuple<Tensor, Tensor, Tensor> batch_norm_relu_backward_cpu(const Tensor& grad, const Tensor& x, const Tensor& out,
                                                                 const OptTensor& w, const Tensor& mean,
                                                                 const Tensor& invstd, bool training) {
-  auto [gx, gr, gw, gb] = bn_relu_backward_cpu(grad, x, out, w, mean, invstd, training, false, "batch_norm_relu_backward");
+  auto [gx, gr, gw, gb] =
+      bn_relu_backward_cpu(grad, x, out, w, mean, invstd, training, false, "batch_norm_relu_backward");
   return {gx, gw, gb};
 }
 BnBwd batch_norm_add_relu_backward_cuda(const Tensor& grad, const Tensor& x, const Tensor& out, const OptTensor& w,
@@ -2788,20 +2791,32 @@ struct AddLayerNormFn : torch::autograd::Function<AddLayerNormFn> {
   }
 };
 
-// batch_norm_relu: the running stats are mutated in place (not differentiable);
-// absent tensors are placeholders, bits: 1 weight, 2 bias, 4 running_mean, 8 running_var.
-struct BatchNormReluFn : torch::autograd::Function<BatchNormReluFn> {
-  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& w, const Tensor& b,
-                               const Tensor& rm, const Tensor& rv, int64_t present, bool training, double momentum,
-                               double eps) {
-    static auto op = op_handle<std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const OptTensor&, const OptTensor&,
-                                                                  const OptTensor&, const OptTensor&, bool, double,
-                                                                  double)>("kitsune::batch_norm_relu");
+// batch_norm_relu and batch_norm_add_relu (Res): the running stats are mutated in place
+// (not differentiable); absent tensors are placeholders, bits: 1 weight, 2 bias,
+// 4 running_mean, 8 running_var. With Res, r is the residual, whose gradient is g' (the
+// gradient through the ReLU's mask), written by the backward kernel beside gx; without,
+// r is a placeholder that gets no gradient.
+using BnFwd = std::tuple<Tensor, Tensor, Tensor>;
+template <bool Res>
+struct BatchNormReluFn : torch::autograd::Function<BatchNormReluFn<Res>> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& r, const Tensor& w,
+                               const Tensor& b, const Tensor& rm, const Tensor& rv, int64_t present, bool training,
+                               double momentum, double eps) {
     Tensor out, mean, invstd;
     {
       at::AutoDispatchBelowADInplaceOrView g;
-      std::tie(out, mean, invstd) = op.call(x, opt_if(w, present, 1), opt_if(b, present, 2), opt_if(rm, present, 4),
-                                            opt_if(rv, present, 8), training, momentum, eps);
+      const OptTensor wo = opt_if(w, present, 1), bo = opt_if(b, present, 2), rmo = opt_if(rm, present, 4),
+                      rvo = opt_if(rv, present, 8);
+      if constexpr (Res) {
+        static auto op = op_handle<BnFwd(const Tensor&, const Tensor&, const OptTensor&, const OptTensor&,
+                                         const OptTensor&, const OptTensor&, bool, double, double)>(
+            "kitsune::batch_norm_add_relu");
+        std::tie(out, mean, invstd) = op.call(x, r, wo, bo, rmo, rvo, training, momentum, eps);
+      } else {
+        static auto op = op_handle<BnFwd(const Tensor&, const OptTensor&, const OptTensor&, const OptTensor&,
+                                         const OptTensor&, bool, double, double)>("kitsune::batch_norm_relu");
+        std::tie(out, mean, invstd) = op.call(x, wo, bo, rmo, rvo, training, momentum, eps);
+      }
     }
     ctx->saved_data["present"] = present;
     ctx->saved_data["training"] = training;
@@ -2811,68 +2826,40 @@ struct BatchNormReluFn : torch::autograd::Function<BatchNormReluFn> {
     return {out, mean, invstd};
   }
   static variable_list backward(AutogradContext* ctx, variable_list go) {
-    static auto op = op_handle<std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
-                                                                  const OptTensor&, const Tensor&, const Tensor&,
-                                                                  bool)>("kitsune::batch_norm_relu_backward");
     auto s = ctx->get_saved_variables();
     const int64_t p = ctx->saved_data["present"].toInt();
+    const bool training = ctx->saved_data["training"].toBool();
     Tensor g = go[0].defined() ? go[0] : at::zeros_like(s[1]);
-    auto [gx, gw, gb] = op.call(g, s[0], s[1], opt_if(s[2], p, 1), s[3], s[4], ctx->saved_data["training"].toBool());
-    return {gx, grad_if(gw, p, 1), grad_if(gb, p, 2), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
-  }
-};
-std::tuple<Tensor, Tensor, Tensor> batch_norm_relu_autograd(const Tensor& x, const OptTensor& w, const OptTensor& b,
-                                                            const OptTensor& rm, const OptTensor& rv, bool training,
-                                                            double momentum, double eps) {
-  int64_t present = present_bits(w, b) | (rm && rm->defined() ? 4 : 0) | (rv && rv->defined() ? 8 : 0);
-  auto out = BatchNormReluFn::apply(x, placeholder_if_absent(w, x), placeholder_if_absent(b, x),
-                                    placeholder_if_absent(rm, x), placeholder_if_absent(rv, x), present, training,
-                                    momentum, eps);
-  return {out[0], out[1], out[2]};
-}
-
-// batch_norm_add_relu: as BatchNormReluFn, plus the residual (its gradient is g', the
-// gradient through the ReLU's mask, which the backward kernel writes beside gx).
-struct BatchNormAddReluFn : torch::autograd::Function<BatchNormAddReluFn> {
-  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& r, const Tensor& w,
-                               const Tensor& b, const Tensor& rm, const Tensor& rv, int64_t present, bool training,
-                               double momentum, double eps) {
-    static auto op = op_handle<std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const OptTensor&,
-                                                                  const OptTensor&, const OptTensor&,
-                                                                  const OptTensor&, bool, double, double)>(
-        "kitsune::batch_norm_add_relu");
-    Tensor out, mean, invstd;
-    {
-      at::AutoDispatchBelowADInplaceOrView g;
-      std::tie(out, mean, invstd) = op.call(x, r, opt_if(w, present, 1), opt_if(b, present, 2), opt_if(rm, present, 4),
-                                            opt_if(rv, present, 8), training, momentum, eps);
+    Tensor gx, gr, gw, gb;
+    if constexpr (Res) {
+      static auto op = op_handle<BnBwd(const Tensor&, const Tensor&, const Tensor&, const OptTensor&, const Tensor&,
+                                       const Tensor&, bool)>("kitsune::batch_norm_add_relu_backward");
+      std::tie(gx, gr, gw, gb) = op.call(g, s[0], s[1], opt_if(s[2], p, 1), s[3], s[4], training);
+    } else {
+      static auto op = op_handle<BnFwd(const Tensor&, const Tensor&, const Tensor&, const OptTensor&, const Tensor&,
+                                       const Tensor&, bool)>("kitsune::batch_norm_relu_backward");
+      std::tie(gx, gw, gb) = op.call(g, s[0], s[1], opt_if(s[2], p, 1), s[3], s[4], training);
     }
-    ctx->saved_data["present"] = present;
-    ctx->saved_data["training"] = training;
-    ctx->save_for_backward({x, out, w, mean, invstd});
-    ctx->mark_non_differentiable({mean, invstd});
-    ctx->set_materialize_grads(false);
-    return {out, mean, invstd};
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list go) {
-    static auto op = op_handle<BnBwd(const Tensor&, const Tensor&, const Tensor&, const OptTensor&, const Tensor&,
-                                     const Tensor&, bool)>("kitsune::batch_norm_add_relu_backward");
-    auto s = ctx->get_saved_variables();
-    const int64_t p = ctx->saved_data["present"].toInt();
-    Tensor g = go[0].defined() ? go[0] : at::zeros_like(s[1]);
-    auto [gx, gr, gw, gb] = op.call(g, s[0], s[1], opt_if(s[2], p, 1), s[3], s[4], ctx->saved_data["training"].toBool());
     return {gx, gr, grad_if(gw, p, 1), grad_if(gb, p, 2), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
-std::tuple<Tensor, Tensor, Tensor> batch_norm_add_relu_autograd(const Tensor& x, const Tensor& r, const OptTensor& w,
-                                                                const OptTensor& b, const OptTensor& rm,
-                                                                const OptTensor& rv, bool training, double momentum,
-                                                                double eps) {
+template <bool Res>
+BnFwd bn_relu_autograd(const Tensor& x, const Tensor& r, const OptTensor& w, const OptTensor& b, const OptTensor& rm,
+                       const OptTensor& rv, bool training, double momentum, double eps) {
   int64_t present = present_bits(w, b) | (rm && rm->defined() ? 4 : 0) | (rv && rv->defined() ? 8 : 0);
-  auto out = BatchNormAddReluFn::apply(x, r, placeholder_if_absent(w, x), placeholder_if_absent(b, x),
-                                       placeholder_if_absent(rm, x), placeholder_if_absent(rv, x), present, training,
-                                       momentum, eps);
+  auto out = BatchNormReluFn<Res>::apply(x, r, placeholder_if_absent(w, x), placeholder_if_absent(b, x),
+                                         placeholder_if_absent(rm, x), placeholder_if_absent(rv, x), present,
+                                         training, momentum, eps);
   return {out[0], out[1], out[2]};
+}
+BnFwd batch_norm_relu_autograd(const Tensor& x, const OptTensor& w, const OptTensor& b, const OptTensor& rm,
+                               const OptTensor& rv, bool training, double momentum, double eps) {
+  return bn_relu_autograd<false>(x, placeholder_if_absent(std::nullopt, x), w, b, rm, rv, training, momentum, eps);
+}
+BnFwd batch_norm_add_relu_autograd(const Tensor& x, const Tensor& r, const OptTensor& w, const OptTensor& b,
+                                   const OptTensor& rm, const OptTensor& rv, bool training, double momentum,
+                                   double eps) {
+  return bn_relu_autograd<true>(x, r, w, b, rm, rv, training, momentum, eps);
 }
 
 // ---- linear_act: act(x @ W^T + b) ----

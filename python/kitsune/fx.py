@@ -246,10 +246,16 @@ def _linear_cross_entropy(x, weight, bias, target, view, ignore_index, label_smo
     return F.cross_entropy(logits, target, ignore_index=ignore_index, label_smoothing=label_smoothing)
 
 
+def _ce_fits(logits, target):
+    """Whether kitsune.cross_entropy takes these run-time operands."""
+    return isinstance(logits, torch.Tensor) and isinstance(target, torch.Tensor) and logits.dim() == 2 and \
+        target.dtype == torch.long and (logits.device.type == "cpu" or
+                                        logits.dtype in (torch.float32, torch.float16, torch.bfloat16))
+
+
 def _cross_entropy(logits, target, ignore_index, label_smoothing):
     from . import ops as ko
-    if logits.dim() == 2 and target.dtype == torch.long and (
-            logits.device.type == "cpu" or logits.dtype in (torch.float32, torch.float16, torch.bfloat16)):
+    if _ce_fits(logits, target):
         return ko.cross_entropy(logits, target, ignore_index, label_smoothing)
     return F.cross_entropy(logits, target, ignore_index=ignore_index, label_smoothing=label_smoothing)
 
@@ -257,15 +263,74 @@ def _cross_entropy(logits, target, ignore_index, label_smoothing):
 _CE_ARGS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
 
 
+def _ce_args(args, kwargs):
+    """{argument: value} of a call F.cross_entropy(*args, **kwargs)."""
+    a = {"weight": None, "size_average": None, "ignore_index": -100, "reduce": None, "reduction": "mean",
+         "label_smoothing": 0.0}
+    a.update(zip(_CE_ARGS, args))
+    a.update(kwargs)
+    return a
+
+
 def _ce_call(node):
     """{argument: value} of an F.cross_entropy node, or None."""
     if not (isinstance(node, tfx.Node) and node.op == "call_function" and node.target is F.cross_entropy):
         return None
-    a = {"weight": None, "size_average": None, "ignore_index": -100, "reduce": None, "reduction": "mean",
-         "label_smoothing": 0.0}
-    a.update(zip(_CE_ARGS, node.args))
-    a.update(node.kwargs)
-    return a
+    return _ce_args(node.args, node.kwargs)
+
+
+def _ce_unfusable(ce):
+    """Why kitsune.cross_entropy cannot stand for the F.cross_entropy call ce (its
+    _ce_args), whatever its operands, or None."""
+    if ce["weight"] is not None or ce["reduction"] != "mean" or ce["size_average"] is not None or \
+            ce["reduce"] is not None:
+        return "cross_entropy with class weights or a reduction other than 'mean'"
+    if not isinstance(ce["ignore_index"], int) or not isinstance(ce["label_smoothing"], (int, float)):
+        return "cross_entropy with ignore_index or label_smoothing computed in the graph"
+    return None
+
+
+class FusedLoss(torch.overrides.TorchFunctionMode):
+    """Inside it, F.cross_entropy runs as kitsune.cross_entropy wherever that op covers
+    the call: 2-D logits (float32, float16 or bfloat16) and int64 targets on one of
+    ``devices`` (default CUDA only: on the CPU kitsune.cross_entropy is a reference
+    implementation, no faster), reduction "mean", no class weights, autocast off (under
+    autocast F.cross_entropy returns a float32 loss; kitsune.cross_entropy's is the
+    logits' dtype). Other calls run as they are. compile_step runs its loss function in
+    one (fuse_loss=True), since the loss is outside the model that kitsune.optimize
+    rewrites.
+
+    fused counts the calls taken; left lists why the others were not (one entry each)."""
+
+    def __init__(self, devices=("cuda",)):
+        super().__init__()
+        self.devices = tuple(devices)
+        self.fused, self.left = 0, []
+
+    def _unfusable(self, ce):
+        why = _ce_unfusable(ce)
+        if why is not None:
+            return why
+        if not _ce_fits(ce["input"], ce["target"]):
+            return "cross_entropy on other than 2-D float logits and int64 targets"
+        dev = ce["input"].device.type
+        if dev not in self.devices:
+            return f"cross_entropy on {dev} (fused on {', '.join(self.devices)})"
+        if torch.is_autocast_enabled(dev):
+            return "cross_entropy under autocast (its loss is float32; kitsune.cross_entropy's the logits' dtype)"
+        return None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.cross_entropy:
+            ce = _ce_args(args, kwargs)
+            why = self._unfusable(ce)
+            if why is None:
+                from . import ops as ko
+                self.fused += 1
+                return ko.cross_entropy(ce["input"], ce["target"], ce["ignore_index"], float(ce["label_smoothing"]))
+            self.left.append(why)
+        return func(*args, **kwargs)
 
 
 def _linear_of(gm, node):
@@ -293,12 +358,9 @@ def _rewrite_loss(gm, g, node, where, report):
     ce = _ce_call(node)
     if ce is None:
         return
-    if ce["weight"] is not None or ce["reduction"] != "mean" or ce["size_average"] is not None or \
-            ce["reduce"] is not None:
-        report.left.append((where, "cross_entropy with class weights or a reduction other than 'mean'"))
-        return
-    if not isinstance(ce["ignore_index"], int) or not isinstance(ce["label_smoothing"], (int, float)):
-        report.left.append((where, "cross_entropy with ignore_index or label_smoothing computed in the graph"))
+    why = _ce_unfusable(ce)
+    if why is not None:
+        report.left.append((where, why))
         return
     from . import ops as ko   # noqa: F401 - loads the bridge
     inp, view = ce["input"], None

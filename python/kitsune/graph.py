@@ -65,6 +65,13 @@ correct (what the plan did not foresee comes from the pool). ``stats()["memory_p
 gives the plan (``plan_bytes`` against the recording's live ``peak_bytes``) and how many
 allocations were ``placed`` or ``refused``. The graphs of one compile_step share the arena.
 
+Loss (``fuse_loss=True``, the default): the loss function runs in a
+kitsune.fx.FusedLoss mode, so its F.cross_entropy calls run as kitsune.cross_entropy
+where that op covers them (2-D logits, int64 targets, mean, no class weights, no
+autocast): the log-softmax is never stored and the backward writes the logits'
+gradient in one pass. ``stats()["fused_loss"]`` counts them and
+``["fused_loss_left"]`` says why any were not.
+
 After a step, parameters' ``.grad`` are None: the graph's gradients live in its pool.
 The graphs hold the parameters and optimizer state they captured: the optimizer's
 ``load_state_dict`` (which replaces its state tensors) and a change to a
@@ -83,6 +90,7 @@ import weakref
 
 import torch
 
+from .fx import FusedLoss
 from .optim import KitsuneOptimizer
 
 __all__ = ["compile_step", "CompiledStep"]
@@ -99,7 +107,7 @@ class CompiledStep:
     """A training step as a CUDA graph; see the module docstring."""
 
     def __init__(self, model, loss_fn, optimizer, *, max_shapes=8, autocast_dtype=None, max_grad_norm=None,
-                 streams=4, channels_last=None, plan_memory=None, stream_costs=None):
+                 streams=4, channels_last=None, plan_memory=None, stream_costs=None, fuse_loss=True):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"compile_step: model must be a torch.nn.Module, got {type(model).__name__}")
         if loss_fn is not None and not callable(loss_fn):
@@ -122,6 +130,10 @@ class CompiledStep:
             raise ValueError(f"compile_step: stream_costs must be None (the roofline) or 'measured', got "
                              f"{stream_costs!r}")
         self.stream_costs = stream_costs
+        if not isinstance(fuse_loss, bool):
+            raise ValueError(f"compile_step: fuse_loss must be True or False, got {fuse_loss!r}")
+        self._fuse_loss = fuse_loss
+        self._loss_info = {"fused_loss": 0, "fused_loss_left": []}   # the last step's FusedLoss counts
         if channels_last not in (None, True, False):
             raise ValueError(f"compile_step: channels_last must be None (auto), True or False, got {channels_last!r}")
         if plan_memory not in (None, True, False):
@@ -197,7 +209,14 @@ class CompiledStep:
                if self.autocast_dtype is not None else contextlib.nullcontext())
         with amp:
             out = model(*inputs)
-            loss = self.loss_fn(out, target) if self.loss_fn is not None else out
+            if self.loss_fn is None:
+                loss = out
+            elif self._fuse_loss:
+                with FusedLoss() as mode:
+                    loss = self.loss_fn(out, target)
+                self._loss_info = {"fused_loss": mode.fused, "fused_loss_left": mode.left}
+            else:
+                loss = self.loss_fn(out, target)
             del out   # what the backward needs of it, autograd keeps: the rest goes now, as in an eager loop
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError(f"compile_step: the loss must be a one-element tensor, got "
@@ -444,11 +463,14 @@ class CompiledStep:
         spent in first steps and captures (setup_s), and why the step runs eagerly
         (reason, None while it is captured), and the streams the captured forward runs on
         with the planner's verdict (streams, streams_reason), and whether 4-D inputs are
-        captured channels-last (channels_last, channels_last_reason)."""
+        captured channels-last (channels_last, channels_last_reason), and how many of the
+        loss function's F.cross_entropy calls ran as kitsune.cross_entropy in the last
+        step traced (fused_loss) with why any others did not (fused_loss_left)."""
         return dict(self._n, graphs=len(self._graphs), setup_s=self._setup_s, reason=self._reason, **self._stream_info,
                     channels_last=self._cl, channels_last_reason=self._cl_reason,
                     memory_plan=dict(self._memory) if self._memory else None,
-                    blas_workspaces=dict(self._blas) if self._blas else None)
+                    blas_workspaces=dict(self._blas) if self._blas else None,
+                    fused_loss=self._loss_info["fused_loss"], fused_loss_left=list(self._loss_info["fused_loss_left"]))
 
 
 # compile_step's capture streams: device index -> (the stream, its partner: the
@@ -569,9 +591,9 @@ def _signature(batch):
 
 
 def compile_step(model, loss_fn, optimizer, *, max_shapes=8, autocast_dtype=None, max_grad_norm=None, streams=4,
-                 channels_last=None, plan_memory=None, stream_costs=None):
+                 channels_last=None, plan_memory=None, stream_costs=None, fuse_loss=True):
     """A callable ``step(*batch) -> loss`` running the whole training step as a CUDA
     graph; see kitsune.graph."""
     return CompiledStep(model, loss_fn, optimizer, max_shapes=max_shapes, autocast_dtype=autocast_dtype,
                         max_grad_norm=max_grad_norm, streams=streams, channels_last=channels_last,
-                        plan_memory=plan_memory, stream_costs=stream_costs)
+                        plan_memory=plan_memory, stream_costs=stream_costs, fuse_loss=fuse_loss)

@@ -874,3 +874,60 @@ def test_functional_dropout_default_stays_as_written():
     b = m(x)
     torch.testing.assert_close(a, b)        # same draws: the first dropout still drops, the second does not
     assert (a == 1).float().mean() > 0.4    # about half the elements dropped by the first
+
+
+class _OpsSeen(torch.utils._python_dispatch.TorchDispatchMode):
+    """The ops dispatched inside it (names like "kitsune::cross_entropy")."""
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_fused_loss_runs_cross_entropy_as_kitsunes_where_it_covers_the_call():
+    """FusedLoss (compile_step's loss mode): F.cross_entropy calls the op covers run as
+    kitsune::cross_entropy, with the loss and logits' gradient of F.cross_entropy in
+    fp64 (ignored rows, label smoothing, a view of 3-D logits); the others run as
+    given, each with its reason, and CPU calls are left unless asked for."""
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(3, 7, 11, dtype=torch.float64, generator=g)
+    target = torch.randint(0, 11, (3, 7), generator=g)
+    target[0, :3] = 5   # ignored below
+    w = torch.rand(11, dtype=torch.float64, generator=g)
+    probs = torch.rand(7, 11, dtype=torch.float64, generator=g).softmax(1)
+
+    def loss_fn(out, t):
+        return F.cross_entropy(out.view(-1, out.size(-1)), t.view(-1), ignore_index=5, label_smoothing=0.1)
+
+    a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    with kitsune.fx.FusedLoss(devices=("cpu",)) as mode, _OpsSeen() as seen:
+        got = loss_fn(a, target)
+    assert mode.fused == 1 and mode.left == [] and "kitsune::cross_entropy" in seen.names, seen.names
+    assert not any(n.startswith("aten::nll_loss") or n.startswith("aten::_log_softmax") for n in seen.names)
+    want = loss_fn(b, target)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    got.backward()
+    want.backward()
+    torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)
+
+    x2, t2 = logits[0], target[0]
+    with kitsune.fx.FusedLoss(devices=("cpu",)) as mode:
+        left = [F.cross_entropy(x2, t2, weight=w), F.cross_entropy(x2, t2, reduction="sum"),
+                F.cross_entropy(logits.transpose(1, 2), target),            # (N, C, d) logits
+                F.cross_entropy(x2, probs)]   # probabilities as targets
+    assert mode.fused == 0 and len(mode.left) == 4, mode.left
+    assert "class weights or a reduction other than 'mean'" in mode.left[0] == mode.left[1]
+    assert mode.left[2] == mode.left[3] == "cross_entropy on other than 2-D float logits and int64 targets"
+    torch.testing.assert_close(torch.stack(left), torch.stack([
+        F.cross_entropy(x2, t2, weight=w), F.cross_entropy(x2, t2, reduction="sum"),
+        F.cross_entropy(logits.transpose(1, 2), target), F.cross_entropy(x2, probs)]),
+        rtol=0, atol=0)
+    with kitsune.fx.FusedLoss() as mode:   # CUDA only by default
+        F.cross_entropy(x2, t2)
+    assert mode.fused == 0 and mode.left == ["cross_entropy on cpu (fused on cuda)"]
+    with kitsune.fx.FusedLoss(devices=("cpu",)) as mode, torch.autocast("cpu", dtype=torch.bfloat16):
+        F.cross_entropy(x2.float(), t2)
+    assert mode.fused == 0 and "under autocast" in mode.left[0], mode.left

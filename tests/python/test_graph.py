@@ -174,6 +174,8 @@ def test_compile_step_without_cuda_runs_eagerly_and_says_why():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     st = step.stats()
     assert st["reason"] == "CUDA is not available" and st["eager_steps"] == 6 and st["replays"] == 0
+    # the loss ran in a FusedLoss mode, which leaves CPU calls alone and says so
+    assert st["fused_loss"] == 0 and st["fused_loss_left"] == ["cross_entropy on cpu (fused on cuda)"], st
 
 
 def test_compile_step_bad_arguments():
@@ -189,6 +191,8 @@ def test_compile_step_bad_arguments():
         kitsune.compile_step(m, None, opt, autocast_dtype=torch.float64)
     with pytest.raises(ValueError, match="max_grad_norm must be None or > 0, got -1"):
         kitsune.compile_step(m, None, opt, max_grad_norm=-1)
+    with pytest.raises(ValueError, match="fuse_loss must be True or False, got 1"):
+        kitsune.compile_step(m, None, opt, fuse_loss=1)
     step = kitsune.compile_step(m, torch.nn.functional.cross_entropy, opt)
     with pytest.raises(TypeError, match="takes the model's inputs and then the target; got 1"):
         step(torch.randn(2, 20))
@@ -308,6 +312,36 @@ def test_gpu_compile_step_bf16_autocast_lm():
     got, step = _compiled(m2, o2, batches, lm_loss, autocast_dtype=torch.bfloat16)
     assert step.stats()["replays"] == 19
     _assert_same_training(m1, o1, m2, o2, want, got, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_compile_step_fuses_the_loss_functions_cross_entropy():
+    """fuse_loss (default): the LM loss's F.cross_entropy runs as kitsune.cross_entropy
+    (ignored targets included) and trains as the eager loop with F.cross_entropy;
+    fuse_loss=False leaves it."""
+    torch.manual_seed(7)
+    m1, o1, m2, o2 = _twins(_TinyLM().cuda(), lr=1e-3)
+    m3 = copy.deepcopy(m1)
+    o3 = KitsuneOptimizer(torch.optim.AdamW, m3.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(8)
+    batches = []
+    for _ in range(20):
+        t = torch.randint(0, 96, (4, 33), generator=g).cuda()
+        y = t[:, 1:].clone()
+        y[:, :3] = -100   # a prompt: not trained on
+        batches.append((t[:, :-1], y))
+
+    def lm_loss(logits, target):
+        return torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), target.reshape(-1))
+
+    want = _eager_reference(m1, o1, batches, lm_loss)
+    got, step = _compiled(m2, o2, batches, lm_loss)
+    st = step.stats()
+    assert st["replays"] == 19 and st["fused_loss"] == 1 and st["fused_loss_left"] == [], st
+    _assert_same_training(m1, o1, m2, o2, want, got, rtol=1e-4, atol=1e-5)
+    _, plain = _compiled(m3, o3, batches[:2], lm_loss, fuse_loss=False)
+    assert plain.stats()["fused_loss"] == 0 and plain.stats()["fused_loss_left"] == []
 
 
 class _Syncs(torch.nn.Module):

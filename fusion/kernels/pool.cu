@@ -231,8 +231,9 @@ __global__ void max_pool_fwd(const T *x, T *out, uint8_t *where, I total, PoolGe
 // compare, took 129.6 us for the Inception step's two calls against this loop's 80.6:
 // nine 16-byte gradient loads a thread where one or two are used
 // (bench/results/h100_profile_graph_inception_31881b1.log, _5d29be8.log).
+// adds: gradients of x from its other users, summed after the windows' (kt_addends).
 template <typename T, int V, typename I>
-__global__ void max_pool_bwd(const T *g_out, const uint8_t *where, T *g_in, I total, PoolGeo geo) {
+__global__ void max_pool_bwd(const T *g_out, const uint8_t *where, T *g_in, I total, PoolGeo geo, kt_addends adds) {
   const I groups = (I)geo.groups, ow = (I)geo.ow, oh = (I)geo.oh, w = (I)geo.w, h = (I)geo.h, cs = (I)geo.cs;
   const I kh = (I)geo.kh, kw = (I)geo.kw, sh = (I)geo.sh, sw = (I)geo.sw, ph = (I)geo.ph, pw = (I)geo.pw;
   for (I e = (I)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (I)gridDim.x * blockDim.x) {
@@ -245,8 +246,8 @@ __global__ void max_pool_bwd(const T *g_out, const uint8_t *where, T *g_in, I to
     float acc[V];
 #pragma unroll
     for (int l = 0; l < V; l++) acc[l] = 0.f;
-    const I plane = outer * oh;
-    for (I i = i0; i < i1; i++)
+    const I plane = outer * oh, mine_at = r * cs + q * V;   // ((outer * h + ih) * w + iw) * cs + q * V
+    for (I i = i0; i < (g_out ? i1 : i0); i++)
       for (I j = j0; j < j1; j++) {
         const uint8_t mine = (uint8_t)((hp - i * sh) * kw + (wp - j * sw));
         const I at = ((plane + i) * ow + j) * cs + q * V;
@@ -260,10 +261,15 @@ __global__ void max_pool_bwd(const T *g_out, const uint8_t *where, T *g_in, I to
         for (int l = 0; l < V; l++)
           if (wb.v[l] == mine) acc[l] += kt::to_f(gv.v[l]);
       }
+    for (int k = 0; k < adds.n; k++) {
+      const Pack<T, V> av = *reinterpret_cast<const Pack<T, V> *>(static_cast<const T *>(adds.p[k]) + mine_at);
+#pragma unroll
+      for (int l = 0; l < V; l++) acc[l] += kt::to_f(av.v[l]);
+    }
     Pack<T, V> res;
 #pragma unroll
     for (int l = 0; l < V; l++) res.v[l] = kt::from_f<T>(acc[l]);
-    *reinterpret_cast<Pack<T, V> *>(g_in + r * cs + q * V) = res;   // ((outer * h + ih) * w + iw) * cs + q * V
+    *reinterpret_cast<Pack<T, V> *>(g_in + mine_at) = res;
   }
 }
 
@@ -281,12 +287,12 @@ bool max_pool_args_ok(const kt_pool2d *p) {
 // The forward's windows of up to 3 x 3 take its unrolled loads (K = 3).
 template <typename T, int V, typename I>
 void max_pool_launch(bool backward, const void *a, const void *b, void *c, I total, const PoolGeo &g,
-                     cudaStream_t s) {
+                     const kt_addends &adds, cudaStream_t s) {
   const int threads = 256;
   const int64_t blocks = ((int64_t)total + threads - 1) / threads;
   const unsigned grid = (unsigned)(blocks < 65535 * 32 ? blocks : 65535 * 32);
   if (backward)
-    max_pool_bwd<T, V, I><<<grid, threads, 0, s>>>((const T *)a, (const uint8_t *)b, (T *)c, total, g);
+    max_pool_bwd<T, V, I><<<grid, threads, 0, s>>>((const T *)a, (const uint8_t *)b, (T *)c, total, g, adds);
   else if (g.kh <= 3 && g.kw <= 3)
     max_pool_fwd<T, V, I, 3><<<grid, threads, 0, s>>>((const T *)a, (T *)b, (uint8_t *)c, total, g);
   else
@@ -296,9 +302,12 @@ void max_pool_launch(bool backward, const void *a, const void *b, void *c, I tot
 // Four channels a thread where channels are last and come in fours (aligned pointers),
 // else one.
 template <typename T>
-kt_status max_pool_run(bool backward, const void *a, const void *b, void *c, const kt_pool2d *p, cudaStream_t s) {
+kt_status max_pool_run(bool backward, const void *a, const void *b, void *c, const kt_pool2d *p,
+                       const kt_addends &adds, cudaStream_t s) {
   const bool cl = p->channels_last != 0;
-  const bool vec = cl && p->c % 4 == 0 && !((uintptr_t)a & 15) && !((uintptr_t)b & 15) && !((uintptr_t)c & 15);
+  bool aligned = !((uintptr_t)a & 15) && !((uintptr_t)b & 15) && !((uintptr_t)c & 15);
+  for (int k = 0; k < adds.n; k++) aligned = aligned && !((uintptr_t)adds.p[k] & 15);
+  const bool vec = cl && p->c % 4 == 0 && aligned;
   const int V = vec ? 4 : 1;
   const PoolGeo g{p->h, p->w, p->oh, p->ow, cl ? p->c : 1, cl ? p->c / V : 1,
                   p->kh, p->kw, p->sh, p->sw, p->ph, p->pw};
@@ -306,10 +315,10 @@ kt_status max_pool_run(bool backward, const void *a, const void *b, void *c, con
   if (total == 0) return KT_OK;
   // every element index, and the thread loop's last step past it, below 2^32
   const bool small = p->n * p->c * (p->h * p->w > p->oh * p->ow ? p->h * p->w : p->oh * p->ow) < (1ll << 31);
-  if (vec && small) max_pool_launch<T, 4, uint32_t>(backward, a, b, c, (uint32_t)total, g, s);
-  else if (vec) max_pool_launch<T, 4, int64_t>(backward, a, b, c, total, g, s);
-  else if (small) max_pool_launch<T, 1, uint32_t>(backward, a, b, c, (uint32_t)total, g, s);
-  else max_pool_launch<T, 1, int64_t>(backward, a, b, c, total, g, s);
+  if (vec && small) max_pool_launch<T, 4, uint32_t>(backward, a, b, c, (uint32_t)total, g, adds, s);
+  else if (vec) max_pool_launch<T, 4, int64_t>(backward, a, b, c, total, g, adds, s);
+  else if (small) max_pool_launch<T, 1, uint32_t>(backward, a, b, c, (uint32_t)total, g, adds, s);
+  else max_pool_launch<T, 1, int64_t>(backward, a, b, c, total, g, adds, s);
   return kt::status_of(cudaGetLastError());
 }
 
@@ -335,11 +344,23 @@ extern "C" kt_status kt_bias_relu_pool_backward(kt_dtype t, const void *grad_out
 extern "C" kt_status kt_max_pool2d(kt_dtype t, const void *x, void *out, uint8_t *where, const kt_pool2d *p,
                                    void *stream) {
   if (!max_pool_args_ok(p) || (p->n > 0 && (!x || !out || !where))) return KT_ERR_INVALID;
-  KT_DISPATCH(t, max_pool_run<T>(false, x, out, where, p, (cudaStream_t)stream))
+  const kt_addends none{};
+  KT_DISPATCH(t, max_pool_run<T>(false, x, out, where, p, none, (cudaStream_t)stream))
 }
 
 extern "C" kt_status kt_max_pool2d_backward(kt_dtype t, const void *grad_out, const uint8_t *where, void *grad_in,
                                             const kt_pool2d *p, void *stream) {
-  if (!max_pool_args_ok(p) || (p->n > 0 && (!grad_out || !where || !grad_in))) return KT_ERR_INVALID;
-  KT_DISPATCH(t, max_pool_run<T>(true, grad_out, where, grad_in, p, (cudaStream_t)stream))
+  if (p && p->n > 0 && !grad_out) return KT_ERR_INVALID;
+  const kt_addends none{};
+  return kt_max_pool2d_backward_add(t, grad_out, where, &none, grad_in, p, stream);
+}
+
+extern "C" kt_status kt_max_pool2d_backward_add(kt_dtype t, const void *grad_out, const uint8_t *where,
+                                                const kt_addends *adds, void *grad_in, const kt_pool2d *p,
+                                                void *stream) {
+  if (!max_pool_args_ok(p) || !adds || adds->n < 0 || adds->n > KT_POOL_ADDENDS) return KT_ERR_INVALID;
+  for (int k = 0; k < adds->n; k++)
+    if (p->n > 0 && !adds->p[k]) return KT_ERR_INVALID;
+  if (p->n > 0 && ((grad_out && !where) || !grad_in)) return KT_ERR_INVALID;
+  KT_DISPATCH(t, max_pool_run<T>(true, grad_out, where, grad_in, p, *adds, (cudaStream_t)stream))
 }

@@ -264,27 +264,40 @@ extern "C" int64_t kt_colsum_workspace(kt_dtype t, int64_t rows, int64_t cols) {
   return s > 1 ? s * cols : 0;
 }
 
-// kt_colsum, and with m and gx its masked pass (kt_relu_grad_colsum): checks, then the launch
-static kt_status colsum_entry(kt_dtype t, int out_f32, const void *x, void *out, float *workspace, int64_t rows,
+// kt_colsum(_to), and with m and gx its masked pass (kt_relu_grad_colsum): checks, then
+// the launch. out_t: t, fp32, or (fp32 input) fp16 / bf16.
+static kt_status colsum_entry(kt_dtype t, kt_dtype out_t, const void *x, void *out, float *workspace, int64_t rows,
                               int64_t cols, int64_t ld, void *stream, const void *m, void *gx) {
-  if (rows < 0 || cols <= 0 || ld < cols || !x || !out || (out_f32 != 0 && out_f32 != 1)) return KT_ERR_INVALID;
+  if (rows < 0 || cols <= 0 || ld < cols || !x || !out) return KT_ERR_INVALID;
   if (t != KT_F32 && t != KT_F16 && t != KT_BF16) return KT_ERR_INVALID;
+  const bool narrow = t == KT_F32 && (out_t == KT_F16 || out_t == KT_BF16);
+  if (out_t != t && out_t != KT_F32 && !narrow) return KT_ERR_INVALID;
+  if (narrow && m) return KT_ERR_INVALID;
   if (kt_colsum_workspace(t, rows, cols) && !workspace) return KT_ERR_INVALID;
   cudaStream_t s = (cudaStream_t)stream;
   if (rows == 0) {   // the sum over no rows is 0
-    cudaError_t e = cudaMemsetAsync(out, 0, (size_t)cols * (out_f32 || t == KT_F32 ? 4 : 2), s);
+    cudaError_t e = cudaMemsetAsync(out, 0, (size_t)cols * (out_t == KT_F32 ? 4 : 2), s);
     return kt::status_of(e);
   }
-  KT_DISPATCH(t, colsum_out<T>(out_f32, x, out, workspace, rows, cols, ld, s, m, gx))
+  if (narrow)
+    return out_t == KT_F16 ? colsum_run<float, __half>(x, out, workspace, rows, cols, ld, s)
+                           : colsum_run<float, __nv_bfloat16>(x, out, workspace, rows, cols, ld, s);
+  KT_DISPATCH(t, colsum_out<T>(out_t == KT_F32, x, out, workspace, rows, cols, ld, s, m, gx))
 }
 
 extern "C" kt_status kt_colsum(kt_dtype t, int out_f32, const void *x, void *out, float *workspace, int64_t rows,
                                int64_t cols, int64_t ld, void *stream) {
-  return colsum_entry(t, out_f32, x, out, workspace, rows, cols, ld, stream, nullptr, nullptr);
+  if (out_f32 != 0 && out_f32 != 1) return KT_ERR_INVALID;
+  return colsum_entry(t, out_f32 ? KT_F32 : t, x, out, workspace, rows, cols, ld, stream, nullptr, nullptr);
+}
+
+extern "C" kt_status kt_colsum_to(kt_dtype t, kt_dtype out_t, const void *x, void *out, float *workspace,
+                                  int64_t rows, int64_t cols, int64_t ld, void *stream) {
+  return colsum_entry(t, out_t, x, out, workspace, rows, cols, ld, stream, nullptr, nullptr);
 }
 
 extern "C" kt_status kt_relu_grad_colsum(kt_dtype t, int out_f32, const void *grad, const void *y, void *grad_in,
                                          void *out, float *workspace, int64_t rows, int64_t cols, void *stream) {
-  if (!y || !grad_in) return KT_ERR_INVALID;
-  return colsum_entry(t, out_f32, grad, out, workspace, rows, cols, cols, stream, y, grad_in);
+  if (!y || !grad_in || (out_f32 != 0 && out_f32 != 1)) return KT_ERR_INVALID;
+  return colsum_entry(t, out_f32 ? KT_F32 : t, grad, out, workspace, rows, cols, cols, stream, y, grad_in);
 }

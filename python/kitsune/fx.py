@@ -56,6 +56,10 @@ Patterns (each intermediate must have no other user, so nothing observable is lo
                               Inductor fuses the pooling with its neighbours): a byte per
                               output saved for a gather backward, where ATen saves int64
                               indices
+                              Where x has other users (none writing it in place):
+                              kitsune.max_pool2d_branches(x, n, ...), whose views of x those
+                              users take: their gradients are added in the pooling's backward
+                              pass (an Inception block's input: 3 adds a block otherwise)
   x.mean((2, 3)), adaptive_avg_pool2d(x, 1)  -> kitsune.global_avg_pool(x, dim, keepdim) (dim (2, 3)
                               or (-2, -1), no dtype; F.adaptive_avg_pool2d, nn.AdaptiveAvgPool2d
                               with output size 1; optimize only): on CUDA for channels-last
@@ -681,13 +685,50 @@ def _max_pool_of(gm, node):
     return a["input"], k, stride, pad, a["ceil_mode"]
 
 
+_AUGMENTED = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
+              operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift,
+              operator.imatmul)
+
+
+def _mutates(gm, node, x):
+    """Whether node may write x in place (a method or function named with a trailing
+    underscore, an augmented assignment, inplace=True, a module with inplace set)."""
+    first = node.args[0] if node.args else None
+    if node.op == "call_method":
+        return first is x and node.target.endswith("_")
+    if node.op == "call_function":
+        name = getattr(node.target, "__name__", "")
+        return (first is x and (name.endswith("_") or node.target in _AUGMENTED)) or node.kwargs.get("inplace") is True
+    m = _module(gm, node)
+    return m is not None and first is x and getattr(m, "inplace", False) is True
+
+
 def _rewrite_max_pool(gm, g, node, where, report):
-    """A max pooling that no bias_relu_pool took -> kitsune.max_pool2d."""
+    """A max pooling that no bias_relu_pool took -> kitsune.max_pool2d, or, where its
+    input has other users (an Inception block's branches) none of which writes it in
+    place, kitsune.max_pool2d_branches: those users take its views of x, so their
+    gradients are added in the pooling's backward pass."""
     from . import ops as ko
     pool = _max_pool_of(gm, node)
     if pool is None:
         return False
     x, k, stride, pad, ceil = pool
+    others = [u for u in x.users if u is not node and u.op != "output"] if isinstance(x, tfx.Node) else []
+    if others and not any(_mutates(gm, u, x) for u in x.users):
+        report.fused.append((where, f"max_pool2d -> kitsune.max_pool2d_branches ({node.name}; the gradients of "
+                                    f"{len(others)} other user(s) of {x.name} added in its backward)"))
+        at = x
+        if x.op == "placeholder":   # after the last placeholder
+            at = [n for n in g.nodes if n.op == "placeholder"][-1]
+        with g.inserting_after(at):
+            branches = g.call_function(ko.max_pool2d_branches, (x, len(others), k, stride, pad, ceil))
+        with g.inserting_after(branches):
+            views = [g.call_function(operator.getitem, (branches, i)) for i in range(len(others) + 1)]
+        for u, v in zip(others, views[1:]):
+            u.replace_input_with(x, v)
+        node.replace_all_uses_with(views[0])
+        g.erase_node(node)
+        return True
     report.fused.append((where, f"max_pool2d -> kitsune.max_pool2d ({node.name})"))
     with g.inserting_before(node):
         new = g.call_function(ko.max_pool2d, (x, k, stride, pad, ceil))

@@ -49,6 +49,10 @@ Ops (reference semantics):
   max_pool2d(x, kernel_size, stride, padding, ceil_mode)
                                             F.max_pool2d (dilation 1, no indices): one kernel
                                             each way on CUDA, a byte per output saved
+  max_pool2d_branches(x, n, kernel_size, stride, padding, ceil_mode)
+                                            (max_pool2d(x, ...), x, ..., x) for n other users
+                                            of x: their gradients added in the pooling's
+                                            backward pass, not one launch each
   global_avg_pool(x, dim=(-2, -1), keepdim=False)
                                             x.mean(dim, keepdim) over H and W of (N, C, H, W):
                                             on CUDA for channels-last x one kernel each way,
@@ -274,6 +278,19 @@ def _(x, kernel_size, stride, padding, ceil_mode):
     return torch.ops.aten.max_pool2d_with_indices.default(x, kernel_size, stride, padding, [1, 1], ceil_mode)[0]
 
 
+@torch.library.register_fake("kitsune::max_pool2d_where")
+def _(x, kernel_size, stride, padding, ceil_mode):
+    out = torch.ops.aten.max_pool2d_with_indices.default(x, kernel_size, stride, padding, [1, 1], ceil_mode)[0]
+    return out, torch.empty_like(out, dtype=torch.uint8)
+
+
+@torch.library.register_fake("kitsune::max_pool2d_backward_add")
+def _(grad, where, adds, input_size, kernel_size, stride, padding, ceil_mode):
+    ref = grad if grad is not None else adds[0]
+    cl = where.is_contiguous(memory_format=torch.channels_last) and not where.is_contiguous()
+    return ref.new_empty(input_size).contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
+
+
 @torch.library.register_fake("kitsune::global_avg_pool")
 def _(x, dim, keepdim=False):
     return torch.ops.aten.mean.dim(x, dim, keepdim)
@@ -483,6 +500,54 @@ def max_pool2d(x, kernel_size, stride=None, padding=0, ceil_mode=False):
         return [v, v] if isinstance(v, int) else list(v)
     return _lib.max_pool2d(x, ints(kernel_size), [] if stride is None else ints(stride), ints(padding),
                            bool(ceil_mode))
+
+
+class _MaxPoolBranches(torch.autograd.Function):
+    """(max_pool2d(x), x, ..., x): the copies of x views of it whose gradients the
+    backward adds to the pooling's in the same pass (max_pool2d_backward_add)."""
+
+    @staticmethod
+    def forward(ctx, x, n, k, s, p, ceil):
+        out, where = _lib.max_pool2d_where(x, k, s, p, ceil)
+        ctx.save_for_backward(where)
+        ctx.geo = (list(x.shape), k, s, p, ceil)
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(where)
+        return (out,) + tuple(x.view_as(x) for _ in range(n))
+
+    @staticmethod
+    def backward(ctx, g_out, *g_views):
+        where, = ctx.saved_tensors
+        adds = [g for g in g_views if g is not None]
+        if g_out is None and not adds:
+            return (None,) * 6
+        return (_lib.max_pool2d_backward_add(g_out, where, adds, *ctx.geo), None, None, None, None, None)
+
+
+def _max_pool_kernels_take(x, k):
+    """Whether max_pool2d_where takes x: CUDA, 4-D, fp32/fp16/bf16, dense NCHW or
+    channels-last, a window of at most 256 elements (the CPU: its reference, any 4-D)."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 4 or k[0] * k[1] > 256:
+        return False
+    if x.device.type == "cpu":
+        return x.is_floating_point()
+    return x.is_cuda and x.dtype in (torch.float32, torch.float16, torch.bfloat16) and (
+        x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last))
+
+
+def max_pool2d_branches(x, n, kernel_size, stride=None, padding=0, ceil_mode=False):
+    """(F.max_pool2d(x, ...), x_1, ..., x_n): x_i are x for n other users of x (an
+    Inception block's branches beside its pooling). Where Kitsune's pooling kernels take
+    x and a gradient is wanted, the x_i are views of x whose gradients the pooling's
+    backward adds in its own pass, where autograd would add each in a launch of its own;
+    otherwise they are x itself. Values and gradients equal max_pool2d's and x's."""
+    def ints(v):
+        return [v, v] if isinstance(v, int) else list(v)
+    k, p = ints(kernel_size), ints(padding)
+    s = k if stride is None or (not isinstance(stride, int) and len(stride) == 0) else ints(stride)
+    if torch.is_grad_enabled() and x.requires_grad and _max_pool_kernels_take(x, k):
+        return _MaxPoolBranches.apply(x, n, k, s, p, bool(ceil_mode))
+    return (max_pool2d(x, k, s, p, ceil_mode),) + (x,) * n
 
 
 def global_avg_pool(x, dim=(-2, -1), keepdim=False):

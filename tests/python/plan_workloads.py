@@ -97,7 +97,9 @@ def main(name):
     def eager(*b):
         opts[0].zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=amp or torch.bfloat16, enabled=amp is not None, cache_enabled=False):
-            loss = loss_fn(model(*b[:-1]), b[-1])
+            out = model(*b[:-1])
+            with kitsune.fx.FusedLoss():   # the loss compile_step runs (fuse_loss=True)
+                loss = loss_fn(out, b[-1])
         loss.backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(list(model.parameters()), clip, foreach=True)

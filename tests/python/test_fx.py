@@ -561,16 +561,61 @@ def _backend_fuses_nothing(module):
 
 
 def test_max_poolings_become_kitsune_max_pool2d():
-    """Each 2-D max pooling with dilation 1 and no indices becomes kitsune.max_pool2d with its
-    own geometry, outputs and gradients equal; the torch.compile backend leaves them to
-    Inductor."""
+    """Each 2-D max pooling with dilation 1 and no indices becomes kitsune.max_pool2d (or
+    max_pool2d_branches where its input has other users) with its own geometry, outputs
+    and gradients equal; the torch.compile backend leaves them to Inductor."""
     torch.manual_seed(14)
     m = Pools().double()
     rep = kitsune.fx.Report()
     opt = kitsune.optimize(m, report=rep)
-    assert _kinds(rep) == ["kitsune.max_pool2d"] * 5, rep
+    # the first of two poolings of one x is its branch point; the second takes a view
+    assert _kinds(rep) == ["kitsune.max_pool2d"] * 2 + ["kitsune.max_pool2d_branches"] + ["kitsune.max_pool2d"] * 2, rep
     _same_outputs_and_grads(opt, m, torch.randn(2, 3, 29, 30, dtype=torch.float64))
     _backend_fuses_nothing(Pools())
+
+
+class _Shared(nn.Module):
+    """x feeding a pooling and other users: one of which writes it in place (left), and
+    one returned as is."""
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv2d(4, 4, 1)
+
+    def forward(self, x):
+        y = x * 2
+        a = F.max_pool2d(y, 3, 1, 1) + self.c(y)   # branch point
+        z = x + 1
+        z.mul_(2)   # z written in place: plain max_pool2d below
+        b = F.max_pool2d(z, 3, 1, 1) + z * 3
+        return a + b, y
+
+
+def test_an_inception_blocks_pooling_becomes_its_branch_point():
+    """kitsune.optimize on an Inception block: the pooling of the block input becomes
+    max_pool2d_branches, the three convolutions take its views, and outputs and gradients
+    equal the model's (fp64); an input written in place by another user keeps the plain
+    pooling, and a use as a model output keeps x itself."""
+    from kitsune.sched import Inception
+    torch.manual_seed(16)
+    m = Inception(8).double()
+    rep = kitsune.fx.Report()
+    opt = kitsune.optimize(m, report=rep)
+    assert "kitsune.max_pool2d_branches" in _kinds(rep), rep
+    assert any("the gradients of 3 other user(s) of x" in what for _, what in rep.fused), rep
+    _same_outputs_and_grads(opt, m, torch.randn(2, 8, 9, 9, dtype=torch.float64))
+    m = _Shared().double()
+    rep = kitsune.fx.Report()
+    opt = kitsune.optimize(m, report=rep)
+    assert [k for k in _kinds(rep) if "max_pool" in k] == ["kitsune.max_pool2d_branches", "kitsune.max_pool2d"], rep
+    x = torch.randn(2, 4, 5, 5, dtype=torch.float64)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    (a1, y1), (a2, y2) = opt(xa), m(xb)
+    torch.testing.assert_close(a1, a2)
+    torch.testing.assert_close(y1, y2)
+    assert y1._base is None   # the returned y is y itself, not a view of the branch point
+    g1 = torch.autograd.grad((a1.sum() + (y1 * y1).sum()), xa)[0]
+    g2 = torch.autograd.grad((a2.sum() + (y2 * y2).sum()), xb)[0]
+    torch.testing.assert_close(g1, g2)
 
 
 class Means(nn.Module):

@@ -719,6 +719,112 @@ def test_gpu_max_pool2d_equals_aten(dtype):
                 assert gx.stride() == rx.stride(), what
 
 
+def _branches_ref(x, n, k, s, p, ceil, ws):
+    """max_pool2d(x) and n other users of x (x * w_i), as autograd sums them."""
+    return [F.max_pool2d(x, k, s, p, ceil_mode=ceil)] + [x * w for w in ws[:n]]
+
+
+def _branches_got(x, n, k, s, p, ceil, ws):
+    outs = ko.max_pool2d_branches(x, n, k, s, p, ceil)
+    return [outs[0]] + [v * w for v, w in zip(outs[1:], ws)]
+
+
+def test_max_pool2d_branches_cpu_values_gradients_and_fakes():
+    """The CPU reference path of max_pool2d_branches (max_pool2d_where's bytes, the
+    backward's sum of the pooling's and the views' gradients): values and fp64 gradients
+    of the pooling and up to 5 other users (past the kernel's 4 addend slots), NCHW and
+    channels-last, a branch without a gradient, the pooled output unused; opcheck of
+    both ops; fake shapes and layouts."""
+    g = torch.Generator().manual_seed(41)
+    for shape, k, s, p, ceil, n, cl in [((2, 3, 5, 6), [3, 3], [1, 1], [1, 1], False, 3, False),
+                                         ((2, 4, 6, 5), [2, 3], [2, 1], [1, 0], True, 1, True),
+                                         ((1, 2, 4, 4), [3, 3], [2, 2], [1, 1], False, 5, False)]:
+        x = torch.randn(shape, dtype=torch.float64, generator=g)
+        x = x.contiguous(memory_format=torch.channels_last) if cl else x
+        ws = [torch.randn(shape, dtype=torch.float64, generator=g) for _ in range(n)]
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        got, want = _branches_got(xa, n, k, s, p, ceil, ws), _branches_ref(xb, n, k, s, p, ceil, ws)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert got[0].is_contiguous(memory_format=torch.channels_last) == cl
+        outs = ko.max_pool2d_branches(xa, n, k, s, p, ceil)
+        assert all(v._base is xa for v in outs[1:])   # views, not copies
+        gos = [torch.randn(t.shape, dtype=torch.float64, generator=g) for t in got]
+        ga = torch.autograd.grad(got, xa, gos, retain_graph=True)[0]
+        gb = torch.autograd.grad(want, xb, gos)[0]
+        torch.testing.assert_close(ga, gb, rtol=1e-14, atol=1e-14)
+        # a view without a gradient, and the pooled output unused
+        ga = torch.autograd.grad([got[1]], xa, [gos[1]], retain_graph=True)[0]
+        torch.testing.assert_close(ga, gos[1] * ws[0])
+    # gradcheck on a small case
+    x = torch.randn(1, 2, 4, 5, dtype=torch.float64, generator=g, requires_grad=True)
+    ws = [torch.randn(1, 2, 4, 5, dtype=torch.float64, generator=g) for _ in range(2)]
+    assert torch.autograd.gradcheck(lambda t: _branches_got(t, 2, [3, 3], [1, 1], [1, 1], False, ws), (x,))
+    # the ops themselves
+    x = torch.randn(2, 3, 5, 6, generator=g)
+    torch.library.opcheck(torch.ops.kitsune.max_pool2d_where.default, (x, [3, 3], [1, 1], [1, 1], False))
+    out, where = torch.ops.kitsune.max_pool2d_where(x, [3, 3], [1, 1], [1, 1], False)
+    adds = [torch.randn(2, 3, 5, 6, generator=g) for _ in range(2)]
+    torch.library.opcheck(torch.ops.kitsune.max_pool2d_backward_add.default,
+                          (torch.randn(out.shape, generator=g), where, adds, [2, 3, 5, 6], [3, 3], [1, 1], [1, 1], False))
+    with pytest.raises(RuntimeError, match="every addend must be Float of the input's shape"):
+        torch.ops.kitsune.max_pool2d_backward_add(None, where, [adds[0], adds[1][:1]], [2, 3, 5, 6], [3, 3], [1, 1],
+                                                  [1, 1], False)
+    with pytest.raises(RuntimeError, match="no gradient to sum"):
+        torch.ops.kitsune.max_pool2d_backward_add(None, where, [], [2, 3, 5, 6], [3, 3], [1, 1], [1, 1], False)
+    with pytest.raises(RuntimeError, match="where must be max_pool2d_where's uint8"):
+        torch.ops.kitsune.max_pool2d_backward_add(out, out, [], [2, 3, 5, 6], [3, 3], [1, 1], [1, 1], False)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        xf = torch.empty(2, 8, 6, 6).contiguous(memory_format=torch.channels_last).requires_grad_()
+        outs = ko.max_pool2d_branches(xf, 2, 3, 1, 1)
+        assert [tuple(t.shape) for t in outs] == [(2, 8, 6, 6)] * 3
+    # without a gradient wanted, the other outputs are x itself
+    outs = ko.max_pool2d_branches(x, 2, 3, 1, 1)
+    assert outs[1] is x and outs[2] is x
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_gpu_max_pool2d_branches_sum_the_gradients_in_one_pass(dtype):
+    """max_pool2d_branches on CUDA: the pooled output bit for bit ATen's, and x's gradient
+    (the pooling's plus 1 to 6 other users', past the kernel's 4 addend slots) within
+    rounding of the float64 sum, written everywhere (poisoned memory), in x's layout;
+    the Inception block's 3 x 3 / 1 / 1 and a strided window, NCHW and channels-last,
+    with random values, ties and NaNs; a gradient in the other layout; the backward
+    one kernel launch where fewer than 5 users."""
+    g = torch.Generator().manual_seed(43)
+    tol = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    cases = [((64, 64, 32, 32), 3, 1, 1, False, 3), ((5, 8, 9, 7), 3, 2, 1, True, 1), ((3, 12, 6, 6), 2, 2, 0, False, 6)]
+    for (shape, k, st, pad, ceil, n), kind in [(c, kind) for c in cases for kind in ("random", "ties", "nan")]:
+        x = _window_values(shape, dtype, g, kind, (-2, 3))
+        for layout in ("nchw", "channels_last"):
+            fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+            xl = x.contiguous(memory_format=fmt)
+            what = f"{dtype} {shape} k={k} s={st} p={pad} n={n} {kind} {layout}"
+            xa = xl.clone().requires_grad_()
+            _poison(8 * x.numel(), "cuda")
+            outs = ko.max_pool2d_branches(xa, n, k, st, pad, ceil)
+            ref = F.max_pool2d(xl, k, st, pad, ceil_mode=ceil)
+            torch.testing.assert_close(outs[0], ref, rtol=0, atol=0, equal_nan=True, msg=what)
+            assert all(v._base is xa for v in outs[1:]), what
+            go = torch.randn(ref.shape, generator=g).to("cuda", dtype)
+            go = go.contiguous(memory_format=torch.contiguous_format if layout == "channels_last" else torch.channels_last)
+            gvs = [torch.randn(shape, generator=g).to("cuda", dtype).contiguous(memory_format=fmt) for _ in range(n)]
+            _poison(8 * x.numel(), "cuda")
+            (gx,) = torch.autograd.grad(outs, xa, [go] + gvs)
+            xr = xl.double().requires_grad_()
+            (want,) = torch.autograd.grad(F.max_pool2d(xr, k, st, pad, ceil_mode=ceil), xr, go.double())
+            want = want + sum(v.double() for v in gvs)
+            if kind == "nan":   # ATen's winner among NaNs and ours agree (test_gpu_max_pool2d_equals_aten)
+                want = torch.where(torch.isnan(want), torch.zeros_like(want), want)
+                gx = torch.where(torch.isnan(gx), torch.zeros_like(gx), gx)
+            assert not torch.isnan(gx).any(), what
+            torch.testing.assert_close(gx.double(), want, rtol=tol, atol=tol * want.abs().max().item(), msg=what)
+            assert gx.is_contiguous(memory_format=fmt), what
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -69,6 +69,18 @@ kt_status kt_max_pool2d(kt_dtype t, const void *x, void *out, uint8_t *where, co
  * in fp32, window rows then columns in order; 0 for elements that won none. */
 kt_status kt_max_pool2d_backward(kt_dtype t, const void *grad_out, const uint8_t *where, void *grad_in,
                                  const kt_pool2d *p, void *stream);
+/* The same plus up to KT_POOL_ADDENDS tensors of grad_in's shape, layout and dtype (the
+ * other gradients of the pooled tensor: an Inception block's branches beside its pooling),
+ * added in fp32 after the windows' sums, in order, and rounded once: one pass where
+ * autograd would add them one launch each. grad_out NULL: no pooling gradient (the sum
+ * of the addends alone). adds->n in 0..KT_POOL_ADDENDS, its first n pointers non-NULL. */
+#define KT_POOL_ADDENDS 4
+typedef struct kt_addends {
+  const void *p[KT_POOL_ADDENDS];
+  int n;
+} kt_addends;
+kt_status kt_max_pool2d_backward_add(kt_dtype t, const void *grad_out, const uint8_t *where, const kt_addends *adds,
+                                     void *grad_in, const kt_pool2d *p, void *stream);
 /* Global average pooling of a channels-last x (n, c, h, w), NHWC in memory, hw = h * w > 0:
  * out (n, c) dense = each (image, channel)'s pixels summed in fp32 in a fixed order
  * (independent of timing), times 1 / hw, rounded once. n * c = 0 does nothing. */
@@ -189,6 +201,11 @@ int64_t kt_reduce_workspace(int64_t rows, int64_t n);
  * device (NULL when 0). */
 kt_status kt_colsum(kt_dtype t, int out_f32, const void *x, void *out, float *workspace, int64_t rows, int64_t cols,
                     int64_t ld, void *stream);
+/* The same with the sums stored as out_t: t, KT_F32, or, for fp32 x, KT_F16 / KT_BF16
+ * (rounded once from the fp32 sum: a LayerNorm's fp32 parameter partials to bf16
+ * parameter gradients without a cast kernel). */
+kt_status kt_colsum_to(kt_dtype t, kt_dtype out_t, const void *x, void *out, float *workspace, int64_t rows,
+                       int64_t cols, int64_t ld, void *stream);
 int64_t kt_colsum_workspace(kt_dtype t, int64_t rows, int64_t cols);
 /* ReLU's backward and the bias gradient in one pass over contiguous (rows, cols)
  * matrices: grad_in = y > 0 ? grad : 0 (y is ReLU's output; NaN gives 0, as

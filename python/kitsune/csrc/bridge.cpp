@@ -1384,7 +1384,8 @@ Tensor colsum(const Tensor& x2, at::ScalarType out_t) {
   const at::ScalarType st = x2.scalar_type(), acc = st == at::kDouble ? at::kDouble : at::kFloat;
   const bool kt_type = st == at::kFloat || st == at::kHalf || st == at::kBFloat16;
   if (x2.is_cuda() && !x2.key_set().has(c10::DispatchKey::Python) && kt_type && x2.dim() == 2 &&
-      (out_t == st || out_t == at::kFloat) && x2.size(1) > 0 && (x2.stride(1) == 1 || x2.size(1) == 1) &&
+      (out_t == st || out_t == at::kFloat || (st == at::kFloat && (out_t == at::kHalf || out_t == at::kBFloat16))) &&
+      x2.size(1) > 0 && (x2.stride(1) == 1 || x2.size(1) == 1) &&
       (x2.size(0) <= 1 || x2.stride(0) >= x2.size(1))) {
     const int64_t rows = x2.size(0), cols = x2.size(1), ld = rows > 1 ? x2.stride(0) : cols;
     const kt_dtype dt = dtype_of(x2, "colsum");
@@ -1392,8 +1393,8 @@ Tensor colsum(const Tensor& x2, at::ScalarType out_t) {
     Tensor out = at::empty({cols}, x2.options().dtype(out_t));
     const int64_t wsn = kt_colsum_workspace(dt, rows, cols);
     Tensor ws = wsn ? at::empty({wsn}, x2.options().dtype(at::kFloat)) : Tensor();
-    check_launch(kt_colsum(dt, out_t == at::kFloat && st != at::kFloat, x2.data_ptr(), out.data_ptr(),
-                           wsn ? ws.data_ptr<float>() : nullptr, rows, cols, ld, stream_of(out)),
+    check_launch(kt_colsum_to(dt, dtype_of(out, "colsum"), x2.data_ptr(), out.data_ptr(),
+                              wsn ? ws.data_ptr<float>() : nullptr, rows, cols, ld, stream_of(out)),
                  "colsum");
     return out;
   }
@@ -1600,10 +1601,15 @@ std::tuple<Tensor, Tensor, Tensor> ln_backward_cuda(const Tensor& grad, const Te
                                         (float)eps, relu, stream_of(gh)),
                  op);
   // the written columns: both halves, or the one wanted
+  // in the parameters' dtype straight from the fp32 partials where they share one (two
+  // cast kernels a LayerNorm were 24 launches, 30 us of GPT's step at 81772ef,
+  // bench/results/h100_profile_graph_gpt_81772ef.log)
+  const at::ScalarType pt = w && b && w->scalar_type() != b->scalar_type() ? at::kFloat
+                            : w ? w->scalar_type() : b ? b->scalar_type() : at::kFloat;
   Tensor sums = !parts.defined() ? Tensor()
-                : rows == 0      ? at::zeros({2 * n}, fopt)
-                : w && b         ? colsum(parts, at::kFloat)
-                                 : colsum(parts.narrow(1, w ? 0 : n, n), at::kFloat);
+                : rows == 0      ? at::zeros({2 * n}, fopt.dtype(pt))
+                : w && b         ? colsum(parts, pt)
+                                 : colsum(parts.narrow(1, w ? 0 : n, n), pt);
   auto param = [&](const Tensor* p, int64_t first) {
     if (!p) return at::empty({0}, h.options());
     return sums.narrow(0, w && b ? first : 0, n).view(p->sizes()).to(p->scalar_type());
@@ -3412,6 +3418,115 @@ Tensor max_pool2d_autograd(const Tensor& x, c10::IntArrayRef k, c10::IntArrayRef
   return MaxPoolFn::apply(x, k.vec(), s.vec(), p.vec(), ceil);
 }
 
+// ---- max_pool2d_where / max_pool2d_backward_add: a pooled tensor's gradients in one pass ----
+// The pieces of kitsune.fx's max-pool branch point (an Inception block's input feeds its
+// pooling and the other branches' convolutions): the forward's output with the kernels'
+// winner bytes, and a backward that adds the other branches' gradients of x while it
+// gathers the pooling's, where autograd would add them one launch each (3 adds of the
+// block input's gradient a block in the Inception net). CUDA: the kernels' layouts only
+// (max_pool_format), else an error (kitsune.fx checks first). CPU: a reference through
+// ATen's indices, the same bytes and sums.
+std::tuple<Tensor, Tensor> max_pool2d_where_cuda(const Tensor& x, c10::IntArrayRef k, c10::IntArrayRef s,
+                                                 c10::IntArrayRef p, bool ceil) {
+  const MaxPoolArgs a = check_max_pool2d(x, k, s, p, ceil);
+  TORCH_CHECK(max_pool_format(x, a), "kitsune.max_pool2d_where: needs a 4-D fp32/fp16/bf16 x dense in NCHW or "
+              "channels-last and a window of at most 256 elements; got ", x.sizes(), " ", x.scalar_type(),
+              " with strides ", x.strides());
+  MaxPoolOut r = max_pool2d_impl(x, a);
+  return {r.out, r.where};
+}
+// The corners (rows, columns; in the padding where negative) of the (oh, ow) windows,
+// as (oh, 1) and (1, ow) int64 tensors.
+std::pair<Tensor, Tensor> window_corners(const MaxPoolArgs& a, int64_t oh, int64_t ow) {
+  auto o = at::TensorOptions().dtype(at::kLong);
+  return {at::arange(oh, o).view({oh, 1}) * a.sh - a.ph, at::arange(ow, o).view({1, ow}) * a.sw - a.pw};
+}
+std::tuple<Tensor, Tensor> max_pool2d_where_cpu(const Tensor& x, c10::IntArrayRef k, c10::IntArrayRef s,
+                                                c10::IntArrayRef p, bool ceil) {
+  const MaxPoolArgs a = check_max_pool2d(x, k, s, p, ceil);
+  TORCH_CHECK(x.dim() == 4, "kitsune.max_pool2d_where: need x (N, C, H, W), got ", x.sizes());
+  TORCH_CHECK(a.kh * a.kw <= 256, "kitsune.max_pool2d_where: a window of at most 256 elements, got ", a.kh, " x ",
+              a.kw);
+  auto [out, idx] = at::max_pool2d_with_indices(x, {a.kh, a.kw}, {a.sh, a.sw}, {a.ph, a.pw}, {1, 1}, a.ceil);
+  auto [h0, w0] = window_corners(a, out.size(2), out.size(3));
+  const int64_t w = x.size(3);
+  Tensor ih = at::floor_divide(idx, w), iw = idx - ih * w;
+  Tensor where = ((ih - h0) * a.kw + (iw - w0)).to(at::kByte).contiguous(out.suggest_memory_format());
+  return {out, where};
+}
+
+// grad (or none) and adds: tensors of the input's shape; the result in where's layout.
+void check_backward_add(const OptTensor& grad, const Tensor& where, const std::vector<Tensor>& adds,
+                        c10::IntArrayRef size) {
+  TORCH_CHECK(size.size() == 4, "kitsune.max_pool2d_backward_add: input_size must be (N, C, H, W), got ", size);
+  TORCH_CHECK(where.scalar_type() == at::kByte && where.dim() == 4 && where.size(0) == size[0] &&
+                  where.size(1) == size[1],
+              "kitsune.max_pool2d_backward_add: where must be max_pool2d_where's uint8 (N, C, oh, ow) for input ",
+              size, ", got ", where.scalar_type(), " ", where.sizes());
+  TORCH_CHECK(grad.has_value() || !adds.empty(), "kitsune.max_pool2d_backward_add: no gradient to sum");
+  if (grad) {
+    TORCH_CHECK(grad->sizes() == where.sizes() && grad->device() == where.device(),
+                "kitsune.max_pool2d_backward_add: grad of shape ", grad->sizes(), " on ", grad->device(),
+                " does not match the pooled output's ", where.sizes(), " on ", where.device());
+  }
+  const Tensor& ref = grad ? *grad : adds[0];
+  for (const Tensor& t : adds)
+    TORCH_CHECK(t.sizes() == size && t.scalar_type() == ref.scalar_type() && t.device() == where.device(),
+                "kitsune.max_pool2d_backward_add: every addend must be ", ref.scalar_type(), " of the input's shape ",
+                size, " on ", where.device(), "; got ", t.scalar_type(), " ", t.sizes(), " on ", t.device());
+}
+Tensor max_pool2d_backward_add_cuda(const OptTensor& grad, const Tensor& where, at::TensorList adds_in,
+                                    c10::IntArrayRef size, c10::IntArrayRef k, c10::IntArrayRef s, c10::IntArrayRef p,
+                                    bool ceil) {
+  std::vector<Tensor> adds(adds_in.begin(), adds_in.end());
+  check_backward_add(grad, where, adds, size);
+  const Tensor& ref = grad ? *grad : adds[0];
+  const MaxPoolArgs a = check_max_pool2d(at::empty(size, ref.options().device(at::kMeta)), k, s, p, ceil);
+  const auto f = where.is_contiguous(at::MemoryFormat::ChannelsLast) && !where.is_contiguous()
+                     ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+  TORCH_CHECK(where.is_contiguous(f), "kitsune.max_pool2d_backward_add: where must be dense (NCHW or channels-last)");
+  c10::cuda::CUDAGuard guard(where.device());
+  Tensor gx = at::empty(size, ref.options().memory_format(f));
+  const kt_pool2d geo = pool_geometry(gx, a, f);
+  TORCH_CHECK(geo.oh == where.size(2) && geo.ow == where.size(3), "kitsune.max_pool2d_backward_add: where's ",
+              where.sizes(), " is not the pooled size of ", size);
+  Tensor g = grad ? grad->contiguous(f) : Tensor();
+  // beyond the kernel's addend slots, the rest summed first (one more launch each)
+  for (auto& t : adds) t = t.contiguous(f);
+  while (adds.size() > KT_POOL_ADDENDS) {
+    Tensor last = adds.back();
+    adds.pop_back();
+    adds.back() = adds.back() + last;
+  }
+  kt_addends ad{};
+  ad.n = (int)adds.size();
+  for (int i = 0; i < ad.n; i++) ad.p[i] = adds[i].data_ptr();
+  check_launch(kt_max_pool2d_backward_add(dtype_of(gx, "max_pool2d_backward_add"), g.defined() ? g.data_ptr() : nullptr,
+                                          where.data_ptr<uint8_t>(), &ad, gx.data_ptr(), &geo, stream_of(gx)),
+               "max_pool2d_backward_add");
+  return gx;
+}
+Tensor max_pool2d_backward_add_cpu(const OptTensor& grad, const Tensor& where, at::TensorList adds_in,
+                                   c10::IntArrayRef size, c10::IntArrayRef k, c10::IntArrayRef s, c10::IntArrayRef p,
+                                   bool ceil) {
+  std::vector<Tensor> adds(adds_in.begin(), adds_in.end());
+  check_backward_add(grad, where, adds, size);
+  const Tensor& ref = grad ? *grad : adds[0];
+  const MaxPoolArgs a = check_max_pool2d(at::empty(size, ref.options().device(at::kMeta)), k, s, p, ceil);
+  const auto f = where.suggest_memory_format();
+  Tensor acc;
+  if (grad) {
+    auto [h0, w0] = window_corners(a, where.size(2), where.size(3));
+    Tensor b = where.to(at::kLong), dh = at::floor_divide(b, a.kw), dw = b - dh * a.kw;
+    Tensor idx = ((h0 + dh) * size[3] + (w0 + dw)).contiguous(f);
+    acc = at::max_pool2d_with_indices_backward(grad->to(opmath(ref)), at::empty(size, ref.options().dtype(opmath(ref))
+                                                                                   .memory_format(f)),
+                                               {a.kh, a.kw}, {a.sh, a.sw}, {a.ph, a.pw}, {1, 1}, a.ceil, idx);
+  }
+  for (const Tensor& t : adds) acc = acc.defined() ? acc + t.to(opmath(ref)) : t.to(opmath(ref));
+  return acc.to(ref.scalar_type()).contiguous(f);
+}
+
 // ---- global_avg_pool: x.mean(dim, keepdim) where dim is H and W of an (N, C, H, W) x ----
 // On CUDA for a channels-last x (dense in NHWC and not NCHW-contiguous too) in
 // fp32/fp16/bf16 with pixels: Kitsune's kernels (fusion/kernels/avg_pool.cu), which need
@@ -3892,6 +4007,8 @@ TORCH_LIBRARY(kitsune, m) {
   m.impl("bias_relu_pool", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &bias_relu_pool_fwd));
   m.def("max_pool2d(Tensor x, int[] kernel_size, int[] stride, int[] padding, bool ceil_mode) -> Tensor");
   m.impl("max_pool2d", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &max_pool2d_fwd));
+  m.def("max_pool2d_where(Tensor x, int[] kernel_size, int[] stride, int[] padding, bool ceil_mode) -> (Tensor, Tensor)");
+  m.def("max_pool2d_backward_add(Tensor? grad, Tensor where, Tensor[] adds, int[] input_size, int[] kernel_size, int[] stride, int[] padding, bool ceil_mode) -> Tensor");
   m.def("global_avg_pool(Tensor x, int[] dim, bool keepdim=False) -> Tensor");
   m.impl("global_avg_pool", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &global_avg_pool_fwd));
   m.def("bias_cat(Tensor[] xs, Tensor[] biases, int dim=1) -> Tensor");
@@ -3931,7 +4048,9 @@ TORCH_LIBRARY(kitsune, m) {
   X(batch_norm_relu) \
   X(batch_norm_relu_backward) \
   X(batch_norm_add_relu) \
-  X(batch_norm_add_relu_backward)
+  X(batch_norm_add_relu_backward) \
+  X(max_pool2d_where) \
+  X(max_pool2d_backward_add)
 
 #define KT_IMPL_CUDA(name) m.impl(#name, &name##_cuda);
 #define KT_IMPL_CPU(name) m.impl(#name, &name##_cpu);

@@ -60,6 +60,10 @@ Patterns (each intermediate must have no other user, so nothing observable is lo
                               kitsune.max_pool2d_branches(x, n, ...), whose views of x those
                               users take: their gradients are added in the pooling's backward
                               pass (an Inception block's input: 3 adds a block otherwise)
+  nn.Embedding / F.embedding  -> kitsune.embedding(idx, W, padding_idx) (no max_norm,
+                              scale_grad_by_freq or sparse; optimize only): on CUDA the weight
+                              gradient by a radix sort over the vocabulary's bits and a block
+                              per run of equal indices, where ATen sorts all 64 bits
   x.mean((2, 3)), adaptive_avg_pool2d(x, 1)  -> kitsune.global_avg_pool(x, dim, keepdim) (dim (2, 3)
                               or (-2, -1), no dtype; F.adaptive_avg_pool2d, nn.AdaptiveAvgPool2d
                               with output size 1; optimize only): on CUDA for channels-last
@@ -690,6 +694,45 @@ _AUGMENTED = (operator.iadd, operator.isub, operator.imul, operator.itruediv, op
               operator.imatmul)
 
 
+def _embedding_of(gm, node):
+    """(indices, weight, padding_idx) when node is nn.Embedding or F.embedding without
+    max_norm, scale_grad_by_freq or sparse (weight a node, or an "attr:" name), else None."""
+    if not isinstance(node, tfx.Node):
+        return None
+    m = _module(gm, node)
+    if type(m) is nn.Embedding:
+        if len(node.args) != 1 or node.kwargs or m.max_norm is not None or m.scale_grad_by_freq or m.sparse:
+            return None
+        return node.args[0], f"attr:{node.target}.weight", m.padding_idx
+    if node.op == "call_function" and node.target is F.embedding:
+        names = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
+        if len(node.args) > len(names) or any(k not in names for k in node.kwargs):
+            return None
+        a = {"padding_idx": None, "max_norm": None, "scale_grad_by_freq": False, "sparse": False}
+        a.update(zip(names, node.args))
+        a.update(node.kwargs)
+        if "input" not in a or "weight" not in a or a["max_norm"] is not None or a["scale_grad_by_freq"] is not False \
+                or a["sparse"] is not False or not (a["padding_idx"] is None or isinstance(a["padding_idx"], int)):
+            return None
+        return a["input"], a["weight"], a["padding_idx"]
+    return None
+
+
+def _rewrite_embedding(gm, g, node, where, report):
+    """nn.Embedding / F.embedding -> kitsune.embedding (the weight gradient by its sort)."""
+    from . import ops as ko
+    emb = _embedding_of(gm, node)
+    if emb is None:
+        return False
+    idx, w, pad = emb
+    report.fused.append((where, f"embedding -> kitsune.embedding ({node.name})"))
+    with g.inserting_before(node):
+        new = g.call_function(ko.embedding, (idx, _attr_or_node(g, w), pad))
+    node.replace_all_uses_with(new)
+    g.erase_node(node)
+    return True
+
+
 def _mutates(gm, node, x):
     """Whether node may write x in place (a method or function named with a trailing
     underscore, an augmented assignment, inplace=True, a module with inplace set)."""
@@ -996,6 +1039,8 @@ def _rewrite(gm, report, prefix, linear_bias=True, optimize_only=True):
             _rewrite_conv_bias(gm, g, node, conv, where, report)
             continue
         if optimize_only and _rewrite_max_pool(gm, g, node, where, report):
+            continue
+        if optimize_only and _rewrite_embedding(gm, g, node, where, report):
             continue
         if optimize_only and _rewrite_global_avg_pool(gm, g, node, where, report):
             continue

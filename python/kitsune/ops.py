@@ -49,6 +49,9 @@ Ops (reference semantics):
   max_pool2d(x, kernel_size, stride, padding, ceil_mode)
                                             F.max_pool2d (dilation 1, no indices): one kernel
                                             each way on CUDA, a byte per output saved
+  embedding(indices, weight, padding_idx=None)
+                                            F.embedding; on CUDA the weight gradient by a
+                                            radix sort over the vocabulary's bits only
   max_pool2d_branches(x, n, kernel_size, stride, padding, ceil_mode)
                                             (max_pool2d(x, ...), x, ..., x) for n other users
                                             of x: their gradients added in the pooling's
@@ -278,6 +281,11 @@ def _(x, kernel_size, stride, padding, ceil_mode):
     return torch.ops.aten.max_pool2d_with_indices.default(x, kernel_size, stride, padding, [1, 1], ceil_mode)[0]
 
 
+@torch.library.register_fake("kitsune::embedding")
+def _(weight, indices, padding_idx=-1):
+    return torch.ops.aten.embedding.default(weight, indices, padding_idx)
+
+
 @torch.library.register_fake("kitsune::max_pool2d_where")
 def _(x, kernel_size, stride, padding, ceil_mode):
     out = torch.ops.aten.max_pool2d_with_indices.default(x, kernel_size, stride, padding, [1, 1], ceil_mode)[0]
@@ -500,6 +508,17 @@ def max_pool2d(x, kernel_size, stride=None, padding=0, ceil_mode=False):
         return [v, v] if isinstance(v, int) else list(v)
     return _lib.max_pool2d(x, ints(kernel_size), [] if stride is None else ints(stride), ints(padding),
                            bool(ceil_mode))
+
+
+def embedding(indices, weight, padding_idx=None):
+    """F.embedding(indices, weight, padding_idx) (no max_norm, scale_grad_by_freq or
+    sparse). On CUDA the weight gradient is Kitsune's: a radix sort over the
+    vocabulary's bits only and a block per run of equal indices, in a fixed order."""
+    if padding_idx is None:
+        padding_idx = -1
+    elif padding_idx < 0:   # as F.embedding counts it
+        padding_idx += weight.shape[0]
+    return _lib.embedding(weight, indices, padding_idx)
 
 
 class _MaxPoolBranches(torch.autograd.Function):

@@ -976,3 +976,37 @@ def test_fused_loss_runs_cross_entropy_as_kitsunes_where_it_covers_the_call():
     with kitsune.fx.FusedLoss(devices=("cpu",)) as mode, torch.autocast("cpu", dtype=torch.bfloat16):
         F.cross_entropy(x2.float(), t2)
     assert mode.fused == 0 and "under autocast" in mode.left[0], mode.left
+
+
+class _Embeddings(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok, self.pad = nn.Embedding(13, 8), nn.Embedding(13, 8, padding_idx=0)
+        self.normed, self.freq = nn.Embedding(13, 8, max_norm=1.0), nn.Embedding(13, 8, scale_grad_by_freq=True)
+        self.w = nn.Parameter(torch.randn(13, 8))
+
+    def forward(self, i):
+        a = self.tok(i) + self.pad(i) + F.embedding(i, self.w, padding_idx=-1)   # taken, all three
+        return a + self.normed(i).detach() + self.freq(i)                          # left: max_norm, by frequency
+
+
+def test_embeddings_become_kitsune_embedding():
+    """nn.Embedding and F.embedding become kitsune.embedding (padding_idx kept, a negative
+    one counted from the end); max_norm and scale_grad_by_freq are left; outputs and
+    gradients equal."""
+    torch.manual_seed(17)
+    m = _Embeddings().double()
+    rep = kitsune.fx.Report()
+    opt = kitsune.optimize(m, report=rep)
+    assert _kinds(rep) == ["kitsune.embedding"] * 3, rep
+    i = torch.randint(0, 13, (4, 6))
+    torch.testing.assert_close(opt(i), m(i))
+    pa, pb = dict(opt.named_parameters()), dict(m.named_parameters())
+    assert pa.keys() == pb.keys()
+    names = sorted(pa)
+    ga = torch.autograd.grad(opt(i).square().sum(), [pa[k] for k in names], allow_unused=True)
+    gb = torch.autograd.grad(m(i).square().sum(), [pb[k] for k in names], allow_unused=True)
+    assert {k for k, a in zip(names, ga) if a is None} == {k for k, b in zip(names, gb) if b is None} == {
+        "normed.weight"}
+    for a, b in zip(ga, gb):
+        torch.testing.assert_close(a, b)

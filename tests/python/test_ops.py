@@ -719,6 +719,62 @@ def test_gpu_max_pool2d_equals_aten(dtype):
                 assert gx.stride() == rx.stride(), what
 
 
+def test_embedding_cpu_matches_f_embedding():
+    """kitsune.embedding on the CPU (ATen's lookup and dense backward): values and fp64
+    weight gradients of F.embedding, with repeated indices, 2-D and int32 indices,
+    padding_idx positive, negative and None; opcheck; bad arguments named."""
+    g = torch.Generator().manual_seed(47)
+    w = torch.randn(11, 6, dtype=torch.float64, generator=g)
+    for idx, pad in [(torch.randint(0, 11, (3, 7), generator=g), None), (torch.tensor([1, 1, 1, 4, 10]), 1),
+                     (torch.randint(0, 11, (9,), generator=g, dtype=torch.int32), -2)]:
+        wa, wb = w.clone().requires_grad_(), w.clone().requires_grad_()
+        got, want = ko.embedding(idx, wa, pad), F.embedding(idx, wb, pad)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        go = torch.randn(got.shape, dtype=torch.float64, generator=g)
+        torch.testing.assert_close(torch.autograd.grad(got, wa, go)[0], torch.autograd.grad(want, wb, go)[0],
+                                   rtol=0, atol=0)
+    torch.library.opcheck(torch.ops.kitsune.embedding.default, (w.float().requires_grad_(), idx.long(), 3))
+    with pytest.raises(RuntimeError, match=r"padding_idx must be -1 \(none\) or in \[0, 11\), got 11"):
+        torch.ops.kitsune.embedding(w, idx.long(), 11)
+    with pytest.raises(RuntimeError, match="indices must be int64 or int32, got Float"):
+        ko.embedding(idx.float(), w)
+    with pytest.raises(RuntimeError, match=r"weight must be \(num_embeddings, embedding_dim\), got \[66\]"):
+        ko.embedding(idx, w.flatten())
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_gpu_embedding_weight_gradient(dtype):
+    """kitsune.embedding's CUDA backward against the fp64 sum of the gradient rows of
+    each index: GPT's 4096 tokens over 8192 rows, every token one index, runs longer than
+    a block, padding_idx, a row width that is not a multiple of the 16-byte vector, no
+    tokens; poisoned memory (every row written, unnamed ones zero), the same bits twice."""
+    g = torch.Generator().manual_seed(53)
+    tol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+    cases = [((16, 256), 8192, 512, None, "random"), ((4096,), 8192, 512, None, "one"),
+             ((3, 300), 50, 24, 7, "random"), ((5, 64), 1000, 13, None, "random"), ((0,), 20, 16, None, "random")]
+    for shape, rows, dim, pad, kind in cases:
+        what = f"{dtype} {shape} rows={rows} dim={dim} pad={pad} {kind}"
+        idx = (torch.full(shape, 3) if kind == "one" else torch.randint(0, rows, shape, generator=g)).cuda()
+        w = torch.randn(rows, dim, generator=g).to("cuda", dtype).requires_grad_()
+        go = torch.randn(*shape, dim, generator=g).to("cuda", dtype)
+        grads = []
+        for _ in range(2):
+            _poison(4 * rows * dim + 4 * go.numel(), "cuda")
+            out = ko.embedding(idx, w, pad)
+            torch.testing.assert_close(out, F.embedding(idx, w.detach(), pad), rtol=0, atol=0, msg=what)
+            grads.append(torch.autograd.grad(out, w, go)[0])
+        assert torch.equal(grads[0], grads[1]), what
+        want = torch.zeros(rows, dim, dtype=torch.float64, device="cuda").index_add_(
+            0, idx.reshape(-1), go.reshape(-1, dim).double())
+        if pad is not None:
+            want[pad] = 0
+        assert not torch.isnan(grads[0]).any(), what
+        torch.testing.assert_close(grads[0].double(), want, rtol=tol, atol=tol * max(1.0, want.abs().max().item()),
+                                   msg=what)
+
+
 def _branches_ref(x, n, k, s, p, ceil, ws):
     """max_pool2d(x) and n other users of x (x * w_i), as autograd sums them."""
     return [F.max_pool2d(x, k, s, p, ceil_mode=ceil)] + [x * w for w in ws[:n]]

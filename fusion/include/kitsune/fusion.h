@@ -89,6 +89,15 @@ kt_status kt_global_avg_pool(kt_dtype t, const void *x, void *out, int64_t n, in
  * rounded once; grad (n, c) dense. */
 kt_status kt_global_avg_pool_backward(kt_dtype t, const void *grad, void *grad_in, int64_t n, int64_t c, int64_t hw,
                                       void *stream);
+/* The weight gradient of an embedding lookup: grad_weight (rows, dim) dense = for each
+ * row v, the sum of the grad rows (n, dim dense) whose indices[p] == v, in fp32 in
+ * ascending p and rounded once; zero for rows no index names and for padding_idx (-1:
+ * none); indices outside [0, rows) add nothing. workspace: kt_embedding_backward_workspace
+ * bytes on the device, 256-byte aligned (-1 there: n or rows out of range). */
+int64_t kt_embedding_backward_workspace(int64_t n, int64_t rows);
+kt_status kt_embedding_backward(kt_dtype t, const void *grad, const int64_t *indices, int64_t n, int64_t dim,
+                                int64_t rows, int64_t padding_idx, void *grad_weight, void *workspace,
+                                int64_t workspace_bytes, void *stream);
 /* kitsune.bias_cat: parts i < k of (n, c[i], h, w), all NCHW-contiguous (channels_last =
  * 0) or all channels-last (1), concatenated over dim 1 at channel offsets off[i]
  * (off[0] = 0, off[i + 1] = off[i] + c[i]; off[k] = the total). */

@@ -3527,6 +3527,67 @@ Tensor max_pool2d_backward_add_cpu(const OptTensor& grad, const Tensor& where, a
   return acc.to(ref.scalar_type()).contiguous(f);
 }
 
+// ---- embedding: F.embedding(indices, weight, padding_idx) ----
+// The forward is ATen's lookup; the weight gradient, on CUDA for fp32/fp16/bf16, is
+// Kitsune's (fusion/kernels/embedding.cu: a radix sort over the vocabulary's bits
+// only, then a block per run of equal indices), where ATen's sorts all 64 bits of the
+// indices. Elsewhere (the CPU, fake tensors, other dtypes) ATen's dense backward.
+// padding_idx -1: none (kitsune.ops.embedding counts a negative one from the end first, as
+// F.embedding does).
+Tensor embedding_fwd(const Tensor& w, const Tensor& indices, int64_t padding_idx) {
+  TORCH_CHECK(w.dim() == 2, "kitsune.embedding: weight must be (num_embeddings, embedding_dim), got ", w.sym_sizes());
+  const c10::SymInt& rows = w.sym_size(0);
+  TORCH_CHECK(padding_idx == -1 || (padding_idx >= 0 && rows > padding_idx),
+              "kitsune.embedding: padding_idx must be -1 (none) or in [0, ", rows, "), got ", padding_idx);
+  TORCH_CHECK(indices.scalar_type() == at::kLong || indices.scalar_type() == at::kInt,
+              "kitsune.embedding: indices must be int64 or int32, got ", indices.scalar_type());
+  return at::embedding(w, indices, padding_idx);
+}
+Tensor embedding_backward_impl(const Tensor& grad, const Tensor& indices, const c10::SymInt& sym_rows,
+                               int64_t padding_idx) {
+  // sizes only on real CUDA tensors (a fake one's may be symbolic)
+  const bool real = grad.is_cuda() && !grad.key_set().has(c10::DispatchKey::Python) &&
+                    !indices.key_set().has(c10::DispatchKey::Python) &&
+                    (grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kHalf ||
+                     grad.scalar_type() == at::kBFloat16);
+  const bool kernels = real && kt_embedding_backward_workspace(indices.numel(), sym_rows.expect_int()) >= 0 &&
+                       (grad.size(-1) + 127) / 128 <= 65535;
+  if (!kernels) return at::embedding_dense_backward_symint(grad, indices, sym_rows, padding_idx, false);
+  const int64_t dim = grad.size(-1), n = indices.numel(), rows = sym_rows.expect_int();
+  c10::cuda::CUDAGuard g(grad.device());
+  Tensor gc = grad.reshape({n, dim}).contiguous(), ic = indices.reshape({n}).to(at::kLong).contiguous();
+  Tensor out = at::empty({rows, dim}, gc.options());
+  const int64_t wsn = kt_embedding_backward_workspace(n, rows);
+  Tensor ws = at::empty({wsn > 0 ? wsn : 1}, gc.options().dtype(at::kByte));   // the caching allocator: 512-aligned
+  check_launch(kt_embedding_backward(dtype_of(gc, "embedding"), gc.data_ptr(), ic.data_ptr<int64_t>(), n, dim, rows,
+                                     padding_idx, out.data_ptr(), ws.data_ptr(), wsn, stream_of(out)),
+               "embedding backward");
+  return out;
+}
+
+struct EmbeddingFn : torch::autograd::Function<EmbeddingFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& w, const Tensor& indices, int64_t padding_idx) {
+    Tensor out;
+    {
+      at::AutoDispatchBelowADInplaceOrView g;
+      out = embedding_fwd(w, indices, padding_idx);
+    }
+    ctx->saved_data["rows"] = w.sym_size(0);
+    ctx->saved_data["padding"] = padding_idx;
+    ctx->save_for_backward({indices});
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list go) {
+    const auto saved = ctx->get_saved_variables();
+    return {embedding_backward_impl(go[0], saved[0], ctx->saved_data["rows"].toSymInt(),
+                                    ctx->saved_data["padding"].toInt()),
+            Tensor(), Tensor()};
+  }
+};
+Tensor embedding_autograd(const Tensor& w, const Tensor& indices, int64_t padding_idx) {
+  return EmbeddingFn::apply(w, indices, padding_idx);
+}
+
 // ---- global_avg_pool: x.mean(dim, keepdim) where dim is H and W of an (N, C, H, W) x ----
 // On CUDA for a channels-last x (dense in NHWC and not NCHW-contiguous too) in
 // fp32/fp16/bf16 with pixels: Kitsune's kernels (fusion/kernels/avg_pool.cu), which need
@@ -4009,6 +4070,8 @@ TORCH_LIBRARY(kitsune, m) {
   m.impl("max_pool2d", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &max_pool2d_fwd));
   m.def("max_pool2d_where(Tensor x, int[] kernel_size, int[] stride, int[] padding, bool ceil_mode) -> (Tensor, Tensor)");
   m.def("max_pool2d_backward_add(Tensor? grad, Tensor where, Tensor[] adds, int[] input_size, int[] kernel_size, int[] stride, int[] padding, bool ceil_mode) -> Tensor");
+  m.def("embedding(Tensor weight, Tensor indices, int padding_idx=-1) -> Tensor");
+  m.impl("embedding", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &embedding_fwd));
   m.def("global_avg_pool(Tensor x, int[] dim, bool keepdim=False) -> Tensor");
   m.impl("global_avg_pool", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &global_avg_pool_fwd));
   m.def("bias_cat(Tensor[] xs, Tensor[] biases, int dim=1) -> Tensor");
@@ -4086,6 +4149,7 @@ TORCH_LIBRARY_IMPL(kitsune, Autograd, m) {
   m.impl("channel_bias", &channel_bias_autograd);
   m.impl("bias_relu_pool", &bias_relu_pool_autograd);
   m.impl("max_pool2d", &max_pool2d_autograd);
+  m.impl("embedding", &embedding_autograd);
   m.impl("global_avg_pool", &global_avg_pool_autograd);
   m.impl("bias_cat", &bias_cat_autograd);
   m.impl("cross_entropy", &cross_entropy_autograd);

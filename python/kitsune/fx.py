@@ -403,11 +403,7 @@ def _rewrite_loss(gm, g, node, where, report):
         report.left.append((where, f"cross_entropy(linear): the logits {logits.name} are also used elsewhere "
                                    "(fused as cross_entropy only)"))
     report.fused.append((where, "cross_entropy -> kitsune.cross_entropy"))
-    with g.inserting_before(node):
-        new = g.call_function(_cross_entropy, (inp, ce["target"], ce["ignore_index"],
-                                               float(ce["label_smoothing"])))
-    node.replace_all_uses_with(new)
-    g.erase_node(node)
+    _swap(g, node, _cross_entropy, (inp, ce["target"], ce["ignore_index"], float(ce["label_smoothing"])))
 
 
 def _rewrite_add_layer_norm(gm, g, node, where, report):
@@ -718,6 +714,14 @@ def _embedding_of(gm, node):
     return None
 
 
+def _swap(g, node, fn, args):
+    """Replaces node by fn(*args), a call_function node in its place."""
+    with g.inserting_before(node):
+        new = g.call_function(fn, args)
+    node.replace_all_uses_with(new)
+    g.erase_node(node)
+
+
 def _rewrite_embedding(gm, g, node, where, report):
     """nn.Embedding / F.embedding -> kitsune.embedding (the weight gradient by its sort)."""
     from . import ops as ko
@@ -727,9 +731,8 @@ def _rewrite_embedding(gm, g, node, where, report):
     idx, w, pad = emb
     report.fused.append((where, f"embedding -> kitsune.embedding ({node.name})"))
     with g.inserting_before(node):
-        new = g.call_function(ko.embedding, (idx, _attr_or_node(g, w), pad))
-    node.replace_all_uses_with(new)
-    g.erase_node(node)
+        w = _attr_or_node(g, w)
+    _swap(g, node, ko.embedding, (idx, w, pad))
     return True
 
 
@@ -773,10 +776,7 @@ def _rewrite_max_pool(gm, g, node, where, report):
         g.erase_node(node)
         return True
     report.fused.append((where, f"max_pool2d -> kitsune.max_pool2d ({node.name})"))
-    with g.inserting_before(node):
-        new = g.call_function(ko.max_pool2d, (x, k, stride, pad, ceil))
-    node.replace_all_uses_with(new)
-    g.erase_node(node)
+    _swap(g, node, ko.max_pool2d, (x, k, stride, pad, ceil))
     return True
 
 
@@ -824,10 +824,7 @@ def _rewrite_global_avg_pool(gm, g, node, where, report):
         return False
     x, dim, keepdim = pool
     report.fused.append((where, f"mean over H, W -> kitsune.global_avg_pool ({node.name})"))
-    with g.inserting_before(node):
-        new = g.call_function(ko.global_avg_pool, (x, dim, keepdim))
-    node.replace_all_uses_with(new)
-    g.erase_node(node)
+    _swap(g, node, ko.global_avg_pool, (x, dim, keepdim))
     return True
 
 

@@ -3456,8 +3456,10 @@ std::tuple<Tensor, Tensor> max_pool2d_where_cpu(const Tensor& x, c10::IntArrayRe
 }
 
 // grad (or none) and adds: tensors of the input's shape; the result in where's layout.
-void check_backward_add(const OptTensor& grad, const Tensor& where, const std::vector<Tensor>& adds,
-                        c10::IntArrayRef size) {
+// Returns the pooling's arguments, checked against the input's size.
+MaxPoolArgs check_backward_add(const OptTensor& grad, const Tensor& where, const std::vector<Tensor>& adds,
+                               c10::IntArrayRef size, c10::IntArrayRef k, c10::IntArrayRef s, c10::IntArrayRef p,
+                               bool ceil) {
   TORCH_CHECK(size.size() == 4, "kitsune.max_pool2d_backward_add: input_size must be (N, C, H, W), got ", size);
   TORCH_CHECK(where.scalar_type() == at::kByte && where.dim() == 4 && where.size(0) == size[0] &&
                   where.size(1) == size[1],
@@ -3474,14 +3476,14 @@ void check_backward_add(const OptTensor& grad, const Tensor& where, const std::v
     TORCH_CHECK(t.sizes() == size && t.scalar_type() == ref.scalar_type() && t.device() == where.device(),
                 "kitsune.max_pool2d_backward_add: every addend must be ", ref.scalar_type(), " of the input's shape ",
                 size, " on ", where.device(), "; got ", t.scalar_type(), " ", t.sizes(), " on ", t.device());
+  return check_max_pool2d(at::empty(size, ref.options().device(at::kMeta)), k, s, p, ceil);
 }
 Tensor max_pool2d_backward_add_cuda(const OptTensor& grad, const Tensor& where, at::TensorList adds_in,
                                     c10::IntArrayRef size, c10::IntArrayRef k, c10::IntArrayRef s, c10::IntArrayRef p,
                                     bool ceil) {
   std::vector<Tensor> adds(adds_in.begin(), adds_in.end());
-  check_backward_add(grad, where, adds, size);
+  const MaxPoolArgs a = check_backward_add(grad, where, adds, size, k, s, p, ceil);
   const Tensor& ref = grad ? *grad : adds[0];
-  const MaxPoolArgs a = check_max_pool2d(at::empty(size, ref.options().device(at::kMeta)), k, s, p, ceil);
   const auto f = where.is_contiguous(at::MemoryFormat::ChannelsLast) && !where.is_contiguous()
                      ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
   TORCH_CHECK(where.is_contiguous(f), "kitsune.max_pool2d_backward_add: where must be dense (NCHW or channels-last)");
@@ -3510,9 +3512,8 @@ Tensor max_pool2d_backward_add_cpu(const OptTensor& grad, const Tensor& where, a
                                    c10::IntArrayRef size, c10::IntArrayRef k, c10::IntArrayRef s, c10::IntArrayRef p,
                                    bool ceil) {
   std::vector<Tensor> adds(adds_in.begin(), adds_in.end());
-  check_backward_add(grad, where, adds, size);
+  const MaxPoolArgs a = check_backward_add(grad, where, adds, size, k, s, p, ceil);
   const Tensor& ref = grad ? *grad : adds[0];
-  const MaxPoolArgs a = check_max_pool2d(at::empty(size, ref.options().device(at::kMeta)), k, s, p, ceil);
   const auto f = where.suggest_memory_format();
   Tensor acc;
   if (grad) {

@@ -268,16 +268,25 @@ def _cross_entropy(logits, target, ignore_index, label_smoothing):
     return F.cross_entropy(logits, target, ignore_index=ignore_index, label_smoothing=label_smoothing)
 
 
+def _bound(names, defaults, args, kwargs):
+    """{argument: value} of a call with these positional names and defaults, or None when
+    it passes more positional arguments than names or a keyword not among them."""
+    if len(args) > len(names) or any(k not in names for k in kwargs):
+        return None
+    a = dict(defaults)
+    a.update(zip(names, args))
+    a.update(kwargs)
+    return a
+
+
 _CE_ARGS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
 
 
 def _ce_args(args, kwargs):
-    """{argument: value} of a call F.cross_entropy(*args, **kwargs)."""
-    a = {"weight": None, "size_average": None, "ignore_index": -100, "reduce": None, "reduction": "mean",
-         "label_smoothing": 0.0}
-    a.update(zip(_CE_ARGS, args))
-    a.update(kwargs)
-    return a
+    """{argument: value} of a call F.cross_entropy(*args, **kwargs), or None (arguments it
+    does not take)."""
+    return _bound(_CE_ARGS, {"weight": None, "size_average": None, "ignore_index": -100, "reduce": None,
+                             "reduction": "mean", "label_smoothing": 0.0}, args, kwargs)
 
 
 def _ce_call(node):
@@ -332,7 +341,7 @@ class FusedLoss(torch.overrides.TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.cross_entropy:
             ce = _ce_args(args, kwargs)
-            why = self._unfusable(ce)
+            why = self._unfusable(ce) if ce is not None else "cross_entropy with arguments it does not take"
             if why is None:
                 from . import ops as ko
                 self.fused += 1
@@ -664,13 +673,10 @@ def _max_pool_of(gm, node):
         a = {"input": node.args[0], "kernel_size": m.kernel_size, "stride": m.stride, "padding": m.padding,
              "dilation": m.dilation, "ceil_mode": m.ceil_mode, "return_indices": m.return_indices}
     elif node.op == "call_function" and node.target in (F.max_pool2d, torch.max_pool2d):
-        names = ("input", "kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")
-        a = {"stride": None, "padding": 0, "dilation": 1, "ceil_mode": False, "return_indices": False}
-        if len(node.args) > len(names) or any(k not in names for k in node.kwargs):
-            return None
-        a.update(zip(names, node.args))
-        a.update(node.kwargs)
-        if "input" not in a or "kernel_size" not in a:
+        a = _bound(("input", "kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices"),
+                   {"stride": None, "padding": 0, "dilation": 1, "ceil_mode": False, "return_indices": False},
+                   node.args, node.kwargs)
+        if a is None or "input" not in a or "kernel_size" not in a:
             return None
     else:
         return None
@@ -701,14 +707,12 @@ def _embedding_of(gm, node):
             return None
         return node.args[0], f"attr:{node.target}.weight", m.padding_idx
     if node.op == "call_function" and node.target is F.embedding:
-        names = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
-        if len(node.args) > len(names) or any(k not in names for k in node.kwargs):
-            return None
-        a = {"padding_idx": None, "max_norm": None, "scale_grad_by_freq": False, "sparse": False}
-        a.update(zip(names, node.args))
-        a.update(node.kwargs)
-        if "input" not in a or "weight" not in a or a["max_norm"] is not None or a["scale_grad_by_freq"] is not False \
-                or a["sparse"] is not False or not (a["padding_idx"] is None or isinstance(a["padding_idx"], int)):
+        a = _bound(("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse"),
+                   {"padding_idx": None, "max_norm": None, "scale_grad_by_freq": False, "sparse": False},
+                   node.args, node.kwargs)
+        if a is None or "input" not in a or "weight" not in a or a["max_norm"] is not None or \
+                a["scale_grad_by_freq"] is not False or a["sparse"] is not False or \
+                not (a["padding_idx"] is None or isinstance(a["padding_idx"], int)):
             return None
         return a["input"], a["weight"], a["padding_idx"]
     return None

@@ -211,12 +211,11 @@ class CompiledStep:
             out = model(*inputs)
             if self.loss_fn is None:
                 loss = out
-            elif self._fuse_loss:
-                with FusedLoss() as mode:
-                    loss = self.loss_fn(out, target)
-                self._loss_info = {"fused_loss": mode.fused, "fused_loss_left": mode.left}
             else:
-                loss = self.loss_fn(out, target)
+                with FusedLoss() if self._fuse_loss else contextlib.nullcontext() as mode:
+                    loss = self.loss_fn(out, target)
+                if mode is not None:
+                    self._loss_info = {"fused_loss": mode.fused, "fused_loss_left": mode.left}
             del out   # what the backward needs of it, autograd keeps: the rest goes now, as in an eager loop
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError(f"compile_step: the loss must be a one-element tensor, got "

@@ -522,8 +522,8 @@ def embedding(indices, weight, padding_idx=None):
 
 
 class _MaxPoolBranches(torch.autograd.Function):
-    """(max_pool2d(x), x, ..., x): the copies of x views of it whose gradients the
-    backward adds to the pooling's in the same pass (max_pool2d_backward_add)."""
+    """(max_pool2d(x), x_1, ..., x_n), the x_i views of x whose gradients the backward
+    adds to the pooling's in the same pass (max_pool2d_backward_add)."""
 
     @staticmethod
     def forward(ctx, x, n, k, s, p, ceil):
@@ -543,28 +543,18 @@ class _MaxPoolBranches(torch.autograd.Function):
         return (_lib.max_pool2d_backward_add(g_out, where, adds, *ctx.geo), None, None, None, None, None)
 
 
-def _max_pool_kernels_take(x, k):
-    """Whether max_pool2d_where takes x: CUDA, 4-D, fp32/fp16/bf16, dense NCHW or
-    channels-last, a window of at most 256 elements (the CPU: its reference, any 4-D)."""
-    if not isinstance(x, torch.Tensor) or x.dim() != 4 or k[0] * k[1] > 256:
-        return False
-    if x.device.type == "cpu":
-        return x.is_floating_point()
-    return x.is_cuda and x.dtype in (torch.float32, torch.float16, torch.bfloat16) and (
-        x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last))
-
-
 def max_pool2d_branches(x, n, kernel_size, stride=None, padding=0, ceil_mode=False):
     """(F.max_pool2d(x, ...), x_1, ..., x_n): x_i are x for n other users of x (an
-    Inception block's branches beside its pooling). Where Kitsune's pooling kernels take
-    x and a gradient is wanted, the x_i are views of x whose gradients the pooling's
-    backward adds in its own pass, where autograd would add each in a launch of its own;
-    otherwise they are x itself. Values and gradients equal max_pool2d's and x's."""
+    Inception block's branches beside its pooling). Where a gradient is wanted (a 4-D
+    floating x, a window of at most 256 elements), the x_i are views of x whose gradients
+    the pooling's backward adds in its own pass (on CUDA in the pooling kernel, where it
+    takes x; elsewhere through ATen), where autograd would add each in a launch of its
+    own; otherwise they are x itself. Values and gradients equal max_pool2d's and x's."""
     def ints(v):
         return [v, v] if isinstance(v, int) else list(v)
     k, p = ints(kernel_size), ints(padding)
     s = k if stride is None or (not isinstance(stride, int) and len(stride) == 0) else ints(stride)
-    if torch.is_grad_enabled() and x.requires_grad and _max_pool_kernels_take(x, k):
+    if torch.is_grad_enabled() and x.requires_grad and x.dim() == 4 and x.is_floating_point() and k[0] * k[1] <= 256:
         return _MaxPoolBranches.apply(x, n, k, s, p, bool(ceil_mode))
     return (max_pool2d(x, k, s, p, ceil_mode),) + (x,) * n
 

@@ -3423,22 +3423,13 @@ Tensor max_pool2d_autograd(const Tensor& x, c10::IntArrayRef k, c10::IntArrayRef
 // pooling and the other branches' convolutions): the forward's output with the kernels'
 // winner bytes, and a backward that adds the other branches' gradients of x while it
 // gathers the pooling's, where autograd would add them one launch each (3 adds of the
-// block input's gradient a block in the Inception net). CUDA: the kernels' layouts only
-// (max_pool_format), else an error (kitsune.fx checks first). CPU: a reference through
-// ATen's indices, the same bytes and sums.
-std::tuple<Tensor, Tensor> max_pool2d_where_cuda(const Tensor& x, c10::IntArrayRef k, c10::IntArrayRef s,
-                                                 c10::IntArrayRef p, bool ceil) {
-  const MaxPoolArgs a = check_max_pool2d(x, k, s, p, ceil);
-  TORCH_CHECK(max_pool_format(x, a), "kitsune.max_pool2d_where: needs a 4-D fp32/fp16/bf16 x dense in NCHW or "
-              "channels-last and a window of at most 256 elements; got ", x.sizes(), " ", x.scalar_type(),
-              " with strides ", x.strides());
-  MaxPoolOut r = max_pool2d_impl(x, a);
-  return {r.out, r.where};
-}
+// block input's gradient a block in the Inception net). CUDA: the kernels where they
+// take x (max_pool_format: dtype, layout, window); elsewhere, and on the CPU, a reference
+// through ATen's indices, on x's device: the same bytes and sums.
 // The corners (rows, columns; in the padding where negative) of the (oh, ow) windows,
-// as (oh, 1) and (1, ow) int64 tensors.
-std::pair<Tensor, Tensor> window_corners(const MaxPoolArgs& a, int64_t oh, int64_t ow) {
-  auto o = at::TensorOptions().dtype(at::kLong);
+// as (oh, 1) and (1, ow) int64 tensors on device d.
+std::pair<Tensor, Tensor> window_corners(const MaxPoolArgs& a, int64_t oh, int64_t ow, at::Device d) {
+  auto o = at::TensorOptions().dtype(at::kLong).device(d);
   return {at::arange(oh, o).view({oh, 1}) * a.sh - a.ph, at::arange(ow, o).view({1, ow}) * a.sw - a.pw};
 }
 std::tuple<Tensor, Tensor> max_pool2d_where_cpu(const Tensor& x, c10::IntArrayRef k, c10::IntArrayRef s,
@@ -3448,11 +3439,18 @@ std::tuple<Tensor, Tensor> max_pool2d_where_cpu(const Tensor& x, c10::IntArrayRe
   TORCH_CHECK(a.kh * a.kw <= 256, "kitsune.max_pool2d_where: a window of at most 256 elements, got ", a.kh, " x ",
               a.kw);
   auto [out, idx] = at::max_pool2d_with_indices(x, {a.kh, a.kw}, {a.sh, a.sw}, {a.ph, a.pw}, {1, 1}, a.ceil);
-  auto [h0, w0] = window_corners(a, out.size(2), out.size(3));
+  auto [h0, w0] = window_corners(a, out.size(2), out.size(3), x.device());
   const int64_t w = x.size(3);
   Tensor ih = at::floor_divide(idx, w), iw = idx - ih * w;
   Tensor where = ((ih - h0) * a.kw + (iw - w0)).to(at::kByte).contiguous(out.suggest_memory_format());
   return {out, where};
+}
+std::tuple<Tensor, Tensor> max_pool2d_where_cuda(const Tensor& x, c10::IntArrayRef k, c10::IntArrayRef s,
+                                                 c10::IntArrayRef p, bool ceil) {
+  const MaxPoolArgs a = check_max_pool2d(x, k, s, p, ceil);
+  if (!max_pool_format(x, a)) return max_pool2d_where_cpu(x, k, s, p, ceil);   // ATen's, on the device
+  MaxPoolOut r = max_pool2d_impl(x, a);
+  return {r.out, r.where};
 }
 
 // grad (or none) and adds: tensors of the input's shape; the result in where's layout.
@@ -3478,12 +3476,33 @@ MaxPoolArgs check_backward_add(const OptTensor& grad, const Tensor& where, const
                 size, " on ", where.device(), "; got ", t.scalar_type(), " ", t.sizes(), " on ", t.device());
   return check_max_pool2d(at::empty(size, ref.options().device(at::kMeta)), k, s, p, ceil);
 }
+Tensor max_pool2d_backward_add_cpu(const OptTensor& grad, const Tensor& where, at::TensorList adds_in,
+                                   c10::IntArrayRef size, c10::IntArrayRef k, c10::IntArrayRef s, c10::IntArrayRef p,
+                                   bool ceil) {
+  std::vector<Tensor> adds(adds_in.begin(), adds_in.end());
+  const MaxPoolArgs a = check_backward_add(grad, where, adds, size, k, s, p, ceil);
+  const Tensor& ref = grad ? *grad : adds[0];
+  const auto f = where.suggest_memory_format();
+  Tensor acc;
+  if (grad) {
+    auto [h0, w0] = window_corners(a, where.size(2), where.size(3), where.device());
+    Tensor b = where.to(at::kLong), dh = at::floor_divide(b, a.kw), dw = b - dh * a.kw;
+    Tensor idx = ((h0 + dh) * size[3] + (w0 + dw)).contiguous(f);
+    acc = at::max_pool2d_with_indices_backward(grad->to(opmath(ref)), at::empty(size, ref.options().dtype(opmath(ref))
+                                                                                   .memory_format(f)),
+                                               {a.kh, a.kw}, {a.sh, a.sw}, {a.ph, a.pw}, {1, 1}, a.ceil, idx);
+  }
+  for (const Tensor& t : adds) acc = acc.defined() ? acc + t.to(opmath(ref)) : t.to(opmath(ref));
+  return acc.to(ref.scalar_type()).contiguous(f);
+}
 Tensor max_pool2d_backward_add_cuda(const OptTensor& grad, const Tensor& where, at::TensorList adds_in,
                                     c10::IntArrayRef size, c10::IntArrayRef k, c10::IntArrayRef s, c10::IntArrayRef p,
                                     bool ceil) {
   std::vector<Tensor> adds(adds_in.begin(), adds_in.end());
   const MaxPoolArgs a = check_backward_add(grad, where, adds, size, k, s, p, ceil);
   const Tensor& ref = grad ? *grad : adds[0];
+  if (!lt_dtype_ok(ref))   // the dtypes the kernels do not take: ATen's, on the device
+    return max_pool2d_backward_add_cpu(grad, where, adds_in, size, k, s, p, ceil);
   const auto f = where.is_contiguous(at::MemoryFormat::ChannelsLast) && !where.is_contiguous()
                      ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
   TORCH_CHECK(where.is_contiguous(f), "kitsune.max_pool2d_backward_add: where must be dense (NCHW or channels-last)");
@@ -3507,25 +3526,6 @@ Tensor max_pool2d_backward_add_cuda(const OptTensor& grad, const Tensor& where, 
                                           where.data_ptr<uint8_t>(), &ad, gx.data_ptr(), &geo, stream_of(gx)),
                "max_pool2d_backward_add");
   return gx;
-}
-Tensor max_pool2d_backward_add_cpu(const OptTensor& grad, const Tensor& where, at::TensorList adds_in,
-                                   c10::IntArrayRef size, c10::IntArrayRef k, c10::IntArrayRef s, c10::IntArrayRef p,
-                                   bool ceil) {
-  std::vector<Tensor> adds(adds_in.begin(), adds_in.end());
-  const MaxPoolArgs a = check_backward_add(grad, where, adds, size, k, s, p, ceil);
-  const Tensor& ref = grad ? *grad : adds[0];
-  const auto f = where.suggest_memory_format();
-  Tensor acc;
-  if (grad) {
-    auto [h0, w0] = window_corners(a, where.size(2), where.size(3));
-    Tensor b = where.to(at::kLong), dh = at::floor_divide(b, a.kw), dw = b - dh * a.kw;
-    Tensor idx = ((h0 + dh) * size[3] + (w0 + dw)).contiguous(f);
-    acc = at::max_pool2d_with_indices_backward(grad->to(opmath(ref)), at::empty(size, ref.options().dtype(opmath(ref))
-                                                                                   .memory_format(f)),
-                                               {a.kh, a.kw}, {a.sh, a.sw}, {a.ph, a.pw}, {1, 1}, a.ceil, idx);
-  }
-  for (const Tensor& t : adds) acc = acc.defined() ? acc + t.to(opmath(ref)) : t.to(opmath(ref));
-  return acc.to(ref.scalar_type()).contiguous(f);
 }
 
 // ---- embedding: F.embedding(indices, weight, padding_idx) ----
@@ -3551,14 +3551,13 @@ Tensor embedding_backward_impl(const Tensor& grad, const Tensor& indices, const 
                     !indices.key_set().has(c10::DispatchKey::Python) &&
                     (grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kHalf ||
                      grad.scalar_type() == at::kBFloat16);
-  const bool kernels = real && kt_embedding_backward_workspace(indices.numel(), sym_rows.expect_int()) >= 0 &&
-                       (grad.size(-1) + 127) / 128 <= 65535;
-  if (!kernels) return at::embedding_dense_backward_symint(grad, indices, sym_rows, padding_idx, false);
+  const int64_t wsn = real ? kt_embedding_backward_workspace(indices.numel(), sym_rows.expect_int()) : -1;
+  if (wsn < 0 || (grad.size(-1) + 127) / 128 > 65535)
+    return at::embedding_dense_backward_symint(grad, indices, sym_rows, padding_idx, false);
   const int64_t dim = grad.size(-1), n = indices.numel(), rows = sym_rows.expect_int();
   c10::cuda::CUDAGuard g(grad.device());
   Tensor gc = grad.reshape({n, dim}).contiguous(), ic = indices.reshape({n}).to(at::kLong).contiguous();
   Tensor out = at::empty({rows, dim}, gc.options());
-  const int64_t wsn = kt_embedding_backward_workspace(n, rows);
   Tensor ws = at::empty({wsn > 0 ? wsn : 1}, gc.options().dtype(at::kByte));   // the caching allocator: 512-aligned
   check_launch(kt_embedding_backward(dtype_of(gc, "embedding"), gc.data_ptr(), ic.data_ptr<int64_t>(), n, dim, rows,
                                      padding_idx, out.data_ptr(), ws.data_ptr(), wsn, stream_of(out)),

@@ -6,7 +6,8 @@
 // then counts, scans and splits segments: 18 launches and about 86 us of GPT's step
 // for 4096 tokens (bench/results/h100_profile_graph_gpt_inception_81772ef.log), where
 // the sums themselves read 4 MiB. Here: the indices become int32 keys sorted by cub's
-// stable radix sort over only the bits the vocabulary needs (two passes for 8192 rows),
+// stable radix sort over only the bits the vocabulary needs (14 for 8192 rows: keys
+// 0..rows, rows standing for an index out of range),
 // with the positions as values; the gradient is zeroed; then a block per sorted
 // position that starts a run of equal keys sums the run's gradient rows in fp32, in
 // ascending position order (the sort is stable), and stores the row once. Fixed order:

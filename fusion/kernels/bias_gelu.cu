@@ -1,12 +1,12 @@
 // fusion/kernels/bias_gelu.cu — out = gelu(x + bias), bias broadcast along the
-// last dimension, exact (erf) or tanh approximation; and its backward. Also
+// last dimension, exact (erf) or tanh approximation (its backward, with the bias
+// gradient in the same pass, is kt_bias_gelu_grad_colsum in reduce.cu). Also
 // kt_bias_act: out = x + bias, or relu(x + bias) (kitsune.channel_bias on a
 // channels-last convolution output, whose channels are its last dimension).
 //
 // The bias has nbias elements and x is read as a row-major [rows, nbias] view:
 // element i adds bias[i % nbias]. The bias stays in L1/L2, so traffic is one read
-// of x and one write of out. The backward returns grad_x; the bias gradient is
-// grad_x summed over rows (done by the caller with a reduction).
+// of x and one write of out.
 //
 // For fp16/bf16 storage, erf comes from Abramowitz & Stegun 7.1.26 (|error| <
 // 1.5e-7, one fast exp): the libm erff is accurate to fp32 ulps that a 16-bit
@@ -29,13 +29,6 @@ template <typename T> struct BiasGelu {   // x = (x, bias)
     y[0] = gelu_ref<sizeof(T) == 2>(x[0] + x[1], approximate);
   }
 };
-template <typename T> struct BiasGeluBackward {   // x = (grad, x, bias)
-  int approximate;
-  __device__ void operator()(const float *x, float *y) const {
-    y[0] = x[0] * gelu_grad_ref<sizeof(T) == 2>(x[1] + x[2], approximate);
-  }
-};
-
 template <typename T> struct BiasAct {   // x = (x, bias): x + bias, then relu when asked
   int relu;
   __device__ void operator()(const float *x, float *y) const {
@@ -61,12 +54,4 @@ extern "C" kt_status kt_bias_gelu(kt_dtype t, const void *x, const void *bias, v
   const void *in[1] = {x};
   void *o[1] = {out};
   return kt::launch<BiasGelu, 1, 1>(t, in, o, n, bias, nbias, stream, approximate);
-}
-
-extern "C" kt_status kt_bias_gelu_backward(kt_dtype t, const void *grad, const void *x, const void *bias,
-                                           void *grad_x, int64_t n, int64_t nbias, int approximate, void *stream) {
-  if (!bias || nbias <= 0 || (n % nbias) != 0 || (approximate != 0 && approximate != 1)) return KT_ERR_INVALID;
-  const void *in[2] = {grad, x};
-  void *o[1] = {grad_x};
-  return kt::launch<BiasGeluBackward, 2, 1>(t, in, o, n, bias, nbias, stream, approximate);
 }

@@ -22,6 +22,10 @@
 // ReLU's output gradient that also masks it with ReLU's output and stores it: a
 // linear_act("relu") backward's bias gradient and the GEMMs' operand in one kernel,
 // where it was an elementwise kernel and cuBLASLt's BGRADB epilogue kernel.
+// kt_bias_gelu_grad_colsum does the same for GELU (gx = grad * gelu'(x + bias)):
+// a GELU-after-GEMM layer's backward, where an elementwise kernel wrote gx and a
+// colsum read it back.
+#include "gelu.cuh"
 #include "rows.cuh"
 
 namespace {
@@ -101,12 +105,38 @@ template <typename T> kt_status run_op(int op, const void *x, void *out, float *
 // ---- column sums ----
 constexpr int CS_TX = 32, CS_TY = 8;   // a block: 32 column lanes x 8 row phases
 
-// MASK: x is ReLU's output gradient and m its output; the sums are of the input
-// gradient m > 0 ? x : 0, which is also stored to gx (row stride ld, as x and m).
-template <typename T, typename O, int V, bool MASK = false>
+// The pass's transform of the gradient it sums (G_*): G_NONE sums x itself; the
+// others store the input gradient gx (row stride ld, as x and m) and sum it:
+//   G_RELU:      gx = m > 0 ? x : 0, m ReLU's output (NaN gives 0);
+//   G_GELU:      gx = x * gelu'(m + b), exact erf;  G_GELU_TANH: the tanh form;
+// b the bias of the column (bias may be NULL: 0). The GELU forms sum the fp32
+// products before gx is rounded to T.
+enum { G_NONE = 0, G_RELU = 1, G_GELU = 2, G_GELU_TANH = 3 };
+
+template <typename T, int G, int V>
+__device__ __forceinline__ void grad_of(T *v, const T *mv, const float *b, float *f) {
+  if constexpr (G == G_RELU) {
+#pragma unroll
+    for (int j = 0; j < V; j++) {
+      if (!(kt::to_f(mv[j]) > 0.f)) v[j] = kt::from_f<T>(0.f);
+      f[j] = kt::to_f(v[j]);
+    }
+  } else if constexpr (G == G_GELU || G == G_GELU_TANH) {
+#pragma unroll
+    for (int j = 0; j < V; j++) {
+      f[j] = kt::to_f(v[j]) * kt::gelu_grad_ref<sizeof(T) == 2>(kt::to_f(mv[j]) + b[j], G == G_GELU_TANH);
+      v[j] = kt::from_f<T>(f[j]);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < V; j++) f[j] = kt::to_f(v[j]);
+  }
+}
+
+template <typename T, typename O, int V, int G = G_NONE>
 __global__ void __launch_bounds__(CS_TX *CS_TY)
     colsum_slabs(const T *x, O *out, float *part, int64_t rows, int64_t cols, int64_t ld, int64_t per,
-                 const T *m = nullptr, T *gx = nullptr) {
+                 const T *m = nullptr, T *gx = nullptr, const T *bias = nullptr) {
   __shared__ float sh[CS_TY][CS_TX * V + 1];
   const int tx = threadIdx.x, ty = threadIdx.y;
   const int64_t c0 = ((int64_t)blockIdx.x * CS_TX + tx) * V;
@@ -115,44 +145,41 @@ __global__ void __launch_bounds__(CS_TX *CS_TY)
 #pragma unroll
   for (int j = 0; j < V; j++) acc[j] = 0.f;
   if (c0 < cols) {
+    float b[V];
+#pragma unroll
+    for (int j = 0; j < V; j++) b[j] = 0.f;
+    if constexpr (G == G_GELU || G == G_GELU_TANH)
+      if (bias)
+#pragma unroll
+        for (int j = 0; j < V; j++) b[j] = kt::to_f(bias[c0 + j]);
     const T *p = x + c0;
     int64_t r = r0 + ty;
     constexpr int U = 4;   // rows in flight per thread
-    // the masked gradient of V columns of row r, stored to gx (MASK only)
-    auto masked = [&](int64_t r, T *v, const T *mv) {
-      if constexpr (MASK) {
+    // row r's V columns: transformed (G), stored to gx, added to the sums
+    auto take = [&](int64_t r, T *v, const T *mv) {
+      float f[V];
+      grad_of<T, G, V>(v, mv, b, f);
+      if constexpr (G != G_NONE) kt::store_v<T, (V > 1)>(gx + c0, r * ld, v);
 #pragma unroll
-        for (int j = 0; j < V; j++)
-          if (!(kt::to_f(mv[j]) > 0.f)) v[j] = kt::from_f<T>(0.f);
-        kt::store_v<T, (V > 1)>(gx + c0, r * ld, v);
-      }
+      for (int j = 0; j < V; j++) acc[j] += f[j];
     };
     for (; r + (U - 1) * CS_TY < r1; r += U * CS_TY) {
       T v[U][V];
-      [[maybe_unused]] T mv[MASK ? U : 1][V];
+      [[maybe_unused]] T mv[G != G_NONE ? U : 1][V];
 #pragma unroll
       for (int u = 0; u < U; u++) kt::load_v<T, (V > 1)>(p, (r + u * CS_TY) * ld, v[u]);
-      if constexpr (MASK) {
+      if constexpr (G != G_NONE)
 #pragma unroll
         for (int u = 0; u < U; u++) kt::load_v<T, (V > 1)>(m + c0, (r + u * CS_TY) * ld, mv[u]);
 #pragma unroll
-        for (int u = 0; u < U; u++) masked(r + u * CS_TY, v[u], mv[u]);
-      }
-#pragma unroll
-      for (int u = 0; u < U; u++)
-#pragma unroll
-        for (int j = 0; j < V; j++) acc[j] += kt::to_f(v[u][j]);
+      for (int u = 0; u < U; u++) take(r + u * CS_TY, v[u], mv[G != G_NONE ? u : 0]);
     }
     for (; r < r1; r += CS_TY) {
       T v[V];
       [[maybe_unused]] T mv[V];
       kt::load_v<T, (V > 1)>(p, r * ld, v);
-      if constexpr (MASK) {
-        kt::load_v<T, (V > 1)>(m + c0, r * ld, mv);
-        masked(r, v, mv);
-      }
-#pragma unroll
-      for (int j = 0; j < V; j++) acc[j] += kt::to_f(v[j]);
+      if constexpr (G != G_NONE) kt::load_v<T, (V > 1)>(m + c0, r * ld, mv);
+      take(r, v, mv);
     }
   }
 #pragma unroll
@@ -208,35 +235,45 @@ template <typename T> bool colsum_vec_ok(const void *x, int64_t cols, int64_t ld
   return cols % V == 0 && ld % V == 0 && ((uintptr_t)x & 15) == 0;
 }
 
-template <typename T, typename O, int V, bool MASK = false>
+template <typename T, typename O, int V, int G = G_NONE>
 kt_status colsum_launch(const T *x, O *out, float *ws, int64_t rows, int64_t cols, int64_t ld, cudaStream_t s,
-                        const T *m = nullptr, T *gx = nullptr) {
+                        const T *m = nullptr, T *gx = nullptr, const T *bias = nullptr) {
   const int64_t slabs = colsum_slabs_for(rows, cols, 16 / sizeof(T)), per = (rows + slabs - 1) / slabs;
   const dim3 block(CS_TX, CS_TY);
   const unsigned tiles = (unsigned)((cols + CS_TX * V - 1) / (CS_TX * V));
-  colsum_slabs<T, O, V, MASK><<<dim3(tiles, (unsigned)slabs), block, 0, s>>>(x, out, ws, rows, cols, ld, per, m, gx);
+  colsum_slabs<T, O, V, G><<<dim3(tiles, (unsigned)slabs), block, 0, s>>>(x, out, ws, rows, cols, ld, per, m, gx,
+                                                                          bias);
   if (slabs > 1)
     colsum_partials<O><<<(unsigned)((cols + CS_TX - 1) / CS_TX), block, 0, s>>>(ws, out, slabs, cols);
   return kt::status_of(cudaGetLastError());
 }
 
+template <typename T, typename O, int G>
+kt_status colsum_vec_or_not(bool vec, const void *x, void *out, float *ws, int64_t rows, int64_t cols, int64_t ld,
+                            cudaStream_t s, const void *m, void *gx, const void *bias) {
+  return vec ? colsum_launch<T, O, 16 / sizeof(T), G>((const T *)x, (O *)out, ws, rows, cols, ld, s, (const T *)m,
+                                                      (T *)gx, (const T *)bias)
+             : colsum_launch<T, O, 1, G>((const T *)x, (O *)out, ws, rows, cols, ld, s, (const T *)m, (T *)gx,
+                                         (const T *)bias);
+}
+
 template <typename T, typename O>
 kt_status colsum_run(const void *x, void *out, float *ws, int64_t rows, int64_t cols, int64_t ld, cudaStream_t s,
-                     const void *m = nullptr, void *gx = nullptr) {
-  const bool vec = colsum_vec_ok<T>(x, cols, ld) && (!m || (((uintptr_t)m | (uintptr_t)gx) & 15) == 0);
-  if (m)
-    return vec ? colsum_launch<T, O, 16 / sizeof(T), true>((const T *)x, (O *)out, ws, rows, cols, ld, s,
-                                                           (const T *)m, (T *)gx)
-               : colsum_launch<T, O, 1, true>((const T *)x, (O *)out, ws, rows, cols, ld, s, (const T *)m, (T *)gx);
-  if (vec) return colsum_launch<T, O, 16 / sizeof(T)>((const T *)x, (O *)out, ws, rows, cols, ld, s);
-  return colsum_launch<T, O, 1>((const T *)x, (O *)out, ws, rows, cols, ld, s);
+                     int g = G_NONE, const void *m = nullptr, void *gx = nullptr, const void *bias = nullptr) {
+  const bool vec = colsum_vec_ok<T>(x, cols, ld) && (((uintptr_t)m | (uintptr_t)gx) & 15) == 0;
+  switch (g) {
+    case G_RELU: return colsum_vec_or_not<T, O, G_RELU>(vec, x, out, ws, rows, cols, ld, s, m, gx, bias);
+    case G_GELU: return colsum_vec_or_not<T, O, G_GELU>(vec, x, out, ws, rows, cols, ld, s, m, gx, bias);
+    case G_GELU_TANH: return colsum_vec_or_not<T, O, G_GELU_TANH>(vec, x, out, ws, rows, cols, ld, s, m, gx, bias);
+    default: return colsum_vec_or_not<T, O, G_NONE>(vec, x, out, ws, rows, cols, ld, s, m, gx, bias);
+  }
 }
 
 template <typename T>
 kt_status colsum_out(int out_f32, const void *x, void *out, float *ws, int64_t rows, int64_t cols, int64_t ld,
-                     cudaStream_t s, const void *m = nullptr, void *gx = nullptr) {
-  return out_f32 ? colsum_run<T, float>(x, out, ws, rows, cols, ld, s, m, gx)
-                 : colsum_run<T, T>(x, out, ws, rows, cols, ld, s, m, gx);
+                     cudaStream_t s, int g, const void *m, void *gx, const void *bias) {
+  return out_f32 ? colsum_run<T, float>(x, out, ws, rows, cols, ld, s, g, m, gx, bias)
+                 : colsum_run<T, T>(x, out, ws, rows, cols, ld, s, g, m, gx, bias);
 }
 
 }  // namespace
@@ -264,15 +301,18 @@ extern "C" int64_t kt_colsum_workspace(kt_dtype t, int64_t rows, int64_t cols) {
   return s > 1 ? s * cols : 0;
 }
 
-// kt_colsum(_to), and with m and gx its masked pass (kt_relu_grad_colsum): checks, then
-// the launch. out_t: t, fp32, or (fp32 input) fp16 / bf16.
+// kt_colsum(_to), and with m and gx a transformed pass (G_*, kt_relu_grad_colsum,
+// kt_bias_gelu_grad_colsum): checks, then the launch. out_t: t, fp32, or (fp32 input)
+// fp16 / bf16.
 static kt_status colsum_entry(kt_dtype t, kt_dtype out_t, const void *x, void *out, float *workspace, int64_t rows,
-                              int64_t cols, int64_t ld, void *stream, const void *m, void *gx) {
+                              int64_t cols, int64_t ld, void *stream, int g, const void *m, void *gx,
+                              const void *bias) {
   if (rows < 0 || cols <= 0 || ld < cols || !x || !out) return KT_ERR_INVALID;
   if (t != KT_F32 && t != KT_F16 && t != KT_BF16) return KT_ERR_INVALID;
+  if (g != G_NONE && (!m || !gx)) return KT_ERR_INVALID;
   const bool narrow = t == KT_F32 && (out_t == KT_F16 || out_t == KT_BF16);
   if (out_t != t && out_t != KT_F32 && !narrow) return KT_ERR_INVALID;
-  if (narrow && m) return KT_ERR_INVALID;
+  if (narrow && g != G_NONE) return KT_ERR_INVALID;
   if (kt_colsum_workspace(t, rows, cols) && !workspace) return KT_ERR_INVALID;
   cudaStream_t s = (cudaStream_t)stream;
   if (rows == 0) {   // the sum over no rows is 0
@@ -282,22 +322,32 @@ static kt_status colsum_entry(kt_dtype t, kt_dtype out_t, const void *x, void *o
   if (narrow)
     return out_t == KT_F16 ? colsum_run<float, __half>(x, out, workspace, rows, cols, ld, s)
                            : colsum_run<float, __nv_bfloat16>(x, out, workspace, rows, cols, ld, s);
-  KT_DISPATCH(t, colsum_out<T>(out_t == KT_F32, x, out, workspace, rows, cols, ld, s, m, gx))
+  KT_DISPATCH(t, colsum_out<T>(out_t == KT_F32, x, out, workspace, rows, cols, ld, s, g, m, gx, bias))
 }
 
 extern "C" kt_status kt_colsum(kt_dtype t, int out_f32, const void *x, void *out, float *workspace, int64_t rows,
                                int64_t cols, int64_t ld, void *stream) {
   if (out_f32 != 0 && out_f32 != 1) return KT_ERR_INVALID;
-  return colsum_entry(t, out_f32 ? KT_F32 : t, x, out, workspace, rows, cols, ld, stream, nullptr, nullptr);
+  return colsum_entry(t, out_f32 ? KT_F32 : t, x, out, workspace, rows, cols, ld, stream, G_NONE, nullptr, nullptr,
+                      nullptr);
 }
 
 extern "C" kt_status kt_colsum_to(kt_dtype t, kt_dtype out_t, const void *x, void *out, float *workspace,
                                   int64_t rows, int64_t cols, int64_t ld, void *stream) {
-  return colsum_entry(t, out_t, x, out, workspace, rows, cols, ld, stream, nullptr, nullptr);
+  return colsum_entry(t, out_t, x, out, workspace, rows, cols, ld, stream, G_NONE, nullptr, nullptr, nullptr);
 }
 
 extern "C" kt_status kt_relu_grad_colsum(kt_dtype t, int out_f32, const void *grad, const void *y, void *grad_in,
                                          void *out, float *workspace, int64_t rows, int64_t cols, void *stream) {
-  if (!y || !grad_in || (out_f32 != 0 && out_f32 != 1)) return KT_ERR_INVALID;
-  return colsum_entry(t, out_f32 ? KT_F32 : t, grad, out, workspace, rows, cols, cols, stream, y, grad_in);
+  if (out_f32 != 0 && out_f32 != 1) return KT_ERR_INVALID;
+  return colsum_entry(t, out_f32 ? KT_F32 : t, grad, out, workspace, rows, cols, cols, stream, G_RELU, y, grad_in,
+                      nullptr);
+}
+
+extern "C" kt_status kt_bias_gelu_grad_colsum(kt_dtype t, int out_f32, const void *grad, const void *x,
+                                              const void *bias, void *grad_in, void *out, float *workspace,
+                                              int64_t rows, int64_t cols, int approximate, void *stream) {
+  if ((out_f32 != 0 && out_f32 != 1) || (approximate != 0 && approximate != 1)) return KT_ERR_INVALID;
+  return colsum_entry(t, out_f32 ? KT_F32 : t, grad, out, workspace, rows, cols, cols, stream,
+                      approximate ? G_GELU_TANH : G_GELU, x, grad_in, bias);
 }

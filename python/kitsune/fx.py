@@ -11,7 +11,8 @@ left, with the reason.
 Patterns (each intermediate must have no other user, so nothing observable is lost):
   relu(a + b)              -> kitsune.add_relu(a, b)
   tanh(a * b)              -> kitsune.mul_tanh(a, b)
-  gelu(linear(x))          -> kitsune.bias_gelu(linear(x, W), bias)   (nn.Linear or F.linear with a bias)
+  gelu(linear(x))          -> kitsune.bias_gelu(linear(x, W), bias)   (nn.Linear or F.linear with a bias;
+                              tanh GELU: kitsune.linear_act(x, W, bias, "gelu_tanh"))
   gelu(x + bias)           -> kitsune.bias_gelu(x, bias)              (bias a 1-D parameter)
   silu(g) * u, u * silu(g) -> kitsune.swiglu(g, u)
   nn.RMSNorm / F.rms_norm  -> kitsune.rms_norm(x, weight, eps)        (with a weight and an eps)
@@ -1011,6 +1012,19 @@ def _rewrite_attention_score(g, node, where, report):
     return True
 
 
+def _gelu_linear(g, ko, where, report, inner, x, w, b, approximate):
+    """gelu(linear(x, w, b)) as a node inserted at the graph's cursor: tanh GELU as
+    linear_act(x, w, b, "gelu_tanh") (on CUDA in fp16/bf16 one cuBLASLt GEMM with the
+    bias and GELU in its epilogue, the backward one pass for GELU's derivative and the
+    bias gradient; elsewhere the GEMM and bias_gelu); exact GELU, which no GEMM
+    epilogue computes, as the GEMM and bias_gelu."""
+    if approximate == "tanh":
+        report.fused.append((where, f"gelu(linear) -> linear_act(gelu_tanh) ({inner.name})"))
+        return g.call_function(ko.linear_act, (x, w, b, "gelu_tanh"))
+    report.fused.append((where, f"gelu(linear) -> bias_gelu ({inner.name})"))
+    return g.call_function(ko.bias_gelu, (g.call_function(F.linear, (x, w)), b, approximate))
+
+
 def _rewrite_linear_bias(gm, g, prefix, report):
     """Every Linear with a bias left after the other patterns -> linear_act(..., "none")."""
     from . import ops as ko
@@ -1096,10 +1110,9 @@ def _rewrite(gm, report, prefix, linear_bias=True, optimize_only=True):
                     if bias is None:
                         report.left.append((where, "gelu(linear(x)): the Linear has no bias to fuse"))
                         continue
-                    report.fused.append((where, f"gelu(linear) -> bias_gelu ({inner.name})"))
                     with g.inserting_before(node):
-                        mm = g.call_function(F.linear, (inner.args[0], inner.kwargs.get("weight", args[1])))
-                        new = g.call_function(ko.bias_gelu, (mm, bias, approximate))
+                        new = _gelu_linear(g, ko, where, report, inner, inner.args[0],
+                                           inner.kwargs.get("weight", args[1]), bias, approximate)
                     node.replace_all_uses_with(new)
                     g.erase_node(node)
                     g.erase_node(inner)
@@ -1108,12 +1121,10 @@ def _rewrite(gm, report, prefix, linear_bias=True, optimize_only=True):
                     if lin.bias is None:
                         report.left.append((where, "gelu(linear(x)): the Linear has no bias to fuse"))
                         continue
-                    report.fused.append((where, f"gelu(linear) -> bias_gelu ({inner.name})"))
                     with g.inserting_before(node):
-                        w = g.get_attr(f"{inner.target}.weight")
-                        b = g.get_attr(f"{inner.target}.bias")
-                        mm = g.call_function(F.linear, (inner.args[0], w))
-                        new = g.call_function(ko.bias_gelu, (mm, b, approximate))
+                        new = _gelu_linear(g, ko, where, report, inner, inner.args[0],
+                                           g.get_attr(f"{inner.target}.weight"), g.get_attr(f"{inner.target}.bias"),
+                                           approximate)
                     node.replace_all_uses_with(new)
                     g.erase_node(node)
                     g.erase_node(inner)

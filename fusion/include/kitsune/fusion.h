@@ -34,7 +34,8 @@ kt_status kt_mul_tanh(kt_dtype t, const void *a, const void *b, void *out, int64
 kt_status kt_mul_tanh_backward(kt_dtype t, const void *grad, const void *a, const void *b, void *grad_a,
                                void *grad_b, int64_t n, void *stream);
 
-/* out[i] = gelu(x[i] + bias[i % nbias]); approximate 0 = exact (erf), 1 = tanh */
+/* out[i] = gelu(x[i] + bias[i % nbias]); approximate 0 = exact (erf), 1 = tanh (the
+ * backward, with the bias gradient: kt_bias_gelu_grad_colsum) */
 kt_status kt_bias_gelu(kt_dtype t, const void *x, const void *bias, void *out, int64_t n, int64_t nbias,
                        int approximate, void *stream);
 /* out[i] = x[i] + bias[i % nbias], relu'd when relu = 1 (NaN stays NaN, as torch.relu
@@ -120,10 +121,6 @@ kt_status kt_bias_cat(kt_dtype t, const kt_cat_parts *parts, void *out, void *st
 kt_status kt_bias_cat_backward(kt_dtype t, const void *grad, const int64_t grad_strides[4],
                                const kt_cat_parts *parts, float *partial, void *stream);
 int64_t kt_bias_cat_partials(const kt_cat_parts *parts);
-/* grad_x[i] = grad[i] * gelu'(x[i] + bias[i % nbias]) (grad of bias = grad_x summed over rows) */
-kt_status kt_bias_gelu_backward(kt_dtype t, const void *grad, const void *x, const void *bias, void *grad_x,
-                                int64_t n, int64_t nbias, int approximate, void *stream);
-
 /* out = silu(gate) * up */
 kt_status kt_swiglu(kt_dtype t, const void *gate, const void *up, void *out, int64_t n, void *stream);
 /* grad_gate = grad * up * silu'(gate); grad_up = grad * silu(gate) */
@@ -222,6 +219,14 @@ int64_t kt_colsum_workspace(kt_dtype t, int64_t rows, int64_t cols);
  * (same workspace, kt_colsum_workspace). */
 kt_status kt_relu_grad_colsum(kt_dtype t, int out_f32, const void *grad, const void *y, void *grad_in, void *out,
                               float *workspace, int64_t rows, int64_t cols, void *stream);
+/* GELU's backward and the bias gradient in one pass over contiguous (rows, cols)
+ * matrices: grad_in = grad * gelu'(x + bias[j]) (approximate as in kt_bias_gelu; bias
+ * may be NULL for x that already holds it, e.g. a GEMM epilogue's pre-activation),
+ * out[j] = the column sums of grad_in before it is rounded to t (same workspace,
+ * kt_colsum_workspace). */
+kt_status kt_bias_gelu_grad_colsum(kt_dtype t, int out_f32, const void *grad, const void *x, const void *bias,
+                                   void *grad_in, void *out, float *workspace, int64_t rows, int64_t cols,
+                                   int approximate, void *stream);
 
 /* Dropout fused with its neighbours; element i is kept as kitsune/philox.h says for
  * (seed, offset, p), kept values are scaled by 1 / (1 - p), and nothing is stored:

@@ -1401,20 +1401,43 @@ Tensor colsum(const Tensor& x2, at::ScalarType out_t) {
   return x2.sum(0, false, acc).to(out_t);
 }
 
-// ReLU's backward on (rows, cols) contiguous g and y (ReLU's output), and the column
-// sums of the result in out_t, in one kernel (kt_relu_grad_colsum): {gx, sums}.
-std::tuple<Tensor, Tensor> relu_grad_colsum(const Tensor& g, const Tensor& y, at::ScalarType out_t) {
+// An activation's backward on contiguous (rows, cols) g and aux, and the column sums
+// of the result in out_t, in one kernel: {gx, sums}. launch(gx, sums, workspace,
+// rows, cols) makes the kernel's call.
+template <typename Launch>
+std::tuple<Tensor, Tensor> act_grad_colsum(const Tensor& g, at::ScalarType out_t, const char* op, Launch launch) {
   const int64_t rows = g.size(0), cols = g.size(1);
-  const kt_dtype dt = dtype_of(g, "relu_grad_colsum");
+  const kt_dtype dt = dtype_of(g, op);
   c10::cuda::CUDAGuard guard(g.device());
   Tensor gx = at::empty_like(g), out = at::empty({cols}, g.options().dtype(out_t));
   const int64_t wsn = kt_colsum_workspace(dt, rows, cols);
   Tensor ws = wsn ? at::empty({wsn}, g.options().dtype(at::kFloat)) : Tensor();
-  check_launch(kt_relu_grad_colsum(dt, out_t == at::kFloat && g.scalar_type() != at::kFloat, g.data_ptr(),
-                                   y.data_ptr(), gx.data_ptr(), out.data_ptr(), wsn ? ws.data_ptr<float>() : nullptr,
-                                   rows, cols, stream_of(gx)),
-               "relu_grad_colsum");
+  check_launch(launch(dt, out_t == at::kFloat && g.scalar_type() != at::kFloat, gx, out,
+                      wsn ? ws.data_ptr<float>() : nullptr, rows, cols),
+               op);
   return {gx, out};
+}
+
+// ReLU's backward (y: ReLU's output) and its column sums (kt_relu_grad_colsum).
+std::tuple<Tensor, Tensor> relu_grad_colsum(const Tensor& g, const Tensor& y, at::ScalarType out_t) {
+  return act_grad_colsum(g, out_t, "relu_grad_colsum",
+                         [&](kt_dtype dt, int f32, Tensor& gx, Tensor& out, float* ws, int64_t rows, int64_t cols) {
+                           return kt_relu_grad_colsum(dt, f32, g.data_ptr(), y.data_ptr(), gx.data_ptr(),
+                                                      out.data_ptr(), ws, rows, cols, stream_of(gx));
+                         });
+}
+
+// GELU's backward at x + bias (bias undefined: x holds it already) and its column
+// sums (kt_bias_gelu_grad_colsum): where an elementwise kernel wrote gx and kt_colsum
+// read it back, one pass.
+std::tuple<Tensor, Tensor> gelu_grad_colsum(const Tensor& g, const Tensor& x, const Tensor& bias, int approximate,
+                                            at::ScalarType out_t) {
+  return act_grad_colsum(g, out_t, "bias_gelu_backward",
+                         [&](kt_dtype dt, int f32, Tensor& gx, Tensor& out, float* ws, int64_t rows, int64_t cols) {
+                           return kt_bias_gelu_grad_colsum(dt, f32, g.data_ptr(), x.data_ptr(),
+                                                           bias.defined() ? bias.data_ptr() : nullptr, gx.data_ptr(),
+                                                           out.data_ptr(), ws, rows, cols, approximate, stream_of(gx));
+                         });
 }
 
 Tensor bias_gelu_cuda(const Tensor& x, const Tensor& bias, c10::string_view approximate) {
@@ -1440,12 +1463,10 @@ std::tuple<Tensor, Tensor> bias_gelu_backward_cuda(const Tensor& grad, const Ten
   int ap = approx_code(approximate, "bias_gelu_backward");
   Tensor gc = grad.expand(x.sizes()).contiguous(), xc = x.contiguous(), bc = bias.contiguous();
   c10::cuda::CUDAGuard g(x.device());
-  Tensor gx = at::empty_like(xc);
-  if (gx.numel() == 0) return {gx, at::zeros_like(bias)};
-  check_launch(kt_bias_gelu_backward(dtype_of(x, "bias_gelu_backward"), gc.data_ptr(), xc.data_ptr(), bc.data_ptr(),
-                                     gx.data_ptr(), gx.numel(), bc.numel(), ap, stream_of(gx)),
-               "bias_gelu_backward");
-  return {gx, colsum(gx.view({-1, bias.size(0)}), bias.scalar_type())};
+  if (xc.numel() == 0) return {at::empty_like(xc), at::zeros_like(bias)};
+  const int64_t n = bias.size(0);
+  auto [gx, gb] = gelu_grad_colsum(gc.view({-1, n}), xc.view({-1, n}), bc, ap, bias.scalar_type());
+  return {gx.view(x.sizes()), gb};
 }
 std::tuple<Tensor, Tensor> bias_gelu_backward_cpu(const Tensor& grad, const Tensor& x, const Tensor& bias,
                                                   c10::string_view approximate) {
@@ -2881,10 +2902,10 @@ BnFwd batch_norm_add_relu_autograd(const Tensor& x, const Tensor& r, const OptTe
 //   none:      F.linear's addmm; the backward sums the bias gradient with kt_colsum
 //              (colsum above) where ATen's linear backward runs its reduce_kernel.
 // The relu backward masks the gradient and sums the bias gradient in one kernel
-// (kt_relu_grad_colsum), then plain GEMMs. For gelu_tanh through cuBLASLt the weight
-// GEMM is asked for the bias gradient too (BGRADB: the column sums of the activation
-// gradient), which cuBLASLt ran as a kernel of its own after the GEMM at 8192 x 3072
-// bf16 (25 us against ATen's 33 us sum; H100, 9743aae).
+// (kt_relu_grad_colsum), then plain GEMMs; gelu_tanh through cuBLASLt likewise
+// (kt_bias_gelu_grad_colsum at the saved pre-activation). cuBLASLt's BGRADB epilogue,
+// which gelu_tanh used before, ran as a kernel of its own after the weight GEMM
+// (25 us against ATen's 33 us sum at 8192 x 3072 bf16; H100, 9743aae).
 // Where cuBLASLt offers no algorithm (odd shapes or alignment), and on the CPU, the
 // op composes ATen ops instead. x (..., in), weight (out, in), bias (out,).
 void check_linear_act(const Tensor& x, const Tensor& w, const Tensor& b, c10::string_view act) {
@@ -2972,17 +2993,6 @@ bool lt_linear_act(const Tensor& x2, const Tensor& w, const Tensor& b, const Ten
   return gemm.run(w.data_ptr(), x2.data_ptr(), out.data_ptr());
 }
 
-// gw (N, K) = gpre (M, N)^T @ x2 (M, K) and gb (N,) = gpre's column sums, in one GEMM
-// (D (K, N) = x2^T . gpre in column-major terms, BGRADB reducing B over M). False:
-// no algorithm.
-bool lt_weight_grad(const Tensor& gpre, const Tensor& x2, const Tensor& gw, const Tensor& gb) {
-  const int64_t M = x2.size(0), K = x2.size(1), N = gpre.size(1);
-  c10::cuda::CUDAGuard g(x2.device());
-  LtGemm gemm(x2.scalar_type(), false, true, K, N, M, K, N, K, CUBLASLT_EPILOGUE_BGRADB);
-  gemm.attr(CUBLASLT_MATMUL_DESC_BIAS_POINTER, gb.data_ptr());
-  return gemm.run(x2.data_ptr(), gpre.data_ptr(), gw.data_ptr());
-}
-
 // The forward's results: out, and what the backward differentiates the activation
 // at: for relu nothing (it masks with out), for none nothing; for gelu_tanh through cuBLASLt the
 // pre-activation x @ W^T + b (pre_has_bias); otherwise the GEMM output before the
@@ -3042,7 +3052,12 @@ struct LinearActFn : torch::autograd::Function<LinearActFn> {
     // none, and its (M, K) GEMM was a fifth of the MLP's backward GEMM work
     const bool need_x = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1), need_b = ctx->needs_input_grad(2);
     Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous(), g2 = go[0].reshape({-1, N}).contiguous(), gpre, gw, gb;
-    if (act == "gelu" || (act == "gelu_tanh" && !ctx->saved_data["pre_has_bias"].toBool())) {
+    if (act == "gelu_tanh" && ctx->saved_data["pre_has_bias"].toBool()) {
+      // GELU's backward at the epilogue's pre-activation and the bias gradient in one
+      // pass (kt_bias_gelu_grad_colsum with no bias to add), then plain GEMMs: it was
+      // ATen's gelu_backward and cuBLASLt's BGRADB, a kernel of its own after the GEMM
+      std::tie(gpre, gb) = gelu_grad_colsum(g2, s[3].reshape({-1, N}).contiguous(), Tensor(), 1, b.scalar_type());
+    } else if (act == "gelu" || act == "gelu_tanh") {
       std::tie(gpre, gb) = gelu_bwd.call(g2, s[3], b, act == "gelu" ? "none" : "tanh");
     } else if (act == "none") {
       gpre = g2;
@@ -3054,13 +3069,9 @@ struct LinearActFn : torch::autograd::Function<LinearActFn> {
       Tensor sums;
       std::tie(gpre, sums) = relu_grad_colsum(g2, s[3].reshape({-1, N}).contiguous(), b.scalar_type());
       if (need_b) gb = sums;
-    } else {
-      gpre = (act == "relu" ? relu_bwd.call(g2, s[3].reshape({-1, N})) : at::gelu_backward(g2, s[3], "tanh")).contiguous();
-      if (need_w && lt_dtype_ok(x) && x2.numel() > 0) {   // the weight gradient and the bias gradient from one call
-        gw = at::empty({N, x2.size(1)}, x2.options()), gb = at::empty({N}, x2.options());
-        if (!lt_weight_grad(gpre, x2, gw, gb)) gw = gb = Tensor();
-      }
-      if (need_b && !gb.defined()) gb = colsum(gpre, b.scalar_type());
+    } else {   // relu where the fused pass does not run (the CPU, fake tensors, no rows)
+      gpre = relu_bwd.call(g2, s[3].reshape({-1, N})).contiguous();
+      if (need_b) gb = colsum(gpre, b.scalar_type());
     }
     if (need_w && !gw.defined()) gw = at::mm(gpre.t(), x2);
     return {need_x ? at::mm(gpre, w).view(x.sizes()) : Tensor(), need_w ? gw : Tensor(), need_b ? gb : Tensor(),

@@ -2,33 +2,60 @@
 // list of tensors (params, grads and states of one dtype), the per-element update
 // being kitsune/optim_math.h, which the CPU path shares.
 //
-// A launch carries up to kMaxTensors tensors, each cut into chunks; a grid of at most
-// kMaxGrid blocks strides over all the launch's chunks (so one launch covers a
-// 38M-element embedding and the small vectors beside it). The chunk is the call's
-// total elements over kTargetChunks, as a power of two in [kMinChunk, kMaxChunk]: a
-// small model's step (LeNet-5's 62K parameters) is then spread over ~30 blocks, not
-// ~10 blocks each walking up to 65536 elements (67 us against torch's fused AdamW's
-// 39 us on the H100 with fixed 65536-element chunks; h100_profile_graph_03b49dd.log).
+// A launch carries up to kMaxTensors tensors (GPT-2 small's 148 take two), each cut
+// into chunks; a grid of as many blocks as the device holds at once strides over all
+// the launch's chunks (so one launch covers a 38M-element embedding and the small
+// vectors beside it). The chunk is the call's total elements over kTargetChunks, as a
+// power of two in [kMinChunk, kMaxChunk]: a small model's step (LeNet-5's 62K
+// parameters) is then spread over ~30 blocks, not ~10 blocks each walking up to 65536
+// elements (67 us against torch's fused AdamW's 39 us on the H100 with fixed
+// 65536-element chunks; h100_profile_graph_03b49dd.log), and a large one's chunks are
+// several a block, so the blocks finish together. (At 64 tensors and 1024 chunks a
+// call, the bench GPT's 77 tensors took two launches of up to 2048 blocks, 145.7 us
+// on the H200 at ce1b1af: 2.6 TB/s.)
 // Within a chunk each thread updates 16/sizeof(T) consecutive elements at a time with
 // 16-byte loads and stores (every list's pointer 16-byte aligned; otherwise, and for
 // a chunk's tail, one element at a time). Arithmetic is fp32 (fp64 math is the CPU
 // path's); each state and parameter is rounded once when stored.
 #include <algorithm>
+#include <atomic>
 
 #include "elementwise.cuh"
 #include "kitsune/optim_math.h"
 
 namespace {
 
-constexpr int kMaxTensors = 64, kThreads = 256, kMaxGrid = 2048;
-constexpr int64_t kMinChunk = 2048, kMaxChunk = 65536, kTargetChunks = 1024;
+constexpr int kMaxTensors = 128, kThreads = 256;
+constexpr int64_t kMinChunk = 2048, kMaxChunk = 65536, kTargetChunks = 4096;
 
-template <int NP> struct Lists {   // NP pointers per tensor (Adam: p, g, m, v; SGD: p, g, buf); 3 KB for Adam
+template <int NP> struct Lists {   // NP pointers per tensor (Adam: p, g, m, v; SGD: p, g, buf); 6 KB for Adam
   void *ptr[NP][kMaxTensors];
   int64_t size[kMaxTensors];
   int64_t chunk_end[kMaxTensors];   // chunks of tensors 0..t, cumulative
   int64_t chunk;                    // elements a chunk: a power of two, so a multiple of every vector width
 };
+// Over 4 KB of kernel parameters takes CUDA 12.1 and a Volta or newer GPU (sm_80 and
+// sm_90 here); the limit there is 32764 bytes.
+static_assert(sizeof(Lists<4>) <= 32764, "kernel parameters");
+
+// Blocks of kernel k that the device holds at once (its SMs times the blocks an SM
+// holds), read once per device and kernel; the grid strides over chunks with that many
+// blocks, so every block starts at once and the chunks even out the tail.
+template <typename K> int resident_blocks(K kernel) {
+  static std::atomic<int> cached[64];
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 1024;
+  int n = cached[dev].load(std::memory_order_relaxed);
+  if (!n) {
+    int sms = 0, per = 0;
+    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, kernel, kThreads, 0) != cudaSuccess || sms * per <= 0)
+      return 1024;
+    n = sms * per;
+    cached[dev].store(n, std::memory_order_relaxed);
+  }
+  return n;
+}
 
 int64_t chunk_for(int64_t total) {
   int64_t c = kMinChunk;
@@ -112,7 +139,7 @@ kt_status run(int ntensors, void *const *const *lists, const int64_t *sizes, con
   int64_t chunks = 0;
   auto flush = [&]() {
     if (nt) {
-      const int grid = (int)std::min<int64_t>(chunks, kMaxGrid);
+      const int grid = (int)std::min<int64_t>(chunks, resident_blocks(multi_tensor<T, NP, Args, F>));
       multi_tensor<T, NP, Args, F><<<grid, kThreads, 0, s>>>(l, chunks, a, f);
     }
     nt = 0, chunks = 0;

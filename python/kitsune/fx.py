@@ -202,9 +202,22 @@ def _attr_or_node(g, v):
 
 
 def _add_layer_norm(a, b, weight, bias, eps):
-    """add_layer_norm when the operands allow it (one shape, one dtype), else the
-    unfused add and layer_norm: (a + b, layer_norm(a + b))."""
+    """add_layer_norm when the operands allow it (one shape after broadcasting, one
+    dtype), else the unfused add and layer_norm: (a + b, layer_norm(a + b)). An operand
+    that broadcasts to the other's shape (GPT's position table added to every
+    sequence's token embeddings) is expanded, which the op copies once: that copy and
+    the fused kernels cost less than ATen's add and LayerNorm each way, and autograd
+    sums its gradient back to its shape as it would for the add."""
     from . import ops as ko
+    if a.shape != b.shape and a.dim() and b.dim():
+        try:
+            shape = torch.broadcast_shapes(a.shape, b.shape)
+        except RuntimeError:
+            shape = None
+        if shape == a.shape:
+            b = b.expand(shape)
+        elif shape == b.shape:
+            a = a.expand(shape)
     # under autocast the op's autocast kernel casts mixed dtypes itself
     cast = torch.is_autocast_enabled(a.device.type)
     same = a.shape == b.shape and a.dim() >= 1 and (cast or (a.dtype == b.dtype and all(

@@ -254,7 +254,7 @@ class NormsAndLosses(nn.Module):
         c = F.layer_norm(x, (16,), self.w, self.b, 1e-6).relu()     # function + method
         h = x + r
         y = self.ln2(h)                                             # add_layer_norm, h reused below
-        z = F.layer_norm(x + self.b, (16,), self.w, self.b)         # broadcast add: unfused at run time
+        z = F.layer_norm(x + self.b, (16,), self.w, self.b)         # broadcast add: the bias expanded
         logits = self.head(a + b + c + y + z + h)
         l1 = F.cross_entropy(logits.view(-1, logits.size(-1)), t.view(-1), ignore_index=3)
         l2 = F.cross_entropy(F.linear(h.reshape(-1, 16), self.head2.weight), t.reshape(-1), label_smoothing=0.1)
@@ -285,6 +285,37 @@ def test_norm_and_loss_patterns_fuse_and_match():
     gb = torch.autograd.grad(m(*ys, t)[0], ys + list(m.parameters()))
     for a, b in zip(ga, gb):
         torch.testing.assert_close(a, b)
+
+
+def test_add_layer_norm_expands_a_broadcast_operand(monkeypatch):
+    """layer_norm(a + b) where one operand broadcasts to the other's shape (GPT's
+    position table over a batch of sequences, either order) runs as add_layer_norm on
+    the expanded operand; values and every gradient equal the unfused ops', the
+    broadcast operand's summed back to its shape. Shapes that only broadcast together
+    (neither is the result's) stay unfused."""
+    import kitsune.fx as kfx
+    import kitsune.ops as ko
+    calls = []
+    real = ko.add_layer_norm
+    monkeypatch.setattr(ko, "add_layer_norm", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
+    g = torch.Generator().manual_seed(7)
+    w, bias = torch.randn(8, generator=g, dtype=torch.float64), torch.randn(8, generator=g, dtype=torch.float64)
+    for sa, sb, fused in [((3, 5, 8), (5, 8), True), ((5, 8), (3, 5, 8), True), ((3, 1, 8), (5, 8), False)]:
+        a = torch.randn(sa, generator=g, dtype=torch.float64, requires_grad=True)
+        b = torch.randn(sb, generator=g, dtype=torch.float64, requires_grad=True)
+        wp, bp = w.clone().requires_grad_(), bias.clone().requires_grad_()
+        calls.clear()
+        h, y = kfx._add_layer_norm(a, b, wp, bp, 1e-5)
+        assert len(calls) == int(fused), (sa, sb, calls)
+        h0 = a + b
+        y0 = F.layer_norm(h0, (8,), wp, bp, 1e-5)
+        torch.testing.assert_close(h, h0)
+        torch.testing.assert_close(y, y0)
+        got = torch.autograd.grad((y * y0.detach()).sum() + h.sum(), (a, b, wp, bp))
+        want = torch.autograd.grad((y0 * y0.detach()).sum() + h0.sum(), (a, b, wp, bp))
+        for x1, x2 in zip(got, want):
+            assert x1.shape == x2.shape
+            torch.testing.assert_close(x1, x2)
 
 
 @pytest.mark.parametrize("make", [GPT2LM, LlamaBlock, NormsAndLosses, _mlp])

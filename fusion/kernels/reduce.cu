@@ -17,26 +17,16 @@
 // stride allow, else one column) and sums every 8th row of its slab, four loads
 // in flight; the 8 row phases are then summed through shared memory. With one
 // slab the block writes the result, otherwise an fp32 partial per slab that a
-// second kernel sums in slab order. On sm_90 (up to 16384 rows) the slabs of a tile
-// are instead one cluster of 8 blocks whose first block sums the others' tile sums
-// through distributed shared memory: one launch, no workspace (the second kernel
-// took 1.6 us a call, 36 calls a GPT step, on the H200 at ce1b1af). The order of
-// every addition is fixed by the shape (and the device generation), so the result is
-// deterministic. kt_relu_grad_colsum is the same pass over
+// second kernel sums in slab order. The order of every addition is fixed by the
+// shape, so the result is deterministic. kt_relu_grad_colsum is the same pass over
 // ReLU's output gradient that also masks it with ReLU's output and stores it: a
 // linear_act("relu") backward's bias gradient and the GEMMs' operand in one kernel,
 // where it was an elementwise kernel and cuBLASLt's BGRADB epilogue kernel.
 // kt_bias_gelu_grad_colsum does the same for GELU (gx = grad * gelu'(x + bias)):
 // a GELU-after-GEMM layer's backward, where an elementwise kernel wrote gx and a
 // colsum read it back.
-#include <atomic>
-
-#include <cooperative_groups.h>
-
 #include "gelu.cuh"
 #include "rows.cuh"
-
-namespace cg = cooperative_groups;
 
 namespace {
 
@@ -114,7 +104,6 @@ template <typename T> kt_status run_op(int op, const void *x, void *out, float *
 
 // ---- column sums ----
 constexpr int CS_TX = 32, CS_TY = 8;   // a block: 32 column lanes x 8 row phases
-constexpr int CS_CLUSTER = 8, CL_TX = 4;   // clustered: 8 slabs a tile, 4 column lanes x 64 row phases
 
 // The pass's transform of the gradient it sums (G_*): G_NONE sums x itself; the
 // others store the input gradient gx (row stride ld, as x and m) and sum it:
@@ -144,19 +133,13 @@ __device__ __forceinline__ void grad_of(T *v, const T *mv, const float *b, float
   }
 }
 
-// TX x TY threads a block (column lanes x row phases). CLUSTER (sm_90): the grid's
-// slabs of a column tile form one thread-block cluster, whose first block sums the
-// others' tile sums from their shared memory in slab order (no partials, no second
-// launch); otherwise each slab's sums go to part (a second kernel sums them) or, with
-// one slab, to out.
-template <typename T, typename O, int V, int G, int TX = CS_TX, int TY = CS_TY, bool CLUSTER = false>
-__global__ void __launch_bounds__(TX *TY)
+template <typename T, typename O, int V, int G = G_NONE>
+__global__ void __launch_bounds__(CS_TX *CS_TY)
     colsum_slabs(const T *x, O *out, float *part, int64_t rows, int64_t cols, int64_t ld, int64_t per,
                  const T *m = nullptr, T *gx = nullptr, const T *bias = nullptr) {
-  static_assert(TX * V <= TX * TY, "a thread per column of the tile");
-  __shared__ float sh[TY][TX * V + 1];
+  __shared__ float sh[CS_TY][CS_TX * V + 1];
   const int tx = threadIdx.x, ty = threadIdx.y;
-  const int64_t c0 = ((int64_t)blockIdx.x * TX + tx) * V;
+  const int64_t c0 = ((int64_t)blockIdx.x * CS_TX + tx) * V;
   const int64_t r0 = (int64_t)blockIdx.y * per, r1 = r0 + per < rows ? r0 + per : rows;
   float acc[V];
 #pragma unroll
@@ -180,18 +163,18 @@ __global__ void __launch_bounds__(TX *TY)
 #pragma unroll
       for (int j = 0; j < V; j++) acc[j] += f[j];
     };
-    for (; r + (U - 1) * TY < r1; r += U * TY) {
+    for (; r + (U - 1) * CS_TY < r1; r += U * CS_TY) {
       T v[U][V];
       [[maybe_unused]] T mv[G != G_NONE ? U : 1][V];
 #pragma unroll
-      for (int u = 0; u < U; u++) kt::load_v<T, (V > 1)>(p, (r + u * TY) * ld, v[u]);
+      for (int u = 0; u < U; u++) kt::load_v<T, (V > 1)>(p, (r + u * CS_TY) * ld, v[u]);
       if constexpr (G != G_NONE)
 #pragma unroll
-        for (int u = 0; u < U; u++) kt::load_v<T, (V > 1)>(m + c0, (r + u * TY) * ld, mv[u]);
+        for (int u = 0; u < U; u++) kt::load_v<T, (V > 1)>(m + c0, (r + u * CS_TY) * ld, mv[u]);
 #pragma unroll
-      for (int u = 0; u < U; u++) take(r + u * TY, v[u], mv[G != G_NONE ? u : 0]);
+      for (int u = 0; u < U; u++) take(r + u * CS_TY, v[u], mv[G != G_NONE ? u : 0]);
     }
-    for (; r < r1; r += TY) {
+    for (; r < r1; r += CS_TY) {
       T v[V];
       [[maybe_unused]] T mv[V];
       kt::load_v<T, (V > 1)>(p, r * ld, v);
@@ -202,29 +185,13 @@ __global__ void __launch_bounds__(TX *TY)
 #pragma unroll
   for (int j = 0; j < V; j++) sh[ty][tx * V + j] = acc[j];
   __syncthreads();
-  // the tile's TX * V columns, one per thread
-  const int t = ty * TX + tx;
-  const int64_t c = (int64_t)blockIdx.x * TX * V + t;
+  // the tile's CS_TX * V columns, one per thread (V <= 8: at most 256 columns)
+  const int t = ty * CS_TX + tx;
+  const int64_t c = (int64_t)blockIdx.x * CS_TX * V + t;
+  if (t >= CS_TX * V || c >= cols) return;
   float sum = 0.f;
-  if (t < TX * V)
-#pragma unroll 8
-    for (int k = 0; k < TY; k++) sum += sh[k][t];
-  if constexpr (CLUSTER) {
-#if __CUDA_ARCH__ >= 900
-    __shared__ float tile[TX * V];
-    if (t < TX * V) tile[t] = sum;
-    cg::cluster_group cl = cg::this_cluster();
-    cl.sync();   // every slab's tile sums written
-    if (cl.block_rank() == 0 && t < TX * V && c < cols) {
-      float total = 0.f;
-      for (unsigned q = 0; q < cl.num_blocks(); q++) total += cl.map_shared_rank(tile, q)[t];
-      out[c] = kt::from_f<O>(total);
-    }
-    cl.sync();   // no block leaves while the first still reads its shared memory
-#endif
-    return;
-  }
-  if (t >= TX * V || c >= cols) return;
+#pragma unroll
+  for (int k = 0; k < CS_TY; k++) sum += sh[k][t];
   if (gridDim.y == 1) out[c] = kt::from_f<O>(sum);
   else part[blockIdx.y * cols + c] = sum;
 }
@@ -268,41 +235,9 @@ template <typename T> bool colsum_vec_ok(const void *x, int64_t cols, int64_t ld
   return cols % V == 0 && ld % V == 0 && ((uintptr_t)x & 15) == 0;
 }
 
-// Whether the column sums of (rows, cols) take one launch of clusters (colsum_clustered):
-// an sm_90 device, more rows than one slab takes, and few enough that CS_CLUSTER slabs
-// a tile (clusters of 8 blocks, the portable size) keep every block's rows short.
-bool colsum_clustered(int64_t rows) {
-  if (rows <= 128 || rows > (int64_t)CS_CLUSTER * 2048) return false;
-  static std::atomic<int> major[64];   // compute capability of each device, 0 until read
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
-  int mj = major[dev].load(std::memory_order_relaxed);
-  if (!mj) {
-    if (cudaDeviceGetAttribute(&mj, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) return false;
-    major[dev].store(mj, std::memory_order_relaxed);
-  }
-  return mj >= 9;
-}
-
 template <typename T, typename O, int V, int G = G_NONE>
 kt_status colsum_launch(const T *x, O *out, float *ws, int64_t rows, int64_t cols, int64_t ld, cudaStream_t s,
                         const T *m = nullptr, T *gx = nullptr, const T *bias = nullptr) {
-  if (colsum_clustered(rows)) {
-    // narrow tiles (CL_TX lanes of V columns) and CL_TY row phases: GPT's (4096, 512)
-    // bf16 bias gradient is 16 tiles x 8 slabs of 512 rows
-    constexpr int TX = CL_TX, TY = CS_TX * CS_TY / CL_TX;
-    const int64_t per = (rows + CS_CLUSTER - 1) / CS_CLUSTER;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3((unsigned)((cols + TX * V - 1) / (TX * V)), CS_CLUSTER);
-    cfg.blockDim = dim3(TX, TY);
-    cfg.stream = s;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 1, attr[0].val.clusterDim.y = CS_CLUSTER, attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr, cfg.numAttrs = 1;
-    return kt::status_of(cudaLaunchKernelEx(&cfg, colsum_slabs<T, O, V, G, TX, TY, true>, x, out, (float *)nullptr,
-                                            rows, cols, ld, per, m, gx, bias));
-  }
   const int64_t slabs = colsum_slabs_for(rows, cols, 16 / sizeof(T)), per = (rows + slabs - 1) / slabs;
   const dim3 block(CS_TX, CS_TY);
   const unsigned tiles = (unsigned)((cols + CS_TX * V - 1) / (CS_TX * V));
@@ -361,7 +296,7 @@ extern "C" kt_status kt_reduce(kt_dtype t, int op, const void *x, void *out, flo
 }
 
 extern "C" int64_t kt_colsum_workspace(kt_dtype t, int64_t rows, int64_t cols) {
-  if (rows <= 0 || cols <= 0 || colsum_clustered(rows)) return 0;
+  if (rows <= 0 || cols <= 0) return 0;
   int64_t s = colsum_slabs_for(rows, cols, t == KT_F32 ? 4 : 8);
   return s > 1 ? s * cols : 0;
 }

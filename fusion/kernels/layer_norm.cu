@@ -195,7 +195,6 @@ __global__ void ln_bwd(const T *g, const T *gh_in, const T *h, const T *w, const
 }
 
 constexpr int LNW_WARPS = 8, LNW_MAXC = 4;   // warps a block; 16-byte chunks a lane at most
-constexpr int LNB_WARPS = 16;                 // the backward's warps a block
 
 // The statistics of a row held by a warp in registers: chunk k of a lane is columns
 // (lane + 32 k) V ... (chunks past nv are not read); shifted by the row's first element
@@ -249,35 +248,34 @@ __global__ void __launch_bounds__(LNW_WARPS * 32)
   }
 }
 
-// A warp per row; block = a stripe of rows (LNB_WARPS warps take its rows in turn).
+// A warp per row; block = a stripe of rows (the warps take its rows in turn).
 // part_w / part_b (may be NULL) [stripe * ld + col]: the stripe's sums of g' xhat and
 // g' (g' = g masked by the ReLU). C = 16-byte chunks a lane (chunk k of a lane covers
-// columns (lane + 32 k) V ...). Each warp adds its rows' terms to its own slice of the
-// dynamic shared memory (acc: [2][LNB_WARPS][32 C V] floats, only with part_w or
-// part_b), and the block sums the slices in warp order: the per-column sums no longer
-// sit in registers (with them and the weight and bias in registers the kernel took 127
-// registers a thread, two blocks of 8 warps an SM, and 1.08 TB/s for GPT's 4096 x 512
-// bf16 rows on the H100: 11.8 us a call, bench/results/h100_ncu_layer_norm_ee678f0.log).
+// columns (lane + 32 k) V ...).
 template <typename T, int C>
-__global__ void __launch_bounds__(LNB_WARPS * 32, C <= 2 ? 2 : 1)
+__global__ void __launch_bounds__(LNW_WARPS * 32)
     ln_bwd_warp(const T *g, const T *gh_in, const T *h, const T *w, const T *b, T *gh, float *mean_out,
                 float *rstd_out, float *part_w, float *part_b, int64_t ld, int64_t rows, int64_t n, float eps,
                 bool relu) {
-  constexpr int V = 16 / sizeof(T), W = 32 * C * V;   // W: the columns a warp's lanes hold
-  static_assert(V % 4 == 0, "the shared sums are read and written as float4");
-  extern __shared__ float4 acc4[];
-  float *acc = reinterpret_cast<float *>(acc4);
+  constexpr int V = 16 / sizeof(T);
+  __shared__ float sh[2][LNW_WARPS][32 * V];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t nv = n / V, per = (rows + gridDim.x - 1) / gridDim.x;
   const int64_t r0 = (int64_t)blockIdx.x * per, r1 = r0 + per < rows ? r0 + per : rows;
   const bool params = part_w || part_b;
-  float *aw = acc + warp * W, *ab = acc + (LNB_WARPS + warp) * W;   // this warp's slices
-  if (params)
+  T wv[C][V], bv[C][V];
+  float aw[C][V], ab[C][V];
 #pragma unroll
-    for (int k = 0; k < C; k++)
+  for (int k = 0; k < C; k++) {
+    const int64_t c = lane + 32 * k;
+    if (c < nv) {
+      if (w) load_v<T, true>(w, c * V, wv[k]);
+      if (b) load_v<T, true>(b, c * V, bv[k]);
+    }
 #pragma unroll
-      for (int j = 0; j < V; j++) aw[(lane + 32 * k) * V + j] = ab[(lane + 32 * k) * V + j] = 0.f;
-  for (int64_t r = r0 + warp; r < r1; r += LNB_WARPS) {
+    for (int j = 0; j < V; j++) aw[k][j] = ab[k][j] = 0.f;
+  }
+  for (int64_t r = r0 + warp; r < r1; r += LNW_WARPS) {
     const int64_t off = r * n;
     T hv[C][V], gv[C][V], ev[C][V];   // every load of the row issued at once
 #pragma unroll
@@ -291,73 +289,63 @@ __global__ void __launch_bounds__(LNB_WARPS * 32, C <= 2 ? 2 : 1)
     }
     const Stats st = warp_row_stats<T, C, V>(hv, lane, nv, n, eps);
     if (lane == 0) { mean_out[r] = st.mean; rstd_out[r] = st.rstd; }
-    // xhat, g' (g masked by the ReLU) and dy = g' w for chunk k, the weight and bias
-    // read through the cache (formed twice rather than kept: registers)
-    auto terms = [&](int k, float *xh, float *gj, float *dy) {
-      T wv[V], bv[V];
-      if (w) load_v<T, true>(w, (lane + 32 * k) * V, wv);
-      if (b) load_v<T, true>(b, (lane + 32 * k) * V, bv);
-#pragma unroll
-      for (int j = 0; j < V; j++) {
-        xh[j] = (kt::to_f(hv[k][j]) - st.mean) * st.rstd;
-        const float wj = w ? kt::to_f(wv[j]) : 1.f;
-        gj[j] = kt::to_f(gv[k][j]);
-        if (relu && !(xh[j] * wj + (b ? kt::to_f(bv[j]) : 0.f) > 0.f)) gj[j] = 0.f;
-        dy[j] = gj[j] * wj;
-      }
+    // g' = g masked by the ReLU, dy = g' w, for chunk k (formed twice rather than kept: registers)
+    auto terms = [&](int k, int j, float &xh, float &gj, float &dy) {
+      xh = (kt::to_f(hv[k][j]) - st.mean) * st.rstd;
+      const float wj = w ? kt::to_f(wv[k][j]) : 1.f;
+      gj = kt::to_f(gv[k][j]);
+      if (relu && !(xh * wj + (b ? kt::to_f(bv[k][j]) : 0.f) > 0.f)) gj = 0.f;
+      dy = gj * wj;
     };
     float sdy = 0.f, sdyx = 0.f;
 #pragma unroll
     for (int k = 0; k < C; k++)
-      if (lane + 32 * k < nv) {
-        float xh[V], gj[V], dy[V];
-        terms(k, xh, gj, dy);
+      if (lane + 32 * k < nv)
 #pragma unroll
         for (int j = 0; j < V; j++) {
-          sdy += dy[j];
-          sdyx += dy[j] * xh[j];
+          float xh, gj, dy;
+          terms(k, j, xh, gj, dy);
+          sdy += dy;
+          sdyx += dy * xh;
+          aw[k][j] += gj * xh;
+          ab[k][j] += gj;
         }
-        if (params) {
-          float4 *pw4 = reinterpret_cast<float4 *>(aw + (lane + 32 * k) * V);
-          float4 *pb4 = reinterpret_cast<float4 *>(ab + (lane + 32 * k) * V);
-#pragma unroll
-          for (int q = 0; q < V / 4; q++) {
-            float4 a = pw4[q], c = pb4[q];
-            a.x += gj[4 * q] * xh[4 * q], a.y += gj[4 * q + 1] * xh[4 * q + 1];
-            a.z += gj[4 * q + 2] * xh[4 * q + 2], a.w += gj[4 * q + 3] * xh[4 * q + 3];
-            c.x += gj[4 * q], c.y += gj[4 * q + 1], c.z += gj[4 * q + 2], c.w += gj[4 * q + 3];
-            pw4[q] = a, pb4[q] = c;
-          }
-        }
-      }
     const kt::Fv<2> t = kt::warp_sum<2>({{sdy, sdyx}});
     const float mdy = t.v[0] / (float)n, mdyx = t.v[1] / (float)n;
 #pragma unroll
     for (int k = 0; k < C; k++) {
       const int64_t c = lane + 32 * k;
       if (c < nv) {
-        float xh[V], gj[V], dy[V];
-        terms(k, xh, gj, dy);
         T out[V];
 #pragma unroll
-        for (int j = 0; j < V; j++)
-          out[j] = kt::from_f<T>(st.rstd * (dy[j] - mdy - xh[j] * mdyx) + (gh_in ? kt::to_f(ev[k][j]) : 0.f));
+        for (int j = 0; j < V; j++) {
+          float xh, gj, dy;
+          terms(k, j, xh, gj, dy);
+          out[j] = kt::from_f<T>(st.rstd * (dy - mdy - xh * mdyx) + (gh_in ? kt::to_f(ev[k][j]) : 0.f));
+        }
         store_v<T, true>(gh + off, c * V, out);
       }
     }
   }
   if (!params) return;
-  // the block's stripe sums: every warp's slice, summed over the warps in order
-  __syncthreads();
-  for (int i = threadIdx.x; i < 2 * W; i += blockDim.x) {
-    const int which = i / W, col = i % W;
-    float *dst = which ? part_b : part_w;
-    if (dst && col < n) {
-      float sum = 0.f;
-#pragma unroll 4
-      for (int q = 0; q < LNB_WARPS; q++) sum += acc[(which * LNB_WARPS + q) * W + col];
-      dst[blockIdx.x * ld + col] = sum;
+  // the block's stripe sums, chunk by chunk: each warp's terms through shared memory,
+  // summed over the warps in order
+#pragma unroll
+  for (int k = 0; k < C; k++) {
+#pragma unroll
+    for (int j = 0; j < V; j++) { sh[0][warp][lane * V + j] = aw[k][j]; sh[1][warp][lane * V + j] = ab[k][j]; }
+    __syncthreads();
+    for (int i = threadIdx.x; i < 2 * 32 * V; i += blockDim.x) {
+      const int which = i / (32 * V), e = i % (32 * V);
+      const int64_t col = (int64_t)32 * k * V + e;
+      float* dst = which ? part_b : part_w;
+      if (dst && col < n) {
+        float acc = 0.f;
+        for (int q = 0; q < LNW_WARPS; q++) acc += sh[which][q][e];
+        dst[blockIdx.x * ld + col] = acc;
+      }
     }
+    __syncthreads();
   }
 }
 
@@ -428,17 +416,9 @@ template <typename T, int C>
 void launch_bwd_warp(const void *g, const void *gh_in, const void *h, const void *w, const void *b, void *gh,
                      float *mean, float *rstd, float *pw, float *pb, int64_t ld, int64_t splits, int64_t rows,
                      int64_t n, float eps, bool relu, cudaStream_t s) {
-  constexpr int W = 32 * C * (16 / sizeof(T));
-  constexpr size_t most = 2 * LNB_WARPS * W * sizeof(float);   // 32, 64 or 128 KB
-  const size_t smem = pw || pb ? most : 0;
-  if constexpr (most > 48 * 1024) {   // over the default limit: asked for once (not a stream operation)
-    static const cudaError_t opted =
-        cudaFuncSetAttribute(ln_bwd_warp<T, C>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)most);
-    (void)opted;   // a refusal shows as the launch's error
-  }
-  ln_bwd_warp<T, C><<<(unsigned)splits, LNB_WARPS * 32, smem, s>>>((const T *)g, (const T *)gh_in, (const T *)h,
-                                                                    (const T *)w, (const T *)b, (T *)gh, mean, rstd,
-                                                                    pw, pb, ld, rows, n, eps, relu);
+  ln_bwd_warp<T, C><<<(unsigned)splits, LNW_WARPS * 32, 0, s>>>((const T *)g, (const T *)gh_in, (const T *)h,
+                                                                 (const T *)w, (const T *)b, (T *)gh, mean, rstd, pw,
+                                                                 pb, ld, rows, n, eps, relu);
 }
 
 template <typename T>
@@ -488,12 +468,10 @@ extern "C" int64_t kt_layer_norm_param_splits(int64_t rows, int64_t n) {
 extern "C" int64_t kt_layer_norm_backward_splits(kt_dtype t, int64_t rows, int64_t n) {
   const bool warp = t == KT_F32 ? warp_chunks<float>(n) > 0 : warp_chunks<__half>(n) > 0;
   if (!warp) return kt_layer_norm_param_splits(rows, n);
-  // a block of LNB_WARPS warps a stripe, at most 256 stripes (GPT's 4096 x 512 rows: a
-  // row a warp). With 8 warps a block and the sums in registers, 256 stripes (two rows
-  // a warp in turn) took 12.3 us a call (h100_profile_graph_981bd6f.log) and 512
-  // stripes 13.5 us (h100_profile_graph_9a767ce.log): two blocks an SM held 264, so
-  // 512 ran in two waves
-  int64_t s = (rows + LNB_WARPS - 1) / LNB_WARPS;
+  // a block of LNW_WARPS warps a stripe, at most 256 stripes: GPT's 4096 x 512 bf16 rows
+  // took 12.3 us a call so (two rows a warp in turn, h100_profile_graph_981bd6f.log)
+  // and 13.5 us with a row a warp in 512 stripes (h100_profile_graph_9a767ce.log)
+  int64_t s = (rows + LNW_WARPS - 1) / LNW_WARPS;
   if (s > 256) s = 256;
   return s < 1 ? 1 : s;
 }

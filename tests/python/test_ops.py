@@ -515,6 +515,37 @@ def test_global_avg_pool_launchers_check_their_arguments():
     assert bwd(0, None, None, 2, 4, 0, None) == OK  # nothing to write
 
 
+def test_gelu_grad_colsum_launcher_checks_its_arguments():
+    """kt_bias_gelu_grad_colsum (C, through ctypes: GELU's backward and the bias
+    gradient in one pass) refuses an unknown approximation or out_f32 flag, a missing
+    gradient, pre-activation, output or input-gradient pointer, a negative row count,
+    no columns, an unknown dtype and a missing workspace where the sums take one, all
+    before any launch (so no GPU is needed); the bias may be NULL."""
+    import ctypes
+    from kitsune import _native
+    lib = ctypes.CDLL(_native.library_path())
+    i64, p, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    f = lib.kt_bias_gelu_grad_colsum
+    f.argtypes, f.restype = [c_int, c_int, p, p, p, p, p, p, i64, i64, c_int, p], c_int
+    ws = lib.kt_colsum_workspace
+    ws.argtypes, ws.restype = [c_int, i64, i64], i64
+    INVALID = 1
+    g, x, b, gx, out = (p(0x1000 * k) for k in range(1, 6))   # never dereferenced
+    rows, cols = 4096, 512
+    assert ws(2, rows, cols) > 0   # so a NULL workspace is refused below
+    for args in [(2, 0, g, x, b, gx, out, None, 8, cols, 2, None),        # approximate 2
+                 (2, 2, g, x, b, gx, out, None, 8, cols, 1, None),        # out_f32 2
+                 (2, 0, None, x, b, gx, out, None, 8, cols, 1, None),     # no gradient
+                 (2, 0, g, None, b, gx, out, None, 8, cols, 1, None),     # no pre-activation
+                 (2, 0, g, x, b, None, out, None, 8, cols, 1, None),      # no input gradient
+                 (2, 0, g, x, b, gx, None, None, 8, cols, 1, None),       # no sums
+                 (2, 0, g, x, None, gx, out, None, -1, cols, 1, None),    # negative rows
+                 (2, 0, g, x, None, gx, out, None, 8, 0, 1, None),        # no columns
+                 (5, 0, g, x, None, gx, out, None, 8, cols, 1, None),     # no such dtype
+                 (2, 0, g, x, None, gx, out, None, rows, cols, 1, None)]:  # the workspace missing
+        assert f(*args) == INVALID, args
+
+
 def test_channel_sum_every_layout_and_empty():
     """The bias gradient's two-stage sum equals a float64 sum over every dim but 1, for
     NCHW, channels-last, 2-D and non-contiguous input, and copies no slice of a

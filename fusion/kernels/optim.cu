@@ -11,8 +11,9 @@
 // elements (67 us against torch's fused AdamW's 39 us on the H100 with fixed
 // 65536-element chunks; h100_profile_graph_03b49dd.log), and a large one's chunks are
 // several a block, so the blocks finish together. (At 64 tensors and 1024 chunks a
-// call, the bench GPT's 77 tensors took two launches of up to 2048 blocks, 145.7 us
-// on the H200 at ce1b1af: 2.6 TB/s.)
+// call, the bench GPT's 77 tensors took two launches of up to 2048 blocks, 167.2 us on
+// the H100, h100_profile_graph_gpt_inception_81772ef.log; one launch since a97406b,
+// 154.4 us, h100_profile_graph_gpt_fe19a6d.log.)
 // Within a chunk each thread updates 16/sizeof(T) consecutive elements at a time with
 // 16-byte loads and stores (every list's pointer 16-byte aligned; otherwise, and for
 // a chunk's tail, one element at a time). Arithmetic is fp32 (fp64 math is the CPU

@@ -248,32 +248,35 @@ kt_status colsum_launch(const T *x, O *out, float *ws, int64_t rows, int64_t col
   return kt::status_of(cudaGetLastError());
 }
 
-template <typename T, typename O, int G>
-kt_status colsum_vec_or_not(bool vec, const void *x, void *out, float *ws, int64_t rows, int64_t cols, int64_t ld,
-                            cudaStream_t s, const void *m, void *gx, const void *bias) {
+// One launch for the pass G: 16-byte vectors where x's columns and rows (and m, gx)
+// allow, else one column a lane.
+template <typename T, typename O, int G = G_NONE>
+kt_status colsum_run(const void *x, void *out, float *ws, int64_t rows, int64_t cols, int64_t ld, cudaStream_t s,
+                     const void *m = nullptr, void *gx = nullptr, const void *bias = nullptr) {
+  const bool vec = colsum_vec_ok<T>(x, cols, ld) && (((uintptr_t)m | (uintptr_t)gx) & 15) == 0;
   return vec ? colsum_launch<T, O, 16 / sizeof(T), G>((const T *)x, (O *)out, ws, rows, cols, ld, s, (const T *)m,
                                                       (T *)gx, (const T *)bias)
              : colsum_launch<T, O, 1, G>((const T *)x, (O *)out, ws, rows, cols, ld, s, (const T *)m, (T *)gx,
                                          (const T *)bias);
 }
 
-template <typename T, typename O>
-kt_status colsum_run(const void *x, void *out, float *ws, int64_t rows, int64_t cols, int64_t ld, cudaStream_t s,
-                     int g = G_NONE, const void *m = nullptr, void *gx = nullptr, const void *bias = nullptr) {
-  const bool vec = colsum_vec_ok<T>(x, cols, ld) && (((uintptr_t)m | (uintptr_t)gx) & 15) == 0;
-  switch (g) {
-    case G_RELU: return colsum_vec_or_not<T, O, G_RELU>(vec, x, out, ws, rows, cols, ld, s, m, gx, bias);
-    case G_GELU: return colsum_vec_or_not<T, O, G_GELU>(vec, x, out, ws, rows, cols, ld, s, m, gx, bias);
-    case G_GELU_TANH: return colsum_vec_or_not<T, O, G_GELU_TANH>(vec, x, out, ws, rows, cols, ld, s, m, gx, bias);
-    default: return colsum_vec_or_not<T, O, G_NONE>(vec, x, out, ws, rows, cols, ld, s, m, gx, bias);
-  }
+// The pass g with its sums stored as O = T or fp32 (out_f32).
+template <typename T, int G>
+kt_status colsum_out(int out_f32, const void *x, void *out, float *ws, int64_t rows, int64_t cols, int64_t ld,
+                     cudaStream_t s, const void *m, void *gx, const void *bias) {
+  return out_f32 ? colsum_run<T, float, G>(x, out, ws, rows, cols, ld, s, m, gx, bias)
+                 : colsum_run<T, T, G>(x, out, ws, rows, cols, ld, s, m, gx, bias);
 }
 
 template <typename T>
-kt_status colsum_out(int out_f32, const void *x, void *out, float *ws, int64_t rows, int64_t cols, int64_t ld,
-                     cudaStream_t s, int g, const void *m, void *gx, const void *bias) {
-  return out_f32 ? colsum_run<T, float>(x, out, ws, rows, cols, ld, s, g, m, gx, bias)
-                 : colsum_run<T, T>(x, out, ws, rows, cols, ld, s, g, m, gx, bias);
+kt_status colsum_pass(int g, int out_f32, const void *x, void *out, float *ws, int64_t rows, int64_t cols,
+                      int64_t ld, cudaStream_t s, const void *m, void *gx, const void *bias) {
+  switch (g) {
+    case G_RELU: return colsum_out<T, G_RELU>(out_f32, x, out, ws, rows, cols, ld, s, m, gx, bias);
+    case G_GELU: return colsum_out<T, G_GELU>(out_f32, x, out, ws, rows, cols, ld, s, m, gx, bias);
+    case G_GELU_TANH: return colsum_out<T, G_GELU_TANH>(out_f32, x, out, ws, rows, cols, ld, s, m, gx, bias);
+    default: return colsum_out<T, G_NONE>(out_f32, x, out, ws, rows, cols, ld, s, m, gx, bias);
+  }
 }
 
 }  // namespace
@@ -322,7 +325,7 @@ static kt_status colsum_entry(kt_dtype t, kt_dtype out_t, const void *x, void *o
   if (narrow)
     return out_t == KT_F16 ? colsum_run<float, __half>(x, out, workspace, rows, cols, ld, s)
                            : colsum_run<float, __nv_bfloat16>(x, out, workspace, rows, cols, ld, s);
-  KT_DISPATCH(t, colsum_out<T>(out_t == KT_F32, x, out, workspace, rows, cols, ld, s, g, m, gx, bias))
+  KT_DISPATCH(t, colsum_pass<T>(g, out_t == KT_F32, x, out, workspace, rows, cols, ld, s, m, gx, bias))
 }
 
 extern "C" kt_status kt_colsum(kt_dtype t, int out_f32, const void *x, void *out, float *workspace, int64_t rows,

@@ -251,30 +251,59 @@ __global__ void __launch_bounds__(LNW_WARPS * 32)
 // A warp per row; block = a stripe of rows (the warps take its rows in turn).
 // part_w / part_b (may be NULL) [stripe * ld + col]: the stripe's sums of g' xhat and
 // g' (g' = g masked by the ReLU). C = 16-byte chunks a lane (chunk k of a lane covers
-// columns (lane + 32 k) V ...).
-template <typename T, int C>
+// columns (lane + 32 k) V ...). RELU is a template flag so that the ReLU-free kernel
+// carries no mask, and no bias at all.
+//
+// Per element the first pass forms xhat = (h - mean) rstd and dy = g' w, and adds to
+// the row's sums of dy and dy xhat and to the lane's column sums of g' xhat and g';
+// the second writes
+//   grad_h = rstd (dy - xhat mean(dy xhat)) + (grad_h_in - rstd mean(dy)),
+// the bracket on the right once per row and element's grad_h_in. With C <= 2 the first
+// pass keeps xhat and dy in registers for the second (2 C V floats a lane); with C = 4
+// that would not fit beside the loads, so the second pass forms them again.
+// (The earlier kernel formed every term twice under run-time ReLU, weight and bias
+// tests: 127 registers and about 52 instructions an element, issue-bound at 3.6 warps
+// a scheduler, bench/results/h100_ncu_ln_bwd_fe19a6d.log.)
+template <typename T, int C, bool RELU>
 __global__ void __launch_bounds__(LNW_WARPS * 32)
     ln_bwd_warp(const T *g, const T *gh_in, const T *h, const T *w, const T *b, T *gh, float *mean_out,
-                float *rstd_out, float *part_w, float *part_b, int64_t ld, int64_t rows, int64_t n, float eps,
-                bool relu) {
+                float *rstd_out, float *part_w, float *part_b, int64_t ld, int64_t rows, int64_t n, float eps) {
   constexpr int V = 16 / sizeof(T);
+  constexpr bool KEEP = C <= 2;
+  constexpr int CK = KEEP ? C : 1;
   __shared__ float sh[2][LNW_WARPS][32 * V];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t nv = n / V, per = (rows + gridDim.x - 1) / gridDim.x;
   const int64_t r0 = (int64_t)blockIdx.x * per, r1 = r0 + per < rows ? r0 + per : rows;
   const bool params = part_w || part_b;
-  T wv[C][V], bv[C][V];
+  T wv[C][V];
+  [[maybe_unused]] T bv[RELU ? C : 1][V];
   float aw[C][V], ab[C][V];
 #pragma unroll
   for (int k = 0; k < C; k++) {
     const int64_t c = lane + 32 * k;
+#pragma unroll
+    for (int j = 0; j < V; j++) {
+      wv[k][j] = kt::from_f<T>(1.f);
+      if constexpr (RELU) bv[k][j] = kt::from_f<T>(0.f);
+      aw[k][j] = ab[k][j] = 0.f;
+    }
     if (c < nv) {
       if (w) load_v<T, true>(w, c * V, wv[k]);
-      if (b) load_v<T, true>(b, c * V, bv[k]);
+      if constexpr (RELU)
+        if (b) load_v<T, true>(b, c * V, bv[k]);
     }
-#pragma unroll
-    for (int j = 0; j < V; j++) aw[k][j] = ab[k][j] = 0.f;
   }
+  // xhat, g' and dy of element j of chunk k
+  auto terms = [&](const T (&hv)[C][V], const T (&gv)[C][V], int k, int j, Stats st, float &xh, float &gj,
+                   float &dy) {
+    xh = (kt::to_f(hv[k][j]) - st.mean) * st.rstd;
+    const float wj = kt::to_f(wv[k][j]);
+    gj = kt::to_f(gv[k][j]);
+    if constexpr (RELU)
+      if (!(xh * wj + kt::to_f(bv[k][j]) > 0.f)) gj = 0.f;
+    dy = gj * wj;
+  };
   for (int64_t r = r0 + warp; r < r1; r += LNW_WARPS) {
     const int64_t off = r * n;
     T hv[C][V], gv[C][V], ev[C][V];   // every load of the row issued at once
@@ -285,18 +314,14 @@ __global__ void __launch_bounds__(LNW_WARPS * 32)
         load_v<T, true>(h + off, c * V, hv[k]);
         load_v<T, true>(g + off, c * V, gv[k]);
         if (gh_in) load_v<T, true>(gh_in + off, c * V, ev[k]);
+        else
+#pragma unroll
+          for (int j = 0; j < V; j++) ev[k][j] = kt::from_f<T>(0.f);
       }
     }
     const Stats st = warp_row_stats<T, C, V>(hv, lane, nv, n, eps);
     if (lane == 0) { mean_out[r] = st.mean; rstd_out[r] = st.rstd; }
-    // g' = g masked by the ReLU, dy = g' w, for chunk k (formed twice rather than kept: registers)
-    auto terms = [&](int k, int j, float &xh, float &gj, float &dy) {
-      xh = (kt::to_f(hv[k][j]) - st.mean) * st.rstd;
-      const float wj = w ? kt::to_f(wv[k][j]) : 1.f;
-      gj = kt::to_f(gv[k][j]);
-      if (relu && !(xh * wj + (b ? kt::to_f(bv[k][j]) : 0.f) > 0.f)) gj = 0.f;
-      dy = gj * wj;
-    };
+    float xs[CK][V], ds[CK][V];
     float sdy = 0.f, sdyx = 0.f;
 #pragma unroll
     for (int k = 0; k < C; k++)
@@ -304,14 +329,15 @@ __global__ void __launch_bounds__(LNW_WARPS * 32)
 #pragma unroll
         for (int j = 0; j < V; j++) {
           float xh, gj, dy;
-          terms(k, j, xh, gj, dy);
+          terms(hv, gv, k, j, st, xh, gj, dy);
           sdy += dy;
-          sdyx += dy * xh;
-          aw[k][j] += gj * xh;
+          sdyx = fmaf(dy, xh, sdyx);
+          aw[k][j] = fmaf(gj, xh, aw[k][j]);
           ab[k][j] += gj;
+          if constexpr (KEEP) { xs[k][j] = xh; ds[k][j] = dy; }
         }
     const kt::Fv<2> t = kt::warp_sum<2>({{sdy, sdyx}});
-    const float mdy = t.v[0] / (float)n, mdyx = t.v[1] / (float)n;
+    const float mdyx = t.v[1] / (float)n, shift = -st.rstd * (t.v[0] / (float)n);
 #pragma unroll
     for (int k = 0; k < C; k++) {
       const int64_t c = lane + 32 * k;
@@ -319,9 +345,15 @@ __global__ void __launch_bounds__(LNW_WARPS * 32)
         T out[V];
 #pragma unroll
         for (int j = 0; j < V; j++) {
-          float xh, gj, dy;
-          terms(k, j, xh, gj, dy);
-          out[j] = kt::from_f<T>(st.rstd * (dy - mdy - xh * mdyx) + (gh_in ? kt::to_f(ev[k][j]) : 0.f));
+          float xh, dy;
+          if constexpr (KEEP) {
+            xh = xs[k][j];
+            dy = ds[k][j];
+          } else {
+            float gj;
+            terms(hv, gv, k, j, st, xh, gj, dy);
+          }
+          out[j] = kt::from_f<T>(fmaf(st.rstd, fmaf(-xh, mdyx, dy), kt::to_f(ev[k][j]) + shift));
         }
         store_v<T, true>(gh + off, c * V, out);
       }
@@ -416,9 +448,9 @@ template <typename T, int C>
 void launch_bwd_warp(const void *g, const void *gh_in, const void *h, const void *w, const void *b, void *gh,
                      float *mean, float *rstd, float *pw, float *pb, int64_t ld, int64_t splits, int64_t rows,
                      int64_t n, float eps, bool relu, cudaStream_t s) {
-  ln_bwd_warp<T, C><<<(unsigned)splits, LNW_WARPS * 32, 0, s>>>((const T *)g, (const T *)gh_in, (const T *)h,
-                                                                 (const T *)w, (const T *)b, (T *)gh, mean, rstd, pw,
-                                                                 pb, ld, rows, n, eps, relu);
+  auto k = relu ? ln_bwd_warp<T, C, true> : ln_bwd_warp<T, C, false>;
+  k<<<(unsigned)splits, LNW_WARPS * 32, 0, s>>>((const T *)g, (const T *)gh_in, (const T *)h, (const T *)w,
+                                                (const T *)b, (T *)gh, mean, rstd, pw, pb, ld, rows, n, eps);
 }
 
 template <typename T>

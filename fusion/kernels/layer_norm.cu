@@ -26,8 +26,6 @@
 // kt_layer_norm_backward_splits). (One block of 64 threads per GPT row, with two
 // block-wide sums and a separate column kernel, took 11.8 us a call for 4096 x 512
 // bf16 rows on the H100, bench/results/h100_profile_graph_3403d9c.log.)
-#include <cstdlib>
-
 #include "rows.cuh"
 
 namespace {
@@ -265,13 +263,17 @@ __global__ void __launch_bounds__(LNW_WARPS * 32)
 // that would not fit beside the loads, so the second pass forms them again.
 // (The earlier kernel formed every term twice under run-time ReLU, weight and bias
 // tests: 127 registers and about 52 instructions an element, issue-bound at 3.6 warps
-// a scheduler, bench/results/h100_ncu_ln_bwd_fe19a6d.log.)
-template <typename T, int C, bool RELU, bool PF>
+// a scheduler, bench/results/h100_ncu_ln_bwd_fe19a6d.log. This one: 128 registers,
+// 1.14 TB/s, 11.4 cycles a warp between issues, h100_ncu_ln_bwd_e10e5ba.log; GPT's 13
+// calls 126.2 us against 133.1, h100_profile_graph_gpt_e10e5ba.log. Issuing the next
+// row's loads first (recomputing xhat and dy to make room) was slower, 8.12 against
+// 7.66 us a call, and so were 128 or 512 stripes, h100_ln_bwd_variants_e10e5ba.log.)
+template <typename T, int C, bool RELU>
 __global__ void __launch_bounds__(LNW_WARPS * 32)
     ln_bwd_warp(const T *g, const T *gh_in, const T *h, const T *w, const T *b, T *gh, float *mean_out,
                 float *rstd_out, float *part_w, float *part_b, int64_t ld, int64_t rows, int64_t n, float eps) {
   constexpr int V = 16 / sizeof(T);
-  constexpr bool KEEP = C == 1 || (!PF && C <= 2);
+  constexpr bool KEEP = C <= 2;
   constexpr int CK = KEEP ? C : 1;
   __shared__ float sh[2][LNW_WARPS][32 * V];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -306,9 +308,9 @@ __global__ void __launch_bounds__(LNW_WARPS * 32)
       if (!(xh * wj + kt::to_f(bv[k][j]) > 0.f)) gj = 0.f;
     dy = gj * wj;
   };
-  // a row's loads: h, g and grad_h_in (0 without)
-  auto load_row = [&](int64_t r, T (&hv)[C][V], T (&gv)[C][V], T (&ev)[C][V]) {
+  for (int64_t r = r0 + warp; r < r1; r += LNW_WARPS) {
     const int64_t off = r * n;
+    T hv[C][V], gv[C][V], ev[C][V];   // every load of the row issued at once
 #pragma unroll
     for (int k = 0; k < C; k++) {
       const int64_t c = lane + 32 * k;
@@ -320,25 +322,6 @@ __global__ void __launch_bounds__(LNW_WARPS * 32)
 #pragma unroll
           for (int j = 0; j < V; j++) ev[k][j] = kt::from_f<T>(0.f);
       }
-    }
-  };
-  // the next row's loads are issued before this row's arithmetic, so that a warp's
-  // loads overlap its own work (without, every warp of an SM loaded, then computed, at
-  // the same time: 1.14 TB/s at 128 registers, bench/results/h100_ncu_ln_bwd_e10e5ba.log)
-  [[maybe_unused]] T hn[PF ? C : 1][V], gn[PF ? C : 1][V], en[PF ? C : 1][V];
-  if constexpr (PF)
-    if (r0 + warp < r1) load_row(r0 + warp, hn, gn, en);
-  for (int64_t r = r0 + warp; r < r1; r += LNW_WARPS) {
-    const int64_t off = r * n;
-    T hv[C][V], gv[C][V], ev[C][V];
-    if constexpr (PF) {
-#pragma unroll
-      for (int k = 0; k < C; k++)
-#pragma unroll
-        for (int j = 0; j < V; j++) { hv[k][j] = hn[k][j]; gv[k][j] = gn[k][j]; ev[k][j] = en[k][j]; }
-      if (r + LNW_WARPS < r1) load_row(r + LNW_WARPS, hn, gn, en);
-    } else {
-      load_row(r, hv, gv, ev);
     }
     const Stats st = warp_row_stats<T, C, V>(hv, lane, nv, n, eps);
     if (lane == 0) { mean_out[r] = st.mean; rstd_out[r] = st.rstd; }
@@ -469,10 +452,7 @@ template <typename T, int C>
 void launch_bwd_warp(const void *g, const void *gh_in, const void *h, const void *w, const void *b, void *gh,
                      float *mean, float *rstd, float *pw, float *pb, int64_t ld, int64_t splits, int64_t rows,
                      int64_t n, float eps, bool relu, cudaStream_t s) {
-  static const char *var = getenv("KT_LNBWD");   // EXPERIMENT (temporary)
-  const bool pf = var && var[0] == 'p';
-  auto k = relu ? (pf ? ln_bwd_warp<T, C, true, true> : ln_bwd_warp<T, C, true, false>)
-                : (pf ? ln_bwd_warp<T, C, false, true> : ln_bwd_warp<T, C, false, false>);
+  auto k = relu ? ln_bwd_warp<T, C, true> : ln_bwd_warp<T, C, false>;
   k<<<(unsigned)splits, LNW_WARPS * 32, 0, s>>>((const T *)g, (const T *)gh_in, (const T *)h, (const T *)w,
                                                 (const T *)b, (T *)gh, mean, rstd, pw, pb, ld, rows, n, eps);
 }
@@ -528,8 +508,7 @@ extern "C" int64_t kt_layer_norm_backward_splits(kt_dtype t, int64_t rows, int64
   // took 12.3 us a call so (two rows a warp in turn, h100_profile_graph_981bd6f.log)
   // and 13.5 us with a row a warp in 512 stripes (h100_profile_graph_9a767ce.log)
   int64_t s = (rows + LNW_WARPS - 1) / LNW_WARPS;
-  const char *cap = getenv("KT_LNBWD_SPLITS");   // EXPERIMENT (temporary)
-  if (s > (cap ? atoi(cap) : 256)) s = cap ? atoi(cap) : 256;
+  if (s > 256) s = 256;
   return s < 1 ? 1 : s;
 }
 

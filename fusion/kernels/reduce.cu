@@ -24,9 +24,9 @@
 // The arrival counter lives in the caller's workspace, which arrives uninitialised
 // and (in a CUDA graph) is replayed with the same kernel arguments, so it holds a
 // tag beside the count: (epoch << 24) | arrivals, epoch a 40-bit number the host
-// draws for each launch (never 0). A block whose CAS finds another tag starts the
-// count at 1; the block that brings it to the slab count is the last, and it
-// writes 0 back for the next replay. Stale bytes that happen to carry this launch's
+// draws for each launch (never 0). A block that finds another tag there resets it
+// to this tag and 0 (one CAS); the block whose add brings the count to the slab
+// count is the last, and it writes 0 back for the next replay. Stale bytes that happen to carry this launch's
 // tag (one chance in 2^40) are the failure case. (A second kernel summing the
 // partials was 37 launches, 58.8 us of GPT's step on the H100,
 // bench/results/h100_profile_graph_gpt_fe19a6d.log.) kt_relu_grad_colsum is the same pass over
@@ -155,17 +155,17 @@ __device__ __forceinline__ unsigned long long *colsum_counters(float *part, int6
 }
 
 // A block's arrival at its tile's counter: true for the block that brings the count
-// to `slabs` (one block exactly, the CAS orders them). A counter carrying another
-// epoch's tag (an earlier launch, or bytes never written by this kernel) counts 0.
+// to `slabs` (one block exactly: the atomic adds order them). A counter carrying
+// another tag (an earlier launch's 0, or bytes never written by this kernel) is first
+// set to this tag and a count of 0, by one CAS of the value read: when that fails,
+// another block has set it. Only the adds contend (a CAS loop per block took 45 us
+// a call for 128 slabs on the H100, bench/results/h100_profile_graph_gpt_32b4210.log).
 __device__ __forceinline__ bool tile_arrive(unsigned long long *ctr, unsigned long long epoch, unsigned slabs) {
-  unsigned long long old = *reinterpret_cast<volatile unsigned long long *>(ctr), want;
-  for (;;) {
-    want = (old >> 24) == epoch ? old + 1 : (epoch << 24) | 1ull;
-    const unsigned long long seen = atomicCAS(ctr, old, want);
-    if (seen == old) break;
-    old = seen;
-  }
-  return (want & 0xffffffull) == slabs;
+  const unsigned long long tag = epoch << 24;
+  const unsigned long long seen = *reinterpret_cast<volatile unsigned long long *>(ctr);
+  if ((seen >> 24) != epoch) atomicCAS(ctr, seen, tag);
+  const unsigned long long old = atomicAdd(ctr, 1ull);
+  return old == tag + slabs - 1;
 }
 
 // The tag of one launch: 1 .. 2^40 - 1, in turn.

@@ -16,28 +16,21 @@
 // adjacent columns (one 16-byte vector a row where the columns and the row
 // stride allow, else one column) and sums every 8th row of its slab, four loads
 // in flight; the 8 row phases are then summed through shared memory. With one
-// slab the block writes the result, otherwise an fp32 partial per slab, and the
-// last block of its column tile to finish (an arrival counter per tile, below) sums
-// the tile's partials in slab order and writes the result: one launch either way.
-// The order of every addition is fixed by the shape, so the result is deterministic.
-//
-// The arrival counter lives in the caller's workspace, which arrives uninitialised
-// and (in a CUDA graph) is replayed with the same kernel arguments, so it holds a
-// tag beside the count: (epoch << 24) | arrivals, epoch a 40-bit number the host
-// draws for each launch (never 0). A block that finds another tag there resets it
-// to this tag and 0 (one CAS); the block whose add brings the count to the slab
-// count is the last, and it writes 0 back for the next replay. Stale bytes that happen to carry this launch's
-// tag (one chance in 2^40) are the failure case. (A second kernel summing the
-// partials was 37 launches, 58.8 us of GPT's step on the H100,
-// bench/results/h100_profile_graph_gpt_fe19a6d.log.) kt_relu_grad_colsum is the same pass over
+// slab the block writes the result, otherwise an fp32 partial per slab that a
+// second kernel sums in slab order. (One launch, with the last block of each tile to
+// arrive at a counter summing its partials, was slower on the H100: GPT's 18 bias
+// sums took 8.0 us a call against 3.2 plus a 1.6 us second kernel, its 6 GELU passes
+// 23.2 against 20.0 + 1.6, its 13 LayerNorm parameter sums 3.9 against 1.6 + 1.6,
+// bench/results/h100_profile_graph_gpt_b9e7b82.log against _e10e5ba.log and
+// _fe19a6d.log: the fences, the atomic's round trip and a one-block tail over up to
+// 128 slabs cost more than the second launch.) The order of every addition is fixed by the
+// shape, so the result is deterministic. kt_relu_grad_colsum is the same pass over
 // ReLU's output gradient that also masks it with ReLU's output and stores it: a
 // linear_act("relu") backward's bias gradient and the GEMMs' operand in one kernel,
 // where it was an elementwise kernel and cuBLASLt's BGRADB epilogue kernel.
 // kt_bias_gelu_grad_colsum does the same for GELU (gx = grad * gelu'(x + bias)):
 // a GELU-after-GEMM layer's backward, where an elementwise kernel wrote gx and a
 // colsum read it back.
-#include <atomic>
-
 #include "gelu.cuh"
 #include "rows.cuh"
 
@@ -146,41 +139,10 @@ __device__ __forceinline__ void grad_of(T *v, const T *mv, const float *b, float
   }
 }
 
-// The partials' row stride (a multiple of 4 floats, for the last block's 16-byte
-// loads) and the tiles' arrival counters, after the partials.
-__host__ __device__ __forceinline__ int64_t colsum_part_ld(int64_t cols) { return (cols + 3) & ~(int64_t)3; }
-__host__ __device__ __forceinline__ int64_t colsum_tiles_max(int64_t cols) { return (cols + CS_TX - 1) / CS_TX; }
-__device__ __forceinline__ unsigned long long *colsum_counters(float *part, int64_t slabs, int64_t cols) {
-  return reinterpret_cast<unsigned long long *>(part + slabs * colsum_part_ld(cols));
-}
-
-// A block's arrival at its tile's counter: true for the block that brings the count
-// to `slabs` (one block exactly: the atomic adds order them). A counter carrying
-// another tag (an earlier launch's 0, or bytes never written by this kernel) is first
-// set to this tag and a count of 0, by one CAS of the value read: when that fails,
-// another block has set it. Only the adds contend (a CAS loop per block took 45 us
-// a call for 128 slabs on the H100, bench/results/h100_profile_graph_gpt_32b4210.log).
-__device__ __forceinline__ bool tile_arrive(unsigned long long *ctr, unsigned long long epoch, unsigned slabs) {
-  const unsigned long long tag = epoch << 24;
-  const unsigned long long seen = *reinterpret_cast<volatile unsigned long long *>(ctr);
-  if ((seen >> 24) != epoch) atomicCAS(ctr, seen, tag);
-  const unsigned long long old = atomicAdd(ctr, 1ull);
-  return old == tag + slabs - 1;
-}
-
-// The tag of one launch: 1 .. 2^40 - 1, in turn.
-unsigned long long colsum_epoch() {
-  static std::atomic<unsigned long long> next{0};
-  for (;;) {
-    const unsigned long long e = (next.fetch_add(1, std::memory_order_relaxed) + 1) & ((1ull << 40) - 1);
-    if (e) return e;
-  }
-}
-
 template <typename T, typename O, int V, int G = G_NONE>
 __global__ void __launch_bounds__(CS_TX *CS_TY)
     colsum_slabs(const T *x, O *out, float *part, int64_t rows, int64_t cols, int64_t ld, int64_t per,
-                 unsigned long long epoch, const T *m = nullptr, T *gx = nullptr, const T *bias = nullptr) {
+                 const T *m = nullptr, T *gx = nullptr, const T *bias = nullptr) {
   __shared__ float sh[CS_TY][CS_TX * V + 1];
   const int tx = threadIdx.x, ty = threadIdx.y;
   const int64_t c0 = ((int64_t)blockIdx.x * CS_TX + tx) * V;
@@ -230,61 +192,34 @@ __global__ void __launch_bounds__(CS_TX *CS_TY)
   for (int j = 0; j < V; j++) sh[ty][tx * V + j] = acc[j];
   __syncthreads();
   // the tile's CS_TX * V columns, one per thread (V <= 8: at most 256 columns)
-  constexpr int CT = CS_TX * V;
   const int t = ty * CS_TX + tx;
-  const int64_t base = (int64_t)blockIdx.x * CT, c = base + t;
+  const int64_t c = (int64_t)blockIdx.x * CS_TX * V + t;
+  if (t >= CS_TX * V || c >= cols) return;
   float sum = 0.f;
-  if (t < CT) {
 #pragma unroll
-    for (int k = 0; k < CS_TY; k++) sum += sh[k][t];
-  }
-  if (gridDim.y == 1) {
-    if (t < CT && c < cols) out[c] = kt::from_f<O>(sum);
-    return;
-  }
-  const int64_t pld = colsum_part_ld(cols);
-  if (t < CT && c < cols) part[blockIdx.y * pld + c] = sum;
-  __shared__ bool last;
-  __threadfence();   // this block's partials before its arrival
+  for (int k = 0; k < CS_TY; k++) sum += sh[k][t];
+  if (gridDim.y == 1) out[c] = kt::from_f<O>(sum);
+  else part[blockIdx.y * cols + c] = sum;
+}
+
+// out[c] = the sum of part[s, c] over the slabs, in slab order: 32 columns x 8
+// phases a block, each phase a contiguous run of slabs.
+template <typename O>
+__global__ void __launch_bounds__(CS_TX *CS_TY) colsum_partials(const float *part, O *out, int64_t slabs, int64_t cols) {
+  __shared__ float sh[CS_TY][CS_TX + 1];
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const int64_t c = (int64_t)blockIdx.x * CS_TX + tx, run = (slabs + CS_TY - 1) / CS_TY;
+  const int64_t s0 = ty * run, s1 = s0 + run < slabs ? s0 + run : slabs;
+  float acc = 0.f;
+  if (c < cols)
+    for (int64_t s = s0; s < s1; s++) acc += part[s * cols + c];
+  sh[ty][tx] = acc;
   __syncthreads();
-  unsigned long long *ctr = colsum_counters(part, gridDim.y, cols) + blockIdx.x;
-  if (t == 0) last = tile_arrive(ctr, epoch, gridDim.y);
-  __syncthreads();
-  if (!last) return;
-  __threadfence();   // every block's partials after their arrivals
-  // the last block: 4 adjacent columns a thread (16-byte loads; pld is a multiple of
-  // 4), the slabs in P contiguous runs, then the runs in order through shared memory
-  constexpr int Q = CT / 4, P = CS_TX * CS_TY / Q;
-  __shared__ float4 run_sums[P][Q];
-  const int q = t % Q, ph = t / Q;
-  const int64_t slabs = gridDim.y, c4 = base + 4 * q, len = (slabs + P - 1) / P;
-  const int64_t s0 = ph * len, s1 = s0 + len < slabs ? s0 + len : slabs;
-  float4 a4 = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (c4 < cols) {
-    const float4 *p4 = reinterpret_cast<const float4 *>(part + c4);
-    const int64_t step = pld / 4;
-    int64_t sl = s0;
-    constexpr int U = 8;   // loads in flight
-    for (; sl + U <= s1; sl += U) {
-      float4 v[U];
+  if (ty || c >= cols) return;
+  float sum = 0.f;
 #pragma unroll
-      for (int u = 0; u < U; u++) v[u] = __ldcg(p4 + (sl + u) * step);
-#pragma unroll
-      for (int u = 0; u < U; u++) { a4.x += v[u].x; a4.y += v[u].y; a4.z += v[u].z; a4.w += v[u].w; }
-    }
-    for (; sl < s1; sl++) {
-      const float4 v = __ldcg(p4 + sl * step);
-      a4.x += v.x; a4.y += v.y; a4.z += v.z; a4.w += v.w;
-    }
-  }
-  run_sums[ph][q] = a4;
-  __syncthreads();
-  if (t == 0) *ctr = 0;   // for the next launch with this workspace (a graph's replay)
-  if (t >= CT || c >= cols) return;
-  float total = 0.f;
-#pragma unroll
-  for (int k = 0; k < P; k++) total += reinterpret_cast<const float *>(&run_sums[k][t / 4])[t % 4];
-  out[c] = kt::from_f<O>(total);
+  for (int k = 0; k < CS_TY; k++) sum += sh[k][tx];
+  out[c] = kt::from_f<O>(sum);
 }
 
 // Slabs: about a thousand blocks in all (counting tiles of 16-byte vectors: v
@@ -312,9 +247,10 @@ kt_status colsum_launch(const T *x, O *out, float *ws, int64_t rows, int64_t col
   const int64_t slabs = colsum_slabs_for(rows, cols, 16 / sizeof(T)), per = (rows + slabs - 1) / slabs;
   const dim3 block(CS_TX, CS_TY);
   const unsigned tiles = (unsigned)((cols + CS_TX * V - 1) / (CS_TX * V));
-  colsum_slabs<T, O, V, G><<<dim3(tiles, (unsigned)slabs), block, 0, s>>>(x, out, ws, rows, cols, ld, per,
-                                                                          slabs > 1 ? colsum_epoch() : 0, m, gx,
+  colsum_slabs<T, O, V, G><<<dim3(tiles, (unsigned)slabs), block, 0, s>>>(x, out, ws, rows, cols, ld, per, m, gx,
                                                                           bias);
+  if (slabs > 1)
+    colsum_partials<O><<<(unsigned)((cols + CS_TX - 1) / CS_TX), block, 0, s>>>(ws, out, slabs, cols);
   return kt::status_of(cudaGetLastError());
 }
 
@@ -371,8 +307,7 @@ extern "C" kt_status kt_reduce(kt_dtype t, int op, const void *x, void *out, flo
 extern "C" int64_t kt_colsum_workspace(kt_dtype t, int64_t rows, int64_t cols) {
   if (rows <= 0 || cols <= 0) return 0;
   int64_t s = colsum_slabs_for(rows, cols, t == KT_F32 ? 4 : 8);
-  // the partials, then a 64-bit counter a column tile (as many as one column a lane makes)
-  return s > 1 ? s * colsum_part_ld(cols) + 2 * colsum_tiles_max(cols) : 0;
+  return s > 1 ? s * cols : 0;
 }
 
 // kt_colsum(_to), and with m and gx a transformed pass (G_*, kt_relu_grad_colsum,
@@ -387,7 +322,7 @@ static kt_status colsum_entry(kt_dtype t, kt_dtype out_t, const void *x, void *o
   const bool narrow = t == KT_F32 && (out_t == KT_F16 || out_t == KT_BF16);
   if (out_t != t && out_t != KT_F32 && !narrow) return KT_ERR_INVALID;
   if (narrow && g != G_NONE) return KT_ERR_INVALID;
-  if (kt_colsum_workspace(t, rows, cols) && (!workspace || ((uintptr_t)workspace & 15))) return KT_ERR_INVALID;
+  if (kt_colsum_workspace(t, rows, cols) && !workspace) return KT_ERR_INVALID;
   cudaStream_t s = (cudaStream_t)stream;
   if (rows == 0) {   // the sum over no rows is 0
     cudaError_t e = cudaMemsetAsync(out, 0, (size_t)cols * (out_t == KT_F32 ? 4 : 2), s);

@@ -671,13 +671,11 @@ def test_gpu_column_sums_exact_on_integers(dtype):
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_column_sums_replayed_in_a_cuda_graph(dtype):
-    """kt_colsum's last-block finish inside a CUDA graph, where every replay launches
-    with the same arguments (the same workspace and the same arrival tag): five replays
-    of sums over many slabs, each on new integer inputs copied into the static input,
-    are exact (a counter left at the tag's full count by one replay would let the next
-    replay's first block finish with other slabs' partials missing). Also eager calls
-    whose workspaces come out of memory filled with 0xff bytes (a tag that is not the
-    launch's) and of memory the previous call's counter used."""
+    """kt_colsum inside a CUDA graph, where every replay launches with the same
+    arguments and workspace: five replays of sums over many slabs, each on new integer
+    inputs copied into the static input, are exact. (Kept from 32b4210's one-launch
+    column sum, whose arrival counter lived in the workspace across replays.) Also
+    eager calls whose workspaces come out of memory filled with 0xff bytes."""
     g = torch.Generator().manual_seed(31)
     shapes = [(4096, 512), (70000, 5), (300, 2049), (8192, 2048)]
     xs = [torch.randint(-8, 9, s, generator=g).to("cuda", dtype) for s in shapes]

@@ -203,9 +203,8 @@ int64_t kt_reduce_workspace(int64_t rows, int64_t n);
 /* Column sums of a row-major [rows, cols] matrix whose rows are ld >= cols elements
  * apart: out[j] = sum_i x[i * ld + j] (rows = 0 gives zeros). fp32 accumulation in
  * an order fixed by the shape (deterministic); out is stored as t, or as fp32 when
- * out_f32 = 1. One launch. workspace: kt_colsum_workspace(t, rows, cols) fp32 values
- * on the device, 16-byte aligned (NULL when 0), uninitialised; it must not be in use
- * by another launch at the same time (stream-ordered memory is not). */
+ * out_f32 = 1. workspace: kt_colsum_workspace(t, rows, cols) fp32 values on the
+ * device (NULL when 0). */
 kt_status kt_colsum(kt_dtype t, int out_f32, const void *x, void *out, float *workspace, int64_t rows, int64_t cols,
                     int64_t ld, void *stream);
 /* The same with the sums stored as out_t: t, KT_F32, or, for fp32 x, KT_F16 / KT_BF16

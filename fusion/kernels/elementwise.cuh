@@ -16,6 +16,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <atomic>
 #include <type_traits>
 
 #include "kitsune/fusion.h"
@@ -118,6 +119,58 @@ inline kt_status status_of(cudaError_t e) {
   cudaGetLastError();
   if (e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver) return KT_ERR_UNAVAILABLE;
   return KT_ERR_BACKEND;
+}
+
+// Programmatic dependent launch (sm_90): a kernel launched by launch_dependent may be
+// scheduled while the kernel before it in the stream still runs, once every block of
+// that one has called pdl_trigger (or exited); it must call pdl_wait before it reads
+// anything the earlier kernel writes (pdl_wait returns when that kernel has finished
+// and its memory is visible). What it saves is the second kernel's launch latency
+// between two dependent kernels of ours. Both are no-ops below sm_90, and
+// launch_dependent launches plainly on devices without it.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Whether the current device has programmatic dependent launch (compute capability
+// 9.0 or newer), asked once a device.
+inline bool pdl_device() {
+  static std::atomic<int> cached[64];   // 0 unknown, 1 no, 2 yes
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
+  int v = cached[dev].load(std::memory_order_relaxed);
+  if (!v) {
+    int major = 0;
+    v = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major >= 9 ? 2 : 1;
+    cached[dev].store(v, std::memory_order_relaxed);
+  }
+  return v == 2;
+}
+
+template <typename... P, typename... A>
+void launch_dependent(void (*kernel)(P...), dim3 grid, dim3 block, cudaStream_t s, A... args) {
+  if (!pdl_device()) {
+    kernel<<<grid, block, 0, s>>>(args...);
+    return;
+  }
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = s;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  cudaLaunchKernelEx(&cfg, kernel, static_cast<P>(args)...);
 }
 
 // Fixes the block size (256), checks preconditions, launches on `stream`, checks

@@ -276,6 +276,8 @@ __global__ void __launch_bounds__(LNW_WARPS * 32)
   constexpr bool KEEP = C <= 2;
   constexpr int CK = KEEP ? C : 1;
   __shared__ float sh[2][LNW_WARPS][32 * V];
+  kt::pdl_trigger();   // the parameter sums' column pass may be scheduled now
+  kt::pdl_wait();      // launched as a dependent: g comes from the kernel before
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t nv = n / V, per = (rows + gridDim.x - 1) / gridDim.x;
   const int64_t r0 = (int64_t)blockIdx.x * per, r1 = r0 + per < rows ? r0 + per : rows;
@@ -453,8 +455,8 @@ void launch_bwd_warp(const void *g, const void *gh_in, const void *h, const void
                      float *mean, float *rstd, float *pw, float *pb, int64_t ld, int64_t splits, int64_t rows,
                      int64_t n, float eps, bool relu, cudaStream_t s) {
   auto k = relu ? ln_bwd_warp<T, C, true> : ln_bwd_warp<T, C, false>;
-  k<<<(unsigned)splits, LNW_WARPS * 32, 0, s>>>((const T *)g, (const T *)gh_in, (const T *)h, (const T *)w,
-                                                (const T *)b, (T *)gh, mean, rstd, pw, pb, ld, rows, n, eps);
+  kt::launch_dependent(k, dim3((unsigned)splits), dim3(LNW_WARPS * 32), s, (const T *)g, (const T *)gh_in,
+                       (const T *)h, (const T *)w, (const T *)b, (T *)gh, mean, rstd, pw, pb, ld, rows, n, eps);
 }
 
 template <typename T>

@@ -144,6 +144,8 @@ __global__ void __launch_bounds__(CS_TX *CS_TY)
     colsum_slabs(const T *x, O *out, float *part, int64_t rows, int64_t cols, int64_t ld, int64_t per,
                  const T *m = nullptr, T *gx = nullptr, const T *bias = nullptr) {
   __shared__ float sh[CS_TY][CS_TX * V + 1];
+  kt::pdl_trigger();   // the partials kernel may be scheduled now; it waits for this one
+  kt::pdl_wait();      // launched as a dependent: x (and m) come from the kernel before
   const int tx = threadIdx.x, ty = threadIdx.y;
   const int64_t c0 = ((int64_t)blockIdx.x * CS_TX + tx) * V;
   const int64_t r0 = (int64_t)blockIdx.y * per, r1 = r0 + per < rows ? r0 + per : rows;
@@ -207,6 +209,7 @@ __global__ void __launch_bounds__(CS_TX *CS_TY)
 template <typename O>
 __global__ void __launch_bounds__(CS_TX *CS_TY) colsum_partials(const float *part, O *out, int64_t slabs, int64_t cols) {
   __shared__ float sh[CS_TY][CS_TX + 1];
+  kt::pdl_wait();   // the partials are colsum_slabs' (launched as its dependent)
   const int tx = threadIdx.x, ty = threadIdx.y;
   const int64_t c = (int64_t)blockIdx.x * CS_TX + tx, run = (slabs + CS_TY - 1) / CS_TY;
   const int64_t s0 = ty * run, s1 = s0 + run < slabs ? s0 + run : slabs;
@@ -247,10 +250,13 @@ kt_status colsum_launch(const T *x, O *out, float *ws, int64_t rows, int64_t col
   const int64_t slabs = colsum_slabs_for(rows, cols, 16 / sizeof(T)), per = (rows + slabs - 1) / slabs;
   const dim3 block(CS_TX, CS_TY);
   const unsigned tiles = (unsigned)((cols + CS_TX * V - 1) / (CS_TX * V));
-  colsum_slabs<T, O, V, G><<<dim3(tiles, (unsigned)slabs), block, 0, s>>>(x, out, ws, rows, cols, ld, per, m, gx,
-                                                                          bias);
+  // both as dependent launches (kt::launch_dependent): the pass after a LayerNorm
+  // backward, and the partials after the pass, start without a launch's latency
+  kt::launch_dependent(colsum_slabs<T, O, V, G>, dim3(tiles, (unsigned)slabs), block, s, x, out, ws, rows, cols, ld,
+                       per, m, gx, bias);
   if (slabs > 1)
-    colsum_partials<O><<<(unsigned)((cols + CS_TX - 1) / CS_TX), block, 0, s>>>(ws, out, slabs, cols);
+    kt::launch_dependent(colsum_partials<O>, dim3((unsigned)((cols + CS_TX - 1) / CS_TX)), block, s, (const float *)ws,
+                         out, slabs, cols);
   return kt::status_of(cudaGetLastError());
 }
 

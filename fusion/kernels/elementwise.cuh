@@ -139,19 +139,31 @@ __device__ __forceinline__ void pdl_trigger() {
 #endif
 }
 
-// Whether the current device has programmatic dependent launch (compute capability
-// 9.0 or newer), asked once a device.
-inline bool pdl_device() {
-  static std::atomic<int> cached[64];   // 0 unknown, 1 no, 2 yes
+// f(dev) for the current device, asked once a device and kept in cache (f must return
+// a value > 0; 0 marks "not asked yet"); `otherwise` when there is no device, its
+// number is 64 or more, or f returns 0.
+template <typename F> int per_device(std::atomic<int> (&cache)[64], int otherwise, F f) {
   int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
-  int v = cached[dev].load(std::memory_order_relaxed);
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return otherwise;
+  int v = cache[dev].load(std::memory_order_relaxed);
   if (!v) {
-    int major = 0;
-    v = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major >= 9 ? 2 : 1;
-    cached[dev].store(v, std::memory_order_relaxed);
+    v = f(dev);
+    if (v <= 0) return otherwise;
+    cache[dev].store(v, std::memory_order_relaxed);
   }
-  return v == 2;
+  return v;
+}
+
+// Whether the current device has programmatic dependent launch (compute capability
+// 9.0 or newer).
+inline bool pdl_device() {
+  static std::atomic<int> cache[64];   // 1 no, 2 yes
+  return per_device(cache, 1, [](int dev) {
+           int major = 0;
+           return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major >= 9
+                      ? 2
+                      : 1;
+         }) == 2;
 }
 
 template <typename... P, typename... A>

@@ -258,9 +258,12 @@ __global__ void __launch_bounds__(LNW_WARPS * 32)
 // the row's sums of dy and dy xhat and to the lane's column sums of g' xhat and g';
 // the second writes
 //   grad_h = rstd (dy - xhat mean(dy xhat)) + (grad_h_in - rstd mean(dy)),
-// the bracket on the right once per row and element's grad_h_in. With C <= 2 the first
-// pass keeps xhat and dy in registers for the second (2 C V floats a lane); with C = 4
-// that would not fit beside the loads, so the second pass forms them again.
+// the bracket on the right once per row and element's grad_h_in. Without ReLU and with
+// C <= 2 the first pass keeps xhat and dy in registers for the second (2 C V floats a
+// lane); otherwise the second pass forms them again, which keeps every kernel within
+// 128 registers, 2 blocks an SM (kept, bf16 C = 2 with ReLU took 150; formed again,
+// 122; C = 4 would not fit beside the loads: ptxas -v, sm_90,
+// bench/results/sass_ln_bwd_warp_48e2aca_e10e5ba_head.txt).
 // (The earlier kernel formed every term twice under run-time ReLU, weight and bias
 // tests: 127 registers and about 52 instructions an element, issue-bound at 3.6 warps
 // a scheduler, bench/results/h100_ncu_ln_bwd_fe19a6d.log. This one: 128 registers,
@@ -273,7 +276,7 @@ __global__ void __launch_bounds__(LNW_WARPS * 32)
     ln_bwd_warp(const T *g, const T *gh_in, const T *h, const T *w, const T *b, T *gh, float *mean_out,
                 float *rstd_out, float *part_w, float *part_b, int64_t ld, int64_t rows, int64_t n, float eps) {
   constexpr int V = 16 / sizeof(T);
-  constexpr bool KEEP = C <= 2;
+  constexpr bool KEEP = C <= 2 && !RELU;
   constexpr int CK = KEEP ? C : 1;
   __shared__ float sh[2][LNW_WARPS][32 * V];
   kt::pdl_trigger();   // the parameter sums' column pass may be scheduled now

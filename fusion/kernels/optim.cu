@@ -43,19 +43,14 @@ static_assert(sizeof(Lists<4>) <= 32764, "kernel parameters");
 // holds), read once per device and kernel; the grid strides over chunks with that many
 // blocks, so every block starts at once and the chunks even out the tail.
 template <typename K> int resident_blocks(K kernel) {
-  static std::atomic<int> cached[64];
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 1024;
-  int n = cached[dev].load(std::memory_order_relaxed);
-  if (!n) {
+  static std::atomic<int> cache[64];
+  return kt::per_device(cache, 1024, [&](int dev) {
     int sms = 0, per = 0;
     if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, kernel, kThreads, 0) != cudaSuccess || sms * per <= 0)
-      return 1024;
-    n = sms * per;
-    cached[dev].store(n, std::memory_order_relaxed);
-  }
-  return n;
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, kernel, kThreads, 0) != cudaSuccess)
+      return 0;
+    return sms * per;
+  });
 }
 
 int64_t chunk_for(int64_t total) {

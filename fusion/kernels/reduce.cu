@@ -17,14 +17,14 @@
 // stride allow, else one column) and sums every 8th row of its slab, four loads
 // in flight; the 8 row phases are then summed through shared memory. With one
 // slab the block writes the result, otherwise an fp32 partial per slab that a
-// second kernel sums in slab order. (One launch, with the last block of each tile to
-// arrive at a counter summing its partials, was slower on the H100: GPT's 18 bias
-// sums took 8.0 us a call against 3.2 plus a 1.6 us second kernel, its 6 GELU passes
-// 23.2 against 20.0 + 1.6, its 13 LayerNorm parameter sums 3.9 against 1.6 + 1.6,
-// bench/results/h100_profile_graph_gpt_b9e7b82.log against _e10e5ba.log and
-// _fe19a6d.log: the fences, the atomic's round trip and a one-block tail over up to
-// 128 slabs cost more than the second launch.) The order of every addition is fixed by the
-// shape, so the result is deterministic. kt_relu_grad_colsum is the same pass over
+// second kernel sums in slab order. The order of every addition is fixed by the
+// shape, so the result is deterministic. (One launch, with the last block of each
+// tile to arrive at a counter summing its partials, was slower on the H100: GPT's 18
+// bias sums took 8.0 us a call against 3.2 plus a 1.6 us second kernel, its 6 GELU
+// passes 23.2 against 20.0 + 1.6, its 13 LayerNorm parameter sums 3.9 against
+// 1.6 + 1.6, bench/results/h100_profile_graph_gpt_b9e7b82.log against _e10e5ba.log
+// and _fe19a6d.log: the fences, the atomic's round trip and a one-block tail over up
+// to 128 slabs cost more than the second launch.) kt_relu_grad_colsum is the same pass over
 // ReLU's output gradient that also masks it with ReLU's output and stores it: a
 // linear_act("relu") backward's bias gradient and the GEMMs' operand in one kernel,
 // where it was an elementwise kernel and cuBLASLt's BGRADB epilogue kernel.

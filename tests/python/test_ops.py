@@ -679,7 +679,6 @@ def test_gpu_column_sums_replayed_in_a_cuda_graph(dtype):
     g = torch.Generator().manual_seed(31)
     shapes = [(4096, 512), (70000, 5), (300, 2049), (8192, 2048)]
     xs = [torch.randint(-8, 9, s, generator=g).to("cuda", dtype) for s in shapes]
-    outs = []
     torch.ops.kitsune.channel_sum(xs[0])   # load the library and its kernels before capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

@@ -172,6 +172,36 @@ kt_status launch(const void *logits, const int64_t *target, float *loss, void *g
   return kt::status_of(cudaGetLastError());
 }
 
+// g *= *by, unless *by is 1: then no element is read or written. The backward of a
+// loss whose gradient the forward formed (for an incoming gradient of 1, which is
+// what backward() passes) only rescales, and its incoming gradient exists only on
+// the device. Grid-stride over 16-byte vectors when g is aligned, else elements.
+template <typename T> __global__ void ce_rescale(T *g, int64_t n, const float *by) {
+  const float s = *by;
+  if (s == 1.f) return;
+  constexpr int V = 16 / sizeof(T);
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x, tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const int64_t nv = ((uintptr_t)g & 15) ? 0 : n / V;
+  uint4 *gv = reinterpret_cast<uint4 *>(g);
+  for (int64_t c = tid; c < nv; c += stride) {
+    T v[V];
+    float f[V];
+    *reinterpret_cast<uint4 *>(v) = gv[c];
+#pragma unroll
+    for (int j = 0; j < V; j++) f[j] = kt::to_f(v[j]) * s;
+    kt::store16(g + c * V, f);
+  }
+  for (int64_t i = nv * V + tid; i < n; i += stride) g[i] = kt::from_f<T>(kt::to_f(g[i]) * s);
+}
+
+template <typename T> kt_status rescale(void *g, int64_t n, const float *by, cudaStream_t s) {
+  constexpr int V = 16 / sizeof(T);
+  int64_t blocks = (n / V + 255) / 256;   // 1024 blocks of 256 threads (8 an SM on an H100) stream at full speed
+  blocks = blocks < 1 ? 1 : blocks > 1024 ? 1024 : blocks;
+  ce_rescale<T><<<(unsigned)blocks, 256, 0, s>>>((T *)g, n, by);
+  return kt::status_of(cudaGetLastError());
+}
+
 }  // namespace
 
 // ---- launchers ----
@@ -198,4 +228,10 @@ extern "C" kt_status kt_cross_entropy_scale(kt_dtype t, const void *grad, const 
   if (rows < 0 || (rows && !target) || !scale) return KT_ERR_INVALID;
   cudaStream_t s = (cudaStream_t)stream;
   KT_DISPATCH(t, finish<T>(nullptr, target, rows, ignore_index, grad, nullptr, scale, s))
+}
+
+extern "C" kt_status kt_cross_entropy_rescale(kt_dtype t, void *grad, int64_t n, const float *by, void *stream) {
+  if (n < 0 || (n && !grad) || !by) return KT_ERR_INVALID;
+  if (n == 0) return KT_OK;
+  KT_DISPATCH(t, rescale<T>(grad, n, by, (cudaStream_t)stream))
 }

@@ -175,6 +175,16 @@ def _(grad, logits, target, ignore_index=-100, label_smoothing=0.0):
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
+@torch.library.register_fake("kitsune::cross_entropy_with_grad")
+def _(logits, target, ignore_index=-100, label_smoothing=0.0):
+    return logits.new_empty(()), torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("kitsune::cross_entropy_rescale_")
+def _(grad, by):
+    return None
+
+
 @torch.library.register_fake("kitsune::linear_cross_entropy")
 def _(x, weight, target, bias=None, ignore_index=-100, label_smoothing=0.0, chunk_size=0):
     return x.new_empty(())

@@ -966,7 +966,7 @@ class _OpsSeen(torch.utils._python_dispatch.TorchDispatchMode):
 
 def test_fused_loss_runs_cross_entropy_as_kitsunes_where_it_covers_the_call():
     """FusedLoss (compile_step's loss mode): F.cross_entropy calls the op covers run as
-    kitsune::cross_entropy, with the loss and logits' gradient of F.cross_entropy in
+    kitsune.cross_entropy, with the loss and logits' gradient of F.cross_entropy in
     fp64 (ignored rows, label smoothing, a view of 3-D logits); the others run as
     given, each with its reason, and CPU calls are left unless asked for."""
     g = torch.Generator().manual_seed(11)
@@ -982,7 +982,8 @@ def test_fused_loss_runs_cross_entropy_as_kitsunes_where_it_covers_the_call():
     a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
     with kitsune.fx.FusedLoss(devices=("cpu",)) as mode, _OpsSeen() as seen:
         got = loss_fn(a, target)
-    assert mode.fused == 1 and mode.left == [] and "kitsune::cross_entropy" in seen.names, seen.names
+    # logits that need a gradient: the loss and that gradient in one op
+    assert mode.fused == 1 and mode.left == [] and "kitsune::cross_entropy_with_grad" in seen.names, seen.names
     assert not any(n.startswith("aten::nll_loss") or n.startswith("aten::_log_softmax") for n in seen.names)
     want = loss_fn(b, target)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

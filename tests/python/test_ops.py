@@ -397,6 +397,65 @@ def test_more_ops_without_weights_and_edge_cases():
     torch.testing.assert_close(xr.grad, torch.ones_like(xr))
 
 
+def _ce_saved_and_grads(logits, target, scales, **kw):
+    """The tensors kitsune.cross_entropy's autograd saves, and d(loss * s)/d(logits)
+    for each s in scales, the graph kept between them (retain_graph) but the last."""
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss = ko.cross_entropy(logits, target, **kw)
+    grads = [torch.autograd.grad(loss * s, logits, retain_graph=i + 1 < len(scales))[0] for i, s in enumerate(scales)]
+    return loss, saved, grads
+
+
+def test_cross_entropy_forms_the_gradient_in_the_forward_and_keeps_no_logits():
+    """With logits that need a gradient, the forward forms it and saves it instead of
+    the logits (which can then be freed); the backward scales it by the incoming
+    gradient: 1 (nothing to do), 2.5 and -3, the graph kept for the next backward
+    (a new tensor) but for the last one (in place)."""
+    g = torch.Generator().manual_seed(11)
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        x = _t((9, 13), dtype, "cpu", g).requires_grad_()
+        t = torch.tensor([0, 12, -100, 5, 7, 1, 3, -100, 2])
+        _, saved, grads = _ce_saved_and_grads(x, t, [1.0, 2.5, -3.0], label_smoothing=0.1)
+        assert all(s.untyped_storage().data_ptr() != x.untyped_storage().data_ptr() for s in saved), \
+            "the logits were saved for the backward"
+        x64 = x.detach().double().requires_grad_()
+        ref, = torch.autograd.grad(F.cross_entropy(x64, t, label_smoothing=0.1), x64)
+        for s, got in zip([1.0, 2.5, -3.0], grads):
+            assert got.dtype == dtype and got.shape == x.shape
+            torch.testing.assert_close(got.double(), ref * s, rtol=tol, atol=tol)
+        assert (grads[0][t == -100] == 0).all()
+    # the logits die with the forward's last reference to them
+    import gc
+    import weakref
+    h, w = torch.randn(6, 5), torch.randn(5, 11, requires_grad=True)
+    logits = h @ w
+    alive = weakref.ref(logits)
+    loss = ko.cross_entropy(logits, torch.arange(6))
+    del logits
+    gc.collect()
+    assert alive() is None, "kitsune.cross_entropy kept the logits alive"
+    loss.backward()
+    torch.testing.assert_close(w.grad, torch.autograd.grad(F.cross_entropy(h @ w, torch.arange(6)), w)[0])
+    # without a gradient to form, the loss alone (and the logits kept for a backward
+    # only when asked for)
+    with torch.no_grad():
+        torch.testing.assert_close(ko.cross_entropy(h @ w, torch.arange(6)), F.cross_entropy(h @ w, torch.arange(6)))
+
+
+def test_cross_entropy_rescale_scales_in_place():
+    g = torch.tensor([1.0, -2.0, 0.5], dtype=torch.bfloat16)
+    torch.ops.kitsune.cross_entropy_rescale_(g, torch.tensor(1.0))
+    assert g.tolist() == [1.0, -2.0, 0.5]
+    torch.ops.kitsune.cross_entropy_rescale_(g, torch.tensor(-3.0, dtype=torch.float64))
+    assert g.tolist() == [-3.0, 6.0, -1.5]
+    with pytest.raises(RuntimeError, match="by must have one element"):
+        torch.ops.kitsune.cross_entropy_rescale_(g, torch.ones(2))
+    x = torch.randn(5, 7, dtype=torch.float64)
+    torch.library.opcheck(torch.ops.kitsune.cross_entropy_with_grad.default, (x, torch.tensor([0, 6, 2, -100, 3])))
+    torch.library.opcheck(torch.ops.kitsune.cross_entropy_rescale_.default, (x.clone(), torch.tensor(2.0)))
+
+
 def test_more_fakes_give_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode():
@@ -1066,6 +1125,46 @@ def test_gpu_global_avg_pool_needs_no_workspace(dtype):
     assert used <= x.numel() * x.element_size() + 2**20, f"the backward allocated {used} bytes"
     assert gx.is_contiguous(memory_format=torch.channels_last), gx.stride()
     torch.testing.assert_close(gx, (go / 1024)[:, :, None, None].expand(x.shape), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_gpu_cross_entropy_gradient_formed_in_the_forward(dtype):
+    """On CUDA: the gradient the forward forms, scaled by 1 (no kernel writes), 0.75
+    and -2 (rescaled, the graph kept between them but for the last backward), against
+    an fp64 reference, the memory poisoned first; odd vocabularies (unaligned rows) too.
+    With an incoming 1 it equals cross_entropy_backward's result bit for bit."""
+    g = torch.Generator().manual_seed(12)
+    for rows, C in ((64, 8192), (37, 50257), (5, 3)):
+        x = _t((rows, C), dtype, "cuda", g, scale=2.0).requires_grad_()
+        t = _targets(rows, C, "cuda", g)
+        t[1] = -100
+        _poison(x.numel(), "cuda")
+        loss, saved, grads = _ce_saved_and_grads(x, t, [1.0, 0.75, -2.0], label_smoothing=0.05)
+        assert all(s.untyped_storage().data_ptr() != x.untyped_storage().data_ptr() for s in saved)
+        x64 = x.detach().double().requires_grad_()
+        ref, = torch.autograd.grad(F.cross_entropy(x64, t, label_smoothing=0.05), x64)
+        xt = x.detach().requires_grad_()
+        theirs, = torch.autograd.grad(F.cross_entropy(xt, t, label_smoothing=0.05), xt)
+        te = _err(theirs, ref)
+        for s, got in zip([1.0, 0.75, -2.0], grads):
+            assert not torch.isnan(got).any(), f"{dtype} {rows}x{C} x{s}: unwritten (NaN) gradient"
+            e = _err(got, ref * s)
+            assert e <= abs(s) * (2 * te + TOL_ABS[dtype] / rows), f"{dtype} {rows}x{C} x{s}: {e} vs torch {te}"
+        old = torch.ops.kitsune.cross_entropy_backward(torch.ones((), device="cuda", dtype=dtype), x.detach(), t,
+                                                       -100, 0.05)
+        assert torch.equal(grads[0], old)
+    # the rescale kernel on a row that is not 16-byte aligned, odd lengths
+    for n in (1, 7, 8191, (1 << 20) + 5):
+        base = _t((n + 1,), dtype, "cuda", g)
+        v = base[1:]
+        want = (v.double() * -1.5).to(dtype)
+        torch.ops.kitsune.cross_entropy_rescale_(v, torch.tensor(-1.5, device="cuda"))
+        assert torch.equal(v, want), n
+        before = base.clone()
+        torch.ops.kitsune.cross_entropy_rescale_(base, torch.tensor(1.0, device="cuda", dtype=dtype))
+        assert torch.equal(base, before)
 
 
 @pytest.mark.gpu

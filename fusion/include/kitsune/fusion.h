@@ -189,6 +189,10 @@ kt_status kt_cross_entropy_mean(kt_dtype t, const float *loss, const int64_t *ta
                                 int64_t ignore_index, void *out, void *stream);
 kt_status kt_cross_entropy_scale(kt_dtype t, const void *grad, const int64_t *target, int64_t rows,
                                  int64_t ignore_index, float *scale, void *stream);
+/* grad[0..n) *= *by (fp32 on the device), in place, unless *by == 1, when nothing is
+ * read or written: the backward of a cross-entropy whose gradient the forward formed
+ * for an incoming gradient of 1 (kt_cross_entropy with loss and grad both given). */
+kt_status kt_cross_entropy_rescale(kt_dtype t, void *grad, int64_t n, const float *by, void *stream);
 
 /* Row reductions over the last dimension of a [rows, n] view (rows = 1 for a full
  * reduction), fp32 accumulation, one rounding to the storage type:

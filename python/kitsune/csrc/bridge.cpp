@@ -44,6 +44,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/safe_numerics.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/graph_task.h>   // get_current_graph_task_keep_graph
 #include <torch/library.h>
 
 #include <atomic>
@@ -1809,6 +1810,45 @@ Tensor cross_entropy_backward_cuda(const Tensor& grad, const Tensor& logits, con
                "cross_entropy_backward");
   return gl.view(logits.sizes());
 }
+// The loss and, in the same pass over the logits, its gradient for an incoming
+// gradient of 1 (what backward() passes): cross_entropy's autograd forward takes
+// this when the logits need a gradient, so its backward only rescales
+// (cross_entropy_rescale_) and the logits need not outlive the forward. Against the
+// forward's read plus the backward's read and write, one read and one write.
+std::tuple<Tensor, Tensor> cross_entropy_with_grad_cuda(const Tensor& logits, const Tensor& target, int64_t ignore,
+                                                        double smoothing) {
+  const char* op = "cross_entropy_with_grad";
+  auto [l, t] = ce_views(logits, target, smoothing, op);
+  c10::cuda::CUDAGuard g(l.device());
+  Tensor scale = ce_scale(t, ignore, Tensor(), op);
+  Tensor losses = at::empty({l.size(0)}, l.options().dtype(at::kFloat));
+  Tensor gl = at::empty_like(l);
+  check_launch(kt_cross_entropy(dtype_of(l, op), l.data_ptr(), t.data_ptr<int64_t>(), losses.data_ptr<float>(),
+                                gl.data_ptr(), scale.data_ptr<float>(), l.size(0), l.size(1), l.size(1), ignore,
+                                (float)smoothing, stream_of(l)),
+               op);
+  return {ce_mean(losses, t, ignore, l.scalar_type(), op), gl.view(logits.sizes())};
+}
+// grad *= by, unless by is 1 (a one-element tensor on grad's device, read there: no
+// host sync), in place.
+void check_rescale(const Tensor& grad, const Tensor& by) {
+  TORCH_CHECK(by.numel() == 1, "kitsune.cross_entropy_rescale_: by must have one element; got shape ", by.sizes());
+  TORCH_CHECK(by.device() == grad.device(), "kitsune.cross_entropy_rescale_: grad is on ", grad.device(),
+              " but by is on ", by.device());
+  TORCH_CHECK(grad.is_contiguous(), "kitsune.cross_entropy_rescale_: grad must be contiguous");
+}
+void cross_entropy_rescale__cuda(const Tensor& grad, const Tensor& by) {
+  check_rescale(grad, by);
+  c10::cuda::CUDAGuard g(grad.device());
+  Tensor b = by.reshape({1}).to(at::kFloat);
+  check_launch(kt_cross_entropy_rescale(dtype_of(grad, "cross_entropy_rescale_"), grad.data_ptr(), grad.numel(),
+                                        b.data_ptr<float>(), stream_of(grad)),
+               "cross_entropy_rescale_");
+}
+void cross_entropy_rescale__cpu(const Tensor& grad, const Tensor& by) {
+  check_rescale(grad, by);
+  Tensor(grad).mul_(by.reshape({}));   // times 1 leaves every value as it is
+}
 // (softmax - q) / count per row, zero on ignored rows, in opmath.
 Tensor ce_grad_reference(const Tensor& l, const Tensor& t, int64_t ignore, double smoothing) {
   Tensor lf = l.to(opmath(l));
@@ -1820,6 +1860,12 @@ Tensor cross_entropy_backward_cpu(const Tensor& grad, const Tensor& logits, cons
                                   double smoothing) {
   auto [l, t] = ce_views(logits, target, smoothing, "cross_entropy_backward");
   return (ce_grad_reference(l, t, ignore, smoothing) * grad.to(opmath(l))).to(l.scalar_type()).view(logits.sizes());
+}
+std::tuple<Tensor, Tensor> cross_entropy_with_grad_cpu(const Tensor& logits, const Tensor& target, int64_t ignore,
+                                                       double smoothing) {
+  Tensor loss = cross_entropy_cpu(logits, target, ignore, smoothing);   // checks the targets
+  auto [l, t] = ce_views(logits, target, smoothing, "cross_entropy_with_grad");
+  return {loss, ce_grad_reference(l, t, ignore, smoothing).to(l.scalar_type()).view(logits.sizes())};
 }
 
 // linear_cross_entropy: x (..., H), weight (V, H), bias (V,) or None, target (...).
@@ -3789,24 +3835,46 @@ Tensor channel_sum_op(const Tensor& g) {
   return channel_sum(g, g.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
 }
 
-// cross_entropy: backward through cross_entropy_backward (one kernel for the scale,
-// one for the gradient).
+// cross_entropy. When the logits need a gradient, the forward forms it
+// (cross_entropy_with_grad: the gradient for an incoming 1) and keeps it instead of
+// the logits; the backward scales it by the incoming gradient in place
+// (cross_entropy_rescale_, which writes nothing when that is 1), or, when the graph is
+// kept for another backward, into a new tensor. Without a gradient to form (no grad
+// mode, or logits that need none) the forward computes the loss alone and keeps the
+// logits, and a backward goes through cross_entropy_backward.
 struct CrossEntropyFn : torch::autograd::Function<CrossEntropyFn> {
   static Tensor forward(AutogradContext* ctx, const Tensor& logits, const Tensor& target, int64_t ignore,
-                        double smoothing) {
+                        double smoothing, bool form_grad) {
     static auto op = op_handle<Tensor(const Tensor&, const Tensor&, int64_t, double)>("kitsune::cross_entropy");
+    static auto with_grad = op_handle<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, int64_t, double)>(
+        "kitsune::cross_entropy_with_grad");
     ctx->saved_data["ignore"] = ignore;
     ctx->saved_data["smoothing"] = smoothing;
-    ctx->save_for_backward({logits, target});
+    ctx->saved_data["formed"] = form_grad;
     at::AutoDispatchBelowADInplaceOrView g;
+    if (form_grad) {
+      auto [loss, grad] = with_grad.call(logits, target, ignore, smoothing);
+      ctx->save_for_backward({grad});
+      return loss;
+    }
+    ctx->save_for_backward({logits, target});
     return op.call(logits, target, ignore, smoothing);
   }
   static variable_list backward(AutogradContext* ctx, variable_list go) {
     static auto op = op_handle<Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t, double)>(
         "kitsune::cross_entropy_backward");
+    static auto rescale = op_handle<void(const Tensor&, const Tensor&)>("kitsune::cross_entropy_rescale_");
     auto s = ctx->get_saved_variables();
-    return {op.call(go[0], s[0], s[1], ctx->saved_data["ignore"].toInt(), ctx->saved_data["smoothing"].toDouble()),
-            Tensor(), Tensor(), Tensor()};
+    Tensor grad;
+    if (!ctx->saved_data["formed"].toBool()) {
+      grad = op.call(go[0], s[0], s[1], ctx->saved_data["ignore"].toInt(), ctx->saved_data["smoothing"].toDouble());
+    } else if (torch::autograd::get_current_graph_task_keep_graph()) {
+      grad = s[0] * go[0];   // the saved gradient serves the next backward too
+    } else {
+      grad = s[0];   // released after this backward: ours to scale
+      rescale.call(grad, go[0]);
+    }
+    return {grad, Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
@@ -3906,7 +3974,8 @@ struct BiasDropoutAddFn : torch::autograd::Function<BiasDropoutAddFn> {
 
 Tensor add_relu_autograd(const Tensor& a, const Tensor& b) { return AddReluFn::apply(a, b); }
 Tensor cross_entropy_autograd(const Tensor& logits, const Tensor& target, int64_t ignore, double smoothing) {
-  return CrossEntropyFn::apply(logits, target, ignore, smoothing);
+  return CrossEntropyFn::apply(logits, target, ignore, smoothing,
+                               at::GradMode::is_enabled() && logits.requires_grad());
 }
 std::optional<std::vector<int64_t>> dims_vec(at::OptionalIntArrayRef dim) {
   return dim ? std::optional<std::vector<int64_t>>(dim->vec()) : std::nullopt;
@@ -4049,6 +4118,8 @@ TORCH_LIBRARY(kitsune, m) {
   m.def("add_layer_norm_backward(Tensor grad, Tensor? grad_sum, Tensor sum, Tensor? weight, Tensor? bias, float eps) -> (Tensor, Tensor, Tensor)");
   m.def("cross_entropy(Tensor logits, Tensor target, int ignore_index=-100, float label_smoothing=0.0) -> Tensor");
   m.def("cross_entropy_backward(Tensor grad, Tensor logits, Tensor target, int ignore_index=-100, float label_smoothing=0.0) -> Tensor");
+  m.def("cross_entropy_with_grad(Tensor logits, Tensor target, int ignore_index=-100, float label_smoothing=0.0) -> (Tensor, Tensor)");
+  m.def("cross_entropy_rescale_(Tensor(a!) grad, Tensor by) -> ()");
   m.def("linear_cross_entropy(Tensor x, Tensor weight, Tensor target, Tensor? bias=None, int ignore_index=-100, float label_smoothing=0.0, int chunk_size=0) -> Tensor");
   m.def("linear_cross_entropy_grads(Tensor x, Tensor weight, Tensor target, Tensor? bias=None, int ignore_index=-100, float label_smoothing=0.0, int chunk_size=0) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("sum_squared(Tensor x, int[1]? dim=None, bool keepdim=False) -> Tensor");
@@ -4111,6 +4182,8 @@ TORCH_LIBRARY(kitsune, m) {
   X(add_layer_norm_backward) \
   X(cross_entropy) \
   X(cross_entropy_backward) \
+  X(cross_entropy_with_grad) \
+  X(cross_entropy_rescale_) \
   X(linear_cross_entropy) \
   X(linear_cross_entropy_grads) \
   X(sum_squared) \

@@ -59,30 +59,41 @@ int64_t chunk_for(int64_t total) {
   return c;
 }
 
-// The update of E elements: v[k][j] is element j of list k (fp32), updated in place;
-// list 1 (the gradient) is read only, an absent list (NULL) is neither read nor written.
+// The update of E elements: element j of list k is converted to fp32 when the update
+// reaches it and stored back in place (so the registers hold the loaded vectors, not
+// E fp32 copies of them: 84 registers a thread at 8 bf16 elements took the H100 to 2
+// blocks an SM, 25% occupancy, and the step to 2.44 TB/s, ncu at 06fa077,
+// h100_ncu_optim_06fa077.log); list 1 (the gradient) is read only, an absent list
+// (NULL) is neither read nor written.
 template <typename T, int NP, int E, typename Args, typename F>
 __device__ __forceinline__ void update(T *const *p, int64_t i, const Args &a, F f, bool vec) {
-  float v[NP][E];
+  T t[NP][E];
 #pragma unroll
   for (int k = 0; k < NP; k++) {
-    if (!p[k]) continue;
-    T t[E];
-    if (vec) *reinterpret_cast<uint4 *>(t) = *reinterpret_cast<const uint4 *>(p[k] + i);
-    else t[0] = p[k][i];
+    if (!p[k]) {
 #pragma unroll
-    for (int j = 0; j < E; j++) v[k][j] = kt::to_f(t[j]);
+      for (int j = 0; j < E; j++) t[k][j] = kt::from_f<T>(0.f);
+    } else if (vec) {
+      *reinterpret_cast<uint4 *>(t[k]) = *reinterpret_cast<const uint4 *>(p[k] + i);
+    } else {
+      t[k][0] = p[k][i];
+    }
   }
 #pragma unroll
-  for (int j = 0; j < E; j++) f(v, j, a, p[NP - 1] != nullptr);
+  for (int j = 0; j < E; j++) {
+    float v[NP];
+#pragma unroll
+    for (int k = 0; k < NP; k++) v[k] = kt::to_f(t[k][j]);
+    f(v, a, p[NP - 1] != nullptr);
+#pragma unroll
+    for (int k = 0; k < NP; k++)
+      if (k != 1) t[k][j] = kt::from_f<T>(v[k]);
+  }
 #pragma unroll
   for (int k = 0; k < NP; k++) {
     if (k == 1 || !p[k]) continue;
-    T t[E];
-#pragma unroll
-    for (int j = 0; j < E; j++) t[j] = kt::from_f<T>(v[k][j]);
-    if (vec) *reinterpret_cast<uint4 *>(p[k] + i) = *reinterpret_cast<const uint4 *>(t);
-    else p[k][i] = t[0];
+    if (vec) *reinterpret_cast<uint4 *>(p[k] + i) = *reinterpret_cast<const uint4 *>(t[k]);
+    else p[k][i] = t[k][0];
   }
 }
 
@@ -113,15 +124,15 @@ __global__ void __launch_bounds__(kThreads) multi_tensor(Lists<NP> l, int64_t ch
 }
 
 struct AdamStep {   // lists p, g, m, v
-  template <int E> __device__ void operator()(float (&v)[4][E], int j, const kt::AdamArgs &a, bool) const {
-    kt::adam_elem<float>(v[0][j], v[2][j], v[3][j], v[1][j], a);
+  __device__ void operator()(float (&v)[4], const kt::AdamArgs &a, bool) const {
+    kt::adam_elem<float>(v[0], v[2], v[3], v[1], a);
   }
 };
 struct SgdStep {   // lists p, g, buf (NULL without momentum)
-  template <int E> __device__ void operator()(float (&v)[3][E], int j, const kt::SgdArgs &a, bool buf) const {
-    float b = buf ? v[2][j] : 0.f;
-    kt::sgd_elem<float>(v[0][j], b, v[1][j], a);
-    if (buf) v[2][j] = b;
+  __device__ void operator()(float (&v)[3], const kt::SgdArgs &a, bool buf) const {
+    float b = buf ? v[2] : 0.f;
+    kt::sgd_elem<float>(v[0], b, v[1], a);
+    if (buf) v[2] = b;
   }
 };
 

@@ -4,7 +4,7 @@
 # only the pytest part of gpu-test, on KT_PYTEST_ARGS (paths and options; default tests/python); "data" adds
 # make bench-data, "kernels" make bench-kernels, "profile" tools/profile_train.py, "gaps"
 # tools/step_gaps.py, "optim" bench/kernels/optimizer.py, "ew" bench/kernels/elementwise.py, "lact" bench/kernels/linear_act.py, "colsum" bench/kernels/colsum.py, "pool" bench/kernels/pool.py, "losses" bench/loss_match.py (LOSS_ARGS), "copies" tools/copy_sources.py (COPY_MODELS, COPY_ARGS), "train" bench/kernels/train_models.py,
-# "ncu" Nsight Compute on the dropout kernels, "ncu_ln" on the LayerNorm ones, "ncu_optim" on the fused AdamW step, "models" bench/models.py, "gmem" bench/graph_memory.py, "pgraph"
+# "ncu" Nsight Compute on the dropout kernels, "ncu_ln" on the LayerNorm ones, "ncu_optim" on the fused AdamW step, "memsets" tools/graph_memsets.py, "models" bench/models.py, "gmem" bench/graph_memory.py, "pgraph"
 # tools/profile_graph.py, "host" tools/host_replay.py, "alloc" the VMM C suites on CUDA, the allocator pytest,
 # bench/alloc_shapes.py and bench/alloc_torch.py; KT_NO_CLEAN=1 keeps
 # the last call's build). Everything is logged to $OUT/run.log; JSON results and the
@@ -126,6 +126,11 @@ if [[ $parts == *" pgraph "* ]]; then   # kernels inside the captured step (PGRA
   echo "== profile graph =="; KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \
     python3 tools/profile_graph.py ${PGRAPH_MODELS:-mlp resnet18} > "$OUT/profile_graph.log" 2>&1
   grep -v -i warn "$OUT/profile_graph.log" | head -${PGRAPH_HEAD:-120}
+fi
+if [[ $parts == *" memsets "* ]]; then   # the memset nodes of compile_step's graph (GRAPH_MODELS), to $OUT/memsets.log
+  echo "== graph memsets =="; KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \
+    python3 tools/graph_memsets.py ${GRAPH_MODELS:-gpt} > "$OUT/memsets.log" 2>&1
+  grep -v -i warn "$OUT/memsets.log" | head -60
 fi
 if [[ $parts == *" host "* ]]; then   # host time of a replayed step (HOST_MODELS), to $OUT/host.log
   echo "== host replay =="; KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \

@@ -28,6 +28,8 @@ Recipes:
                  weights kept NCHW (by default compile_step makes both channels-last)
   kitsune_mc     kitsune with the stream plan's costs measured on the first batch
                  (compile_step(stream_costs="measured")) instead of the roofline's
+  kitsune_ob0    kitsune with the optimizer's update after the backward, not inside it
+                 (compile_step(optimizer_in_backward=False))
 
 Each recipe runs --steps steps (default 60). Reported: ms/step (the median over blocks
 of 10 steps between CUDA events, steps 20 on, no sync inside a block), the host's ms
@@ -60,7 +62,7 @@ import kitsune  # noqa: E402
 from kitsune.sched import Inception  # noqa: E402
 
 RECIPES = ["eager", "eager_fused", "compile", "compile_ro", "stock_graph", "kitsune_eager", "kitsune", "kitsune_1s",
-           "kitsune_nchw", "kitsune_mc"]
+           "kitsune_nchw", "kitsune_mc", "kitsune_ob0"]
 
 
 # ---- models and their batches ---------------------------------------------------------
@@ -195,7 +197,8 @@ def make(recipe, model, loss_fn):
         return eager_step(km, loss_fn, opt), opt
     step = kitsune.compile_step(km, loss_fn, opt, streams=1 if recipe == "kitsune_1s" else 4,
                                 stream_costs="measured" if recipe == "kitsune_mc" else None,
-                                channels_last=False if recipe == "kitsune_nchw" else None)
+                                channels_last=False if recipe == "kitsune_nchw" else None,
+                                optimizer_in_backward=recipe != "kitsune_ob0")
     return step, step
 
 
@@ -236,11 +239,11 @@ def run(recipe, base, loss_fn, data, steps):
            "peak_reserved_mib": (torch.cuda.max_memory_reserved() - reserved0) / 2**20,
            "left_before_mib": alloc0 / 2**20,
            "final_loss": losses[-1].float().item(), "steps": steps}
-    if recipe in ("kitsune", "kitsune_1s", "kitsune_nchw", "kitsune_mc"):
+    if recipe in ("kitsune", "kitsune_1s", "kitsune_nchw", "kitsune_mc", "kitsune_ob0"):
         st = extra.stats()
         row["compile_step"] = {k: st[k] for k in ("replays", "eager_steps", "captures", "reason", "streams",
                                                   "streams_reason", "channels_last", "channels_last_reason",
-                                                  "memory_plan")}
+                                                  "memory_plan", "optimizer_in_backward")}
     del step, extra, model
     if recipe.startswith("compile") or recipe == "stock_graph":
         torch._dynamo.reset()
@@ -291,7 +294,9 @@ def main():
                 print(f"{name:10s} {recipe:14s} {row['ms']:8.3f} ms/step  host {row['host_ms']:7.3f}  setup "
                       f"{row['setup_s']:6.2f} s  peak {row['peak_alloc_mib']:8.1f} / {row['peak_reserved_mib']:8.1f} MiB"
                       f"  loss {row['final_loss']:.4f}" + (f"  streams {row['compile_step']['streams']} "
-                                                           f"({row['compile_step']['streams_reason']})"
+                                                           f"({row['compile_step']['streams_reason']}), "
+                                                           f"{row['compile_step']['optimizer_in_backward']} "
+                                                           f"updates in the backward"
                                                            if "compile_step" in row else ""), flush=True)
             write_result(args.out, "models", {"steps": args.steps, "rows": rows})
         del base, data

@@ -107,7 +107,8 @@ class CompiledStep:
     """A training step as a CUDA graph; see the module docstring."""
 
     def __init__(self, model, loss_fn, optimizer, *, max_shapes=8, autocast_dtype=None, max_grad_norm=None,
-                 streams=4, channels_last=None, plan_memory=None, stream_costs=None, fuse_loss=True):
+                 streams=4, channels_last=None, plan_memory=None, stream_costs=None, fuse_loss=True,
+                 optimizer_in_backward=True):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"compile_step: model must be a torch.nn.Module, got {type(model).__name__}")
         if loss_fn is not None and not callable(loss_fn):
@@ -133,6 +134,11 @@ class CompiledStep:
         if not isinstance(fuse_loss, bool):
             raise ValueError(f"compile_step: fuse_loss must be True or False, got {fuse_loss!r}")
         self._fuse_loss = fuse_loss
+        if not isinstance(optimizer_in_backward, bool):
+            raise ValueError(f"compile_step: optimizer_in_backward must be True or False, got {optimizer_in_backward!r}")
+        self.optimizer_in_backward = optimizer_in_backward
+        self._opt_stream = None   # the stream the update runs on during the backward (capture_in_backward)
+        self._ib_info = {"optimizer_in_backward": 0}   # the last capture's launches during the backward
         self._loss_info = {"fused_loss": 0, "fused_loss_left": []}   # the last step's FusedLoss counts
         if channels_last not in (None, True, False):
             raise ValueError(f"compile_step: channels_last must be None (auto), True or False, got {channels_last!r}")
@@ -305,11 +311,16 @@ class CompiledStep:
         after it (they stay in the pool, the graph's)."""
         self.optimizer.zero_grad(set_to_none=True)
         graph = torch.cuda.CUDAGraph()
+        ib = None
         try:
             with self._capturing(graph, pool):
+                ib = self._in_backward()
                 static_loss = self._forward_backward(tuple(args), self._captured)
-                plan = self.optimizer.capture_step()
+                plan = ib.finish() if ib is not None else self.optimizer.capture_step()
+                self._ib_info = {"optimizer_in_backward": ib.launches if ib is not None else 0}
         except BaseException:
+            if ib is not None:
+                ib.close()
             # A capture that failed to end leaves the allocator routing the pool's
             # allocations through a filter that refers to the dead graph
             # (CUDAGraph::capture_end throws before endAllocateToPool): end it here.
@@ -320,6 +331,16 @@ class CompiledStep:
             raise
         self.optimizer.zero_grad(set_to_none=True)
         return graph, static_loss, plan
+
+    def _in_backward(self):
+        """The optimizer's update, inside the capture, overlapping the backward
+        (KitsuneOptimizer.capture_in_backward on a stream of this step's), or None:
+        off, or gradient clipping or loss scaling, which need every gradient first."""
+        if not self.optimizer_in_backward or self.max_grad_norm is not None or self.optimizer.enable_amp:
+            return None
+        if self._opt_stream is None:
+            self._opt_stream = torch.cuda.Stream(self._side.device)
+        return self.optimizer.capture_in_backward(self._opt_stream)
 
     @contextlib.contextmanager
     def _capturing(self, graph, pool):
@@ -469,7 +490,8 @@ class CompiledStep:
                     channels_last=self._cl, channels_last_reason=self._cl_reason,
                     memory_plan=dict(self._memory) if self._memory else None,
                     blas_workspaces=dict(self._blas) if self._blas else None,
-                    fused_loss=self._loss_info["fused_loss"], fused_loss_left=list(self._loss_info["fused_loss_left"]))
+                    fused_loss=self._loss_info["fused_loss"], fused_loss_left=list(self._loss_info["fused_loss_left"]),
+                    **self._ib_info)
 
 
 # compile_step's capture streams: device index -> (the stream, its partner: the
@@ -590,9 +612,10 @@ def _signature(batch):
 
 
 def compile_step(model, loss_fn, optimizer, *, max_shapes=8, autocast_dtype=None, max_grad_norm=None, streams=4,
-                 channels_last=None, plan_memory=None, stream_costs=None, fuse_loss=True):
+                 channels_last=None, plan_memory=None, stream_costs=None, fuse_loss=True, optimizer_in_backward=True):
     """A callable ``step(*batch) -> loss`` running the whole training step as a CUDA
     graph; see kitsune.graph."""
     return CompiledStep(model, loss_fn, optimizer, max_shapes=max_shapes, autocast_dtype=autocast_dtype,
                         max_grad_norm=max_grad_norm, streams=streams, channels_last=channels_last,
-                        plan_memory=plan_memory, stream_costs=stream_costs, fuse_loss=fuse_loss)
+                        plan_memory=plan_memory, stream_costs=stream_costs, fuse_loss=fuse_loss,
+                        optimizer_in_backward=optimizer_in_backward)

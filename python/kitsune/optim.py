@@ -101,6 +101,70 @@ class _StepCounts:
         return m
 
 
+class _InBackward:
+    """KitsuneOptimizer.capture_in_backward's hooks and buckets (see there)."""
+
+    def __init__(self, owner, want, stream, buckets):
+        self.owner, self.stream = owner, stream
+        self.group_of = {p: gi for gi, ps in enumerate(want) for p in ps}
+        total = sum(p.numel() for ps in want for p in ps)
+        self.quota = max(total // max(buckets, 1), 1 << 20)   # elements a bucket; a small model's all wait for finish
+        self.pending, self.pending_n, self.done, self.left, self.launches = [], 0, [], [], 0
+        self.hooks = [p.register_post_accumulate_grad_hook(self._ready) for p in self.group_of]
+
+    def _ready(self, p):
+        self.pending.append(p)
+        self.pending_n += p.numel()
+        if self.pending_n >= self.quota:
+            self._flush(self.stream)
+
+    def _live(self, ps):
+        live = [[] for _ in self.owner.optimizer.param_groups]
+        for p in ps:
+            live[self.group_of[p]].append(p)
+        return live
+
+    def _flush(self, stream):
+        ps, self.pending, self.pending_n = self.pending, [], 0
+        live = self._live(ps)
+        try:
+            self.owner._capture_plan(live, bind=False)
+        except RuntimeError:
+            ok = False   # left for finish's plan, which refuses them as capture_step would
+        else:
+            ok = True
+        if ok:
+            here = torch.cuda.current_stream(ps[0].device)
+            if stream != here:
+                stream.wait_stream(here)   # the backward so far, these gradients included
+            with torch.cuda.stream(stream):
+                self.owner._capture_launch(live)
+            self.launches += 1
+            self.done += ps
+        else:
+            self.left += ps
+
+    def finish(self):
+        """After the backward: the hooks removed, what is left updated on the current
+        stream after it waits for ``stream``; the capture plan of every parameter
+        updated (RuntimeError as capture_step's where it would refuse)."""
+        self.close()
+        rest = self.pending + self.left
+        plan = self.owner._capture_plan(self._live(self.done + rest))
+        if self.launches:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+        if rest:
+            self.owner._capture_launch(self._live(rest))
+        self.done, self.pending, self.left = self.done + rest, [], []
+        return plan
+
+    def close(self):
+        """Removes the hooks (finish does; a capture that fails calls it)."""
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+
+
 class _AmpView:
     """What torch.amp.GradScaler steps for a KitsuneOptimizer: GradScaler reads only
     param_groups and calls step, here the fused update. It keys its per-optimizer state
@@ -327,6 +391,15 @@ class KitsuneOptimizer:
         recorded into a CUDA graph (after prepare_capture), and returns the plan that
         sync_hyper() (before every replay, the first included) and replayed() take;
         raises RuntimeError with the reason when the step cannot be captured."""
+        live = [[p for p in g["params"] if p.grad is not None] for g in self.optimizer.param_groups]
+        plan = self._capture_plan(live)
+        self._capture_launch(live)
+        return plan
+
+    def _capture_plan(self, live, bind=True):
+        """The capture plan for live (per group, the parameters with gradients the step
+        updates), after every refusal (RuntimeError with the reason); bind=False: a
+        check only, the step counts left as they are."""
         opt = self.optimizer
 
         def refuse(why):
@@ -335,7 +408,6 @@ class KitsuneOptimizer:
         why = self._why_not_fused()
         if why is not None:
             refuse(why)
-        live = [[p for p in g["params"] if p.grad is not None] for g in opt.param_groups]
         flat = [p for ps in live for p in ps]
         if flat and not _lib.optim_fusable(flat, [p.grad for p in flat]):
             refuse(_NOT_DENSE)
@@ -362,9 +434,17 @@ class KitsuneOptimizer:
             return plan
         if self._hyper is None or self._hyper.device != flat[0].device or self._hyper.shape[0] != len(opt.param_groups):
             refuse("prepare_capture(device) was not called with the parameters' device and groups")
-        self._bind_steps(plan)   # after every refusal: a refused capture leaves the state as it was
-        # no sync_hyper here: its writes would be captured too, and every replay would
-        # put back the lr and step count of the capture
+        if bind:
+            self._bind_steps(plan)   # after every refusal: a refused capture leaves the state as it was
+        return plan
+
+    def _capture_launch(self, live):
+        """The fused update of live (per group, parameters with gradients), one launch
+        per group and dtype, on the current stream, reading lr and step count from the
+        device rows (no sync_hyper here: its writes would be captured too, and every
+        replay would put back the lr and step count of the capture)."""
+        opt = self.optimizer
+        sgd = isinstance(opt, torch.optim.SGD)
         with torch.no_grad():
             for gi, ps in enumerate(live):
                 g = opt.param_groups[gi]
@@ -384,7 +464,25 @@ class KitsuneOptimizer:
                                               [st["exp_avg_sq"] for st in states], self._hyper[gi], float(beta1),
                                               float(beta2), float(g["eps"]), float(g["weight_decay"]),
                                               _decoupled(opt, g))
-        return plan
+
+    def capture_in_backward(self, stream, buckets=6):
+        """For a capture whose backward comes next: updates each parameter during the
+        backward, once its gradient is final (a post-accumulate-grad hook), a bucket
+        of them at a time on ``stream`` (which waits there for the backward so far),
+        so the update overlaps the rest of the backward. Returns an _InBackward whose
+        finish(), after the backward, updates what is left on the current stream,
+        joins ``stream`` to it and returns the plan capture_step would have; raises
+        RuntimeError as capture_step does when the step cannot be captured (an
+        optimizer or options the fused kernel does not cover: before any hook is set;
+        a parameter it cannot update: from finish, the parameter left to it). Every
+        parameter reads the same device lr and step count, so the arithmetic is
+        capture_step's. Not for gradient clipping or loss scaling, which need every
+        gradient before any update."""
+        why = self._why_not_fused()
+        if why is not None:
+            raise RuntimeError(f"the optimizer step cannot be captured: {why}")
+        want = [[p for p in g["params"] if p.requires_grad] for g in self.optimizer.param_groups]
+        return _InBackward(self, want, stream, buckets)
 
     def _bind_steps(self, plan):
         """Makes the plan's step counts views of one tensor (_StepCounts), every Adam

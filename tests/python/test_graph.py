@@ -193,6 +193,8 @@ def test_compile_step_bad_arguments():
         kitsune.compile_step(m, None, opt, max_grad_norm=-1)
     with pytest.raises(ValueError, match="fuse_loss must be True or False, got 1"):
         kitsune.compile_step(m, None, opt, fuse_loss=1)
+    with pytest.raises(ValueError, match="optimizer_in_backward must be True or False, got None"):
+        kitsune.compile_step(m, None, opt, optimizer_in_backward=None)
     step = kitsune.compile_step(m, torch.nn.functional.cross_entropy, opt)
     with pytest.raises(TypeError, match="takes the model's inputs and then the target; got 1"):
         step(torch.randn(2, 20))
@@ -282,6 +284,60 @@ def test_gpu_compile_step_shapes_clipping_and_eviction():
     st = step.stats()
     assert st["graphs"] == 2 and st["evictions"] >= 1 and st["eager_steps"] == st["captures"], st
     assert st["replays"] + st["eager_steps"] == 30
+
+
+class _TiedDeep(torch.nn.Module):
+    """Twelve 512 x 512 layers (3.2M parameters: several of capture_in_backward's
+    buckets of 1M elements) between an embedding and a head that share one weight."""
+    def __init__(self, vocab=1000, d=512):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.layers = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(d, d), torch.nn.GELU())
+                                            for _ in range(12)])
+        self.norm = torch.nn.LayerNorm(d)
+
+    def forward(self, idx):
+        return self.norm(self.layers(self.emb(idx))) @ self.emb.weight.t()
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("cls,kw", [(torch.optim.AdamW, dict(lr=1e-3, weight_decay=0.1)),
+                                    (torch.optim.SGD, dict(lr=1e-2, momentum=0.9))], ids=["adamw", "sgd"])
+def test_gpu_optimizer_update_inside_the_backward_trains_as_eager(cls, kw):
+    """compile_step's default: each bucket of parameters is updated during the captured
+    backward, once its gradients are final (a tied embedding / head weight's only after
+    both uses). 12 steps under an LR schedule equal the eager loop's and the capture
+    with the update after the backward (optimizer_in_backward=False) bit for bit."""
+    torch.manual_seed(9)
+    base = _TiedDeep().cuda()
+    m1, o1, m2, o2 = _twins(base, cls, **kw)
+    m3 = copy.deepcopy(base)
+    o3 = KitsuneOptimizer(cls, m3.parameters(), **kw)
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o.optimizer, lambda i: 0.9 ** i) for o in (o1, o2, o3)]
+    g = torch.Generator().manual_seed(10)
+    batches = []
+    for _ in range(12):
+        t = torch.randint(0, 1000, (8, 33), generator=g).cuda()
+        batches.append((t[:, :-1].contiguous(), t[:, 1:].contiguous()))
+
+    def lm_loss(out, y):
+        return torch.nn.functional.cross_entropy(out.reshape(-1, out.size(-1)), y.reshape(-1))
+
+    want = _eager_reference(m1, o1, batches, lm_loss, scheds[0])
+    got, step = _compiled(m2, o2, batches, lm_loss, scheds[1])
+    after, step_after = _compiled(m3, o3, batches, lm_loss, scheds[2], optimizer_in_backward=False)
+    st = step.stats()
+    assert st["reason"] is None and st["replays"] == 11 and st["optimizer_in_backward"] >= 2, st
+    assert step_after.stats()["optimizer_in_backward"] == 0
+    _assert_same_training(m1, o1, m2, o2, want, got)
+    assert torch.equal(got, after)
+    for a, b in zip(m2.parameters(), m3.parameters()):
+        assert torch.equal(a, b)
+    sd2, sd3 = o2.state_dict()["state"], o3.state_dict()["state"]
+    for k in sd2:
+        for name, v in sd2[k].items():
+            assert torch.equal(v, sd3[k][name]), (k, name)
 
 
 class _TinyLM(torch.nn.Module):

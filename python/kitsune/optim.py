@@ -110,6 +110,7 @@ class _InBackward:
         total = sum(p.numel() for ps in want for p in ps)
         self.quota = max(total // max(buckets, 1), 1 << 20)   # elements a bucket; a small model's all wait for finish
         self.pending, self.pending_n, self.done, self.left, self.launches = [], 0, [], [], 0
+        self.counted = set()   # groups whose device step count this capture moved on
         self.hooks = [p.register_post_accumulate_grad_hook(self._ready) for p in self.group_of]
 
     def _ready(self, p):
@@ -138,7 +139,7 @@ class _InBackward:
             if stream != here:
                 stream.wait_stream(here)   # the backward so far, these gradients included
             with torch.cuda.stream(stream):
-                self.owner._capture_launch(live)
+                self.owner._capture_launch(live, self.counted)
             self.launches += 1
             self.done += ps
         else:
@@ -154,7 +155,7 @@ class _InBackward:
         if self.launches:
             torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
         if rest:
-            self.owner._capture_launch(self._live(rest))
+            self.owner._capture_launch(self._live(rest), self.counted)
         self.done, self.pending, self.left = self.done + rest, [], []
         return plan
 
@@ -393,7 +394,7 @@ class KitsuneOptimizer:
         raises RuntimeError with the reason when the step cannot be captured."""
         live = [[p for p in g["params"] if p.grad is not None] for g in self.optimizer.param_groups]
         plan = self._capture_plan(live)
-        self._capture_launch(live)
+        self._capture_launch(live, set())
         return plan
 
     def _capture_plan(self, live, bind=True):
@@ -438,11 +439,14 @@ class KitsuneOptimizer:
             self._bind_steps(plan)   # after every refusal: a refused capture leaves the state as it was
         return plan
 
-    def _capture_launch(self, live):
+    def _capture_launch(self, live, counted):
         """The fused update of live (per group, parameters with gradients), one launch
         per group and dtype, on the current stream, reading lr and step count from the
         device rows (no sync_hyper here: its writes would be captured too, and every
-        replay would put back the lr and step count of the capture)."""
+        replay would put back the lr and step count of the capture). An Adam group's
+        device step count moves on in its first launch of the capture: counted holds
+        the groups already counted (this call adds to it), whose launches must come
+        after that one on the GPU."""
         opt = self.optimizer
         sgd = isinstance(opt, torch.optim.SGD)
         with torch.no_grad():
@@ -463,7 +467,8 @@ class KitsuneOptimizer:
                         _lib.adam_capturable_(group, grads, [st["exp_avg"] for st in states],
                                               [st["exp_avg_sq"] for st in states], self._hyper[gi], float(beta1),
                                               float(beta2), float(g["eps"]), float(g["weight_decay"]),
-                                              _decoupled(opt, g))
+                                              _decoupled(opt, g), gi not in counted)
+                        counted.add(gi)
 
     def capture_in_backward(self, stream, buckets=6):
         """For a capture whose backward comes next: updates each parameter during the

@@ -45,8 +45,10 @@ def test_adam_capturable_equals_adam_as_lr_changes(dtype):
         grads = _lists(dtype, "cpu", g)
         hyper[0] = lr
         _lib.adam_(p, grads, m1, v1, lr, 0.9, 0.99, 1e-8, 0.1, True, float(step))
-        _lib.adam_capturable_(q, grads, m2, v2, hyper, 0.9, 0.99, 1e-8, 0.1, True)
-        assert hyper[1].item() == step   # counted by the op
+        # the step's update in two calls, the second not counting (count_step=False)
+        _lib.adam_capturable_(q[:2], grads[:2], m2[:2], v2[:2], hyper, 0.9, 0.99, 1e-8, 0.1, True)
+        _lib.adam_capturable_(q[2:], grads[2:], m2[2:], v2[2:], hyper, 0.9, 0.99, 1e-8, 0.1, True, False)
+        assert hyper[1].item() == step   # counted by the op, once
     for a, b in zip(p + m1 + v1, q + m2 + v2):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
@@ -298,6 +300,32 @@ class _TiedDeep(torch.nn.Module):
 
     def forward(self, idx):
         return self.norm(self.layers(self.emb(idx))) @ self.emb.weight.t()
+
+
+class _TwoDtypes(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(20, 32)
+        self.b = torch.nn.Linear(32, 10).to(torch.bfloat16)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)).to(torch.bfloat16)).float()
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("in_backward", [True, False])
+def test_gpu_compile_step_counts_a_mixed_dtype_groups_step_once(in_backward):
+    """One AdamW group of fp32 and bf16 parameters (a launch per dtype): the captured
+    step moves the group's device step count once, so 20 steps train as eager."""
+    torch.manual_seed(4)
+    m1, o1, m2, o2 = _twins(_TwoDtypes().cuda(), lr=1e-2)
+    batches = _batches(20, "cuda")
+    ce = torch.nn.functional.cross_entropy
+    want = _eager_reference(m1, o1, batches, ce)
+    got, step = _compiled(m2, o2, batches, ce, optimizer_in_backward=in_backward)
+    assert step.stats()["replays"] == 19
+    _assert_same_training(m1, o1, m2, o2, want, got, rtol=1e-2, atol=1e-3)   # bf16 parameters
 
 
 @pytest.mark.gpu

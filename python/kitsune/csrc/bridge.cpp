@@ -2441,7 +2441,10 @@ void sgd_cuda(at::TensorList params, at::TensorList grads, at::TensorList bufs, 
 // (Adam) step count in `hyper`, a float64 tensor on the parameters' device ({lr, step}
 // for Adam, {lr} for SGD), read when the update runs, so a CUDA graph that captured the
 // call follows an LR scheduler and counts its steps on replay. Adam adds 1 to hyper[1]
-// first (on the stream, captured with the rest); SGD's momentum buffers must exist.
+// first (on the stream, captured with the rest) unless count_step is false: a step
+// that updates a group's parameters in several calls (several dtypes, or buckets
+// during the backward) counts in the first only, and the others must be ordered after
+// it. SGD's momentum buffers must exist.
 void check_hyper(const Tensor& hyper, const Tensor& p0, int64_t n, const char* op) {
   TORCH_CHECK(hyper.scalar_type() == at::kDouble && hyper.dim() == 1 && hyper.numel() == n && hyper.is_contiguous() &&
                   hyper.device() == p0.device(),
@@ -2449,25 +2452,28 @@ void check_hyper(const Tensor& hyper, const Tensor& p0, int64_t n, const char* o
               "; got ", hyper.scalar_type(), " ", hyper.sizes(), " on ", hyper.device());
 }
 kt::AdamArgs adam_capturable_args(at::TensorList params, at::TensorList grads, at::TensorList m, at::TensorList v,
-                                  Tensor& hyper, double beta1, double beta2, double eps, double wd, bool decoupled) {
+                                  Tensor& hyper, double beta1, double beta2, double eps, double wd, bool decoupled,
+                                  bool count_step) {
   const char* op = "adam_capturable_";
   check_lists(op, params, {{"grads", grads}, {"exp_avgs", m}, {"exp_avg_sqs", v}});
   kt::AdamArgs a = adam_args(0.0, beta1, beta2, eps, wd, decoupled, 1.0, op);
   if (params.empty()) return a;
   check_hyper(hyper, params[0], 2, op);
-  hyper.narrow(0, 1, 1).add_(1);
+  if (count_step) hyper.narrow(0, 1, 1).add_(1);
   a.dev = hyper.data_ptr<double>();
   return a;
 }
 void adam_capturable_cpu(at::TensorList params, at::TensorList grads, at::TensorList m, at::TensorList v, Tensor hyper,
-                         double beta1, double beta2, double eps, double wd, bool decoupled) {
-  const kt::AdamArgs a = kt::resolve(adam_capturable_args(params, grads, m, v, hyper, beta1, beta2, eps, wd, decoupled));
+                         double beta1, double beta2, double eps, double wd, bool decoupled, bool count_step) {
+  const kt::AdamArgs a =
+      kt::resolve(adam_capturable_args(params, grads, m, v, hyper, beta1, beta2, eps, wd, decoupled, count_step));
   for (size_t i = 0; i < params.size(); i++)
     KT_OPT_CPU_DISPATCH(params[i].scalar_type(), adam_cpu_one, params[i], grads[i], m[i], v[i], a);
 }
 void adam_capturable_cuda(at::TensorList params, at::TensorList grads, at::TensorList m, at::TensorList v,
-                          Tensor hyper, double beta1, double beta2, double eps, double wd, bool decoupled) {
-  const kt::AdamArgs a = adam_capturable_args(params, grads, m, v, hyper, beta1, beta2, eps, wd, decoupled);
+                          Tensor hyper, double beta1, double beta2, double eps, double wd, bool decoupled,
+                          bool count_step) {
+  const kt::AdamArgs a = adam_capturable_args(params, grads, m, v, hyper, beta1, beta2, eps, wd, decoupled, count_step);
   if (params.empty()) return;
   launch_adam(params, grads, m, v, a);
 }
@@ -4133,7 +4139,7 @@ TORCH_LIBRARY(kitsune, m) {
   m.def("adam_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, float lr, float beta1, float beta2, float eps, float weight_decay, bool decoupled, float step) -> ()");
   m.def("adam_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] state_steps, float lr, float beta1, float beta2, float eps, float weight_decay, bool decoupled) -> ()");
   m.impl("adam_step_", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &adam_step));
-  m.def("adam_capturable_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, Tensor(d!) hyper, float beta1, float beta2, float eps, float weight_decay, bool decoupled) -> ()");
+  m.def("adam_capturable_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, Tensor(d!) hyper, float beta1, float beta2, float eps, float weight_decay, bool decoupled, bool count_step=True) -> ()");
   m.def("sgd_capturable_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, Tensor hyper, float momentum, float dampening, float weight_decay, bool nesterov) -> ()");
   m.def("optim_fusable(Tensor[] params, Tensor[] grads) -> bool");
   m.impl("optim_fusable", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &optim_fusable));

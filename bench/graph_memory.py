@@ -11,6 +11,8 @@ For each model of bench/models.py (same builders, batches and AdamW), kitsune.op
                 while recording, laid out by kt_memplan, captured again by the plan
   kitsune_plan_1s  the same on one stream (compile_step(streams=1)); only when named in
                 --configs: how much of a streamed graph's memory its streams take
+  kitsune_plan_ob0  kitsune_plan with the optimizer's update after the backward
+                (compile_step(optimizer_in_backward=False)); only when named in --configs
 
 Each process runs 5 eager steps, then measures one more: `static` is what is allocated
 before it (parameters, optimizer state, batches, workspaces; gradients dropped),
@@ -47,7 +49,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = ("native", "kitsune_pool", "kitsune_plan")
-EXTRA = ("kitsune_plan_1s",)   # by name only (--configs)
+EXTRA = ("kitsune_plan_1s", "kitsune_plan_ob0")   # by name only (--configs)
 MiB = 2 ** 20
 
 
@@ -95,7 +97,8 @@ def child(model_name, config, steps):
     opt.zero_grad(set_to_none=True)
 
     step = kitsune.compile_step(model, loss_fn, opt, plan_memory=config.startswith("kitsune_plan"),
-                                streams=1 if config == "kitsune_plan_1s" else 4)
+                                streams=1 if config == "kitsune_plan_1s" else 4,
+                                optimizer_in_backward=config != "kitsune_plan_ob0")
     losses, blocks, i = [], [], 0
     while i < steps:
         n = min(10, steps - i)

@@ -23,7 +23,11 @@ The optimizer step is Kitsune's fused kernel (the optimizer is wrapped in a
 KitsuneOptimizer when it is not one already), reading its learning rate and step
 count from device memory, so LR schedulers keep working and torch.optim's state
 (step counts included) stays what an eager run would have; ``state_dict`` works
-between steps.
+between steps. With ``optimizer_in_backward=True`` (the default) the update runs
+inside the captured backward, a bucket of parameters at a time on a stream of its
+own as soon as their gradients are final (KitsuneOptimizer.capture_in_backward;
+not with ``max_grad_norm`` or loss scaling); ``stats()["optimizer_in_backward"]``
+counts those launches. The arithmetic is the same either way.
 
 When a step cannot be captured (no CUDA device, an optimizer the fused kernel does
 not cover, an op that syncs with the host or refuses capture, a batch on another
@@ -68,8 +72,8 @@ allocations were ``placed`` or ``refused``. The graphs of one compile_step share
 Loss (``fuse_loss=True``, the default): the loss function runs in a
 kitsune.fx.FusedLoss mode, so its F.cross_entropy calls run as kitsune.cross_entropy
 where that op covers them (2-D logits, int64 targets, mean, no class weights, no
-autocast): the log-softmax is never stored and the backward writes the logits'
-gradient in one pass. ``stats()["fused_loss"]`` counts them and
+autocast): the log-softmax is never stored, and the forward writes the logits'
+gradient in the same pass as the loss (the backward only scales it). ``stats()["fused_loss"]`` counts them and
 ``["fused_loss_left"]`` says why any were not.
 
 After a step, parameters' ``.grad`` are None: the graph's gradients live in its pool.
@@ -485,7 +489,9 @@ class CompiledStep:
         with the planner's verdict (streams, streams_reason), and whether 4-D inputs are
         captured channels-last (channels_last, channels_last_reason), and how many of the
         loss function's F.cross_entropy calls ran as kitsune.cross_entropy in the last
-        step traced (fused_loss) with why any others did not (fused_loss_left)."""
+        step traced (fused_loss) with why any others did not (fused_loss_left), and
+        how many optimizer launches the last capture made during the backward
+        (optimizer_in_backward)."""
         return dict(self._n, graphs=len(self._graphs), setup_s=self._setup_s, reason=self._reason, **self._stream_info,
                     channels_last=self._cl, channels_last_reason=self._cl_reason,
                     memory_plan=dict(self._memory) if self._memory else None,

@@ -366,22 +366,3 @@ extern "C" kt_status kt_bias_gelu_grad_colsum(kt_dtype t, int out_f32, const voi
   return colsum_entry(t, out_f32 ? KT_F32 : t, grad, out, workspace, rows, cols, cols, stream,
                       approximate ? G_GELU_TANH : G_GELU, x, grad_in, bias);
 }
-
-// Whether func (a kernel node's function: its host entry or its cudaFunction_t) is one
-// kt::launch_dependent launched, all of which wait for their predecessor before any
-// global memory access (elementwise.cuh).
-extern "C" int kt_kernel_waits_first(const void *func) {
-  if (!func) return 0;
-  for (auto &slot : kt::pdl_kernels) {
-    const void *k = slot.load(std::memory_order_acquire);
-    if (!k) return 0;
-    if (k == func) return 1;
-    cudaFunction_t f = nullptr;
-    if (cudaGetFuncBySymbol(&f, k) != cudaSuccess) {
-      cudaGetLastError();
-      continue;
-    }
-    if (reinterpret_cast<const void *>(f) == func) return 1;
-  }
-  return 0;
-}

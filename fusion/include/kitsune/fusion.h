@@ -194,12 +194,6 @@ kt_status kt_cross_entropy_scale(kt_dtype t, const void *grad, const int64_t *ta
  * for an incoming gradient of 1 (kt_cross_entropy with loss and grad both given). */
 kt_status kt_cross_entropy_rescale(kt_dtype t, void *grad, int64_t n, const float *by, void *stream);
 
-/* 1 when func (a CUDA graph kernel node's function: host entry or cudaFunction_t) is
- * one of Kitsune's programmatic dependent launches, which wait for the kernel before
- * them ahead of any global memory access; else 0. For capture plans: such a kernel's
- * programmatic edge orders memory as a plain edge does. */
-int kt_kernel_waits_first(const void *func);
-
 /* Row reductions over the last dimension of a [rows, n] view (rows = 1 for a full
  * reduction), fp32 accumulation, one rounding to the storage type:
  *   KT_REDUCE_SUM_SQUARED: out[r] = sum_i x[r, i]^2

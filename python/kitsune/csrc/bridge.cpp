@@ -113,13 +113,9 @@ kt_status create_device_pool(int device, kt_pool_t** out, bool device_pool = fal
 // ---- the order of a capture's work, for capture plans (kitsune/capplan.h) -------------
 // The graph being captured, as the allocator sees it: cudaStreamGetCaptureInfo gives a
 // stream's frontier (the nodes its next work depends on) and the graph; its edges say
-// what finishes before what. Plain edges count, and a programmatic one (a kernel that
-// may start before its predecessor ends) only into a kernel of Kitsune's dependent
-// launches, which waits for its predecessor before any memory access
-// (kt_kernel_waits_first): ignoring those cut the ancestry of every stream at each
-// column sum and LayerNorm backward after d12bc89, and the 4-stream Inception net's plan
-// grew from 351.7 to 459.9 MiB (graph_memory_dae9a1f.json, graph_memory_b139609.json).
-// KITSUNE_CAPTURE_ORDER=0 turns this off (streams are then kept apart, as before 71e76aa).
+// what finishes before what. Only plain edges count: a programmatic one (a kernel that
+// may start before its predecessor ends) orders nothing here. KITSUNE_CAPTURE_ORDER=0
+// turns this off (streams are then kept apart, as before 71e76aa).
 struct CaptureOrder {
   cudaGraph_t graph = nullptr;   // the capture's, from the first frontier asked
   kt_capture_order ops{};
@@ -154,21 +150,6 @@ kt_status capture_frontier(void* ctx, kt_stream_t stream, uint64_t* nodes, size_
   return KT_OK;
 }
 
-// A kernel node that waits for its predecessor before touching memory (see above).
-bool waits_first(cudaGraphNode_t node) {
-  cudaGraphNodeType type;
-  if (cudaGraphNodeGetType(node, &type) != cudaSuccess || type != cudaGraphNodeTypeKernel) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  cudaKernelNodeParams p{};
-  if (cudaGraphKernelNodeGetParams(node, &p) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  return kt_kernel_waits_first(p.func) != 0;
-}
-
 kt_status capture_edges(void* ctx, uint64_t* from, uint64_t* to, size_t cap, size_t* n) {
   auto* c = static_cast<CaptureOrder*>(ctx);
   if (!c->graph) return KT_ERR_UNAVAILABLE;
@@ -189,7 +170,7 @@ kt_status capture_edges(void* ctx, uint64_t* from, uint64_t* to, size_t cap, siz
   }
   size_t k = 0;
   for (size_t i = 0; i < m && i < cap; i++)
-    if (e[i].type == cudaGraphDependencyTypeDefault || waits_first(t[i])) {
+    if (e[i].type == cudaGraphDependencyTypeDefault) {
       from[k] = reinterpret_cast<uint64_t>(f[i]);
       to[k++] = reinterpret_cast<uint64_t>(t[i]);
     }

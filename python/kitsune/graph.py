@@ -140,7 +140,8 @@ class CompiledStep:
             raise ValueError(f"compile_step: fuse_loss must be True or False, got {fuse_loss!r}")
         self._fuse_loss = fuse_loss
         if not isinstance(optimizer_in_backward, bool):
-            raise ValueError(f"compile_step: optimizer_in_backward must be True or False, got {optimizer_in_backward!r}")
+            raise ValueError(f"compile_step: optimizer_in_backward must be True or False, got "
+                             f"{optimizer_in_backward!r}")
         self.optimizer_in_backward = optimizer_in_backward
         self._opt_stream = None   # the stream the update runs on during the backward (capture_in_backward)
         self._ib_info = {"optimizer_in_backward": 0}   # the last capture's launches during the backward

@@ -196,7 +196,7 @@ template <typename T> __global__ void ce_rescale(T *g, int64_t n, const float *b
 
 template <typename T> kt_status rescale(void *g, int64_t n, const float *by, cudaStream_t s) {
   constexpr int V = 16 / sizeof(T);
-  int64_t blocks = (n / V + 255) / 256;   // 1024 blocks of 256 threads (8 an SM on an H100) stream at full speed
+  int64_t blocks = (n / V + 255) / 256;   // at most 1024, grid-striding; not tuned (at 1 it does nothing)
   blocks = blocks < 1 ? 1 : blocks > 1024 ? 1024 : blocks;
   ce_rescale<T><<<(unsigned)blocks, 256, 0, s>>>((T *)g, n, by);
   return kt::status_of(cudaGetLastError());

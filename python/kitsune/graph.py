@@ -144,7 +144,7 @@ class CompiledStep:
                              f"{optimizer_in_backward!r}")
         self.optimizer_in_backward = optimizer_in_backward
         self._opt_stream = None   # the stream the update runs on during the backward (capture_in_backward)
-        self._ib_info = {"optimizer_in_backward": 0}   # the last capture's launches during the backward
+        self._ib_launches = 0   # the last capture's optimizer launches during the backward
         self._loss_info = {"fused_loss": 0, "fused_loss_left": []}   # the last step's FusedLoss counts
         if channels_last not in (None, True, False):
             raise ValueError(f"compile_step: channels_last must be None (auto), True or False, got {channels_last!r}")
@@ -323,7 +323,7 @@ class CompiledStep:
                 ib = self._in_backward()
                 static_loss = self._forward_backward(tuple(args), self._captured)
                 plan = ib.finish() if ib is not None else self.optimizer.capture_step()
-                self._ib_info = {"optimizer_in_backward": ib.launches if ib is not None else 0}
+                self._ib_launches = ib.launches if ib is not None else 0
         except BaseException:
             if ib is not None:
                 ib.close()
@@ -499,7 +499,7 @@ class CompiledStep:
                     memory_plan=dict(self._memory) if self._memory else None,
                     blas_workspaces=dict(self._blas) if self._blas else None,
                     fused_loss=self._loss_info["fused_loss"], fused_loss_left=list(self._loss_info["fused_loss_left"]),
-                    **self._ib_info)
+                    optimizer_in_backward=self._ib_launches)
 
 
 # compile_step's capture streams: device index -> (the stream, its partner: the

@@ -117,7 +117,7 @@ class _InBackward:
         self.pending.append(p)
         self.pending_n += p.numel()
         if self.pending_n >= self.quota:
-            self._flush(self.stream)
+            self._flush()
 
     def _live(self, ps):
         live = [[] for _ in self.owner.optimizer.param_groups]
@@ -125,25 +125,20 @@ class _InBackward:
             live[self.group_of[p]].append(p)
         return live
 
-    def _flush(self, stream):
+    def _flush(self):
+        """The pending bucket, updated on the step's stream after the backward so far."""
         ps, self.pending, self.pending_n = self.pending, [], 0
         live = self._live(ps)
         try:
             self.owner._capture_plan(live, bind=False)
         except RuntimeError:
-            ok = False   # left for finish's plan, which refuses them as capture_step would
-        else:
-            ok = True
-        if ok:
-            here = torch.cuda.current_stream(ps[0].device)
-            if stream != here:
-                stream.wait_stream(here)   # the backward so far, these gradients included
-            with torch.cuda.stream(stream):
-                self.owner._capture_launch(live, self.counted)
-            self.launches += 1
-            self.done += ps
-        else:
-            self.left += ps
+            self.left += ps   # for finish's plan, which refuses them as capture_step would
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(ps[0].device))   # these gradients included
+        with torch.cuda.stream(self.stream):
+            self.owner._capture_launch(live, self.counted)
+        self.launches += 1
+        self.done += ps
 
     def finish(self):
         """After the backward: the hooks removed, what is left updated on the current
@@ -156,7 +151,6 @@ class _InBackward:
             torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
         if rest:
             self.owner._capture_launch(self._live(rest), self.counted)
-        self.done, self.pending, self.left = self.done + rest, [], []
         return plan
 
     def close(self):

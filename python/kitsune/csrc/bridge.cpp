@@ -1769,15 +1769,23 @@ Tensor ce_mean(const Tensor& losses, const Tensor& target, int64_t ignore, at::S
   return out;
 }
 
-Tensor cross_entropy_cuda(const Tensor& logits, const Tensor& target, int64_t ignore, double smoothing) {
-  auto [l, t] = ce_views(logits, target, smoothing, "cross_entropy");
+// The mean loss and, with_grad, in the same pass over the logits, its gradient for an
+// incoming gradient of 1 (what backward() passes; undefined without with_grad).
+std::tuple<Tensor, Tensor> ce_forward_cuda(const Tensor& logits, const Tensor& target, int64_t ignore,
+                                           double smoothing, bool with_grad, const char* op) {
+  auto [l, t] = ce_views(logits, target, smoothing, op);
   c10::cuda::CUDAGuard g(l.device());
+  Tensor scale = with_grad ? ce_scale(t, ignore, Tensor(), op) : Tensor();
   Tensor losses = at::empty({l.size(0)}, l.options().dtype(at::kFloat));
-  check_launch(kt_cross_entropy(dtype_of(l, "cross_entropy"), l.data_ptr(), t.data_ptr<int64_t>(),
-                                losses.data_ptr<float>(), nullptr, nullptr, l.size(0), l.size(1), l.size(1), ignore,
-                                (float)smoothing, stream_of(l)),
-               "cross_entropy");
-  return ce_mean(losses, t, ignore, l.scalar_type(), "cross_entropy");
+  Tensor gl = with_grad ? at::empty_like(l) : Tensor();
+  check_launch(kt_cross_entropy(dtype_of(l, op), l.data_ptr(), t.data_ptr<int64_t>(), losses.data_ptr<float>(),
+                                with_grad ? gl.data_ptr() : nullptr, with_grad ? scale.data_ptr<float>() : nullptr,
+                                l.size(0), l.size(1), l.size(1), ignore, (float)smoothing, stream_of(l)),
+               op);
+  return {ce_mean(losses, t, ignore, l.scalar_type(), op), with_grad ? gl.view(logits.sizes()) : Tensor()};
+}
+Tensor cross_entropy_cuda(const Tensor& logits, const Tensor& target, int64_t ignore, double smoothing) {
+  return std::get<0>(ce_forward_cuda(logits, target, ignore, smoothing, false, "cross_entropy"));
 }
 Tensor ce_reference(const Tensor& l, const Tensor& t, int64_t ignore, double smoothing) {   // per row, opmath
   Tensor lf = l.to(opmath(l));
@@ -1810,24 +1818,13 @@ Tensor cross_entropy_backward_cuda(const Tensor& grad, const Tensor& logits, con
                "cross_entropy_backward");
   return gl.view(logits.sizes());
 }
-// The loss and, in the same pass over the logits, its gradient for an incoming
-// gradient of 1 (what backward() passes): cross_entropy's autograd forward takes
-// this when the logits need a gradient, so its backward only rescales
-// (cross_entropy_rescale_) and the logits need not outlive the forward. Against the
-// forward's read plus the backward's read and write, one read and one write.
+// cross_entropy's autograd forward takes this when the logits need a gradient, so its
+// backward only rescales (cross_entropy_rescale_) and the logits need not outlive the
+// forward: one kernel's two passes over the logits where the loss and the backward
+// kernels made one and two.
 std::tuple<Tensor, Tensor> cross_entropy_with_grad_cuda(const Tensor& logits, const Tensor& target, int64_t ignore,
                                                         double smoothing) {
-  const char* op = "cross_entropy_with_grad";
-  auto [l, t] = ce_views(logits, target, smoothing, op);
-  c10::cuda::CUDAGuard g(l.device());
-  Tensor scale = ce_scale(t, ignore, Tensor(), op);
-  Tensor losses = at::empty({l.size(0)}, l.options().dtype(at::kFloat));
-  Tensor gl = at::empty_like(l);
-  check_launch(kt_cross_entropy(dtype_of(l, op), l.data_ptr(), t.data_ptr<int64_t>(), losses.data_ptr<float>(),
-                                gl.data_ptr(), scale.data_ptr<float>(), l.size(0), l.size(1), l.size(1), ignore,
-                                (float)smoothing, stream_of(l)),
-               op);
-  return {ce_mean(losses, t, ignore, l.scalar_type(), op), gl.view(logits.sizes())};
+  return ce_forward_cuda(logits, target, ignore, smoothing, true, "cross_entropy_with_grad");
 }
 // grad *= by, unless by is 1 (a one-element tensor on grad's device, read there: no
 // host sync), in place.
@@ -3856,11 +3853,10 @@ struct CrossEntropyFn : torch::autograd::Function<CrossEntropyFn> {
         "kitsune::cross_entropy_with_grad");
     ctx->saved_data["ignore"] = ignore;
     ctx->saved_data["smoothing"] = smoothing;
-    ctx->saved_data["formed"] = form_grad;
     at::AutoDispatchBelowADInplaceOrView g;
     if (form_grad) {
       auto [loss, grad] = with_grad.call(logits, target, ignore, smoothing);
-      ctx->save_for_backward({grad});
+      ctx->save_for_backward({grad});   // one saved tensor: the backward knows the gradient was formed
       return loss;
     }
     ctx->save_for_backward({logits, target});
@@ -3872,7 +3868,7 @@ struct CrossEntropyFn : torch::autograd::Function<CrossEntropyFn> {
     static auto rescale = op_handle<void(const Tensor&, const Tensor&)>("kitsune::cross_entropy_rescale_");
     auto s = ctx->get_saved_variables();
     Tensor grad;
-    if (!ctx->saved_data["formed"].toBool()) {
+    if (s.size() == 2) {   // logits and target: the loss alone was formed
       grad = op.call(go[0], s[0], s[1], ctx->saved_data["ignore"].toInt(), ctx->saved_data["smoothing"].toDouble());
     } else if (torch::autograd::get_current_graph_task_keep_graph()) {
       grad = s[0] * go[0];   // the saved gradient serves the next backward too

@@ -166,6 +166,23 @@ inline bool pdl_device() {
          }) == 2;
 }
 
+// The kernels launch_dependent has launched, by their host entry, for
+// kt_graph_node_waits_first: each calls pdl_wait before its first global memory access.
+// A handful of template instances; one past the 64 slots goes unnoted, which only
+// costs a capture plan some sharing.
+inline std::atomic<const void *> pdl_kernels[64];
+
+inline void note_pdl_kernel(const void *k) {
+  for (auto &slot : pdl_kernels) {
+    const void *v = slot.load(std::memory_order_acquire);
+    if (v == k) return;
+    if (!v) {
+      const void *none = nullptr;
+      if (slot.compare_exchange_strong(none, k, std::memory_order_acq_rel) || none == k) return;
+    }
+  }
+}
+
 template <typename... P, typename... A>
 void launch_dependent(void (*kernel)(P...), dim3 grid, dim3 block, cudaStream_t s, A... args) {
   if (!pdl_device()) {
@@ -182,6 +199,7 @@ void launch_dependent(void (*kernel)(P...), dim3 grid, dim3 block, cudaStream_t 
   cfg.stream = s;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
+  note_pdl_kernel(reinterpret_cast<const void *>(kernel));
   cudaLaunchKernelEx(&cfg, kernel, static_cast<P>(args)...);
 }
 

@@ -366,3 +366,28 @@ extern "C" kt_status kt_bias_gelu_grad_colsum(kt_dtype t, int out_f32, const voi
   return colsum_entry(t, out_f32 ? KT_F32 : t, grad, out, workspace, rows, cols, cols, stream,
                       approximate ? G_GELU_TANH : G_GELU, x, grad_in, bias);
 }
+
+// Whether a captured graph's node is a kernel kt::launch_dependent launched: all of
+// them wait for their predecessor (pdl_wait) before any global memory access. The node
+// is asked through this library's own CUDA runtime, the one that registered the
+// kernels: a runtime elsewhere (the bridge's, PyTorch's) does not know their entries.
+extern "C" int kt_graph_node_waits_first(const void *node) {
+  if (!node) return 0;
+  auto n = reinterpret_cast<cudaGraphNode_t>(const_cast<void *>(node));
+  cudaGraphNodeType type;
+  cudaKernelNodeParams p = {};
+  if (cudaGraphNodeGetType(n, &type) != cudaSuccess || type != cudaGraphNodeTypeKernel ||
+      cudaGraphKernelNodeGetParams(n, &p) != cudaSuccess || !p.func) {
+    (void)cudaGetLastError();   // another library's kernel, or not a kernel node
+    return 0;
+  }
+  for (auto &slot : kt::pdl_kernels) {
+    const void *k = slot.load(std::memory_order_acquire);
+    if (!k) return 0;
+    if (k == p.func) return 1;
+    cudaFunction_t f = nullptr;
+    if (cudaGetFuncBySymbol(&f, k) == cudaSuccess && reinterpret_cast<const void *>(f) == p.func) return 1;
+    (void)cudaGetLastError();
+  }
+  return 0;
+}

@@ -97,8 +97,11 @@ class CapturePlan:
     ``recorded`` allocations, of them ``left_live`` (still live when planned, left
     out: a workspace PyTorch keeps) and ``freed_after`` (freed after the capture,
     planned to its end), ``graph_nodes`` (the captured graph's nodes the plan ordered
-    blocks by; 0: streams were kept apart) and ``cross_shares`` (pairs of blocks of
-    different streams, or used on another, the graph's order let share bytes)."""
+    blocks by; 0: streams were kept apart), ``cross_shares`` (pairs of blocks of
+    different streams, or used on another, the graph's order let share bytes),
+    ``programmatic_edges`` (edges of the graph into kernels that may start before their
+    predecessor ends) and ``programmatic_ordered`` (of them, those into Kitsune's
+    dependent launches, which wait before touching memory: counted as order)."""
 
     def __init__(self, handle, info):
         self._handle, self.info = handle, info
@@ -149,10 +152,10 @@ def _take_plan(pool, device=0):
     ends. Free the graph's outputs first: what is still live is left out."""
     b, d, i0, i1 = _pool_args(pool, device)
     h = ctypes.c_void_p()
-    out = (ctypes.c_int64 * 10)()
+    out = (ctypes.c_int64 * 12)()
     check(b.kt_bridge_pool_take_plan(d, i0, i1, ctypes.byref(h), out), f"planning pool {pool}'s recorded capture")
     keys = ("blocks", "arena_bytes", "plan_bytes", "peak_bytes", "recorded", "left_live", "freed_after",
-            "stream_peak_bytes", "graph_nodes", "cross_shares")
+            "stream_peak_bytes", "graph_nodes", "cross_shares", "programmatic_edges", "programmatic_ordered")
     return CapturePlan(h.value, dict(zip(keys, list(out))))
 
 
@@ -188,7 +191,7 @@ def _placer_stats(pool, device=0):
     ``plan_bytes``, ``peak_bytes`` and ``status`` (0, or the kt_status of an arena that
     could not be had). None when the pool has no placer."""
     b, d, i0, i1 = _pool_args(pool, device)
-    out = (ctypes.c_int64 * 10)()
+    out = (ctypes.c_int64 * 12)()
     if b.kt_bridge_pool_placer_stats(d, i0, i1, out) != 0:
         return None
     keys = ("arena_bytes", "arenas", "live_bytes", "live_blocks", "planned", "placed", "refused", "plan_bytes",

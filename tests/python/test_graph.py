@@ -852,7 +852,10 @@ def test_gpu_compile_step_with_planned_memory_trains_as_eager(case):
     placed at its offset; with several batch shapes (max_shapes=2) the arena grows and
     graphs are dropped and captured again; on a streamed branchy net the plan lets
     blocks of different streams share bytes where the captured graph orders their work
-    (the bridge read the graph: graph_nodes, cross_shares), and it still trains alike."""
+    (the bridge read the graph: graph_nodes, cross_shares), and it still trains alike.
+    On sm_90 the column sums and LayerNorm's backward are dependent launches: their
+    programmatic edges count as order (programmatic_ordered; not counting them cut the
+    streams' ancestry and grew a 4-stream Inception net's plan by 31%)."""
     here = os.path.dirname(os.path.abspath(__file__))
     r = subprocess.run([sys.executable, os.path.join(here, "plan_workloads.py"), case], capture_output=True,
                        text=True, env=env(), timeout=600)
@@ -871,3 +874,5 @@ def test_gpu_compile_step_with_planned_memory_trains_as_eager(case):
     if case == "branchy":
         assert st["streams"] > 1, st
         assert mp["graph_nodes"] > 0 and mp["cross_shares"] > 0, mp
+    if case in ("lm", "branchy") and torch.cuda.get_device_capability()[0] >= 9:
+        assert mp["programmatic_ordered"] > 0, mp

@@ -605,6 +605,17 @@ def test_gelu_grad_colsum_launcher_checks_its_arguments():
         assert f(*args) == INVALID, args
 
 
+def test_graph_node_waits_first_without_a_node():
+    """kt_graph_node_waits_first (C, through ctypes; what capture plans ask of a
+    programmatic edge's target) answers 0 for no node, without touching CUDA. Its real
+    answers are checked on the GPU (test_graph.py: programmatic_ordered)."""
+    import ctypes
+    from kitsune import _native
+    f = ctypes.CDLL(_native.library_path()).kt_graph_node_waits_first
+    f.argtypes, f.restype = [ctypes.c_void_p], ctypes.c_int
+    assert f(None) == 0
+
+
 def test_channel_sum_every_layout_and_empty():
     """The bias gradient's two-stage sum equals a float64 sum over every dim but 1, for
     NCHW, channels-last, 2-D and non-contiguous input, and copies no slice of a

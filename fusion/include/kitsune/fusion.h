@@ -194,6 +194,13 @@ kt_status kt_cross_entropy_scale(kt_dtype t, const void *grad, const int64_t *ta
  * for an incoming gradient of 1 (kt_cross_entropy with loss and grad both given). */
 kt_status kt_cross_entropy_rescale(kt_dtype t, void *grad, int64_t n, const float *by, void *stream);
 
+/* 1 when node (a cudaGraphNode_t of a captured graph) is a kernel of Kitsune's
+ * programmatic dependent launches (column sums, LayerNorm's warp backward), which
+ * wait for the kernel before them ahead of any global memory access; else 0. A
+ * programmatic edge into such a node orders memory as a plain edge does: capture
+ * plans count it. */
+int kt_graph_node_waits_first(const void *node);
+
 /* Row reductions over the last dimension of a [rows, n] view (rows = 1 for a full
  * reduction), fp32 accumulation, one rounding to the storage type:
  *   KT_REDUCE_SUM_SQUARED: out[r] = sum_i x[r, i]^2

@@ -113,12 +113,18 @@ kt_status create_device_pool(int device, kt_pool_t** out, bool device_pool = fal
 // ---- the order of a capture's work, for capture plans (kitsune/capplan.h) -------------
 // The graph being captured, as the allocator sees it: cudaStreamGetCaptureInfo gives a
 // stream's frontier (the nodes its next work depends on) and the graph; its edges say
-// what finishes before what. Only plain edges count: a programmatic one (a kernel that
-// may start before its predecessor ends) orders nothing here. KITSUNE_CAPTURE_ORDER=0
-// turns this off (streams are then kept apart, as before 71e76aa).
+// what finishes before what. Plain edges count; a programmatic one (a kernel that may
+// start before its predecessor ends) only into one of Kitsune's dependent launches,
+// which wait for their predecessor before any memory access
+// (kt_graph_node_waits_first). Leaving those out cut each stream's ancestry at every
+// column sum and LayerNorm backward after d12bc89: the 4-stream Inception net's plan
+// grew from 351.7 to 459.9 MiB (graph_memory_dae9a1f.json, graph_memory_b139609.json).
+// KITSUNE_CAPTURE_ORDER=0 turns this off (streams are then kept apart, as before 71e76aa).
 struct CaptureOrder {
   cudaGraph_t graph = nullptr;   // the capture's, from the first frontier asked
   kt_capture_order ops{};
+  int64_t programmatic = 0;      // at the last edges taken: programmatic edges,
+  int64_t programmatic_ordered = 0;   // of them counted as ordering
 };
 
 bool plain_edges(const cudaGraphEdgeData* e, size_t n) {
@@ -169,11 +175,17 @@ kt_status capture_edges(void* ctx, uint64_t* from, uint64_t* to, size_t cap, siz
     return KT_ERR_UNAVAILABLE;
   }
   size_t k = 0;
-  for (size_t i = 0; i < m && i < cap; i++)
-    if (e[i].type == cudaGraphDependencyTypeDefault) {
-      from[k] = reinterpret_cast<uint64_t>(f[i]);
-      to[k++] = reinterpret_cast<uint64_t>(t[i]);
+  c->programmatic = c->programmatic_ordered = 0;
+  for (size_t i = 0; i < m && i < cap; i++) {
+    bool plain = e[i].type == cudaGraphDependencyTypeDefault;
+    if (!plain) {
+      c->programmatic++;
+      if (e[i].type != cudaGraphDependencyTypeProgrammatic || !kt_graph_node_waits_first(t[i])) continue;
+      c->programmatic_ordered++;
     }
+    from[k] = reinterpret_cast<uint64_t>(f[i]);
+    to[k++] = reinterpret_cast<uint64_t>(t[i]);
+  }
   *n = k;
   return KT_OK;
 }
@@ -618,7 +630,8 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
   // The plan of (dev, id)'s recorded capture; the recording ends. *info: planned
   // blocks, arena bytes, plan bytes, live peak, recorded blocks, of them still live
   // (left out), freed after the capture, the sum of the streams' live peaks, the
-  // recorded graph's nodes (0: streams kept apart), pairs shared across streams.
+  // recorded graph's nodes (0: streams kept apart), pairs shared across streams, the
+  // graph's programmatic edges and, of them, those counted as ordering.
   kt_status take_plan(c10::DeviceIndex dev, c10::cuda::MempoolId_t id, kt_capplan** out, int64_t* info) {
     std::lock_guard<std::mutex> g(mu_);
     Private* p = find_private(dev, id);
@@ -630,9 +643,10 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
     log_plan(p->rec, *out);
     kt_capplan_info ci;
     kt_capplan_get_info(*out, &ci);
-    int64_t v[10] = {ci.blocks, static_cast<int64_t>(ci.arena_bytes), static_cast<int64_t>(ci.plan_bytes),
+    int64_t v[12] = {ci.blocks, static_cast<int64_t>(ci.arena_bytes), static_cast<int64_t>(ci.plan_bytes),
                      static_cast<int64_t>(ci.peak_bytes), ri.blocks, ri.live, ri.freed_after,
-                     static_cast<int64_t>(ci.group_peak_bytes), ci.graph_nodes, ci.cross_shares};
+                     static_cast<int64_t>(ci.group_peak_bytes), ci.graph_nodes, ci.cross_shares,
+                     p->order ? p->order->programmatic : 0, p->order ? p->order->programmatic_ordered : 0};
     std::memcpy(info, v, sizeof v);
     kt_caprec_destroy(p->rec);
     p->rec = nullptr;
@@ -792,6 +806,7 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
           p->order->ops = kt_capture_order{p->order.get(), capture_frontier, capture_edges};
         }
         p->order->graph = nullptr;   // this capture's is taken from its first frontier
+        p->order->programmatic = p->order->programmatic_ordered = 0;
         ord = &p->order->ops;
       }
       if (q.record) {

@@ -505,11 +505,36 @@ static kt_status order_fill(const kt_caprec *r, const int32_t *src, const kt_mem
   return KT_OK;
 }
 
-kt_status kt_capplan_create(const kt_caprec *r, kt_capplan **out) {
-  if (!r || !out) return KT_ERR_INVALID;
+/* The planned blocks of r (those freed), as kt_memplan blocks, and src[j]: planned
+ * block j's rec_block; *groups: the streams seen. */
+static void plan_blocks(const kt_caprec *r, int ordered, kt_memplan_block *mb, int32_t *src, kt_stream_t *seen,
+                        int32_t *groups) {
+  int32_t nseen = 0;
+  int64_t end = r->t + 1;
+  for (int32_t i = 0, j = 0; i < r->n; i++) {
+    const rec_block *b = &r->b[i];
+    if (b->end == REC_LIVE) continue;
+    int32_t g = stream_group(b->stream, seen, &nseen);
+    /* without the graph, bytes are shared only within a stream (stream order covers
+     * the reuse), and not after a use on another stream */
+    mb[j] = (kt_memplan_block){b->size, b->start, b->after || (b->o.nuse > 1 && !ordered) ? end : b->end, g};
+    src[j++] = i;
+  }
+  *groups = nseen;
+}
+
+static int32_t planned_count(const kt_caprec *r) {
   int32_t n = 0;
   for (int32_t i = 0; i < r->n; i++) n += r->b[i].end != REC_LIVE;
-  int ordered = r->dag.valid && n <= KT_CAPPLAN_ORDER_MAX_BLOCKS;
+  return n;
+}
+
+static int plan_ordered(const kt_caprec *r, int32_t n) { return r->dag.valid && n <= KT_CAPPLAN_ORDER_MAX_BLOCKS; }
+
+kt_status kt_capplan_create(const kt_caprec *r, kt_capplan **out) {
+  if (!r || !out) return KT_ERR_INVALID;
+  int32_t n = planned_count(r);
+  int ordered = plan_ordered(r, n);
   kt_capplan *p = calloc(1, sizeof *p);
   kt_memplan_block *mb = malloc(((size_t)n + 1) * sizeof *mb);
   kt_stream_t *seen = malloc(((size_t)n + 1) * sizeof *seen);
@@ -526,17 +551,8 @@ kt_status kt_capplan_create(const kt_caprec *r, kt_capplan **out) {
     return KT_ERR_HOST_OOM;
   }
   int32_t nseen = 0;
-  int64_t end = r->t + 1;
-  for (int32_t i = 0, j = 0; i < r->n; i++) {
-    const rec_block *b = &r->b[i];
-    if (b->end == REC_LIVE) continue;
-    int32_t g = stream_group(b->stream, seen, &nseen);
-    /* without the graph, bytes are shared only within a stream (stream order covers
-     * the reuse), and not after a use on another stream */
-    mb[j] = (kt_memplan_block){b->size, b->start, b->after || (b->o.nuse > 1 && !ordered) ? end : b->end, g};
-    src[j] = i;
-    p->size[j++] = b->size;
-  }
+  plan_blocks(r, ordered, mb, src, seen, &nseen);
+  for (int32_t j = 0; j < n; j++) p->size[j] = mb[j].size;
   free(seen);
   order_bits ob = {NULL, 0};
   int32_t cross = 0;
@@ -558,6 +574,35 @@ kt_status kt_capplan_create(const kt_caprec *r, kt_capplan **out) {
                               (size_t)group_peak, ordered ? r->dag.n : 0, cross};
   *out = p;
   return KT_OK;
+}
+
+kt_status kt_caprec_share_matrix(const kt_caprec *r, int32_t n, uint64_t *bits) {
+  if (!r || !bits || n != planned_count(r)) return KT_ERR_INVALID;
+  int ordered = plan_ordered(r, n);
+  kt_memplan_block *mb = malloc(((size_t)n + 1) * sizeof *mb);
+  kt_stream_t *seen = malloc(((size_t)n + 1) * sizeof *seen);
+  int32_t *src = malloc(((size_t)n + 1) * sizeof *src);
+  order_bits ob = {NULL, 0};
+  kt_status st = mb && seen && src ? KT_OK : KT_ERR_HOST_OOM;
+  int32_t groups = 0, cross = 0;
+  if (st == KT_OK) plan_blocks(r, ordered, mb, src, seen, &groups);
+  if (st == KT_OK && ordered) st = order_fill(r, src, mb, n, &ob, &cross);
+  if (st == KT_OK) {
+    memset(bits, 0, ((size_t)n * (size_t)n + 63) / 64 * sizeof *bits);
+    for (int32_t i = 0; i < n; i++)
+      for (int32_t j = 0; j < n; j++) {
+        if (i == j || mb[i].end > mb[j].start) continue;
+        if (ordered ? order_share(&ob, i, j) : mb[i].group == mb[j].group) {
+          size_t k = (size_t)i * (size_t)n + (size_t)j;
+          bits[k / 64] |= (uint64_t)1 << (k % 64);
+        }
+      }
+  }
+  free(ob.bits);
+  free(mb);
+  free(seen);
+  free(src);
+  return st;
 }
 
 kt_status kt_capplan_get_block(const kt_capplan *p, int32_t j, uint64_t *offset, uint64_t *size) {

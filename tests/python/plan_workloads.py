@@ -1,7 +1,7 @@
 """compile_step with planned graph memory, run by test_graph.py in a fresh process
 (Kitsune's allocator must be installed before CUDA initialises).
 
-    python plan_workloads.py CASE    # mlp | shapes | lm | branchy
+    python plan_workloads.py CASE    # mlp | shapes | lm | branchy | fused_branchy
 
 Trains one model three ways from the same start: the eager loop, compile_step with
 plan_memory=False and with plan_memory=True. Checks (assert_close: the process fails
@@ -73,12 +73,15 @@ def case(name):
             t = torch.randint(0, 96, (8, 65), generator=g)
             batches.append((t[:, :-1], t[:, 1:]))
         return TinyLM(), lm_loss, batches, dict(autocast_dtype=torch.bfloat16), (1e-4, 1e-5)
-    if name == "branchy":
+    if name in ("branchy", "fused_branchy"):
         torch.manual_seed(0)
         torch.backends.cudnn.deterministic = True
         batches = [(torch.randn(16, 3, 16, 16, generator=g), torch.randint(0, 10, (16,), generator=g))
                    for _ in range(12)]
-        return Branchy(), ce, batches, dict(streams=4), (1e-3, 1e-4)
+        # fused_branchy: through kitsune.optimize, so its bias gradients are Kitsune's column
+        # sums (dependent launches on sm_90), in the eager loop too
+        model = kitsune.optimize(Branchy()) if name == "fused_branchy" else Branchy()
+        return model, ce, batches, dict(streams=4), (1e-3, 1e-4)
     raise SystemExit(f"unknown case {name!r}")
 
 
@@ -118,7 +121,7 @@ def main(name):
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
     # and both train as the eager loop does (conv nets on streams and channels-last: losses)
     torch.testing.assert_close(pool, want, rtol=rtol, atol=atol)
-    if name != "branchy":
+    if "branchy" not in name:
         for a, b in zip(model.parameters(), twins[0].parameters()):
             torch.testing.assert_close(b, a, rtol=rtol, atol=atol)
     torch.cuda.synchronize()

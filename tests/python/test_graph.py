@@ -844,7 +844,7 @@ def test_gpu_compile_step_shares_the_partner_streams_cublas_workspaces():
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("case", ["mlp", "shapes", "lm", "branchy"])
+@pytest.mark.parametrize("case", ["mlp", "shapes", "lm", "branchy", "fused_branchy"])
 def test_gpu_compile_step_with_planned_memory_trains_as_eager(case):
     """Kitsune installed, compile_step(plan_memory=True): captured once while recording,
     planned, captured again by the plan. It trains as the eager loop does (checked in
@@ -853,9 +853,10 @@ def test_gpu_compile_step_with_planned_memory_trains_as_eager(case):
     graphs are dropped and captured again; on a streamed branchy net the plan lets
     blocks of different streams share bytes where the captured graph orders their work
     (the bridge read the graph: graph_nodes, cross_shares), and it still trains alike.
-    On sm_90 the column sums and LayerNorm's backward are dependent launches: their
-    programmatic edges count as order (programmatic_ordered; not counting them cut the
-    streams' ancestry and grew a 4-stream Inception net's plan by 31%)."""
+    Through kitsune.optimize (fused_branchy, sm_90) its bias gradients are column sums
+    launched as dependents: their programmatic edges count as order
+    (programmatic_ordered; not counting them cut the streams' ancestry and grew the
+    bench's 4-stream Inception net's plan from 351.7 to 459.9 MiB)."""
     here = os.path.dirname(os.path.abspath(__file__))
     r = subprocess.run([sys.executable, os.path.join(here, "plan_workloads.py"), case], capture_output=True,
                        text=True, env=env(), timeout=600)
@@ -871,8 +872,8 @@ def test_gpu_compile_step_with_planned_memory_trains_as_eager(case):
         assert mp["placed"] == mp["blocks"] and mp["refused"] <= 2, mp
     if case == "shapes":
         assert st["graphs"] == 2 and st["evictions"] >= 1, st
-    if case == "branchy":
+    if "branchy" in case:
         assert st["streams"] > 1, st
         assert mp["graph_nodes"] > 0 and mp["cross_shares"] > 0, mp
-    if case in ("lm", "branchy") and torch.cuda.get_device_capability()[0] >= 9:
+    if case == "fused_branchy" and torch.cuda.get_device_capability()[0] >= 9:
         assert mp["programmatic_ordered"] > 0, mp

@@ -145,6 +145,12 @@ kt_status kt_capplan_get_info(const kt_capplan *plan, kt_capplan_info *out);
 /* Planned block j (the recorded blocks freed when planned, in recorded order): its
  * offset in the arena and its size. */
 kt_status kt_capplan_get_block(const kt_capplan *plan, int32_t j, uint64_t *offset, uint64_t *size);
+/* For analysis (the bridge's KITSUNE_CAPPLAN_LOG): the pairs of planned blocks
+ * kt_capplan_create let share bytes, from the recording it was made from. bits holds
+ * n * n bits, row-major: bit i * n + j is set when block i's life ends at or before
+ * block j's start and the recorded order (without one: the stream) lets j reuse i's
+ * bytes. n must be the planned blocks (kt_capplan_info.blocks). */
+kt_status kt_caprec_share_matrix(const kt_caprec *rec, int32_t n, uint64_t *bits);
 
 /* ---- placing ------------------------------------------------------------------- */
 typedef struct kt_placer kt_placer;

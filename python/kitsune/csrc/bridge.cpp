@@ -192,17 +192,33 @@ kt_status capture_edges(void* ctx, uint64_t* from, uint64_t* to, size_t cap, siz
 
 // KITSUNE_CAPPLAN_LOG=DIR: each plan compile_step takes also goes to
 // DIR/capplan_<pid>_<n>.csv, a row a recorded block (size, stream as the order streams
-// first appeared, recorded events, flags, planned offset or -1), for analysis off the
-// GPU (tools/capplan_log.py). Best effort: a file that cannot be written is skipped.
+// first appeared, recorded events, flags, planned offset or -1), and the pairs of
+// planned blocks it let share bytes to DIR/capplan_<pid>_<n>_share.txt (a line a
+// planned block i, in the CSV's order of planned blocks: "i: j ..." for each j that may
+// reuse i's bytes), for analysis off the GPU (tools/capplan_log.py). Best effort: a
+// file that cannot be written is skipped.
 void log_plan(const kt_caprec* rec, const kt_capplan* plan) {
   static const char* dir = std::getenv("KITSUNE_CAPPLAN_LOG");
   static std::atomic<int> seq{0};
   if (!dir || !*dir) return;
-  std::string path = std::string(dir) + "/capplan_" + std::to_string(getpid()) + "_" + std::to_string(seq++) + ".csv";
-  FILE* f = std::fopen(path.c_str(), "w");
-  if (!f) return;
+  std::string path = std::string(dir) + "/capplan_" + std::to_string(getpid()) + "_" + std::to_string(seq++);
   kt_capplan_info pi;
   kt_capplan_get_info(plan, &pi);
+  const size_t n = static_cast<size_t>(pi.blocks);
+  std::vector<uint64_t> bits((n * n + 63) / 64 + 1);
+  if (kt_caprec_share_matrix(rec, pi.blocks, bits.data()) == KT_OK) {
+    if (FILE* sf = std::fopen((path + "_share.txt").c_str(), "w")) {
+      for (size_t i = 0; i < n; i++) {
+        std::fprintf(sf, "%zu:", i);
+        for (size_t j = 0; j < n; j++)
+          if ((bits[(i * n + j) / 64] >> ((i * n + j) % 64)) & 1) std::fprintf(sf, " %zu", j);
+        std::fprintf(sf, "\n");
+      }
+      std::fclose(sf);
+    }
+  }
+  FILE* f = std::fopen((path + ".csv").c_str(), "w");
+  if (!f) return;
   std::fprintf(f, "# plan_bytes %zu peak_bytes %zu stream_peak_bytes %zu graph_nodes %d cross_shares %d\n",
                pi.plan_bytes, pi.peak_bytes, pi.group_peak_bytes, pi.graph_nodes, pi.cross_shares);
   std::fprintf(f, "block,size,stream,start,end,after,uses,unordered,offset\n");

@@ -613,6 +613,38 @@ static kt_caprec *record_branch(int join, int order) {
   return r;
 }
 
+static int share_bit(const uint64_t *bits, int32_t n, int32_t i, int32_t j) {
+  size_t k = (size_t)i * (size_t)n + (size_t)j;
+  return (int)((bits[k / 64] >> (k % 64)) & 1);
+}
+
+/* The planned blocks of record_branch, in the order they were allocated: x (S1, used
+ * on S2), t (S2), y and z (S1). */
+Test(capplan, the_share_matrix_is_the_pairs_the_plan_may_overlap) {
+  enum { X, T, Y, Z, N };
+  uint64_t bits[1];
+  kt_caprec *r = record_branch(1, 1);
+  cr_assert_eq(kt_caprec_share_matrix(NULL, N, bits), KT_ERR_INVALID);
+  cr_assert_eq(kt_caprec_share_matrix(r, N, NULL), KT_ERR_INVALID);
+  cr_assert_eq(kt_caprec_share_matrix(r, N + 1, bits), KT_ERR_INVALID, "n must be the planned blocks");
+  cr_assert_eq(kt_caprec_share_matrix(r, N, bits), KT_OK);
+  int32_t pairs = 0;
+  for (int32_t i = 0; i < N; i++)
+    for (int32_t j = 0; j < N; j++) pairs += share_bit(bits, N, i, j);
+  cr_assert_eq(pairs, 4, "joined: x -> y, x -> z, t -> y, t -> z, as cross_shares counts");
+  cr_assert(share_bit(bits, N, X, Y) && share_bit(bits, N, X, Z) && share_bit(bits, N, T, Y) &&
+            share_bit(bits, N, T, Z));
+  kt_caprec_destroy(r);
+  r = record_branch(0, 1);
+  cr_assert_eq(kt_caprec_share_matrix(r, N, bits), KT_OK);
+  cr_assert_eq(bits[0], 0, "S2 never joins S1: no pair (y and z live together)");
+  kt_caprec_destroy(r);
+  r = record_branch(1, 0);
+  cr_assert_eq(kt_caprec_share_matrix(r, N, bits), KT_OK);
+  cr_assert_eq(bits[0], 0, "without an order x (used on S2) lives to the end; t is S2's");
+  kt_caprec_destroy(r);
+}
+
 Test(capplan, a_join_lets_blocks_of_another_stream_or_used_on_one_be_reused) {
   cr_assert_eq(kt_caprec_set_order(NULL, &ORDER), KT_ERR_INVALID);
   kt_capture_order half = {&G, fg_frontier, NULL};

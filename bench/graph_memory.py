@@ -28,7 +28,10 @@ inputs, and everything eager holds) -- the graph's memory as the device sees it.
 With Kitsune, `breakdown` (kitsune.allocator.memory_breakdown) says where those
 reserved bytes are. Reported: graph_reserved / eager_peak (the issue's "whole-step graph
 peak memory <= the eager step's peak allocated", strictly: reserved against
-allocated), graph_reserved / eager_reserved_peak (both as the device holds them), the graph's share above static, the
+allocated), graph_reserved / eager_reserved_peak (both as the device holds them), the graph's share above static,
+with a plan (static + plan_bytes) / eager_peak (own/eager: the bytes the step's tensors
+take, the graph's arena at its planned extent, against the eager step's: allocated
+against allocated, no allocator cache or granule rounding on either side), the
 plan's numbers (arena, the recording's live peak, placed / refused), ms per step (the
 median over blocks of 10 between CUDA events) and the last loss. Writes
 graph_memory.json and prints a table. KITSUNE_GMEM_TRACE=DIR: with Kitsune, each
@@ -169,8 +172,10 @@ def table(rows):
     print("MiB; graph/eager = graph_reserved / eager_peak")
     print("static: allocated before the eager step; eager+: its peak above static; graph+: graph_reserved above static")
     print("rsv/rsv: graph_reserved / the eager step's peak reserved (both after an empty_cache)")
+    print("own/eager: (static + the plan's extent) / eager_peak (planned configs)")
     print(f"{'model':<10}{'config':<17}{'static':>9}{'eager pk':>10}{'eager+':>8}{'graph rsv':>11}{'graph+':>8}"
-          f"{'graph/eager':>12}{'rsv/rsv':>8}{'plan':>8}{'live pk':>9}{'placed':>10}{'ms':>8}{'loss':>9}")
+          f"{'graph/eager':>12}{'rsv/rsv':>8}{'own/eager':>10}{'plan':>8}{'live pk':>9}{'placed':>10}{'ms':>8}"
+          f"{'loss':>9}")
     for r in rows:
         if "error" in r:
             print(f"{r['model']:<10}{r['config']:<17}  error: {r['error']}")
@@ -178,10 +183,11 @@ def table(rows):
         mp = r["compile_step"]["memory_plan"] or {}
         plan = f"{mp['plan_bytes'] / MiB:8.1f}{mp['peak_bytes'] / MiB:9.1f}{mp['placed']:>5}/{mp['blocks']:<4}" \
             if "plan_bytes" in mp else f"{'':8}{'':9}{'':10}"
+        own = f"{(r['static'] + mp['plan_bytes']) / r['eager_peak']:10.3f}" if "plan_bytes" in mp else f"{'':10}"
         print(f"{r['model']:<10}{r['config']:<17}{r['static'] / MiB:9.1f}{r['eager_peak'] / MiB:10.1f}"
               f"{(r['eager_peak'] - r['static']) / MiB:8.1f}{r['graph_reserved'] / MiB:11.1f}"
               f"{(r['graph_reserved'] - r['static']) / MiB:8.1f}{r['graph_reserved'] / r['eager_peak']:12.3f}"
-              f"{r['graph_reserved'] / r['eager_reserved_peak']:8.3f}{plan}"
+              f"{r['graph_reserved'] / r['eager_reserved_peak']:8.3f}{own}{plan}"
               f"{r['ms']:8.3f}{r['final_loss']:9.4f}")
     print("\nReserved but not allocated before the eager step (static cache) and after the run (cache), MiB; "
           "with Kitsune, graph pools' segments (free in them), arenas (free in them); cuBLAS workspaces shared")

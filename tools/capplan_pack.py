@@ -6,8 +6,9 @@ its _share.txt: which planned block may reuse which one's bytes):
 
 For each log:
   plan         the extent kt_memplan_shared found (the log's plan_bytes), and this
-               tool's first fit in the same four orders (it must agree: a check that
-               the log is read as the C code reads its recording)
+               tool's first fit in the orders scheduler/src/memplan.c tries now (six
+               since the conflict orders; on a log of a plan made with the same orders
+               they agree: a check that the log is read as the C code reads it)
   bound        a lower bound on any arena: the heaviest clique found of blocks that
                pairwise may not share bytes (lifetimes that meet, or an order that does
                not let the later reuse the earlier's bytes), grown greedily from the
@@ -68,15 +69,20 @@ def first_fit(blocks, order, apart):
     return arena, off
 
 
-def c_orders(blocks):
-    """kt_memplan_shared's four orders (scheduler/src/memplan.c key_of / by_key)."""
+def c_orders(blocks, apart):
+    """kt_memplan_shared's six orders (scheduler/src/memplan.c key_of / by_key)."""
+    n = len(blocks)
+    conflict = [sum(blocks[j][0] for j in range(n) if j != i and apart(i, j)) for i in range(n)]
+
     def keyed(k):
-        return sorted(range(len(blocks)), key=lambda i: (tuple(-v for v in k(i)[:2]), blocks[i][1], i))
+        return sorted(range(n), key=lambda i: (tuple(-v for v in k(i)[:2]), blocks[i][1], i))
     size = lambda i: (blocks[i][0], 0)                                   # noqa: E731
     area = lambda i: (blocks[i][0] * (blocks[i][2] - blocks[i][1]), blocks[i][0])   # noqa: E731
     length = lambda i: (blocks[i][2] - blocks[i][1], blocks[i][0])       # noqa: E731
     start = lambda i: (-blocks[i][1], blocks[i][0])                      # noqa: E731
-    return [keyed(k) for k in (size, area, length, start)]
+    by_conflict = lambda i: (conflict[i], blocks[i][0])                  # noqa: E731
+    size_conflict = lambda i: (blocks[i][0] * conflict[i], blocks[i][0])   # noqa: E731
+    return [keyed(k) for k in (size, area, length, start, by_conflict, size_conflict)]
 
 
 def clique_bound(blocks, apart):
@@ -100,7 +106,7 @@ def clique_bound(blocks, apart):
 def report(path, tries, seed):
     head, blocks, share = load(path)
     apart = apart_fn(blocks, share)
-    c_best = min(first_fit(blocks, o, apart)[0] for o in c_orders(blocks))
+    c_best = min(first_fit(blocks, o, apart)[0] for o in c_orders(blocks, apart))
     bound, members = clique_bound(blocks, apart)
     rng = random.Random(seed)
     best = c_best

@@ -59,6 +59,7 @@
 #include <map>
 #include <mutex>
 #include <shared_mutex>
+#include <unordered_map>
 #include <unordered_set>
 #include <memory>
 #include <vector>
@@ -125,6 +126,7 @@ struct CaptureOrder {
   kt_capture_order ops{};
   int64_t programmatic = 0;      // at the last edges taken: programmatic edges,
   int64_t programmatic_ordered = 0;   // of them counted as ordering
+  std::unordered_map<cudaGraphNode_t, bool> waits;   // kt_graph_node_waits_first, asked once a node
 };
 
 bool plain_edges(const cudaGraphEdgeData* e, size_t n) {
@@ -180,7 +182,10 @@ kt_status capture_edges(void* ctx, uint64_t* from, uint64_t* to, size_t cap, siz
     bool plain = e[i].type == cudaGraphDependencyTypeDefault;
     if (!plain) {
       c->programmatic++;
-      if (e[i].type != cudaGraphDependencyTypeProgrammatic || !kt_graph_node_waits_first(t[i])) continue;
+      if (e[i].type != cudaGraphDependencyTypeProgrammatic) continue;
+      auto w = c->waits.find(t[i]);
+      if (w == c->waits.end()) w = c->waits.emplace(t[i], kt_graph_node_waits_first(t[i]) != 0).first;
+      if (!w->second) continue;
       c->programmatic_ordered++;
     }
     from[k] = reinterpret_cast<uint64_t>(f[i]);
@@ -195,8 +200,9 @@ kt_status capture_edges(void* ctx, uint64_t* from, uint64_t* to, size_t cap, siz
 // first appeared, recorded events, flags, planned offset or -1), and the pairs of
 // planned blocks it let share bytes to DIR/capplan_<pid>_<n>_share.txt (a line a
 // planned block i, in the CSV's order of planned blocks: "i: j ..." for each j that may
-// reuse i's bytes), for analysis off the GPU (tools/capplan_log.py). Best effort: a
-// file that cannot be written is skipped.
+// reuse i's bytes; plans of up to KT_CAPPLAN_ORDER_MAX_BLOCKS blocks), for analysis off
+// the GPU (tools/capplan_log.py, tools/capplan_pack.py). Best effort: a file that cannot
+// be written is skipped.
 void log_plan(const kt_caprec* rec, const kt_capplan* plan) {
   static const char* dir = std::getenv("KITSUNE_CAPPLAN_LOG");
   static std::atomic<int> seq{0};
@@ -205,8 +211,8 @@ void log_plan(const kt_caprec* rec, const kt_capplan* plan) {
   kt_capplan_info pi;
   kt_capplan_get_info(plan, &pi);
   const size_t n = static_cast<size_t>(pi.blocks);
-  std::vector<uint64_t> bits((n * n + 63) / 64 + 1);
-  if (kt_caprec_share_matrix(rec, pi.blocks, bits.data()) == KT_OK) {
+  std::vector<uint64_t> bits(n <= KT_CAPPLAN_ORDER_MAX_BLOCKS ? (n * n + 63) / 64 + 1 : 0);   // at most 32 MiB
+  if (!bits.empty() && kt_caprec_share_matrix(rec, pi.blocks, bits.data()) == KT_OK) {
     if (FILE* sf = std::fopen((path + "_share.txt").c_str(), "w")) {
       for (size_t i = 0; i < n; i++) {
         std::fprintf(sf, "%zu:", i);
@@ -823,6 +829,7 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
         }
         p->order->graph = nullptr;   // this capture's is taken from its first frontier
         p->order->programmatic = p->order->programmatic_ordered = 0;
+        p->order->waits.clear();     // another graph's nodes
         ord = &p->order->ops;
       }
       if (q.record) {

@@ -168,8 +168,9 @@ inline bool pdl_device() {
 
 // The kernels launch_dependent has launched, by their host entry, for
 // kt_graph_node_waits_first: each calls pdl_wait before its first global memory access.
-// A handful of template instances; one past the 64 slots goes unnoted, which only
-// costs a capture plan some sharing.
+// Each kernel is noted once, at its first dependent launch (a static of
+// launch_dependent's instance), not at every launch. A handful of template instances;
+// one past the 64 slots goes unnoted, which only costs a capture plan some sharing.
 inline std::atomic<const void *> pdl_kernels[64];
 
 inline void note_pdl_kernel(const void *k) {
@@ -199,7 +200,8 @@ void launch_dependent(void (*kernel)(P...), dim3 grid, dim3 block, cudaStream_t 
   cfg.stream = s;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  note_pdl_kernel(reinterpret_cast<const void *>(kernel));
+  static const bool noted = (note_pdl_kernel(reinterpret_cast<const void *>(kernel)), true);
+  (void)noted;
   cudaLaunchKernelEx(&cfg, kernel, static_cast<P>(args)...);
 }
 

@@ -191,7 +191,7 @@ def _placer_stats(pool, device=0):
     ``plan_bytes``, ``peak_bytes`` and ``status`` (0, or the kt_status of an arena that
     could not be had). None when the pool has no placer."""
     b, d, i0, i1 = _pool_args(pool, device)
-    out = (ctypes.c_int64 * 12)()
+    out = (ctypes.c_int64 * 10)()
     if b.kt_bridge_pool_placer_stats(d, i0, i1, out) != 0:
         return None
     keys = ("arena_bytes", "arenas", "live_bytes", "live_blocks", "planned", "placed", "refused", "plan_bytes",

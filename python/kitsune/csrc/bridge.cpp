@@ -179,8 +179,7 @@ kt_status capture_edges(void* ctx, uint64_t* from, uint64_t* to, size_t cap, siz
   size_t k = 0;
   c->programmatic = c->programmatic_ordered = 0;
   for (size_t i = 0; i < m && i < cap; i++) {
-    bool plain = e[i].type == cudaGraphDependencyTypeDefault;
-    if (!plain) {
+    if (e[i].type != cudaGraphDependencyTypeDefault) {
       c->programmatic++;
       if (e[i].type != cudaGraphDependencyTypeProgrammatic) continue;
       auto w = c->waits.find(t[i]);

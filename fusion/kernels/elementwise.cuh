@@ -168,9 +168,13 @@ inline bool pdl_device() {
 
 // The kernels launch_dependent has launched, by their host entry, for
 // kt_graph_node_waits_first: each calls pdl_wait before its first global memory access.
-// Each kernel is noted once, at its first dependent launch (a static of
-// launch_dependent's instance), not at every launch. A handful of template instances;
-// one past the 64 slots goes unnoted, which only costs a capture plan some sharing.
+// Noted at every dependent launch: a scan of the few slots filled (tens of ns against
+// a launch's microseconds). A static of launch_dependent's instance would not do: the
+// kernel is an argument, and kernels of one signature share an instance (9af0917
+// noted only the first of them; Inception's plan counted 9 of 23 programmatic edges
+// and grew to 412.1 MiB, h100_review_static_9af0917.log). A handful of template
+// instances; one past the 64 slots goes unnoted, which only costs a capture plan some
+// sharing.
 inline std::atomic<const void *> pdl_kernels[64];
 
 inline void note_pdl_kernel(const void *k) {
@@ -200,8 +204,7 @@ void launch_dependent(void (*kernel)(P...), dim3 grid, dim3 block, cudaStream_t 
   cfg.stream = s;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  static const bool noted = (note_pdl_kernel(reinterpret_cast<const void *>(kernel)), true);
-  (void)noted;
+  note_pdl_kernel(reinterpret_cast<const void *>(kernel));
   cudaLaunchKernelEx(&cfg, kernel, static_cast<P>(args)...);
 }
 

@@ -877,3 +877,6 @@ def test_gpu_compile_step_with_planned_memory_trains_as_eager(case):
         assert mp["graph_nodes"] > 0 and mp["cross_shares"] > 0, mp
     if case == "fused_branchy" and torch.cuda.get_device_capability()[0] >= 9:
         assert mp["programmatic_ordered"] > 0, mp
+        # every one is into a kernel of ours here (8 of 8 on the H100 at 2f5a092): one left
+        # uncounted means a dependent launch went unnoted (as at 9af0917)
+        assert mp["programmatic_ordered"] == mp["programmatic_edges"], mp

@@ -9,7 +9,14 @@ host), then the
 profiler's kernels over 10 replays, as us a step, calls a step and name, the largest
 first (PGRAPH_ROWS of them, 18 unless set; PGRAPH_RECIPES names the recipes, default
 "stock_graph kitsune"). tools/gpu_run.sh runs it as part "pgraph" (to $OUT/profile_graph.log).
+A model may name its batch size (inception:8). PGRAPH_TIMELINE=1 adds one replay's
+timeline: each GPU operation's start (us from the step's first), duration, stream and
+name, then the step's span, the time some stream runs a kernel (the union of the
+intervals), each stream's busy time, and the idle gaps over 1 us with the operations
+either side.
 """
+import json
+import tempfile
 import os
 import sys
 import time
@@ -34,12 +41,48 @@ def kernels(step, batch, n=10):
     return sorted(((t, calls[k] / n, k) for k, t in total.items()), reverse=True)
 
 
+def timeline(step, batch):
+    """One replay's GPU operations from the profiler's trace: (start us, dur us, stream, name)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step(*batch)
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        ev = json.load(open(f.name))["traceEvents"]
+    ops = [(e["ts"], e["dur"], e.get("args", {}).get("stream", e.get("tid")), e["name"]) for e in ev
+           if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    ops.sort()
+    t0 = ops[0][0]
+    return [(ts - t0, d, s, n) for ts, d, s, n in ops]
+
+
+def print_timeline(ops):
+    for ts, d, s, n in ops:
+        print(f"  T {ts:9.1f} {d:7.1f}  s{s}  {n[:90]}")
+    span = max(ts + d for ts, d, _, _ in ops)
+    busy, end, gaps, last = 0.0, 0.0, [], None
+    for ts, d, s, n in ops:
+        if ts > end and last is not None and ts - end > 1.0:
+            gaps.append((ts - end, end, last, n))
+        if ts + d > end:
+            busy += ts + d - max(ts, end)
+            end, last = ts + d, n
+    per = {}
+    for ts, d, s, n in ops:
+        per[s] = per.get(s, 0.0) + d
+    print(f"  span {span:.1f} us, some stream busy {busy:.1f} us, idle {span - busy:.1f} us in {len(gaps)} gaps > 1 us")
+    print("  busy by stream: " + ", ".join(f"s{s} {t:.1f} us" for s, t in sorted(per.items(), key=lambda x: -x[1])))
+    for g, at, a, b in sorted(gaps, reverse=True)[:25]:
+        print(f"  gap {g:6.1f} us at {at:8.1f}: {a[:50]} -> {b[:50]}")
+
+
 def warmed(name, recipe):
     """bench/models.py's model `name` under `recipe`, seeded, after 5 steps (captured
     where the recipe captures): (step, model, batches)."""
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
-    model, loss_fn, data = models.build(name, gen)
+    name, _, batch = name.partition(":")
+    model, loss_fn, data = models.build(name, gen, int(batch) if batch else None)
     step, _ = models.make(recipe, model, loss_fn)
     for i in range(5):
         step(*data[i % len(data)])
@@ -66,6 +109,8 @@ def main():
                   f"{sum(r[0] for r in rows):.1f} us, {sum(r[1] for r in rows):.0f} launches a step")
             for us, c, k in rows[:int(os.environ.get("PGRAPH_ROWS", 18))]:
                 print(f"  {us:8.1f} us  {c:5.1f}x  {k[:110]}")
+            if os.environ.get("PGRAPH_TIMELINE"):
+                print_timeline(timeline(step, data[0]))
             del step, model
             torch._dynamo.reset()
 

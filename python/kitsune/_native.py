@@ -112,6 +112,7 @@ def _declare(lib):
         "kt_schedule_list": (I, [P, ctypes.c_int32, ctypes.POINTER(Schedule)]),
         "kt_schedule_free": (None, [ctypes.POINTER(Schedule)]),
         "kt_schedule_check": (I, [P, ctypes.POINTER(Schedule)]),
+        "kt_graph_memsets_to_kernels": (I, [P, S, ctypes.POINTER(I)]),
     }
     for name, (res, args) in sig.items():
         fn = getattr(lib, name)

@@ -88,6 +88,7 @@ after the first step is not followed: make a new compile_step.
 import collections
 import contextlib
 import ctypes
+import os
 import threading
 import time
 import warnings
@@ -163,7 +164,8 @@ class CompiledStep:
         self._blas = None   # kt_bridge_blas_share's counts after the last first step
         self._groups = len(optimizer.param_groups)
         self._reason = None
-        self._n = {"replays": 0, "eager_steps": 0, "captures": 0, "evictions": 0, "recaptures": 0}
+        self._n = {"replays": 0, "eager_steps": 0, "captures": 0, "evictions": 0, "recaptures": 0,
+                   "memsets_replaced": 0}
         self._setup_s = 0.0
         self.streams = streams
         # channels-last 4-D inputs: None = when at least half the 2-D convolutions suit cuDNN's NHWC kernels
@@ -316,7 +318,7 @@ class CompiledStep:
         graph, its loss and the optimizer's capture plan; the gradients are dropped
         after it (they stay in the pool, the graph's)."""
         self.optimizer.zero_grad(set_to_none=True)
-        graph = torch.cuda.CUDAGraph()
+        graph = torch.cuda.CUDAGraph(keep_graph=True)   # instantiated below, after _memsets_to_kernels
         ib = None
         try:
             with self._capturing(graph, pool):
@@ -335,6 +337,8 @@ class CompiledStep:
             except Exception:   # noqa: BLE001 - it had ended: the capture's own error is the one to raise
                 pass
             raise
+        self._n["memsets_replaced"] = _memsets_to_kernels(graph)
+        graph.instantiate()
         self.optimizer.zero_grad(set_to_none=True)
         return graph, static_loss, plan
 
@@ -493,7 +497,8 @@ class CompiledStep:
         loss function's F.cross_entropy calls ran as kitsune.cross_entropy in the last
         step traced (fused_loss) with why any others did not (fused_loss_left), and
         how many optimizer launches the last capture made during the backward
-        (optimizer_in_backward)."""
+        (optimizer_in_backward), and how many memset nodes of the last capture became
+        kernel nodes (memsets_replaced)."""
         return dict(self._n, graphs=len(self._graphs), setup_s=self._setup_s, reason=self._reason, **self._stream_info,
                     channels_last=self._cl, channels_last_reason=self._cl_reason,
                     memory_plan=dict(self._memory) if self._memory else None,
@@ -591,6 +596,26 @@ def _describe(e):
     """An exception as its type and first line."""
     first = (str(e).strip().splitlines() or [""])[0]
     return type(e).__name__ + (f": {first}" if first else "")
+
+
+# Memset nodes up to this size become kernel nodes (kt_graph_memsets_to_kernels): the
+# 4-byte flags cuDNN's attention and cuBLASLt's cooperative GEMMs zero before each launch.
+_MEMSET_KERNEL_MAX_BYTES = 1 << 16
+
+
+def _memsets_to_kernels(graph):
+    """Replaces the small memset nodes of a captured, not yet instantiated graph with
+    kernel nodes of Kitsune's (kitsune/fusion.h: kt_graph_memsets_to_kernels): inside
+    a graph the kernel after a memset node started 3 to 7 us after it, after a kernel
+    0.4 us (H100, bench/results/h100_timeline_gpt_inception8_18b9e89.log). Returns how
+    many; KITSUNE_GRAPH_MEMSETS=keep leaves them."""
+    if os.environ.get("KITSUNE_GRAPH_MEMSETS") == "keep":
+        return 0
+    from . import _native
+    n = ctypes.c_int(0)
+    _native.check(_native.native().kt_graph_memsets_to_kernels(graph.raw_cuda_graph(), _MEMSET_KERNEL_MAX_BYTES,
+                                                                 ctypes.byref(n)), "kt_graph_memsets_to_kernels")
+    return n.value
 
 
 def _end_generator_capture(device):

@@ -880,3 +880,57 @@ def test_gpu_compile_step_with_planned_memory_trains_as_eager(case):
         # every one is into a kernel of ours here (8 of 8 on the H100 at 2f5a092): one left
         # uncounted means a dependent launch went unnoted (as at 9af0917)
         assert mp["programmatic_ordered"] == mp["programmatic_edges"], mp
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_memset_nodes_become_kernel_nodes():
+    """kt_graph_memsets_to_kernels (C, through ctypes) on a captured graph: a fill
+    kernel, then the driver's memsets over what it wrote (1-, 2- and 4-byte elements,
+    unaligned, and a pitched 2-D one), then a copy of the buffer: each memset of at most
+    max_bytes becomes a kernel node (a second pass finds none), the larger one stays,
+    and the replayed graph leaves exactly the bytes the stream order gives (the fill's,
+    then the memsets'; every other byte keeps its poison, twice over) and copies them
+    after (the edges out kept)."""
+    import ctypes
+    from kitsune import _native
+    f = _native.native().kt_graph_memsets_to_kernels
+    cu = ctypes.CDLL("libcuda.so.1")
+    u64, sz = ctypes.c_uint64, ctypes.c_size_t
+    buf = torch.empty(1 << 18, dtype=torch.uint8, device="cuda")
+    base = buf.data_ptr()
+    # (offset, element bytes, value, width in elements, height, pitch in bytes)
+    sets = [(1, 1, 0x5A, 3, 1, 0), (64, 2, 0xBEEF, 5, 1, 0), (128, 4, 0xDEADBEEF, 7, 1, 0),
+            (4096, 4, 0x01020304, 3, 4, 256), (1 << 17, 4, 0x11223344, 1 << 14, 1, 0)]   # the last: 64 KiB, over max_bytes
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph(keep_graph=True)
+    with torch.cuda.graph(g, stream=side):
+        buf[:8192].fill_(7)
+        s = ctypes.c_void_p(side.cuda_stream)
+        for off, el, v, w, h, pitch in sets:
+            if h > 1:
+                st = cu.cuMemsetD2D32Async(u64(base + off), sz(pitch), ctypes.c_uint(v), sz(w), sz(h), s)
+            else:
+                fn = {1: cu.cuMemsetD8Async, 2: cu.cuMemsetD16Async, 4: cu.cuMemsetD32Async}[el]
+                cv = {1: ctypes.c_ubyte, 2: ctypes.c_ushort, 4: ctypes.c_uint}[el](v)
+                st = fn(u64(base + off), cv, sz(w), s)
+            assert st == 0, (off, st)
+        copy = buf.clone()
+    n = ctypes.c_int(-1)
+    assert f(g.raw_cuda_graph(), (1 << 16) - 1, ctypes.byref(n)) == _native.OK and n.value == 4, n.value
+    assert f(g.raw_cuda_graph(), (1 << 16) - 1, ctypes.byref(n)) == _native.OK and n.value == 0, n.value
+    g.instantiate()
+    for poison in (0xA5, 0x3C):
+        want = torch.full((1 << 18,), poison, dtype=torch.uint8)
+        want[:8192] = 7
+        for off, el, v, w, h, pitch in sets:
+            row = torch.tensor(list(v.to_bytes(el, "little")) * w, dtype=torch.uint8)
+            for r in range(h):
+                want[off + r * pitch: off + r * pitch + el * w] = row
+        buf.fill_(poison)
+        copy.fill_(poison ^ 0xFF)
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(buf.cpu(), want), poison
+        assert torch.equal(copy.cpu(), want), poison

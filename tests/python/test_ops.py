@@ -616,6 +616,16 @@ def test_graph_node_waits_first_without_a_node():
     assert f(None) == 0
 
 
+def test_graph_memsets_to_kernels_without_a_graph():
+    """kt_graph_memsets_to_kernels refuses no graph (KT_ERR_INVALID) and says it replaced
+    nothing, without touching CUDA; on a real graph it runs on the GPU (test_graph.py)."""
+    import ctypes
+    from kitsune import _native
+    n = ctypes.c_int(-1)
+    assert _native.native().kt_graph_memsets_to_kernels(None, 1 << 16, ctypes.byref(n)) == _native.ERR_INVALID
+    assert n.value == 0
+
+
 def test_channel_sum_every_layout_and_empty():
     """The bias gradient's two-stage sum equals a float64 sum over every dim but 1, for
     NCHW, channels-last, 2-D and non-contiguous input, and copies no slice of a

@@ -201,6 +201,14 @@ kt_status kt_cross_entropy_rescale(kt_dtype t, void *grad, int64_t n, const floa
  * plans count it. */
 int kt_graph_node_waits_first(const void *node);
 
+/* Replaces each memset node of graph (a captured cudaGraph_t, before it is
+ * instantiated) that sets at most max_bytes with a kernel node of Kitsune's that
+ * writes the same bytes, with the same edges in and out (their data kept): inside a
+ * graph the kernel after a memset node starts microseconds later than one after a
+ * kernel. *replaced (may be NULL): how many. KT_ERR_BACKEND when the CUDA runtime
+ * refuses a call; the nodes replaced until then stay replaced, each whole. */
+kt_status kt_graph_memsets_to_kernels(void *graph, size_t max_bytes, int *replaced);
+
 /* Row reductions over the last dimension of a [rows, n] view (rows = 1 for a full
  * reduction), fp32 accumulation, one rounding to the storage type:
  *   KT_REDUCE_SUM_SQUARED: out[r] = sum_i x[r, i]^2

@@ -29,10 +29,10 @@ own as soon as their gradients are final (KitsuneOptimizer.capture_in_backward;
 not with ``max_grad_norm`` or loss scaling); ``stats()["optimizer_in_backward"]``
 counts those launches. The arithmetic is the same either way.
 
-Before a captured graph is instantiated, its memset nodes of up to 64 KiB (the 4-byte
-flags cuDNN's attention and cuBLASLt's cooperative GEMMs zero before each launch)
-become kernel nodes that write the same bytes: inside a graph the kernel after a
-memset node started 3 to 7 us later than one after a kernel (H100). ``stats()
+Before a captured graph is instantiated, its memset nodes of up to 64 KiB (in GPT's
+step, 4-byte zero fills next to cuDNN's attention kernels and cuBLASLt's cooperative
+GEMMs, none of Kitsune's) become kernel nodes that write the same bytes: inside a graph
+the kernel after a memset node started 3 to 7 us later than one after a kernel (H100). ``stats()
 ["memsets_replaced"]`` counts them; ``KITSUNE_GRAPH_MEMSETS=keep`` leaves them.
 
 When a step cannot be captured (no CUDA device, an optimizer the fused kernel does
@@ -604,8 +604,8 @@ def _describe(e):
     return type(e).__name__ + (f": {first}" if first else "")
 
 
-# Memset nodes up to this size become kernel nodes (kt_graph_memsets_to_kernels): the
-# 4-byte flags cuDNN's attention and cuBLASLt's cooperative GEMMs zero before each launch.
+# Memset nodes up to this size become kernel nodes (kt_graph_memsets_to_kernels): GPT's
+# are 4 bytes each; the 8 MiB zero fill of its embedding gradient stays a memset.
 _MEMSET_KERNEL_MAX_BYTES = 1 << 16
 
 

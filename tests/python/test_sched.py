@@ -207,6 +207,41 @@ def test_compile_step_refuses_bad_stream_counts():
 
 
 # ---- on the GPU -----------------------------------------------------------------------------
+def test_streamed_splits_each_bias_free_conv2d_s_gradients_and_computes_the_same():
+    """In a streamed graph each F.conv2d without a bias and with int-pair stride, padding
+    and dilation (kitsune.optimize's split of a Conv2d) becomes _conv_grads_apart:
+    inside a capture its input and weight gradients run on two streams (on the GPU the
+    compile_step tests train with it); on the CPU the outputs and every gradient are the
+    model's. A conv with a bias, padding="same" or other arguments stays as it is."""
+    torch.manual_seed(0)
+    m = kitsune.optimize(Inception())
+    x = torch.randn(4, 32, 8, 8)
+    sm, plan = ks.streamed(m, x, streams=4)
+    assert plan.streams_used == 4
+    convs = [n for n in m.graph.nodes if n.target is nn.functional.conv2d]
+    apart = [n for n in sm.graph.nodes if n.target is ks._conv_grads_apart]
+    assert len(convs) == 6 and len(apart) == len(convs), (len(convs), len(apart))
+    assert not [n for n in sm.graph.nodes if n.target is nn.functional.conv2d]
+
+    def run(mod):
+        for p in m.parameters():
+            p.grad = None
+        xi = x.clone().requires_grad_()
+        y = mod(xi)
+        y.square().sum().backward()
+        return [y.detach(), xi.grad] + [p.grad.clone() for p in m.parameters()]
+    for a, b in zip(run(m), run(sm)):   # x's gradient sums the branches in the plan's order
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+    def convs_of(x, w, b):
+        F = nn.functional
+        return (F.conv2d(x, w, None, (1, 1), (1, 1), (1, 1), 1), F.conv2d(x, w, b, (1, 1), (1, 1), (1, 1), 1),
+                F.conv2d(x, w, None, (1, 1), "same", (1, 1), 1), F.conv2d(x, w, None, 1, 1, 1, 1), F.conv2d(x, w))
+    gm = torch.fx.symbolic_trace(convs_of)
+    assert [ks._splits_conv_grads(n) for n in gm.graph.nodes if n.op == "call_function"
+            and n.target is nn.functional.conv2d] == [True, False, False, False, False]
+
+
 from test_torch_allocator import gpu  # noqa: E402
 
 

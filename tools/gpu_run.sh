@@ -4,7 +4,7 @@
 # only the pytest part of gpu-test, on KT_PYTEST_ARGS (paths and options; default tests/python); "data" adds
 # make bench-data, "kernels" make bench-kernels, "profile" tools/profile_train.py, "gaps"
 # tools/step_gaps.py, "optim" bench/kernels/optimizer.py, "ew" bench/kernels/elementwise.py, "lact" bench/kernels/linear_act.py, "colsum" bench/kernels/colsum.py, "pool" bench/kernels/pool.py, "losses" bench/loss_match.py (LOSS_ARGS), "copies" tools/copy_sources.py (COPY_MODELS, COPY_ARGS), "train" bench/kernels/train_models.py,
-# "ncu" Nsight Compute on the dropout kernels, "ncu_ln" on the LayerNorm ones, "ncu_optim" on the fused AdamW step, "memsets" tools/graph_memsets.py, "models" bench/models.py, "gmem" bench/graph_memory.py, "pgraph"
+# "ncu" Nsight Compute on the dropout kernels, "ncu_ln" on the LayerNorm ones, "ncu_optim" on the fused AdamW step, "memsets" tools/graph_memsets.py, "models" bench/models.py, "gmem" bench/graph_memory.py, "ab" tools/ab_env.py (AB_SETTING, AB_MODELS), "pgraph"
 # tools/profile_graph.py, "host" tools/host_replay.py, "alloc" the VMM C suites on CUDA, the allocator pytest,
 # bench/alloc_shapes.py and bench/alloc_torch.py; KT_NO_CLEAN=1 keeps
 # the last call's build). Everything is logged to $OUT/run.log; JSON results and the
@@ -121,6 +121,10 @@ if [[ $parts == *" gmem "* ]]; then   # bench/graph_memory.py (BENCH_GMEM_ARGS; 
   [ -n "${GMEM_TRACE:-}" ] && export KITSUNE_GMEM_TRACE="$OUT"
   echo "== graph memory =="; time KT_COMMIT=${KT_COMMIT:-?} KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \
     python3 bench/graph_memory.py --out "$OUT" ${BENCH_GMEM_ARGS:-} 2>&1 | grep -v -i "warn"
+fi
+if [[ $parts == *" ab "* ]]; then   # tools/ab_env.py: AB_SETTING (NAME=VALUE for side A) on AB_MODELS, interleaved
+  echo "== A/B ${AB_SETTING:?set AB_SETTING} =="; KT_COMMIT=${KT_COMMIT:-?} KITSUNE_LIBRARY=$PWD/build/libkitsune.so \
+    PYTHONPATH=$PWD/python python3 tools/ab_env.py "$AB_SETTING" --models ${AB_MODELS:-gpt} --out "$OUT" 2>&1 | grep -v -i "warn"
 fi
 if [[ $parts == *" pgraph "* ]]; then   # kernels inside the captured step (PGRAPH_MODELS), to $OUT/profile_graph.log
   echo "== profile graph =="; KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \

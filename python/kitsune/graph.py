@@ -343,8 +343,9 @@ class CompiledStep:
             except Exception:   # noqa: BLE001 - it had ended: the capture's own error is the one to raise
                 pass
             raise
-        self._n["memsets_replaced"] = _memsets_to_kernels(graph)
-        graph.instantiate()
+        with torch.cuda.device(self._side.device):   # the kernel nodes are made for the current device
+            self._n["memsets_replaced"] = _memsets_to_kernels(graph)
+            graph.instantiate()
         self.optimizer.zero_grad(set_to_none=True)
         return graph, static_loss, plan
 

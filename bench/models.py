@@ -141,6 +141,13 @@ def build(name, gen, batch=None):
 
 
 # ---- recipes: each returns step(x, y) -> loss ------------------------------------------
+def build_spec(spec, gen):
+    """build() for a model named as on the command line: "inception:16" is the inception
+    net at batch 16."""
+    name, _, batch = spec.partition(":")
+    return build(name, gen, int(batch) if batch else None)
+
+
 def eager_step(model, loss_fn, opt):
     def step(x, y):
         opt.zero_grad(set_to_none=True)
@@ -275,8 +282,7 @@ def main():
         gen = torch.Generator().manual_seed(0)
         torch.manual_seed(0)
         try:
-            model_name, _, batch = name.partition(":")   # inception:16 = the inception net at batch 16
-            base, loss_fn, data = build(model_name, gen, int(batch) if batch else None)
+            base, loss_fn, data = build_spec(name, gen)
         except Exception as e:   # noqa: BLE001 - report and go on (e.g. torchvision missing)
             print(f"{name}: cannot build: {e}", flush=True)
             rows.append({"model": name, "error": f"build: {e}"})

@@ -64,10 +64,9 @@ def main():
     print(f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}; A: {name}={value}, B: unset")
     rows = []
     for spec in a.models.split(","):
-        model, _, batch = spec.partition(":")
         gen = torch.Generator().manual_seed(0)
         torch.manual_seed(0)
-        base, loss_fn, data = models.build(model, gen, int(batch) if batch else None)
+        base, loss_fn, data = models.build_spec(spec, gen)
         steps = {"A": built(a.recipe, base, loss_fn, data, {name: value}), "B": built(a.recipe, base, loss_fn, data, {})}
         times = {"A": [], "B": []}
         for r in range(a.rounds):

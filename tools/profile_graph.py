@@ -16,9 +16,9 @@ intervals), each stream's busy time, and the idle gaps over 1 us with the operat
 either side.
 """
 import json
-import tempfile
 import os
 import sys
+import tempfile
 import time
 from collections import defaultdict
 
@@ -81,8 +81,7 @@ def warmed(name, recipe):
     where the recipe captures): (step, model, batches)."""
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
-    name, _, batch = name.partition(":")
-    model, loss_fn, data = models.build(name, gen, int(batch) if batch else None)
+    model, loss_fn, data = models.build_spec(name, gen)
     step, _ = models.make(recipe, model, loss_fn)
     for i in range(5):
         step(*data[i % len(data)])

@@ -203,7 +203,9 @@ int kt_graph_node_waits_first(const void *node);
 
 /* Replaces each memset node of graph (a captured cudaGraph_t, before it is
  * instantiated) that sets at most max_bytes with a kernel node of Kitsune's that
- * writes the same bytes, with the same edges in and out (their data kept): inside a
+ * writes the same bytes, with the same edges in and out (their data kept). The kernel
+ * nodes are made for the current device: call it with the capture's device current,
+ * for a graph whose memsets set that device's memory. Inside a
  * graph the kernel after a memset node starts microseconds later than one after a
  * kernel. *replaced (may be NULL): how many. KT_ERR_BACKEND when the CUDA runtime
  * refuses a call; the nodes replaced until then stay replaced, each whole. */

@@ -23,10 +23,9 @@ plan put a sync, ``record_stream`` on tensors used on another stream than the on
 made them). The streams run while a CUDA graph is being captured (kitsune.compile_step
 captures the whole step; autograd runs each backward op on its forward op's stream, so
 the backward is spread too; each bias-free F.conv2d, as kitsune.optimize leaves a
-Conv2d, also runs its weight gradient on a stream beside its input gradient:
-_ConvGradsApart; ``KITSUNE_CONV_GRADS=together`` keeps ATen's one-stream backward).
-Outside a capture the module runs on one stream: several
-streams in eager mode were measured slower on the H100 (ARCHITECTURE.md, Facts). When
+Conv2d, can also run its weight gradient on a stream beside its input gradient:
+_ConvGradsApart, see conv_grads_mode). Outside a capture the module runs on one stream:
+several streams in eager mode were measured slower on the H100 (ARCHITECTURE.md, Facts). When
 the plan gains less than ``min_gain``, the model comes back unchanged.
 """
 import ctypes
@@ -323,6 +322,7 @@ class _Streams:
         self.n_streams, self.n_events, self.eager = n_streams, n_events, eager
         self.per_device = {}
         self.grads = {}   # device index -> _ConvGradsApart's streams, one per plan stream
+        self.grads_apart = True   # _ConvGradsApart splits (compile_step may measure and turn it off)
         self.main = None
         self.active = False
         self.used = set()
@@ -458,8 +458,8 @@ class _ConvGradsApart(torch.autograd.Function):
                                                                  [0] * len(stride), groups, mask)
         c = _CONTEXTS.get(ctx.cid)
         here = torch.cuda.current_stream(gy.device) if gy.is_cuda else None
-        side = c.grad_stream(here) if (need_x and need_w and c is not None and here is not None and
-                                       torch.cuda.is_current_stream_capturing()) else None
+        side = c.grad_stream(here) if (need_x and need_w and c is not None and c.grads_apart and here is not None
+                                       and torch.cuda.is_current_stream_capturing()) else None
         if side is None:
             gx, gw, _ = grads([need_x, need_w, False])
             return gx, gw, None, None, None, None, None
@@ -469,6 +469,29 @@ class _ConvGradsApart(torch.autograd.Function):
         gx = grads([True, False, False])[0]
         here.wait_stream(side)
         return gx, gw, None, None, None, None, None
+
+
+_CONV_GRADS_MODES = ("auto", "apart", "together")
+
+
+def conv_grads_mode():
+    """``KITSUNE_CONV_GRADS``: how a streamed module's bias-free convolutions run their two
+    gradients inside a capture. "auto" (unset): kitsune.compile_step times its step's
+    forward and backward both ways and keeps the faster (stats()["conv_grads"]; a
+    streamed module captured by other code splits them); "apart": split, unmeasured;
+    "together": ATen's backward, both on the node's stream (the module then has no
+    _conv_grads_apart node)."""
+    mode = os.environ.get("KITSUNE_CONV_GRADS", "auto") or "auto"
+    if mode not in _CONV_GRADS_MODES:
+        raise ValueError(f"KITSUNE_CONV_GRADS must be one of {', '.join(_CONV_GRADS_MODES)} (or unset), got {mode!r}")
+    return mode
+
+
+def conv_grad_splits(module):
+    """How many of ``module``'s convolutions can run their gradients apart
+    (_conv_grads_apart nodes of a streamed module; 0 for any other module)."""
+    graph = getattr(module, "graph", None) if hasattr(module, "_kitsune_streams") else None
+    return 0 if graph is None else sum(1 for n in graph.nodes if n.target is _conv_grads_apart)
 
 
 def _conv_grads_apart(x, w, bias, stride, padding, dilation, groups, cid):
@@ -521,7 +544,7 @@ def _apply(gm, p, eager):
     _CONTEXTS[cid] = ctx
     g, env = tfx.Graph(), {}
     copy = lambda n: env.__setitem__(n, g.node_copy(n, lambda a: env[a]))
-    split = os.environ.get("KITSUNE_CONV_GRADS") != "together"   # "together": ATen's conv backward, one stream
+    split = conv_grads_mode() != "together"
     for n in old:
         if n.op in ("placeholder", "get_attr"):
             copy(n)

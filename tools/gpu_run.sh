@@ -122,9 +122,10 @@ if [[ $parts == *" gmem "* ]]; then   # bench/graph_memory.py (BENCH_GMEM_ARGS; 
   echo "== graph memory =="; time KT_COMMIT=${KT_COMMIT:-?} KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \
     python3 bench/graph_memory.py --out "$OUT" ${BENCH_GMEM_ARGS:-} 2>&1 | grep -v -i "warn"
 fi
-if [[ $parts == *" ab "* ]]; then   # tools/ab_env.py: AB_SETTING (NAME=VALUE for side A) on AB_MODELS, interleaved
-  echo "== A/B ${AB_SETTING:?set AB_SETTING} =="; KT_COMMIT=${KT_COMMIT:-?} KITSUNE_LIBRARY=$PWD/build/libkitsune.so \
-    PYTHONPATH=$PWD/python python3 tools/ab_env.py "$AB_SETTING" --models ${AB_MODELS:-gpt} --out "$OUT" 2>&1 | grep -v -i "warn"
+if [[ $parts == *" ab "* ]]; then   # tools/ab_env.py: AB_SETTING (NAME=VALUE for side A; AB_B for side B) on AB_MODELS
+  echo "== A/B ${AB_SETTING:?set AB_SETTING} ${AB_B:-} =="; KT_COMMIT=${KT_COMMIT:-?} KITSUNE_LIBRARY=$PWD/build/libkitsune.so \
+    PYTHONPATH=$PWD/python python3 tools/ab_env.py "$AB_SETTING" ${AB_B:+--b "$AB_B"} --models ${AB_MODELS:-gpt} \
+    --out "$OUT" 2>&1 | grep -v -i "warn"
 fi
 if [[ $parts == *" pgraph "* ]]; then   # kernels inside the captured step (PGRAPH_MODELS), to $OUT/profile_graph.log
   echo "== profile graph =="; KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \

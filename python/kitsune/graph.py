@@ -52,6 +52,14 @@ The plan's costs are the roofline's (``stream_costs=None``) or, with
 ``stream_costs="measured"``, each operation's time measured on the first batch
 (``kitsune.sched.measure_costs``: the forward run operation by operation, a few times,
 without autograd; buffers and random generators put back).
+In a streamed model each bias-free convolution (kitsune.optimize splits a Conv2d's
+bias off) can run its weight gradient on a stream beside its input gradient. That
+shortened the branchy net's step at batch 8 and lengthened it at batch 32, where the
+plan's streams already fill the GPU, so the first capture decides by measurement: it
+captures the forward and backward alone both ways, times their replays, puts the
+buffers and the CUDA generator back, and keeps the split only when it is at least 1%
+faster. ``stats()["conv_grads"]`` gives both times and the choice;
+``KITSUNE_CONV_GRADS=apart`` or ``=together`` decides without measuring.
 
 Layout: a model at least half of whose Conv2d layers have channel counts (in and out,
 per group) that are multiples of 8 is captured on channels-last copies of its 4-D
@@ -181,6 +189,7 @@ class CompiledStep:
         else:
             self._cl, self._cl_reason = channels_last, "asked" if channels_last else "off"
         self._captured = None   # the model as captured: with its plan's streams (kitsune.sched.streamed)
+        self._conv_grads = None   # how its convolutions' gradients run (_choose_conv_grads)
         self._stream_info = {"streams": 1, "streams_reason": "not planned yet"}
         # load_state_dict replaces the optimizer's state tensors, which the graphs hold
         ref = weakref.ref(self)
@@ -293,12 +302,15 @@ class CompiledStep:
         args = list(batch)
         for s, i in zip(static, slots):
             args[i] = s
-        if self._captured is None:
+        planned = self._captured is None
+        if planned:
             self._captured = self._plan_streams(args, device)
         self.optimizer.prepare_capture(device)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         try:
+            if planned:
+                self._choose_conv_grads(args)
             if self._plan_memory:
                 graph, static_loss, plan = self._capture_planned(args, device)
             else:
@@ -319,20 +331,22 @@ class CompiledStep:
         self._setup_s += time.perf_counter() - t0
         return loss
 
-    def _capture(self, args, pool):
+    def _capture(self, args, pool, update=True):
         """One capture of the step into ``pool``, on the side stream the warm-up ran on
         (its cuBLAS workspaces exist, so none is allocated in the pool). Returns the
         graph, its loss and the optimizer's capture plan; the gradients are dropped
-        after it (they stay in the pool, the graph's)."""
+        after it (they stay in the pool, the graph's). ``update=False``: the forward
+        and backward alone, no optimizer (plan None; _choose_conv_grads' trials)."""
         self.optimizer.zero_grad(set_to_none=True)
         graph = torch.cuda.CUDAGraph(keep_graph=True)   # instantiated below, after _memsets_to_kernels
-        ib = None
+        ib = plan = None
         try:
             with self._capturing(graph, pool):
-                ib = self._in_backward()
+                ib = self._in_backward() if update else None
                 static_loss = self._forward_backward(tuple(args), self._captured)
-                plan = ib.finish() if ib is not None else self.optimizer.capture_step()
-                self._ib_launches = ib.launches if ib is not None else 0
+                if update:
+                    plan = ib.finish() if ib is not None else self.optimizer.capture_step()
+                    self._ib_launches = ib.launches if ib is not None else 0
         except BaseException:
             if ib is not None:
                 ib.close()
@@ -349,6 +363,62 @@ class CompiledStep:
             graph.instantiate()
         self.optimizer.zero_grad(set_to_none=True)
         return graph, static_loss, plan
+
+    def _choose_conv_grads(self, args):
+        """Whether the captured model's bias-free convolutions run their weight gradient
+        beside their input gradient (kitsune.sched._ConvGradsApart): with
+        KITSUNE_CONV_GRADS unset, measured. The forward and backward alone are captured
+        each way into a pool of their own, replayed 3 times, then timed as the best of
+        3 runs of 10 replays (CUDA events on the capture stream), and dropped before
+        the next; the model's buffers and the CUDA generator are put back after. The
+        split is kept when it is at least 1% faster (below that, the times are within
+        what repeated runs of one graph differ by)."""
+        from . import sched
+        n = sched.conv_grad_splits(self._captured)
+        if n == 0:
+            return
+        mode, ctx = sched.conv_grads_mode(), self._captured._kitsune_streams
+        if mode != "auto":
+            ctx.grads_apart = mode == "apart"
+            self._conv_grads = {"convs": n, "apart": ctx.grads_apart, "how": mode}
+            return
+        device = self._side.device
+        buffers = list(self.model.buffers())
+        saved, rng = [b.detach().clone() for b in buffers], torch.cuda.get_rng_state(device)
+        ms = {}
+        try:
+            for apart in (False, True):
+                ctx.grads_apart = apart
+                ms[apart] = self._time_trial(args)
+        finally:
+            with torch.no_grad():
+                for b, v in zip(buffers, saved):
+                    b.copy_(v)
+            torch.cuda.set_rng_state(rng, device)
+            ctx.grads_apart = False
+        ctx.grads_apart = ms[True] < 0.99 * ms[False]
+        self._conv_grads = {"convs": n, "apart": ctx.grads_apart, "how": "measured", "apart_ms": ms[True],
+                            "together_ms": ms[False]}
+
+    def _time_trial(self, args):
+        """ms per replay of the forward and backward captured as the model now stands
+        (see _choose_conv_grads)."""
+        graph = self._capture(args, torch.cuda.graph_pool_handle(), update=False)[0]
+        torch.cuda.synchronize(self._side.device)   # the static inputs were copied on the caller's stream
+        best = float("inf")
+        with torch.cuda.stream(self._side):
+            for _ in range(3):
+                graph.replay()
+            for _ in range(3):
+                t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                t0.record()
+                for _ in range(10):
+                    graph.replay()
+                t1.record()
+                t1.synchronize()
+                best = min(best, t0.elapsed_time(t1) / 10)
+        del graph   # its pool goes back to the device's pool
+        return best
 
     def _in_backward(self):
         """The optimizer's update, inside the capture, overlapping the backward
@@ -506,13 +576,17 @@ class CompiledStep:
         step traced (fused_loss) with why any others did not (fused_loss_left), and
         how many optimizer launches the last capture made during the backward
         (optimizer_in_backward), and how many memset nodes of the last capture became
-        kernel nodes (memsets_replaced)."""
+        kernel nodes (memsets_replaced), and whether the convolutions' two gradients
+        run apart (conv_grads: None when the model has no such convolution; else their
+        count, the choice, how it was made and, when measured, the forward and backward's
+        time each way)."""
         return dict(self._n, graphs=len(self._graphs), setup_s=self._setup_s, reason=self._reason, **self._stream_info,
                     channels_last=self._cl, channels_last_reason=self._cl_reason,
                     memory_plan=dict(self._memory) if self._memory else None,
                     blas_workspaces=dict(self._blas) if self._blas else None,
                     fused_loss=self._loss_info["fused_loss"], fused_loss_left=list(self._loss_info["fused_loss_left"]),
-                    optimizer_in_backward=self._ib_launches)
+                    optimizer_in_backward=self._ib_launches,
+                    conv_grads=dict(self._conv_grads) if self._conv_grads else None)
 
 
 # compile_step's capture streams: device index -> (the stream, its partner: the

@@ -22,11 +22,14 @@ model's graph with stream ops inserted (``torch.ops.kitsune.stream_fork``,
 plan put a sync, ``record_stream`` on tensors used on another stream than the one that
 made them). The streams run while a CUDA graph is being captured (kitsune.compile_step
 captures the whole step; autograd runs each backward op on its forward op's stream, so
-the backward is spread too). Outside a capture the module runs on one stream: several
-streams in eager mode were measured slower on the H100 (ARCHITECTURE.md, Facts). When
+the backward is spread too; each bias-free F.conv2d, as kitsune.optimize leaves a
+Conv2d, can also run its weight gradient on a stream beside its input gradient:
+_ConvGradsApart, see conv_grads_mode). Outside a capture the module runs on one stream:
+several streams in eager mode were measured slower on the H100 (ARCHITECTURE.md, Facts). When
 the plan gains less than ``min_gain``, the model comes back unchanged.
 """
 import ctypes
+import os
 import sys
 import weakref
 from dataclasses import dataclass, field
@@ -318,6 +321,8 @@ class _Streams:
     def __init__(self, n_streams, n_events, eager):
         self.n_streams, self.n_events, self.eager = n_streams, n_events, eager
         self.per_device = {}
+        self.grads = {}   # device index -> _ConvGradsApart's streams, one per plan stream
+        self.grads_apart = True   # _ConvGradsApart splits (compile_step may measure and turn it off)
         self.main = None
         self.active = False
         self.used = set()
@@ -338,6 +343,7 @@ class _Streams:
             here = torch.cuda.current_stream()
             for e in events:
                 e.record(here)
+            self.grads[device.index] = [torch.cuda.Stream() for _ in range(self.n_streams)]   # _ConvGradsApart's
         self.per_device[device.index] = (sides, events)
 
     def begin(self, device):
@@ -354,6 +360,19 @@ class _Streams:
 
     def stream(self, k):
         return self.main if k == 0 else self.sides[k - 1]
+
+    def grad_stream(self, here):
+        """The stream a convolution's weight gradient runs on beside its input gradient
+        on `here` (_ConvGradsApart): one for each of the plan's streams, so that the
+        branches' gradients stay as parallel as their forwards (made by prepare, before
+        a capture; used by nothing else). None when `here` is none of the plan's streams."""
+        if self.main is None or here.device.index not in self.per_device:
+            return None
+        sides, _ = self.per_device[here.device.index]
+        for k, s in enumerate([self.main] + sides):
+            if s.cuda_stream == here.cuda_stream:
+                return self.grads[here.device.index][k]
+        return None
 
 
 # id -> _Streams, for the ops below (their schemas take ints); a context lives as long
@@ -409,6 +428,92 @@ def _register_ops():
         _LIB.impl(name, fn, "CompositeExplicitAutograd")
 
 
+class _ConvGradsApart(torch.autograd.Function):
+    """F.conv2d (no bias) whose backward, inside a capture of a streamed module, runs the
+    weight gradient on a stream of its own beside the input gradient on the node's
+    stream, then joins: the node takes about max(dgrad, wgrad) instead of their sum (the
+    branchy net's 3x3 and 5x5 convolutions at batch 8: input gradients 18 to 30 us,
+    weight gradients 32 to 46 us, one after the other on one stream; H100,
+    bench/results/h100_timeline_gpt_inception8_18b9e89.log). Where the plan's streams
+    already fill the GPU the two slow each other down (the branchy net's step at batch
+    32: 1.947 ms apart, 1.907 together; ab_conv_grads_6d3534f.json), so the split is
+    switched per module (_Streams.grads_apart), and compile_step measures which way
+    its step runs faster (graph.CompiledStep._choose_conv_grads). The two read the same
+    inputs and write separate outputs. Nothing leaves the node unjoined, so autograd's
+    stream bookkeeping (both gradients ready on the node's stream) holds. Memory: gy
+    and x are freed after the join, into their own stream's blocks; the weight gradient,
+    allocated on the side stream, is held as the parameter's gradient for the rest of
+    the capture; the cuDNN workspace the side stream takes is used by its own kernel
+    only, and the side stream's next work comes after a wait on the node's stream.
+    Elsewhere (no capture, CPU) ATen's backward as usual."""
+
+    @staticmethod
+    def forward(ctx, x, w, stride, padding, dilation, groups, cid):
+        ctx.save_for_backward(x, w)
+        ctx.conf, ctx.cid = (stride, padding, dilation, groups), cid
+        return torch.nn.functional.conv2d(x, w, None, stride, padding, dilation, groups)
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, w = ctx.saved_tensors
+        stride, padding, dilation, groups = ctx.conf
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grads = lambda mask: torch.ops.aten.convolution_backward(gy, x, w, None, stride, padding, dilation, False,
+                                                                 [0] * len(stride), groups, mask)
+        c = _CONTEXTS.get(ctx.cid)
+        here = torch.cuda.current_stream(gy.device) if gy.is_cuda else None
+        side = c.grad_stream(here) if (need_x and need_w and c is not None and c.grads_apart and here is not None
+                                       and torch.cuda.is_current_stream_capturing()) else None
+        if side is None:
+            gx, gw, _ = grads([need_x, need_w, False])
+            return gx, gw, None, None, None, None, None
+        side.wait_stream(here)
+        with torch.cuda.stream(side):
+            gw = grads([False, True, False])[1]
+        gx = grads([True, False, False])[0]
+        here.wait_stream(side)
+        return gx, gw, None, None, None, None, None
+
+
+_CONV_GRADS_MODES = ("auto", "apart", "together")
+
+
+def conv_grads_mode():
+    """``KITSUNE_CONV_GRADS``: how a streamed module's bias-free convolutions run their two
+    gradients inside a capture. "auto" (unset): kitsune.compile_step times its step's
+    forward and backward both ways and keeps the faster (stats()["conv_grads"]; a
+    streamed module captured by other code splits them); "apart": split, unmeasured;
+    "together": ATen's backward, both on the node's stream (the module then has no
+    _conv_grads_apart node)."""
+    mode = os.environ.get("KITSUNE_CONV_GRADS", "auto") or "auto"
+    if mode not in _CONV_GRADS_MODES:
+        raise ValueError(f"KITSUNE_CONV_GRADS must be one of {', '.join(_CONV_GRADS_MODES)} (or unset), got {mode!r}")
+    return mode
+
+
+def conv_grad_splits(module):
+    """How many of ``module``'s convolutions can run their gradients apart
+    (_conv_grads_apart nodes of a streamed module; 0 for any other module)."""
+    graph = getattr(module, "graph", None) if hasattr(module, "_kitsune_streams") else None
+    return 0 if graph is None else sum(1 for n in graph.nodes if n.target is _conv_grads_apart)
+
+
+def _conv_grads_apart(x, w, bias, stride, padding, dilation, groups, cid):
+    """The call a streamed graph makes for F.conv2d(x, w, None, ...) (see _ConvGradsApart)."""
+    return _ConvGradsApart.apply(x, w, stride, padding, dilation, groups, cid)
+
+
+def _splits_conv_grads(n):
+    """An F.conv2d node without a bias whose stride, padding and dilation are int pairs
+    (not padding="same"), as kitsune.optimize leaves a Conv2d with its bias split off."""
+    if n.op != "call_function" or n.target is not torch.nn.functional.conv2d or len(n.args) != 7:
+        return False
+    bias, stride, padding, dilation = n.args[2:6]
+    pairs = all(isinstance(v, tuple) and len(v) == 2 and all(isinstance(i, int) for i in v)
+                for v in (stride, padding, dilation))
+    return bias is None and pairs and isinstance(n.args[6], int) and not n.kwargs
+
+
 def streamed(model, *example_inputs, streams=4, roofline=None, min_gain=1.05, eager=False, costs=None):
     """``(module, plan)``: ``model``'s forward with the plan's streams applied (see the
     module docstring), or ``model`` itself when the plan keeps one stream. ``eager=True``
@@ -443,6 +548,7 @@ def _apply(gm, p, eager):
     _CONTEXTS[cid] = ctx
     g, env = tfx.Graph(), {}
     copy = lambda n: env.__setitem__(n, g.node_copy(n, lambda a: env[a]))
+    split = conv_grads_mode() != "together"
     for n in old:
         if n.op in ("placeholder", "get_attr"):
             copy(n)
@@ -457,7 +563,12 @@ def _apply(gm, p, eager):
         if s != current or waits or cross:
             g.call_function(ops.stream_switch, (cross, cid, s, waits))
             current = s
-        copy(n)
+        if split and _splits_conv_grads(n):
+            env[n] = g.call_function(_conv_grads_apart, tuple(env[a] if isinstance(a, tfx.Node) else a
+                                                              for a in n.args) + (cid,))
+            env[n].meta = dict(n.meta)
+        else:
+            copy(n)
         if name in event_of:
             g.call_function(ops.stream_record, (cid, event_of[name]))
     out = next(n for n in old if n.op == "output")

@@ -206,6 +206,60 @@ def test_compile_step_refuses_bad_stream_counts():
             kitsune.compile_step(m, nn.functional.mse_loss, opt, streams=bad)
 
 
+def test_streamed_splits_each_bias_free_conv2d_s_gradients_and_computes_the_same():
+    """In a streamed graph each F.conv2d without a bias and with int-pair stride, padding
+    and dilation (kitsune.optimize's split of a Conv2d) becomes _conv_grads_apart:
+    inside a capture its input and weight gradients run on two streams (on the GPU the
+    compile_step tests train with it); on the CPU the outputs and every gradient are the
+    model's. A conv with a bias, padding="same" or other arguments stays as it is."""
+    torch.manual_seed(0)
+    m = kitsune.optimize(Inception())
+    x = torch.randn(4, 32, 8, 8)
+    sm, plan = ks.streamed(m, x, streams=4)
+    assert plan.streams_used == 4
+    convs = [n for n in m.graph.nodes if n.target is nn.functional.conv2d]
+    apart = [n for n in sm.graph.nodes if n.target is ks._conv_grads_apart]
+    assert len(convs) == 6 and len(apart) == len(convs), (len(convs), len(apart))
+    assert not [n for n in sm.graph.nodes if n.target is nn.functional.conv2d]
+
+    def run(mod):
+        for p in m.parameters():
+            p.grad = None
+        xi = x.clone().requires_grad_()
+        y = mod(xi)
+        y.square().sum().backward()
+        return [y.detach(), xi.grad] + [p.grad.clone() for p in m.parameters()]
+    for a, b in zip(run(m), run(sm)):   # x's gradient sums the branches in the plan's order
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+    def convs_of(x, w, b):
+        F = nn.functional
+        return (F.conv2d(x, w, None, (1, 1), (1, 1), (1, 1), 1), F.conv2d(x, w, b, (1, 1), (1, 1), (1, 1), 1),
+                F.conv2d(x, w, None, (1, 1), "same", (1, 1), 1), F.conv2d(x, w, None, 1, 1, 1, 1), F.conv2d(x, w))
+    gm = torch.fx.symbolic_trace(convs_of)
+    assert [ks._splits_conv_grads(n) for n in gm.graph.nodes if n.op == "call_function"
+            and n.target is nn.functional.conv2d] == [True, False, False, False, False]
+
+
+def test_conv_grads_mode_is_read_from_the_environment_and_together_splits_nothing(monkeypatch):
+    """KITSUNE_CONV_GRADS: unset or "" is auto, a bad value names itself and the
+    choices, and "together" leaves the convolutions as F.conv2d (no node to split)."""
+    m = kitsune.optimize(Inception())
+    x = torch.randn(4, 32, 8, 8)
+    monkeypatch.delenv("KITSUNE_CONV_GRADS", raising=False)
+    assert ks.conv_grads_mode() == "auto"
+    sm, _ = ks.streamed(m, x, streams=4)
+    assert ks.conv_grad_splits(sm) == 6 and sm._kitsune_streams.grads_apart
+    assert ks.conv_grad_splits(m) == 0   # not a streamed module
+    monkeypatch.setenv("KITSUNE_CONV_GRADS", "sideways")
+    with pytest.raises(ValueError, match="KITSUNE_CONV_GRADS must be one of auto, apart, together.*'sideways'"):
+        ks.conv_grads_mode()
+    monkeypatch.setenv("KITSUNE_CONV_GRADS", "together")
+    sm, plan = ks.streamed(m, x, streams=4)
+    assert plan.streams_used == 4 and ks.conv_grad_splits(sm) == 0
+    assert len([n for n in sm.graph.nodes if n.target is nn.functional.conv2d]) == 6
+
+
 # ---- on the GPU -----------------------------------------------------------------------------
 from test_torch_allocator import gpu  # noqa: E402
 
@@ -297,3 +351,53 @@ def test_gpu_compile_step_spreads_a_branchy_net_and_trains_as_on_one_stream():
     torch.testing.assert_close(losses[4, False, None], losses[1, False, None], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(losses[4, True, None], losses[1, False, None], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(losses[4, True, "measured"], losses[1, False, None], rtol=1e-4, atol=1e-5)
+
+
+class _BranchyBN(nn.Module):
+    """A stem, an Inception block, BatchNorm and dropout: buffers and the CUDA generator
+    that a step changes."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 32, 3, padding=1)
+        self.block = Inception()
+        self.bn = nn.BatchNorm2d(128)
+        self.drop = nn.Dropout(0.5)
+        self.fc = nn.Linear(128, 10)
+
+    def forward(self, x):
+        return self.fc(self.drop(torch.relu(self.bn(self.block(torch.relu(self.stem(x))))).mean((2, 3))))
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_compile_step_measures_the_conv_gradient_split_and_puts_the_model_back(monkeypatch):
+    """With KITSUNE_CONV_GRADS unset the first capture times the forward and backward with
+    the convolutions' gradients together and apart (replaying each 33 times) and keeps
+    the faster; the BatchNorm statistics and the generator are put back after, so the
+    losses (dropout included) and the statistics equal those of steps told "together"
+    or "apart", which measure nothing."""
+    torch.manual_seed(0)
+    torch.backends.cudnn.deterministic = True
+    base = _BranchyBN().cuda()
+    batches = [(torch.randn(16, 3, 16, 16, device="cuda"), torch.randint(0, 10, (16,), device="cuda"))
+               for _ in range(3)]
+    runs = {}
+    for mode in ("together", "apart", ""):
+        monkeypatch.setenv("KITSUNE_CONV_GRADS", mode)
+        m = kitsune.optimize(copy.deepcopy(base))
+        step = kitsune.compile_step(m, nn.functional.cross_entropy, torch.optim.AdamW(m.parameters(), lr=1e-3))
+        torch.manual_seed(1)   # the dropout masks: the same generator state at each first step
+        losses = torch.stack([step(*batches[i % 3]) for i in range(6)]).cpu()
+        st = step.stats()
+        assert st["reason"] is None and st["replays"] == 5 and st["streams"] > 1, st
+        runs[mode] = (losses, [b.detach().clone() for b in m.buffers()], st["conv_grads"])
+    for mode in ("apart", ""):
+        torch.testing.assert_close(runs[mode][0], runs["together"][0], rtol=1e-4, atol=1e-5)
+        for a, b in zip(runs[mode][1], runs["together"][1]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)   # num_batches_tracked: exactly 6
+    assert runs["together"][2] is None   # no convolution to split
+    assert runs["apart"][2] == {"convs": 7, "apart": True, "how": "apart"}, runs["apart"][2]
+    auto = runs[""][2]
+    assert auto["convs"] == 7 and auto["how"] == "measured" and auto["apart_ms"] > 0 and auto["together_ms"] > 0
+    assert auto["apart"] == (auto["apart_ms"] < 0.99 * auto["together_ms"]), auto

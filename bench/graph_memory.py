@@ -2,6 +2,8 @@
 
     python bench/graph_memory.py [--out DIR] [--models mlp,lenet,resnet18,gpt,inception] [--steps N]
 
+(a model may name its batch size, as in bench/models.py: inception:8)
+
 For each model of bench/models.py (same builders, batches and AdamW), kitsune.optimize
 + KitsuneOptimizer, in a fresh process per configuration:
   native        PyTorch's caching allocator; compile_step's graph in PyTorch's graph pool
@@ -71,11 +73,11 @@ def child(model_name, config, steps):
     sys.path.insert(0, HERE)
     sys.path.insert(0, os.path.join(HERE, "kernels"))
     import kitsune
-    from models import build
+    from models import build_spec
 
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
-    base, loss_fn, data = build(model_name, gen)
+    base, loss_fn, data = build_spec(model_name, gen)
     model = kitsune.optimize(base)
     opt = kitsune.KitsuneOptimizer(torch.optim.AdamW, model.parameters(), lr=1e-3)
 

@@ -449,6 +449,11 @@ class _ConvGradsApart(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, stride, padding, dilation, groups, cid):
+        ctx.dtypes = (x.dtype, w.dtype)
+        kind = x.device.type
+        if torch.is_autocast_enabled(kind):   # cast as autocast casts F.conv2d's inputs: the backward then
+            dt = torch.get_autocast_dtype(kind)   # computes in that dtype as autocast's conv backward does
+            x, w = (t.to(dt) if t.is_floating_point() and t.dtype != torch.float64 else t for t in (x, w))
         ctx.save_for_backward(x, w)
         ctx.conf, ctx.cid = (stride, padding, dilation, groups), cid
         return torch.nn.functional.conv2d(x, w, None, stride, padding, dilation, groups)
@@ -466,12 +471,14 @@ class _ConvGradsApart(torch.autograd.Function):
                                        and torch.cuda.is_current_stream_capturing()) else None
         if side is None:
             gx, gw, _ = grads([need_x, need_w, False])
-            return gx, gw, None, None, None, None, None
-        side.wait_stream(here)
-        with torch.cuda.stream(side):
-            gw = grads([False, True, False])[1]
-        gx = grads([True, False, False])[0]
-        here.wait_stream(side)
+        else:
+            side.wait_stream(here)
+            with torch.cuda.stream(side):
+                gw = grads([False, True, False])[1]
+            gx = grads([True, False, False])[0]
+            here.wait_stream(side)
+        # under autocast: back to the inputs' dtypes, as the backward of autocast's casts does
+        gx, gw = (g.to(dt) if g is not None and g.dtype != dt else g for g, dt in zip((gx, gw), ctx.dtypes))
         return gx, gw, None, None, None, None, None
 
 

@@ -211,7 +211,8 @@ def test_streamed_splits_each_bias_free_conv2d_s_gradients_and_computes_the_same
     and dilation (kitsune.optimize's split of a Conv2d) becomes _conv_grads_apart:
     inside a capture its input and weight gradients run on two streams (on the GPU the
     compile_step tests train with it); on the CPU the outputs and every gradient are the
-    model's. A conv with a bias, padding="same" or other arguments stays as it is."""
+    model's, with and without bf16 autocast. A conv with a bias, padding="same" or other
+    arguments stays as it is."""
     torch.manual_seed(0)
     m = kitsune.optimize(Inception())
     x = torch.randn(4, 32, 8, 8)
@@ -222,15 +223,18 @@ def test_streamed_splits_each_bias_free_conv2d_s_gradients_and_computes_the_same
     assert len(convs) == 6 and len(apart) == len(convs), (len(convs), len(apart))
     assert not [n for n in sm.graph.nodes if n.target is nn.functional.conv2d]
 
-    def run(mod):
+    def run(mod, amp):
         for p in m.parameters():
             p.grad = None
         xi = x.clone().requires_grad_()
-        y = mod(xi)
-        y.square().sum().backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            y = mod(xi)
+        y.float().square().sum().backward()
         return [y.detach(), xi.grad] + [p.grad.clone() for p in m.parameters()]
-    for a, b in zip(run(m), run(sm)):   # x's gradient sums the branches in the plan's order
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for amp in (False, True):   # under autocast the convolutions compute in bf16, the gradients come back fp32
+        for a, b in zip(run(m, amp), run(sm, amp)):   # x's gradient sums the branches in the plan's order
+            assert a.dtype == b.dtype, (amp, a.dtype, b.dtype)
+            torch.testing.assert_close(a, b, rtol=1e-5 if not amp else 1e-2, atol=1e-5 if not amp else 1e-2)
 
     def convs_of(x, w, b):
         F = nn.functional
@@ -401,3 +405,28 @@ def test_gpu_compile_step_measures_the_conv_gradient_split_and_puts_the_model_ba
     auto = runs[""][2]
     assert auto["convs"] == 7 and auto["how"] == "measured" and auto["apart_ms"] > 0 and auto["together_ms"] > 0
     assert auto["apart"] == (auto["apart_ms"] < 0.99 * auto["together_ms"]), auto
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_conv_gradients_apart_under_bf16_autocast(monkeypatch):
+    """Under compile_step's bf16 autocast a split convolution computes both gradients in
+    bf16 from bf16 copies, as autocast's own conv does, and hands fp32 gradients to the
+    fp32 weights: the step captures, and trains as with the gradients together."""
+    torch.manual_seed(0)
+    base = _BranchyBN().cuda()
+    batches = [(torch.randn(16, 3, 16, 16, device="cuda"), torch.randint(0, 10, (16,), device="cuda"))
+               for _ in range(3)]
+    losses = {}
+    for mode in ("together", "apart"):
+        monkeypatch.setenv("KITSUNE_CONV_GRADS", mode)
+        m = kitsune.optimize(copy.deepcopy(base))
+        step = kitsune.compile_step(m, nn.functional.cross_entropy, torch.optim.AdamW(m.parameters(), lr=1e-3),
+                                    autocast_dtype=torch.bfloat16)
+        torch.manual_seed(1)
+        losses[mode] = torch.stack([step(*batches[i % 3]) for i in range(6)]).float().cpu()
+        st = step.stats()
+        assert st["reason"] is None and st["replays"] == 5 and st["streams"] > 1, st
+        assert (st["conv_grads"] or {}).get("apart", False) == (mode == "apart"), st["conv_grads"]
+        assert all(p.dtype == torch.float32 for p in m.parameters())
+    torch.testing.assert_close(losses["apart"], losses["together"], rtol=2e-2, atol=2e-2)   # bf16 sums in other orders

@@ -54,9 +54,9 @@ The plan's costs are the roofline's (``stream_costs=None``) or, with
 without autograd; buffers and random generators put back).
 In a streamed model each bias-free convolution (kitsune.optimize splits a Conv2d's
 bias off) can run its weight gradient on a stream beside its input gradient. On the
-H100 that made the branchy net's step at batch 32 2% slower (the plan's streams
-already fill the GPU) and at batch 8 from 8% faster to 4% slower, from one run to
-another, so the first capture decides by measurement: it captures the forward and
+H100 that made the branchy net's step at batch 64 2% slower (the plan's streams
+already fill the GPU); at batch 8 the step ran 8% faster in one run and the forward
+and backward 4% slower in another. So the first capture decides by measurement: it captures the forward and
 backward alone both ways, times their replays, puts the buffers and the CUDA
 generator back, and keeps the split only when it is at least 1% faster. ``stats()["conv_grads"]`` gives both times and the choice;
 ``KITSUNE_CONV_GRADS=apart`` or ``=together`` decides without measuring.

@@ -436,7 +436,7 @@ class _ConvGradsApart(torch.autograd.Function):
     weight gradients 32 to 46 us, one after the other on one stream; H100,
     bench/results/h100_timeline_gpt_inception8_18b9e89.log). Where the plan's streams
     already fill the GPU the two slow each other down (the branchy net's step at batch
-    32: 1.947 ms apart, 1.907 together; ab_conv_grads_6d3534f.json), so the split is
+    64: 1.947 ms apart, 1.907 together; ab_conv_grads_6d3534f.json), so the split is
     switched per module (_Streams.grads_apart), and compile_step measures which way
     its step runs faster (graph.CompiledStep._choose_conv_grads). The two read the same
     inputs and write separate outputs. Nothing leaves the node unjoined, so autograd's

@@ -405,6 +405,10 @@ def test_gpu_compile_step_measures_the_conv_gradient_split_and_puts_the_model_ba
     auto = runs[""][2]
     assert auto["convs"] == 7 and auto["how"] == "measured" and auto["apart_ms"] > 0 and auto["together_ms"] > 0
     assert auto["apart"] == (auto["apart_ms"] < 0.99 * auto["together_ms"]), auto
+    # a second batch shape is captured with the choice made: no trial again, and trials are no captures
+    step(torch.randn(8, 3, 16, 16, device="cuda"), torch.randint(0, 10, (8,), device="cuda"))
+    st = step.stats()
+    assert st["reason"] is None and st["captures"] == 2 and st["graphs"] == 2 and st["conv_grads"] == auto, st
 
 
 @pytest.mark.gpu

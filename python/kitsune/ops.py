@@ -402,6 +402,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if torch.is_grad_enabled():   # create_graph=True: the formed gradients would be constants to autograd
+            raise RuntimeError("kitsune.linear_cross_entropy has no double backward: its gradients are formed in "
+                               "the forward, so a backward with create_graph=True would treat them as constants. "
+                               "For higher-order gradients use F.cross_entropy(F.linear(x, weight, bias), target)")
         gx, gw, gb = ctx.saved_tensors
         return gx * grad, gw * grad, None, (gb * grad if ctx.has_bias else None), None, None, None
 

@@ -443,6 +443,26 @@ def test_cross_entropy_forms_the_gradient_in_the_forward_and_keeps_no_logits():
         torch.testing.assert_close(ko.cross_entropy(h @ w, torch.arange(6)), F.cross_entropy(h @ w, torch.arange(6)))
 
 
+def test_cross_entropy_refuses_a_double_backward_instead_of_a_wrong_one():
+    """The gradient formed in the forward is a constant to autograd: a backward with
+    create_graph=True (a gradient penalty, say) would drop its derivative with respect
+    to the logits. cross_entropy and linear_cross_entropy raise, naming F.cross_entropy
+    as the way; a plain backward and a retained graph still work."""
+    h, w = torch.randn(6, 5, dtype=torch.float64), torch.randn(5, 11, dtype=torch.float64, requires_grad=True)
+    t = torch.arange(6)
+    loss = ko.cross_entropy(h @ w, t)
+    with pytest.raises(RuntimeError, match="no double backward.*create_graph=True.*F.cross_entropy"):
+        torch.autograd.grad(loss, w, create_graph=True)
+    with pytest.raises(RuntimeError, match="linear_cross_entropy has no double backward.*create_graph=True"):
+        torch.autograd.grad(ko.linear_cross_entropy(h, w.t(), t), w, create_graph=True)
+    loss = ko.cross_entropy(h @ w, t)
+    g1, = torch.autograd.grad(loss, w, retain_graph=True)
+    g2, = torch.autograd.grad(loss, w)
+    ref, = torch.autograd.grad(F.cross_entropy(h @ w, t), w)
+    torch.testing.assert_close(g1, ref)
+    torch.testing.assert_close(g2, ref)
+
+
 def test_cross_entropy_rescale_scales_in_place():
     g = torch.tensor([1.0, -2.0, 0.5], dtype=torch.bfloat16)
     torch.ops.kitsune.cross_entropy_rescale_(g, torch.tensor(1.0))

@@ -3904,6 +3904,13 @@ struct CrossEntropyFn : torch::autograd::Function<CrossEntropyFn> {
         "kitsune::cross_entropy_backward");
     static auto rescale = op_handle<void(const Tensor&, const Tensor&)>("kitsune::cross_entropy_rescale_");
     auto s = ctx->get_saved_variables();
+    // A backward that builds a graph (create_graph=True: grad mode is on here) would
+    // differentiate a gradient formed in the forward as a constant: its second
+    // derivative with respect to the logits would come out silently missing.
+    TORCH_CHECK(s.size() == 2 || !at::GradMode::is_enabled(),
+                "kitsune.cross_entropy has no double backward: its gradient is formed in the forward, so a backward "
+                "with create_graph=True would treat it as a constant. For higher-order gradients use "
+                "F.cross_entropy (compile_step(..., fuse_loss=False); outside kitsune.optimize's model)");
     Tensor grad;
     if (s.size() == 2) {   // logits and target: the loss alone was formed
       grad = op.call(go[0], s[0], s[1], ctx->saved_data["ignore"].toInt(), ctx->saved_data["smoothing"].toDouble());

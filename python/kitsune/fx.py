@@ -325,9 +325,11 @@ class FusedLoss(torch.overrides.TorchFunctionMode):
     """Inside it, F.cross_entropy runs as kitsune.cross_entropy wherever that op covers
     the call: 2-D logits (float32, float16 or bfloat16) and int64 targets on one of
     ``devices`` (default CUDA only: on the CPU kitsune.cross_entropy is a reference
-    implementation, no faster), reduction "mean", no class weights, autocast off (under
-    autocast F.cross_entropy returns a float32 loss; kitsune.cross_entropy's is the
-    logits' dtype). Other calls run as they are. compile_step runs its loss function in
+    implementation, no faster), reduction "mean", no class weights; under autocast too
+    (the loss float32 as F.cross_entropy's, bf16 logits read as they are rather than
+    copied to float32), but not on float16 logits there: fp16 autocast comes with loss
+    scaling, and a gradient formed in float16 before the scale would lose small values
+    that F.cross_entropy's float32 gradient keeps. Other calls run as they are. compile_step runs its loss function in
     one (fuse_loss=True), since the loss is outside the model that kitsune.optimize
     rewrites.
 
@@ -347,8 +349,9 @@ class FusedLoss(torch.overrides.TorchFunctionMode):
         dev = ce["input"].device.type
         if dev not in self.devices:
             return f"cross_entropy on {dev} (fused on {', '.join(self.devices)})"
-        if torch.is_autocast_enabled(dev):
-            return "cross_entropy under autocast (its loss is float32; kitsune.cross_entropy's the logits' dtype)"
+        if ce["input"].dtype == torch.float16 and torch.is_autocast_enabled(dev):
+            return ("cross_entropy on float16 logits under autocast (their gradient, formed in float16 before a "
+                    "loss scale multiplies it, would lose the small values the scale is there to keep)")
         return None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):

@@ -86,8 +86,8 @@ allocations were ``placed`` or ``refused``. The graphs of one compile_step share
 
 Loss (``fuse_loss=True``, the default): the loss function runs in a
 kitsune.fx.FusedLoss mode, so its F.cross_entropy calls run as kitsune.cross_entropy
-where that op covers them (2-D logits, int64 targets, mean, no class weights, no
-autocast): the log-softmax is never stored, and the forward writes the logits'
+where that op covers them (2-D logits, int64 targets, mean, no class weights; under
+autocast not on float16 logits, and with a float32 loss): the log-softmax is never stored, and the forward writes the logits'
 gradient in the same pass as the loss (the backward only scales it).
 ``stats()["fused_loss"]`` counts them and ``["fused_loss_left"]`` says why any were
 not.

@@ -165,9 +165,14 @@ def _(grad, grad_sum, sum, weight, bias, eps):
     return (torch.empty_like(sum, memory_format=torch.contiguous_format), *_param_grads(sum, weight, bias))
 
 
+def _ce_loss_dtype(logits, float_loss):
+    """The loss's dtype (the bridge's ce_loss_dtype): float32 for 16-bit logits with float_loss."""
+    return torch.float32 if float_loss and logits.dtype in (torch.float16, torch.bfloat16) else logits.dtype
+
+
 @torch.library.register_fake("kitsune::cross_entropy")
-def _(logits, target, ignore_index=-100, label_smoothing=0.0):
-    return logits.new_empty(())
+def _(logits, target, ignore_index=-100, label_smoothing=0.0, float_loss=False):
+    return logits.new_empty((), dtype=_ce_loss_dtype(logits, float_loss))
 
 
 @torch.library.register_fake("kitsune::cross_entropy_backward")
@@ -176,8 +181,9 @@ def _(grad, logits, target, ignore_index=-100, label_smoothing=0.0):
 
 
 @torch.library.register_fake("kitsune::cross_entropy_with_grad")
-def _(logits, target, ignore_index=-100, label_smoothing=0.0):
-    return logits.new_empty(()), torch.empty_like(logits, memory_format=torch.contiguous_format)
+def _(logits, target, ignore_index=-100, label_smoothing=0.0, float_loss=False):
+    return (logits.new_empty((), dtype=_ce_loss_dtype(logits, float_loss)),
+            torch.empty_like(logits, memory_format=torch.contiguous_format))
 
 
 @torch.library.register_fake("kitsune::cross_entropy_rescale_")
@@ -383,8 +389,10 @@ def add_layer_norm(x, residual, weight=None, bias=None, eps=1e-5):
 
 def cross_entropy(logits, target, ignore_index=-100, label_smoothing=0.0):
     """F.cross_entropy(logits, target) (mean over non-ignored rows) for (N, C) or (C,)
-    logits and int64 targets, without storing the softmax. On CUDA an out-of-range
-    target gives a NaN loss instead of a device assert."""
+    logits and int64 targets, without storing the softmax. The loss has the logits'
+    dtype, float32 under autocast (as F.cross_entropy's; 16-bit logits are read as
+    they are, in fp32 arithmetic, and their gradient has their dtype). On CUDA an
+    out-of-range target gives a NaN loss instead of a device assert."""
     return _lib.cross_entropy(logits, target, ignore_index, label_smoothing)
 
 

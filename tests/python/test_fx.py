@@ -967,8 +967,9 @@ class _OpsSeen(torch.utils._python_dispatch.TorchDispatchMode):
 def test_fused_loss_runs_cross_entropy_as_kitsunes_where_it_covers_the_call():
     """FusedLoss (compile_step's loss mode): F.cross_entropy calls the op covers run as
     kitsune.cross_entropy, with the loss and logits' gradient of F.cross_entropy in
-    fp64 (ignored rows, label smoothing, a view of 3-D logits); the others run as
-    given, each with its reason, and CPU calls are left unless asked for."""
+    fp64 (ignored rows, label smoothing, a view of 3-D logits), and under bf16 autocast
+    (a float32 loss, as F.cross_entropy's there); the others run as given, each with
+    its reason, and CPU calls are left unless asked for."""
     g = torch.Generator().manual_seed(11)
     logits = torch.randn(3, 7, 11, dtype=torch.float64, generator=g)
     target = torch.randint(0, 11, (3, 7), generator=g)
@@ -1006,9 +1007,23 @@ def test_fused_loss_runs_cross_entropy_as_kitsunes_where_it_covers_the_call():
     with kitsune.fx.FusedLoss() as mode:   # CUDA only by default
         F.cross_entropy(x2, t2)
     assert mode.fused == 0 and mode.left == ["cross_entropy on cpu (fused on cuda)"]
+    # under autocast: fused too, the loss float32 as F.cross_entropy's, the bf16 logits' gradient bf16
+    xb = logits[0].to(torch.bfloat16)
+    a, b = xb.clone().requires_grad_(), xb.clone().requires_grad_()
     with kitsune.fx.FusedLoss(devices=("cpu",)) as mode, torch.autocast("cpu", dtype=torch.bfloat16):
-        F.cross_entropy(x2.float(), t2)
-    assert mode.fused == 0 and "under autocast" in mode.left[0], mode.left
+        got = F.cross_entropy(a, t2, label_smoothing=0.1)
+    assert mode.fused == 1 and mode.left == [], mode.left
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = F.cross_entropy(b, t2, label_smoothing=0.1)
+    assert got.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)   # both fp32 arithmetic on the same bf16 values
+    got.backward()
+    want.backward()
+    assert a.grad.dtype == b.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(a.grad, b.grad, rtol=1e-2, atol=1e-3)   # each rounded once to bf16
+    with kitsune.fx.FusedLoss(devices=("cpu",)) as mode, torch.autocast("cpu", dtype=torch.float16):
+        F.cross_entropy(logits[0].half(), t2)   # fp16: left to F.cross_entropy's fp32 gradient
+    assert mode.fused == 0 and "float16 logits under autocast" in mode.left[0], mode.left
 
 
 class _Embeddings(nn.Module):

@@ -463,6 +463,30 @@ def test_cross_entropy_refuses_a_double_backward_instead_of_a_wrong_one():
     torch.testing.assert_close(g2, ref)
 
 
+def test_cross_entropy_under_autocast_returns_a_float32_loss():
+    """As F.cross_entropy under autocast: a float32 loss for 16-bit logits (the op's
+    float_loss, which the Autocast kernel sets); outside autocast the logits' dtype.
+    The loss is the fp32 mean, not a 16-bit value widened."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(37, 29, generator=g).to(torch.bfloat16)
+    t = torch.randint(0, 29, (37,), generator=g)
+    ref = F.cross_entropy(x.double(), t)
+    assert ko.cross_entropy(x, t).dtype == torch.bfloat16
+    for need_grad in (False, True):
+        xi = x.clone().requires_grad_(need_grad)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = ko.cross_entropy(xi, t)
+        assert loss.dtype == torch.float32
+        torch.testing.assert_close(loss.double(), ref, rtol=1e-6, atol=1e-6)   # a bf16 loss would be off by ~4e-3
+        if need_grad:
+            loss.backward()
+            assert xi.grad.dtype == torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert ko.cross_entropy(x.double(), t).dtype == torch.float64   # not a 16-bit type: as given
+    for op in (torch.ops.kitsune.cross_entropy.default, torch.ops.kitsune.cross_entropy_with_grad.default):
+        torch.library.opcheck(op, (x, t), {"float_loss": True})
+
+
 def test_cross_entropy_rescale_scales_in_place():
     g = torch.tensor([1.0, -2.0, 0.5], dtype=torch.bfloat16)
     torch.ops.kitsune.cross_entropy_rescale_(g, torch.tensor(1.0))

@@ -1797,6 +1797,12 @@ Tensor ce_scale(const Tensor& target, int64_t ignore, const Tensor& grad, const 
                op);
   return sc;
 }
+// The loss's dtype: the logits', or float32 for float16/bfloat16 logits with float_loss
+// (under autocast, as F.cross_entropy's; the per-row losses are fp32 either way).
+at::ScalarType ce_loss_dtype(const Tensor& l, bool float_loss) {
+  auto dt = l.scalar_type();
+  return float_loss && (dt == at::kHalf || dt == at::kBFloat16) ? at::kFloat : dt;
+}
 // The mean of the per-row losses over the rows not ignored, as a 0-d tensor of dtype.
 Tensor ce_mean(const Tensor& losses, const Tensor& target, int64_t ignore, at::ScalarType dtype, const char* op) {
   Tensor out = at::empty({}, losses.options().dtype(dtype));
@@ -1809,7 +1815,7 @@ Tensor ce_mean(const Tensor& losses, const Tensor& target, int64_t ignore, at::S
 // The mean loss and, with_grad, in the same pass over the logits, its gradient for an
 // incoming gradient of 1 (what backward() passes; undefined without with_grad).
 std::tuple<Tensor, Tensor> ce_forward_cuda(const Tensor& logits, const Tensor& target, int64_t ignore,
-                                           double smoothing, bool with_grad, const char* op) {
+                                           double smoothing, bool with_grad, bool float_loss, const char* op) {
   auto [l, t] = ce_views(logits, target, smoothing, op);
   c10::cuda::CUDAGuard g(l.device());
   Tensor scale = with_grad ? ce_scale(t, ignore, Tensor(), op) : Tensor();
@@ -1819,10 +1825,11 @@ std::tuple<Tensor, Tensor> ce_forward_cuda(const Tensor& logits, const Tensor& t
                                 with_grad ? gl.data_ptr() : nullptr, with_grad ? scale.data_ptr<float>() : nullptr,
                                 l.size(0), l.size(1), l.size(1), ignore, (float)smoothing, stream_of(l)),
                op);
-  return {ce_mean(losses, t, ignore, l.scalar_type(), op), with_grad ? gl.view(logits.sizes()) : Tensor()};
+  return {ce_mean(losses, t, ignore, ce_loss_dtype(l, float_loss), op), with_grad ? gl.view(logits.sizes()) : Tensor()};
 }
-Tensor cross_entropy_cuda(const Tensor& logits, const Tensor& target, int64_t ignore, double smoothing) {
-  return std::get<0>(ce_forward_cuda(logits, target, ignore, smoothing, false, "cross_entropy"));
+Tensor cross_entropy_cuda(const Tensor& logits, const Tensor& target, int64_t ignore, double smoothing,
+                          bool float_loss) {
+  return std::get<0>(ce_forward_cuda(logits, target, ignore, smoothing, false, float_loss, "cross_entropy"));
 }
 Tensor ce_reference(const Tensor& l, const Tensor& t, int64_t ignore, double smoothing) {   // per row, opmath
   Tensor lf = l.to(opmath(l));
@@ -1832,12 +1839,13 @@ Tensor ce_reference(const Tensor& l, const Tensor& t, int64_t ignore, double smo
   Tensor loss = (1 - smoothing) * nll - smoothing * lsm.mean(1);
   return at::where(keep, loss, at::zeros_like(loss));
 }
-Tensor cross_entropy_cpu(const Tensor& logits, const Tensor& target, int64_t ignore, double smoothing) {
+Tensor cross_entropy_cpu(const Tensor& logits, const Tensor& target, int64_t ignore, double smoothing,
+                         bool float_loss) {
   auto [l, t] = ce_views(logits, target, smoothing, "cross_entropy");
   Tensor bad = (t != ignore) & ((t < 0) | (t >= l.size(1)));
   TORCH_CHECK(!bad.any().item<bool>(), "kitsune.cross_entropy: a target is outside [0, ", l.size(1),
               ") and is not ignore_index ", ignore);
-  return (ce_reference(l, t, ignore, smoothing).sum() / (t != ignore).sum()).to(l.scalar_type());
+  return (ce_reference(l, t, ignore, smoothing).sum() / (t != ignore).sum()).to(ce_loss_dtype(l, float_loss));
 }
 Tensor cross_entropy_backward_cuda(const Tensor& grad, const Tensor& logits, const Tensor& target, int64_t ignore,
                                    double smoothing) {
@@ -1860,8 +1868,8 @@ Tensor cross_entropy_backward_cuda(const Tensor& grad, const Tensor& logits, con
 // forward: one kernel's two passes over the logits where the loss and the backward
 // kernels made one and two.
 std::tuple<Tensor, Tensor> cross_entropy_with_grad_cuda(const Tensor& logits, const Tensor& target, int64_t ignore,
-                                                        double smoothing) {
-  return ce_forward_cuda(logits, target, ignore, smoothing, true, "cross_entropy_with_grad");
+                                                        double smoothing, bool float_loss) {
+  return ce_forward_cuda(logits, target, ignore, smoothing, true, float_loss, "cross_entropy_with_grad");
 }
 // grad *= by, unless by is 1 (a one-element tensor on grad's device, read there: no
 // host sync), in place.
@@ -1896,8 +1904,8 @@ Tensor cross_entropy_backward_cpu(const Tensor& grad, const Tensor& logits, cons
   return (ce_grad_reference(l, t, ignore, smoothing) * grad.to(opmath(l))).to(l.scalar_type()).view(logits.sizes());
 }
 std::tuple<Tensor, Tensor> cross_entropy_with_grad_cpu(const Tensor& logits, const Tensor& target, int64_t ignore,
-                                                       double smoothing) {
-  Tensor loss = cross_entropy_cpu(logits, target, ignore, smoothing);   // checks the targets
+                                                       double smoothing, bool float_loss) {
+  Tensor loss = cross_entropy_cpu(logits, target, ignore, smoothing, float_loss);   // checks the targets
   auto [l, t] = ce_views(logits, target, smoothing, "cross_entropy_with_grad");
   return {loss, ce_grad_reference(l, t, ignore, smoothing).to(l.scalar_type()).view(logits.sizes())};
 }
@@ -3884,20 +3892,20 @@ Tensor channel_sum_op(const Tensor& g) {
 // logits, and a backward goes through cross_entropy_backward.
 struct CrossEntropyFn : torch::autograd::Function<CrossEntropyFn> {
   static Tensor forward(AutogradContext* ctx, const Tensor& logits, const Tensor& target, int64_t ignore,
-                        double smoothing, bool form_grad) {
-    static auto op = op_handle<Tensor(const Tensor&, const Tensor&, int64_t, double)>("kitsune::cross_entropy");
-    static auto with_grad = op_handle<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, int64_t, double)>(
+                        double smoothing, bool float_loss, bool form_grad) {
+    static auto op = op_handle<Tensor(const Tensor&, const Tensor&, int64_t, double, bool)>("kitsune::cross_entropy");
+    static auto with_grad = op_handle<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, int64_t, double, bool)>(
         "kitsune::cross_entropy_with_grad");
     ctx->saved_data["ignore"] = ignore;
     ctx->saved_data["smoothing"] = smoothing;
     at::AutoDispatchBelowADInplaceOrView g;
     if (form_grad) {
-      auto [loss, grad] = with_grad.call(logits, target, ignore, smoothing);
+      auto [loss, grad] = with_grad.call(logits, target, ignore, smoothing, float_loss);
       ctx->save_for_backward({grad});   // one saved tensor: the backward knows the gradient was formed
       return loss;
     }
     ctx->save_for_backward({logits, target});
-    return op.call(logits, target, ignore, smoothing);
+    return op.call(logits, target, ignore, smoothing, float_loss);
   }
   static variable_list backward(AutogradContext* ctx, variable_list go) {
     static auto op = op_handle<Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t, double)>(
@@ -3920,7 +3928,7 @@ struct CrossEntropyFn : torch::autograd::Function<CrossEntropyFn> {
       grad = s[0];   // released after this backward: ours to scale
       rescale.call(grad, go[0]);
     }
-    return {grad, Tensor(), Tensor(), Tensor(), Tensor()};
+    return {grad, Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
@@ -4019,8 +4027,9 @@ struct BiasDropoutAddFn : torch::autograd::Function<BiasDropoutAddFn> {
 };
 
 Tensor add_relu_autograd(const Tensor& a, const Tensor& b) { return AddReluFn::apply(a, b); }
-Tensor cross_entropy_autograd(const Tensor& logits, const Tensor& target, int64_t ignore, double smoothing) {
-  return CrossEntropyFn::apply(logits, target, ignore, smoothing,
+Tensor cross_entropy_autograd(const Tensor& logits, const Tensor& target, int64_t ignore, double smoothing,
+                              bool float_loss) {
+  return CrossEntropyFn::apply(logits, target, ignore, smoothing, float_loss,
                                at::GradMode::is_enabled() && logits.requires_grad());
 }
 std::optional<std::vector<int64_t>> dims_vec(at::OptionalIntArrayRef dim) {
@@ -4069,7 +4078,9 @@ std::tuple<Tensor, Tensor> add_layer_norm_autograd(const Tensor& x, const Tensor
 //   linear_act: x, weight and bias to the autocast dtype (as F.linear);
 //   linear_cross_entropy: x, weight and bias to the autocast dtype (as F.linear
 //   would), the loss returned in fp32 (as F.cross_entropy's is under autocast).
-// cross_entropy, sum_squared and mean_abs take one floating tensor and need no cast;
+//   cross_entropy: no cast (its kernel reads 16-bit logits in fp32 arithmetic), the
+//   loss returned in fp32 (float_loss), as F.cross_entropy's under autocast.
+// sum_squared and mean_abs take one floating tensor and need no cast;
 // attention_score is composite and its baddbmm is cast by autocast itself.
 template <c10::DispatchKey Key> struct Autocast {
   static Tensor cast(const Tensor& t, at::ScalarType dt) { return t.defined() && t.scalar_type() != dt ? t.to(dt) : t; }
@@ -4139,6 +4150,11 @@ template <c10::DispatchKey Key> struct Autocast {
     auto dt = at::autocast::get_autocast_dtype(Key == c10::DispatchKey::AutocastCUDA ? at::kCUDA : at::kCPU);
     return op.call(cast(x, dt), cast(w, dt), target, cast(bias, dt), ignore, smoothing, chunk).to(at::kFloat);
   }
+  static Tensor cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore, double smoothing, bool) {
+    c10::impl::ExcludeDispatchKeyGuard no(Key);
+    static auto op = op_handle<Tensor(const Tensor&, const Tensor&, int64_t, double, bool)>("kitsune::cross_entropy");
+    return op.call(logits, target, ignore, smoothing, true);
+  }
 };
 constexpr char kAddRelu[] = "kitsune::add_relu", kMulTanh[] = "kitsune::mul_tanh", kSwiglu[] = "kitsune::swiglu";
 
@@ -4162,9 +4178,9 @@ TORCH_LIBRARY(kitsune, m) {
   m.def("layer_norm_relu_backward(Tensor grad, Tensor x, int[] normalized_shape, Tensor? weight, Tensor? bias, float eps) -> (Tensor, Tensor, Tensor)");
   m.def("add_layer_norm(Tensor x, Tensor residual, Tensor? weight=None, Tensor? bias=None, float eps=1e-5) -> (Tensor, Tensor)");
   m.def("add_layer_norm_backward(Tensor grad, Tensor? grad_sum, Tensor sum, Tensor? weight, Tensor? bias, float eps) -> (Tensor, Tensor, Tensor)");
-  m.def("cross_entropy(Tensor logits, Tensor target, int ignore_index=-100, float label_smoothing=0.0) -> Tensor");
+  m.def("cross_entropy(Tensor logits, Tensor target, int ignore_index=-100, float label_smoothing=0.0, bool float_loss=False) -> Tensor");
   m.def("cross_entropy_backward(Tensor grad, Tensor logits, Tensor target, int ignore_index=-100, float label_smoothing=0.0) -> Tensor");
-  m.def("cross_entropy_with_grad(Tensor logits, Tensor target, int ignore_index=-100, float label_smoothing=0.0) -> (Tensor, Tensor)");
+  m.def("cross_entropy_with_grad(Tensor logits, Tensor target, int ignore_index=-100, float label_smoothing=0.0, bool float_loss=False) -> (Tensor, Tensor)");
   m.def("cross_entropy_rescale_(Tensor(a!) grad, Tensor by) -> ()");
   m.def("linear_cross_entropy(Tensor x, Tensor weight, Tensor target, Tensor? bias=None, int ignore_index=-100, float label_smoothing=0.0, int chunk_size=0) -> Tensor");
   m.def("linear_cross_entropy_grads(Tensor x, Tensor weight, Tensor target, Tensor? bias=None, int ignore_index=-100, float label_smoothing=0.0, int chunk_size=0) -> (Tensor, Tensor, Tensor, Tensor)");
@@ -4303,6 +4319,7 @@ TORCH_LIBRARY_IMPL(kitsune, Autograd, m) {
     m.impl("layer_norm_relu", &A::layer_norm_relu);                                      \
     m.impl("add_layer_norm", &A::add_layer_norm);                                        \
     m.impl("linear_cross_entropy", &A::linear_cross_entropy);                            \
+    m.impl("cross_entropy", &A::cross_entropy);                                          \
     m.impl("linear_act", &A::linear_act);                                                \
   }
 KT_AUTOCAST_IMPLS(AutocastCUDA)

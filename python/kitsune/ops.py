@@ -192,13 +192,14 @@ def _(grad, by):
 
 
 @torch.library.register_fake("kitsune::linear_cross_entropy")
-def _(x, weight, target, bias=None, ignore_index=-100, label_smoothing=0.0, chunk_size=0):
-    return x.new_empty(())
+def _(x, weight, target, bias=None, ignore_index=-100, label_smoothing=0.0, chunk_size=0, float_loss=False):
+    return x.new_empty((), dtype=_ce_loss_dtype(x, float_loss))
 
 
 @torch.library.register_fake("kitsune::linear_cross_entropy_grads")
-def _(x, weight, target, bias=None, ignore_index=-100, label_smoothing=0.0, chunk_size=0):
-    return (x.new_empty(()), torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight),
+def _(x, weight, target, bias=None, ignore_index=-100, label_smoothing=0.0, chunk_size=0, float_loss=False):
+    return (x.new_empty((), dtype=_ce_loss_dtype(x, float_loss)),
+            torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight),
             torch.empty_like(bias) if bias is not None else x.new_empty((0,)))
 
 
@@ -343,7 +344,7 @@ def _lce_setup(ctx, inputs, output):
 def _lce_bwd(ctx, grad):
     x, weight, target, bias = ctx.saved_tensors
     _, gx, gw, gb = _lib.linear_cross_entropy_grads(x, weight, target, bias, *ctx.options)
-    return gx * grad, gw * grad, None, (gb * grad if bias is not None else None), None, None, None
+    return gx * grad, gw * grad, None, (gb * grad if bias is not None else None), None, None, None, None
 
 
 torch.library.register_autograd("kitsune::linear_cross_entropy", _lce_bwd, setup_context=_lce_setup)
@@ -401,9 +402,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     logits exist; the backward only scales them by the incoming gradient."""
 
     @staticmethod
-    def forward(ctx, x, weight, target, bias, ignore_index, label_smoothing, chunk_size):
+    def forward(ctx, x, weight, target, bias, ignore_index, label_smoothing, chunk_size, float_loss):
         loss, gx, gw, gb = _lib.linear_cross_entropy_grads(x, weight, target, bias, ignore_index, label_smoothing,
-                                                           chunk_size)
+                                                           chunk_size, float_loss)
         ctx.has_bias = bias is not None
         ctx.save_for_backward(gx, gw, gb)
         return loss
@@ -415,7 +416,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                                "the forward, so a backward with create_graph=True would treat them as constants. "
                                "For higher-order gradients use F.cross_entropy(F.linear(x, weight, bias), target)")
         gx, gw, gb = ctx.saved_tensors
-        return gx * grad, gw * grad, None, (gb * grad if ctx.has_bias else None), None, None, None
+        return gx * grad, gw * grad, None, (gb * grad if ctx.has_bias else None), None, None, None, None
 
 
 def linear_cross_entropy(x, weight, target, bias=None, ignore_index=-100, label_smoothing=0.0, chunk_size=0):
@@ -432,9 +433,9 @@ def linear_cross_entropy(x, weight, target, bias=None, ignore_index=-100, label_
         x, weight = x.to(dt), weight.to(dt)
         bias = bias.to(dt) if bias is not None else None
         with torch.autocast(dev, enabled=False):
-            return _LinearCrossEntropy.apply(x, weight, target, bias, ignore_index, label_smoothing,
-                                             chunk_size).float()
-    return _LinearCrossEntropy.apply(x, weight, target, bias, ignore_index, label_smoothing, chunk_size)
+            return _LinearCrossEntropy.apply(x, weight, target, bias, ignore_index, label_smoothing, chunk_size,
+                                             True)
+    return _LinearCrossEntropy.apply(x, weight, target, bias, ignore_index, label_smoothing, chunk_size, False)
 
 
 def _dims(dim):

@@ -466,7 +466,8 @@ def test_cross_entropy_refuses_a_double_backward_instead_of_a_wrong_one():
 def test_cross_entropy_under_autocast_returns_a_float32_loss():
     """As F.cross_entropy under autocast: a float32 loss for 16-bit logits (the op's
     float_loss, which the Autocast kernel sets); outside autocast the logits' dtype.
-    The loss is the fp32 mean, not a 16-bit value widened."""
+    The loss is the fp32 mean, not a 16-bit value widened. linear_cross_entropy too,
+    with and without a gradient to form."""
     g = torch.Generator().manual_seed(5)
     x = torch.randn(37, 29, generator=g).to(torch.bfloat16)
     t = torch.randint(0, 29, (37,), generator=g)
@@ -485,6 +486,21 @@ def test_cross_entropy_under_autocast_returns_a_float32_loss():
         assert ko.cross_entropy(x.double(), t).dtype == torch.float64   # not a 16-bit type: as given
     for op in (torch.ops.kitsune.cross_entropy.default, torch.ops.kitsune.cross_entropy_with_grad.default):
         torch.library.opcheck(op, (x, t), {"float_loss": True})
+    # linear_cross_entropy likewise (it used to widen a bf16-rounded loss)
+    h = torch.randn(37, 16, generator=g)
+    wt = torch.randn(29, 16, generator=g, requires_grad=True)
+    ref = F.cross_entropy(F.linear(h.to(torch.bfloat16).double(), wt.detach().to(torch.bfloat16).double()), t)
+    for need_grad in (False, True):
+        with torch.set_grad_enabled(need_grad), torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = ko.linear_cross_entropy(h, wt, t)
+        assert loss.dtype == torch.float32
+        torch.testing.assert_close(loss.double(), ref, rtol=1e-6, atol=1e-6)   # widened bf16: off by 1.1e-4
+        if need_grad:
+            loss.backward()
+            assert wt.grad.dtype == torch.float32 and wt.grad.abs().sum() > 0
+    hb, wb = h.to(torch.bfloat16), wt.detach().to(torch.bfloat16)
+    for op in (torch.ops.kitsune.linear_cross_entropy.default, torch.ops.kitsune.linear_cross_entropy_grads.default):
+        torch.library.opcheck(op, (hb, wb, t), {"float_loss": True})
 
 
 def test_cross_entropy_rescale_scales_in_place():

@@ -1944,7 +1944,7 @@ int64_t lce_chunk(int64_t rows, int64_t chunk) {
 // more GEMMs turn into grad_x and the grad_weight sum.
 std::tuple<Tensor, Tensor, Tensor, Tensor> lce_cuda(const Tensor& x, const Tensor& w, const Tensor& target,
                                                     const OptTensor& bias_, int64_t ignore, double smoothing,
-                                                    int64_t chunk, bool grads, const char* op) {
+                                                    int64_t chunk, bool grads, bool float_loss, const char* op) {
   const Tensor* bias = opt(bias_);
   auto [x2, t] = lce_views(x, w, target, bias, smoothing, op);
   TORCH_CHECK(chunk >= 0, "kitsune.", op, ": chunk_size must be >= 0 (0 chooses), got ", chunk);
@@ -1999,45 +1999,47 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> lce_cuda(const Tensor& x, const Tenso
     if (bias) gb.add_(logits.narrow(1, 0, V).sum(0, false, at::kFloat));
   }
   if (grads && ld != V && rows) gw = gw.narrow(0, 0, V);   // the first V rows: contiguous
-  Tensor loss = ce_mean(losses, t, ignore, x.scalar_type(), op);
+  Tensor loss = ce_mean(losses, t, ignore, ce_loss_dtype(x, float_loss), op);
   if (!grads) return {loss, Tensor(), Tensor(), Tensor()};
   return {loss, gx.view(x.sizes()), gw,
           bias ? gb.to(bias->scalar_type()) : at::empty({0}, x.options())};
 }
 std::tuple<Tensor, Tensor, Tensor, Tensor> lce_cpu(const Tensor& x, const Tensor& w, const Tensor& target,
                                                    const OptTensor& bias_, int64_t ignore, double smoothing,
-                                                   bool grads, const char* op) {
+                                                   bool grads, bool float_loss, const char* op) {
   const Tensor* bias = opt(bias_);
   auto [x2, t] = lce_views(x, w, target, bias, smoothing, op);
   auto om = opmath(x);
   Tensor xf = x2.to(om), wf = w.to(om);
   Tensor logits = at::mm(xf, wf.t());
   if (bias) logits = logits + bias->to(om);
-  Tensor loss = (ce_reference(logits, t, ignore, smoothing).sum() / (t != ignore).sum()).to(x.scalar_type());
+  Tensor loss =
+      (ce_reference(logits, t, ignore, smoothing).sum() / (t != ignore).sum()).to(ce_loss_dtype(x, float_loss));
   if (!grads) return {loss, Tensor(), Tensor(), Tensor()};
   Tensor gl = ce_grad_reference(logits, t, ignore, smoothing);
   return {loss, at::mm(gl, wf).view(x.sizes()).to(x.scalar_type()), at::mm(gl.t(), xf).to(w.scalar_type()),
           bias ? gl.sum(0).to(bias->scalar_type()) : at::empty({0}, x.options())};
 }
 Tensor linear_cross_entropy_cuda(const Tensor& x, const Tensor& w, const Tensor& target, const OptTensor& bias,
-                                 int64_t ignore, double smoothing, int64_t chunk) {
-  return std::get<0>(lce_cuda(x, w, target, bias, ignore, smoothing, chunk, false, "linear_cross_entropy"));
+                                 int64_t ignore, double smoothing, int64_t chunk, bool float_loss) {
+  return std::get<0>(
+      lce_cuda(x, w, target, bias, ignore, smoothing, chunk, false, float_loss, "linear_cross_entropy"));
 }
 Tensor linear_cross_entropy_cpu(const Tensor& x, const Tensor& w, const Tensor& target, const OptTensor& bias,
-                                int64_t ignore, double smoothing, int64_t chunk) {
-  return std::get<0>(lce_cpu(x, w, target, bias, ignore, smoothing, false, "linear_cross_entropy"));
+                                int64_t ignore, double smoothing, int64_t chunk, bool float_loss) {
+  return std::get<0>(lce_cpu(x, w, target, bias, ignore, smoothing, false, float_loss, "linear_cross_entropy"));
 }
 std::tuple<Tensor, Tensor, Tensor, Tensor> linear_cross_entropy_grads_cuda(const Tensor& x, const Tensor& w,
                                                                            const Tensor& target, const OptTensor& bias,
                                                                            int64_t ignore, double smoothing,
-                                                                           int64_t chunk) {
-  return lce_cuda(x, w, target, bias, ignore, smoothing, chunk, true, "linear_cross_entropy_grads");
+                                                                           int64_t chunk, bool float_loss) {
+  return lce_cuda(x, w, target, bias, ignore, smoothing, chunk, true, float_loss, "linear_cross_entropy_grads");
 }
 std::tuple<Tensor, Tensor, Tensor, Tensor> linear_cross_entropy_grads_cpu(const Tensor& x, const Tensor& w,
                                                                           const Tensor& target, const OptTensor& bias,
                                                                           int64_t ignore, double smoothing,
-                                                                          int64_t chunk) {
-  return lce_cpu(x, w, target, bias, ignore, smoothing, true, "linear_cross_entropy_grads");
+                                                                          int64_t chunk, bool float_loss) {
+  return lce_cpu(x, w, target, bias, ignore, smoothing, true, float_loss, "linear_cross_entropy_grads");
 }
 
 // ---- sum_squared, mean_abs (fusion/kernels/reduce.cu) ----
@@ -4077,7 +4079,8 @@ std::tuple<Tensor, Tensor> add_layer_norm_autograd(const Tensor& x, const Tensor
 //   ops with parameters: the parameters (and a residual) to the activation's dtype;
 //   linear_act: x, weight and bias to the autocast dtype (as F.linear);
 //   linear_cross_entropy: x, weight and bias to the autocast dtype (as F.linear
-//   would), the loss returned in fp32 (as F.cross_entropy's is under autocast).
+//   would), the loss returned in fp32 (float_loss: the fp32 mean, as
+//   F.cross_entropy's is under autocast).
 //   cross_entropy: no cast (its kernel reads 16-bit logits in fp32 arithmetic), the
 //   loss returned in fp32 (float_loss), as F.cross_entropy's under autocast.
 // sum_squared and mean_abs take one floating tensor and need no cast;
@@ -4143,12 +4146,12 @@ template <c10::DispatchKey Key> struct Autocast {
     return op.call(cast(x, dt), cast(w, dt), cast(b, dt), act);   // as F.linear under autocast
   }
   static Tensor linear_cross_entropy(const Tensor& x, const Tensor& w, const Tensor& target, const OptTensor& bias,
-                                     int64_t ignore, double smoothing, int64_t chunk) {
+                                     int64_t ignore, double smoothing, int64_t chunk, bool) {
     c10::impl::ExcludeDispatchKeyGuard no(Key);
     static auto op = op_handle<Tensor(const Tensor&, const Tensor&, const Tensor&, const OptTensor&, int64_t, double,
-                                      int64_t)>("kitsune::linear_cross_entropy");
+                                      int64_t, bool)>("kitsune::linear_cross_entropy");
     auto dt = at::autocast::get_autocast_dtype(Key == c10::DispatchKey::AutocastCUDA ? at::kCUDA : at::kCPU);
-    return op.call(cast(x, dt), cast(w, dt), target, cast(bias, dt), ignore, smoothing, chunk).to(at::kFloat);
+    return op.call(cast(x, dt), cast(w, dt), target, cast(bias, dt), ignore, smoothing, chunk, true);
   }
   static Tensor cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore, double smoothing, bool) {
     c10::impl::ExcludeDispatchKeyGuard no(Key);
@@ -4182,8 +4185,8 @@ TORCH_LIBRARY(kitsune, m) {
   m.def("cross_entropy_backward(Tensor grad, Tensor logits, Tensor target, int ignore_index=-100, float label_smoothing=0.0) -> Tensor");
   m.def("cross_entropy_with_grad(Tensor logits, Tensor target, int ignore_index=-100, float label_smoothing=0.0, bool float_loss=False) -> (Tensor, Tensor)");
   m.def("cross_entropy_rescale_(Tensor(a!) grad, Tensor by) -> ()");
-  m.def("linear_cross_entropy(Tensor x, Tensor weight, Tensor target, Tensor? bias=None, int ignore_index=-100, float label_smoothing=0.0, int chunk_size=0) -> Tensor");
-  m.def("linear_cross_entropy_grads(Tensor x, Tensor weight, Tensor target, Tensor? bias=None, int ignore_index=-100, float label_smoothing=0.0, int chunk_size=0) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("linear_cross_entropy(Tensor x, Tensor weight, Tensor target, Tensor? bias=None, int ignore_index=-100, float label_smoothing=0.0, int chunk_size=0, bool float_loss=False) -> Tensor");
+  m.def("linear_cross_entropy_grads(Tensor x, Tensor weight, Tensor target, Tensor? bias=None, int ignore_index=-100, float label_smoothing=0.0, int chunk_size=0, bool float_loss=False) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("sum_squared(Tensor x, int[1]? dim=None, bool keepdim=False) -> Tensor");
   m.def("mean_abs(Tensor x, int[1]? dim=None, bool keepdim=False) -> Tensor");
   m.def("attention_score(Tensor q, Tensor k, float? scale=None) -> Tensor");

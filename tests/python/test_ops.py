@@ -1210,6 +1210,35 @@ def test_gpu_global_avg_pool_needs_no_workspace(dtype):
 
 @pytest.mark.gpu
 @gpu
+def test_gpu_cross_entropy_under_autocast_matches_f_cross_entropy():
+    """On CUDA under bf16 autocast: kitsune.cross_entropy and linear_cross_entropy return
+    F.cross_entropy's float32 loss (the fp32 mean, not a widened bf16 value) and bf16
+    logits' gradients equal to its own to bf16 rounding (every element compared)."""
+    g = torch.Generator().manual_seed(29)
+    x = _t((300, 1003), torch.bfloat16, "cuda", g)
+    t = torch.randint(0, 1003, (300,), generator=g).cuda()
+    t[::7] = -100
+    ref = F.cross_entropy(x.double(), t)
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got, want = ko.cross_entropy(a, t), F.cross_entropy(b, t)
+    assert got.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(got.double(), ref, rtol=1e-6, atol=1e-6)
+    got.backward()
+    want.backward()
+    assert a.grad.dtype == torch.bfloat16 and torch.isfinite(a.grad).all()
+    torch.testing.assert_close(a.grad, b.grad, rtol=1e-2, atol=1e-5)
+    h = _t((300, 64), torch.float32, "cuda", g)
+    w = _t((1003, 64), torch.float32, "cuda", g).requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = ko.linear_cross_entropy(h, w, t)
+        want = F.cross_entropy(F.linear(h, w), t)   # both: bf16 logits from cuBLAS, then fp32 arithmetic
+    assert loss.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(loss, want, rtol=0, atol=5e-3)   # logits rounded to bf16 by different GEMMs
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_gpu_cross_entropy_gradient_formed_in_the_forward(dtype):
     """On CUDA: the gradient the forward forms, scaled by 1 (no kernel writes), 0.75

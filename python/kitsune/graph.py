@@ -381,7 +381,7 @@ class CompiledStep:
             return
         mode, ctx = sched.conv_grads_mode(), self._captured._kitsune_streams
         if mode != "auto":
-            ctx.grads_apart = mode == "apart"
+            ctx.grads_apart = mode in ("apart", "late")   # late: joined at the backward's end (WIP)
             self._conv_grads = {"convs": n, "apart": ctx.grads_apart, "how": mode}
             return
         device = self._side.device

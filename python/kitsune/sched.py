@@ -323,6 +323,7 @@ class _Streams:
         self.per_device = {}
         self.grads = {}   # device index -> _ConvGradsApart's streams, one per plan stream
         self.grads_apart = True   # _ConvGradsApart splits (compile_step may measure and turn it off)
+        self.grads_late = conv_grads_mode() == "late"   # ... and joins at the end of the backward
         self.main = None
         self.active = False
         self.used = set()
@@ -360,6 +361,15 @@ class _Streams:
 
     def stream(self, k):
         return self.main if k == 0 else self.sides[k - 1]
+
+    def join_late(self, here, side, keep):
+        """Defers the join of `side` (a weight gradient running beside `here`) to the end
+        of the backward (_end_late, an autograd final callback): `keep` (the tensors
+        the side stream reads and writes) stays referenced until then. A callback is
+        queued each time (the first drains them all; after a backward that failed, the
+        next one's drains what it left)."""
+        _LATE.append((here, side, keep))
+        torch.autograd.Variable._execution_engine.queue_callback(_end_late)
 
     def grad_stream(self, here):
         """The stream a convolution's weight gradient runs on beside its input gradient
@@ -448,8 +458,10 @@ class _ConvGradsApart(torch.autograd.Function):
     Elsewhere (no capture, CPU) ATen's backward as usual."""
 
     @staticmethod
-    def forward(ctx, x, w, stride, padding, dilation, groups, cid):
-        ctx.dtypes = (x.dtype, w.dtype)
+    def forward(ctx, x, w, stride, padding, dilation, groups, cid, once=False):
+        # the weight itself (a leaf: no cycle through the graph) to see, in the backward,
+        # whether its gradient exists yet
+        ctx.dtypes, ctx.once, ctx.weight = (x.dtype, w.dtype), once, w if w.is_leaf else None
         kind = x.device.type
         if torch.is_autocast_enabled(kind):   # cast as autocast casts F.conv2d's inputs: the backward then
             dt = torch.get_autocast_dtype(kind)   # computes in that dtype as autocast's conv backward does
@@ -469,20 +481,48 @@ class _ConvGradsApart(torch.autograd.Function):
         here = torch.cuda.current_stream(gy.device) if gy.is_cuda else None
         side = c.grad_stream(here) if (need_x and need_w and c is not None and c.grads_apart and here is not None
                                        and torch.cuda.is_current_stream_capturing()) else None
+        back = lambda g, dt: g.to(dt) if g is not None and g.dtype != dt else g   # autocast: the inputs' dtypes
         if side is None:
             gx, gw, _ = grads([need_x, need_w, False])
+            return back(gx, ctx.dtypes[0]), back(gw, ctx.dtypes[1]), None, None, None, None, None, None
+        side.wait_stream(here)
+        with torch.cuda.stream(side):
+            gw = back(grads([False, True, False])[1], ctx.dtypes[1])
+        gx = back(grads([True, False, False])[0], ctx.dtypes[0])
+        # late: the weight's gradient is nobody's until the backward ends (its only use in the
+        # graph, and no gradient to accumulate into), so the branch goes on without it
+        if c.grads_late and ctx.once and ctx.weight is not None and ctx.weight.grad is None:
+            c.join_late(here, side, (x, w, gy, gw))
         else:
-            side.wait_stream(here)
-            with torch.cuda.stream(side):
-                gw = grads([False, True, False])[1]
-            gx = grads([True, False, False])[0]
             here.wait_stream(side)
-        # under autocast: back to the inputs' dtypes, as the backward of autocast's casts does
-        gx, gw = (g.to(dt) if g is not None and g.dtype != dt else g for g, dt in zip((gx, gw), ctx.dtypes))
-        return gx, gw, None, None, None, None, None
+        return gx, gw, None, None, None, None, None, None
 
 
-_CONV_GRADS_MODES = ("auto", "apart", "together")
+_CONV_GRADS_MODES = ("auto", "apart", "together", "late")
+# Weight gradients whose join waits for the end of the backward: (node stream, side
+# stream, tensors kept). Filled by _ConvGradsApart.backward, emptied by _end_late.
+_LATE = []
+
+
+def _end_late():
+    """At the end of the backward (on the stream backward() was called on, which the
+    engine has joined with the leaf streams): each deferred side stream is joined into
+    its node's stream and that into the caller's, so a capture ends with every stream
+    joined and the allocator's frees of the kept tensors come after their last use
+    on the streams they were made on. Then the kept tensors go."""
+    cur = {}
+    while _LATE:
+        here, side, _ = _LATE.pop(0)   # the kept tensors go at the next pop, after these waits
+        here.wait_stream(side)
+        c = cur.setdefault(here.device.index, torch.cuda.current_stream(here.device))
+        if c.cuda_stream != here.cuda_stream:
+            c.wait_stream(here)
+
+
+def late_grad_streams():
+    """The side streams whose weight gradients are not yet joined (for
+    KitsuneOptimizer.capture_in_backward: an update must wait for them)."""
+    return [side for _, side, _ in _LATE]
 
 
 def conv_grads_mode():
@@ -491,7 +531,8 @@ def conv_grads_mode():
     forward and backward both ways and keeps the faster (stats()["conv_grads"]; a
     streamed module captured by other code splits them); "apart": split, unmeasured;
     "together": ATen's backward, both on the node's stream (the module then has no
-    _conv_grads_apart node)."""
+    _conv_grads_apart node); "late" (WIP, not measured by compile_step): split, and the
+    weight gradient joins at the end of the backward (_end_late) where it can."""
     mode = os.environ.get("KITSUNE_CONV_GRADS", "auto") or "auto"
     if mode not in _CONV_GRADS_MODES:
         raise ValueError(f"KITSUNE_CONV_GRADS must be one of {', '.join(_CONV_GRADS_MODES)} (or unset), got {mode!r}")
@@ -505,9 +546,18 @@ def conv_grad_splits(module):
     return 0 if graph is None else sum(1 for n in graph.nodes if n.target is _conv_grads_apart)
 
 
-def _conv_grads_apart(x, w, bias, stride, padding, dilation, groups, cid):
-    """The call a streamed graph makes for F.conv2d(x, w, None, ...) (see _ConvGradsApart)."""
-    return _ConvGradsApart.apply(x, w, stride, padding, dilation, groups, cid)
+def _conv_grads_apart(x, w, bias, stride, padding, dilation, groups, cid, once=False):
+    """The call a streamed graph makes for F.conv2d(x, w, None, ...) (see _ConvGradsApart);
+    once: w is used by this call only in the graph."""
+    return _ConvGradsApart.apply(x, w, stride, padding, dilation, groups, cid, once)
+
+
+def _used_once(nodes, w):
+    """Whether the weight node w has one user in the graph, and no other get_attr names
+    the same parameter."""
+    if not isinstance(w, tfx.Node) or len(w.users) != 1:
+        return False
+    return w.op != "get_attr" or sum(1 for n in nodes if n.op == "get_attr" and n.target == w.target) == 1
 
 
 def _splits_conv_grads(n):
@@ -572,7 +622,7 @@ def _apply(gm, p, eager):
             current = s
         if split and _splits_conv_grads(n):
             env[n] = g.call_function(_conv_grads_apart, tuple(env[a] if isinstance(a, tfx.Node) else a
-                                                              for a in n.args) + (cid,))
+                                                              for a in n.args) + (cid, _used_once(old, n.args[1])))
             env[n].meta = dict(n.meta)
         else:
             copy(n)

@@ -264,6 +264,32 @@ def test_conv_grads_mode_is_read_from_the_environment_and_together_splits_nothin
     assert len([n for n in sm.graph.nodes if n.target is nn.functional.conv2d]) == 6
 
 
+def test_each_split_conv_knows_whether_its_weight_is_used_once():
+    """_conv_grads_apart's last argument (for KITSUNE_CONV_GRADS=late: a weight gradient
+    may join after the backward only when nothing else accumulates into it): True for
+    the Inception block's weights, False for a weight two convolutions share."""
+    m = kitsune.optimize(Inception())
+    sm, _ = ks.streamed(m, torch.randn(4, 32, 8, 8), streams=4)
+    flags = [n.args[-1] for n in sm.graph.nodes if n.target is ks._conv_grads_apart]
+    assert flags == [True] * 6, flags
+
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8, 8, 3, 3))
+            self.v = nn.Parameter(torch.randn(8, 8, 3, 3))
+
+        def forward(self, x):
+            F = nn.functional
+            a = F.conv2d(x, self.w, None, (1, 1), (1, 1), (1, 1), 1)
+            b = F.conv2d(x, self.w, None, (1, 1), (1, 1), (1, 1), 1)
+            c = F.conv2d(x, self.v, None, (1, 1), (1, 1), (1, 1), 1)
+            return torch.cat([a, b, c], 1)
+    sm, plan = ks.streamed(Shared(), torch.randn(2, 8, 8, 8), streams=3, min_gain=1.0)
+    flags = {n.args[1].target: n.args[-1] for n in sm.graph.nodes if n.target is ks._conv_grads_apart}
+    assert flags == {"w": False, "v": True}, (flags, plan)
+
+
 # ---- on the GPU -----------------------------------------------------------------------------
 from test_torch_allocator import gpu  # noqa: E402
 
@@ -387,7 +413,7 @@ def test_gpu_compile_step_measures_the_conv_gradient_split_and_puts_the_model_ba
     batches = [(torch.randn(16, 3, 16, 16, device="cuda"), torch.randint(0, 10, (16,), device="cuda"))
                for _ in range(3)]
     runs = {}
-    for mode in ("together", "apart", ""):
+    for mode in ("together", "apart", "late", ""):
         monkeypatch.setenv("KITSUNE_CONV_GRADS", mode)
         m = kitsune.optimize(copy.deepcopy(base))
         step = kitsune.compile_step(m, nn.functional.cross_entropy, torch.optim.AdamW(m.parameters(), lr=1e-3))
@@ -396,12 +422,13 @@ def test_gpu_compile_step_measures_the_conv_gradient_split_and_puts_the_model_ba
         st = step.stats()
         assert st["reason"] is None and st["replays"] == 5 and st["streams"] > 1, st
         runs[mode] = (losses, [b.detach().clone() for b in m.buffers()], st["conv_grads"])
-    for mode in ("apart", ""):
+    for mode in ("apart", "late", ""):
         torch.testing.assert_close(runs[mode][0], runs["together"][0], rtol=1e-4, atol=1e-5)
         for a, b in zip(runs[mode][1], runs["together"][1]):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)   # num_batches_tracked: exactly 6
     assert runs["together"][2] is None   # no convolution to split
     assert runs["apart"][2] == {"convs": 7, "apart": True, "how": "apart"}, runs["apart"][2]
+    assert runs["late"][2] == {"convs": 7, "apart": True, "how": "late"}, runs["late"][2]
     auto = runs[""][2]
     assert auto["convs"] == 7 and auto["how"] == "measured" and auto["apart_ms"] > 0 and auto["together_ms"] > 0
     assert auto["apart"] == (auto["apart_ms"] < 0.99 * auto["together_ms"]), auto
@@ -434,3 +461,26 @@ def test_gpu_conv_gradients_apart_under_bf16_autocast(monkeypatch):
         assert (st["conv_grads"] or {}).get("apart", False) == (mode == "apart"), st["conv_grads"]
         assert all(p.dtype == torch.float32 for p in m.parameters())
     torch.testing.assert_close(losses["apart"], losses["together"], rtol=2e-2, atol=2e-2)   # bf16 sums in other orders
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_late_joined_weight_gradients_wait_for_the_update_in_the_backward(monkeypatch):
+    """KITSUNE_CONV_GRADS=late with the optimizer's update inside the backward: an
+    Inception block of 256 channels (1.4M parameters, so buckets flush during the
+    backward) trains as with the gradients together; the flushes wait for the weight
+    gradients not yet joined."""
+    torch.manual_seed(0)
+    torch.backends.cudnn.deterministic = True
+    base = nn.Sequential(nn.Conv2d(8, 256, 1), ks.Inception(256), nn.Flatten(), nn.LazyLinear(10)).cuda()
+    base(torch.randn(1, 8, 8, 8, device="cuda"))
+    batches = [(torch.randn(4, 8, 8, 8, device="cuda"), torch.randint(0, 10, (4,), device="cuda")) for _ in range(3)]
+    losses = {}
+    for mode in ("together", "late"):
+        monkeypatch.setenv("KITSUNE_CONV_GRADS", mode)
+        m = kitsune.optimize(copy.deepcopy(base))
+        step = kitsune.compile_step(m, nn.functional.cross_entropy, torch.optim.AdamW(m.parameters(), lr=1e-3))
+        losses[mode] = torch.stack([step(*batches[i % 3]) for i in range(6)]).cpu()
+        st = step.stats()
+        assert st["reason"] is None and st["streams"] > 1 and st["optimizer_in_backward"] > 0, st
+    torch.testing.assert_close(losses["late"], losses["together"], rtol=1e-4, atol=1e-5)

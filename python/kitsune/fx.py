@@ -329,9 +329,9 @@ class FusedLoss(torch.overrides.TorchFunctionMode):
     (the loss float32 as F.cross_entropy's, bf16 logits read as they are rather than
     copied to float32), but not on float16 logits there: fp16 autocast comes with loss
     scaling, and a gradient formed in float16 before the scale would lose small values
-    that F.cross_entropy's float32 gradient keeps. Other calls run as they are. compile_step runs its loss function in
-    one (fuse_loss=True), since the loss is outside the model that kitsune.optimize
-    rewrites.
+    that F.cross_entropy's float32 gradient keeps. Other calls run as they are.
+    compile_step runs its loss function in one (fuse_loss=True), since the loss is
+    outside the model that kitsune.optimize rewrites.
 
     fused counts the calls taken; left lists why the others were not (one entry each)."""
 

@@ -384,19 +384,13 @@ class CompiledStep:
             ctx.grads_apart = mode in ("apart", "late")   # late: joined at the backward's end (WIP)
             self._conv_grads = {"convs": n, "apart": ctx.grads_apart, "how": mode}
             return
-        device = self._side.device
-        buffers = list(self.model.buffers())
-        saved, rng = [b.detach().clone() for b in buffers], torch.cuda.get_rng_state(device)
-        ms = {}
+        restore, ms = sched.saved_state(self.model), {}
         try:
             for apart in (False, True):
                 ctx.grads_apart = apart
                 ms[apart] = self._time_trial(args)
         finally:
-            with torch.no_grad():
-                for b, v in zip(buffers, saved):
-                    b.copy_(v)
-            torch.cuda.set_rng_state(rng, device)
+            restore()
             ctx.grads_apart = False
         ctx.grads_apart = ms[True] < 0.99 * ms[False]
         self._conv_grads = {"convs": n, "apart": ctx.grads_apart, "how": "measured", "apart_ms": ms[True],
@@ -487,8 +481,8 @@ class CompiledStep:
         needing NCHW strides, say) gets its buffers, the CUDA rng and the weights' layout
         put back, and the step runs NCHW from then on."""
         if self._cl:
-            buffers = list(self.model.buffers())
-            saved, rng = [b.detach().clone() for b in buffers], torch.cuda.get_rng_state()
+            from .sched import saved_state
+            restore = saved_state(self.model)
             held = _graphs_elsewhere(self)
             moved = [] if held else _relayout(_conv_weights(self.model), self.optimizer, torch.channels_last)
             if moved:
@@ -499,10 +493,7 @@ class CompiledStep:
             try:
                 return self._eager(self._layout(batch))
             except Exception as e:   # noqa: BLE001 - whatever the model raises on that layout
-                with torch.no_grad():
-                    for b, v in zip(buffers, saved):
-                        b.copy_(v)
-                torch.cuda.set_rng_state(rng)
+                restore()
                 _relayout(moved, self.optimizer, torch.contiguous_format)
                 self._cl, self._cl_reason = False, f"the model refused channels-last input: {_describe(e)}"
         return self._eager(batch)

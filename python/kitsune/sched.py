@@ -231,9 +231,7 @@ def measure_costs(model, *example_inputs, reps=5):
     gm = _traced(model)
     ops = [n for n in gm.graph.nodes if n.op in ("call_module", "call_function", "call_method")]
     timed = {n.name for n in ops if not _is_free(gm, n)}
-    buffers = [(b, b.detach().clone()) for b in gm.buffers()]
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if cuda else None)
+    restore = saved_state(gm)
     timer = _Timer(gm, timed)
     try:
         with torch.no_grad():
@@ -243,14 +241,27 @@ def measure_costs(model, *example_inputs, reps=5):
                 if i == 0:   # the warm-up run: first calls pay for allocation and autotuning
                     timer.times = {name: [] for name in timed}
     finally:
+        restore()
+    import statistics
+    return {n.name: statistics.median(timer.times[n.name]) if n.name in timed else 0.0 for n in ops}
+
+
+def saved_state(module):
+    """What running ``module`` changes besides its parameters, saved now: its buffers
+    (BatchNorm's running statistics) and the CPU and CUDA random generators. Returns a
+    function that puts them back (measure_costs; compile_step's warm-up and trials)."""
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if cuda else None)
+
+    def restore():
         with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
+            for b, v in buffers:
+                b.copy_(v)
         torch.set_rng_state(rng[0])
         if rng[1] is not None:
             torch.cuda.set_rng_state_all(rng[1])
-    import statistics
-    return {n.name: statistics.median(timer.times[n.name]) if n.name in timed else 0.0 for n in ops}
+    return restore
 
 
 def _traced(model):

@@ -135,9 +135,6 @@ class _InBackward:
             self.left += ps   # for finish's plan, which refuses them as capture_step would
             return
         self.stream.wait_stream(torch.cuda.current_stream(ps[0].device))   # these gradients included
-        from .sched import late_grad_streams
-        for side in late_grad_streams():   # weight gradients a streamed conv has not joined yet
-            self.stream.wait_stream(side)
         with torch.cuda.stream(self.stream):
             self.owner._capture_launch(live, self.counted)
         self.launches += 1

@@ -373,14 +373,19 @@ class _Streams:
     def stream(self, k):
         return self.main if k == 0 else self.sides[k - 1]
 
-    def join_late(self, here, side, keep):
-        """Defers the join of `side` (a weight gradient running beside `here`) to the end
-        of the backward (_end_late, an autograd final callback): `keep` (the tensors
-        the side stream reads and writes) stays referenced until then. A callback is
-        queued each time (the first drains them all; after a backward that failed, the
-        next one's drains what it left)."""
-        _LATE.append((here, side, keep))
-        torch.autograd.Variable._execution_engine.queue_callback(_end_late)
+    def join_late(self, here, side, weight, grad, keep):
+        """Defers the join of `side` (where `grad`, the gradient of the leaf `weight`, is
+        being computed beside `here`) to the end of the backward: _end_late joins the
+        streams, sets weight.grad and runs its post-accumulate-grad hooks. `keep` (what
+        the side stream reads) stays referenced until then. Entries are per backward
+        (torch._C._current_graph_task_id); a backward that failed before its end leaves
+        its entries, which the next one drops with their streams joined, unassigned."""
+        task = torch._C._current_graph_task_id()
+        if _LATE and _LATE[0][0] != task:
+            _drop_late()
+        if not _LATE:
+            torch.autograd.Variable._execution_engine.queue_callback(_end_late)
+        _LATE.append((task, here, side, weight, grad, keep))
 
     def grad_stream(self, here):
         """The stream a convolution's weight gradient runs on beside its input gradient
@@ -460,8 +465,10 @@ class _ConvGradsApart(torch.autograd.Function):
     64: 1.947 ms apart, 1.907 together; ab_conv_grads_6d3534f.json), so the split is
     switched per module (_Streams.grads_apart), and compile_step measures which way
     its step runs faster (graph.CompiledStep._choose_conv_grads). The two read the same
-    inputs and write separate outputs. Nothing leaves the node unjoined, so autograd's
-    stream bookkeeping (both gradients ready on the node's stream) holds. Memory: gy
+    inputs and write separate outputs. Every gradient handed to autograd is joined
+    into the node's stream, so autograd's stream bookkeeping (gradients ready on the
+    node's stream) holds; with KITSUNE_CONV_GRADS=late a weight gradient autograd need
+    not see (see backward) joins at the end of the backward instead. Memory: gy
     and x are freed after the join, into their own stream's blocks; the weight gradient,
     allocated on the side stream, is held as the parameter's gradient for the rest of
     the capture; the cuDNN workspace the side stream takes is used by its own kernel
@@ -500,40 +507,61 @@ class _ConvGradsApart(torch.autograd.Function):
         with torch.cuda.stream(side):
             gw = back(grads([False, True, False])[1], ctx.dtypes[1])
         gx = back(grads([True, False, False])[0], ctx.dtypes[0])
-        # late: the weight's gradient is nobody's until the backward ends (its only use in the
-        # graph, and no gradient to accumulate into), so the branch goes on without it
-        if c.grads_late and ctx.once and ctx.weight is not None and ctx.weight.grad is None:
-            c.join_late(here, side, (x, w, gy, gw))
+        # late: the weight's gradient (its only use in the graph, no gradient to add it to, no
+        # tensor hook) is not handed to autograd, whose AccumulateGrad would take it as
+        # ready on this stream (and copy it there when it cannot steal it): _end_late
+        # sets it once the side stream is joined, so the branch goes on without it
+        wt = ctx.weight
+        if c.grads_late and ctx.once and wt is not None and wt.grad is None and not wt._backward_hooks:
+            c.join_late(here, side, wt, gw, (x, w, gy))
+            gw = None
         else:
             here.wait_stream(side)
         return gx, gw, None, None, None, None, None, None
 
 
 _CONV_GRADS_MODES = ("auto", "apart", "together", "late")
-# Weight gradients whose join waits for the end of the backward: (node stream, side
-# stream, tensors kept). Filled by _ConvGradsApart.backward, emptied by _end_late.
+# Weight gradients whose join waits for the end of the backward: (graph task, node
+# stream, side stream, weight, gradient, tensors kept), all of one backward. Filled by
+# _ConvGradsApart.backward through _Streams.join_late, emptied by _end_late.
 _LATE = []
 
 
-def _end_late():
-    """At the end of the backward (on the stream backward() was called on, which the
-    engine has joined with the leaf streams): each deferred side stream is joined into
-    its node's stream and that into the caller's, so a capture ends with every stream
-    joined and the allocator's frees of the kept tensors come after their last use
-    on the streams they were made on. Then the kept tensors go."""
+def _join_late_streams(entries):
+    """Each entry's side stream joined into its node's stream, and that into the current
+    stream of its device: later work, and the allocator's frees of the kept tensors
+    (on the streams they were made on), come after the side stream's last use."""
     cur = {}
-    while _LATE:
-        here, side, _ = _LATE.pop(0)   # the kept tensors go at the next pop, after these waits
+    for _, here, side, *_ in entries:
         here.wait_stream(side)
         c = cur.setdefault(here.device.index, torch.cuda.current_stream(here.device))
         if c.cuda_stream != here.cuda_stream:
             c.wait_stream(here)
 
 
-def late_grad_streams():
-    """The side streams whose weight gradients are not yet joined (for
-    KitsuneOptimizer.capture_in_backward: an update must wait for them)."""
-    return [side for _, side, _ in _LATE]
+def _drop_late():
+    """A failed backward's entries: joined, their gradients dropped."""
+    entries = _LATE[:]
+    _LATE.clear()
+    _join_late_streams(entries)
+
+
+def _end_late():
+    """The backward's final callback (on the streams backward() was called on, which the
+    engine has joined with the leaf streams): the late weight gradients are joined,
+    then each becomes its weight's .grad and the weight's post-accumulate-grad hooks
+    run, as after autograd's AccumulateGrad (KitsuneOptimizer's in-backward update
+    among them). The entries go after."""
+    entries = _LATE[:]
+    _LATE.clear()
+    _join_late_streams(entries)
+    for _, _, _, weight, grad, _ in entries:
+        if weight.grad is None:
+            weight.grad = grad
+        else:   # not expected (no other use of the weight), but never lost
+            weight.grad.add_(grad)
+        for hook in tuple((weight._post_accumulate_grad_hooks or {}).values()):
+            hook(weight)
 
 
 def conv_grads_mode():

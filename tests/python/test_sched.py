@@ -423,9 +423,12 @@ def test_gpu_compile_step_measures_the_conv_gradient_split_and_puts_the_model_ba
         assert st["reason"] is None and st["replays"] == 5 and st["streams"] > 1, st
         runs[mode] = (losses, [b.detach().clone() for b in m.buffers()], st["conv_grads"])
     for mode in ("apart", "late", ""):
-        torch.testing.assert_close(runs[mode][0], runs["together"][0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(runs[mode][0], runs["together"][0], rtol=1e-4, atol=1e-5,
+                                   msg=lambda m: f"KITSUNE_CONV_GRADS={mode!r}: losses {runs[mode][0].tolist()} "
+                                                 f"against {runs['together'][0].tolist()}: {m}")
         for a, b in zip(runs[mode][1], runs["together"][1]):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)   # num_batches_tracked: exactly 6
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5,   # num_batches_tracked: exactly 6
+                                       msg=lambda m: f"KITSUNE_CONV_GRADS={mode!r}: a buffer: {m}")
     assert runs["together"][2] is None   # no convolution to split
     assert runs["apart"][2] == {"convs": 7, "apart": True, "how": "apart"}, runs["apart"][2]
     assert runs["late"][2] == {"convs": 7, "apart": True, "how": "late"}, runs["late"][2]

@@ -334,7 +334,8 @@ class _Streams:
         self.per_device = {}
         self.grads = {}   # device index -> _ConvGradsApart's streams, one per plan stream
         self.grads_apart = True   # _ConvGradsApart splits (compile_step may measure and turn it off)
-        self.grads_late = conv_grads_mode() == "late"   # ... and joins at the end of the backward
+        self.grads_late = conv_grads_mode() == "late"   # ... and joins at the end of the backward where it can
+        self.late_joins = 0   # weight gradients joined at a backward's end so far (join_late)
         self.main = None
         self.active = False
         self.used = set()
@@ -386,6 +387,7 @@ class _Streams:
         if not _LATE:
             torch.autograd.Variable._execution_engine.queue_callback(_end_late)
         _LATE.append((task, here, side, weight, grad, keep))
+        self.late_joins += 1
 
     def grad_stream(self, here):
         """The stream a convolution's weight gradient runs on beside its input gradient
@@ -567,11 +569,12 @@ def _end_late():
 def conv_grads_mode():
     """``KITSUNE_CONV_GRADS``: how a streamed module's bias-free convolutions run their two
     gradients inside a capture. "auto" (unset): kitsune.compile_step times its step's
-    forward and backward both ways and keeps the faster (stats()["conv_grads"]; a
-    streamed module captured by other code splits them); "apart": split, unmeasured;
-    "together": ATen's backward, both on the node's stream (the module then has no
-    _conv_grads_apart node); "late" (WIP, not measured by compile_step): split, and the
-    weight gradient joins at the end of the backward (_end_late) where it can."""
+    forward and backward each way below and keeps the fastest (stats()["conv_grads"]; a
+    streamed module captured by other code splits them); "apart": split, joined in the
+    node; "together": ATen's backward, both on the node's stream (the module then has
+    no _conv_grads_apart node); "late": split, and a weight used once whose gradient
+    is the first joins at the end of the backward (_end_late), which keeps the
+    convolution's input and output gradient until then."""
     mode = os.environ.get("KITSUNE_CONV_GRADS", "auto") or "auto"
     if mode not in _CONV_GRADS_MODES:
         raise ValueError(f"KITSUNE_CONV_GRADS must be one of {', '.join(_CONV_GRADS_MODES)} (or unset), got {mode!r}")

@@ -430,11 +430,17 @@ def test_gpu_compile_step_measures_the_conv_gradient_split_and_puts_the_model_ba
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5,   # num_batches_tracked: exactly 6
                                        msg=lambda m: f"KITSUNE_CONV_GRADS={mode!r}: a buffer: {m}")
     assert runs["together"][2] is None   # no convolution to split
-    assert runs["apart"][2] == {"convs": 7, "apart": True, "how": "apart"}, runs["apart"][2]
-    assert runs["late"][2] == {"convs": 7, "apart": True, "how": "late"}, runs["late"][2]
+    assert runs["apart"][2] == {"convs": 7, "apart": True, "late": False, "how": "apart"}, runs["apart"][2]
+    assert runs["late"][2] == {"convs": 7, "apart": True, "late": True, "how": "late"}, runs["late"][2]
     auto = runs[""][2]
-    assert auto["convs"] == 7 and auto["how"] == "measured" and auto["apart_ms"] > 0 and auto["together_ms"] > 0
-    assert auto["apart"] == (auto["apart_ms"] < 0.99 * auto["together_ms"]), auto
+    ms = auto["ms"]
+    assert auto["convs"] == 7 and auto["how"] == "measured" and sorted(ms) == ["apart", "late", "together"], auto
+    assert all(t > 0 for t in ms.values()), auto
+    best = "together"   # each way kept over the one before only when 1% faster
+    for way in ("apart", "late"):
+        if ms[way] < 0.99 * ms[best]:
+            best = way
+    assert (auto["apart"], auto["late"]) == (best != "together", best == "late"), auto
     # a second batch shape is captured with the choice made: no trial again, and trials are no captures
     step(torch.randn(8, 3, 16, 16, device="cuda"), torch.randint(0, 10, (8,), device="cuda"))
     st = step.stats()
@@ -452,7 +458,7 @@ def test_gpu_conv_gradients_apart_under_bf16_autocast(monkeypatch):
     batches = [(torch.randn(16, 3, 16, 16, device="cuda"), torch.randint(0, 10, (16,), device="cuda"))
                for _ in range(3)]
     losses = {}
-    for mode in ("together", "apart"):
+    for mode in ("together", "apart", "late"):   # late: the weights autocast casts are no leaves, so joined in the node
         monkeypatch.setenv("KITSUNE_CONV_GRADS", mode)
         m = kitsune.optimize(copy.deepcopy(base))
         step = kitsune.compile_step(m, nn.functional.cross_entropy, torch.optim.AdamW(m.parameters(), lr=1e-3),
@@ -461,9 +467,10 @@ def test_gpu_conv_gradients_apart_under_bf16_autocast(monkeypatch):
         losses[mode] = torch.stack([step(*batches[i % 3]) for i in range(6)]).float().cpu()
         st = step.stats()
         assert st["reason"] is None and st["replays"] == 5 and st["streams"] > 1, st
-        assert (st["conv_grads"] or {}).get("apart", False) == (mode == "apart"), st["conv_grads"]
+        assert (st["conv_grads"] or {}).get("apart", False) == (mode != "together"), st["conv_grads"]
         assert all(p.dtype == torch.float32 for p in m.parameters())
-    torch.testing.assert_close(losses["apart"], losses["together"], rtol=2e-2, atol=2e-2)   # bf16 sums in other orders
+    for mode in ("apart", "late"):   # bf16 sums in other orders
+        torch.testing.assert_close(losses[mode], losses["together"], rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.gpu

@@ -377,7 +377,7 @@ class _Streams:
     def join_late(self, here, side, weight, grad, keep):
         """Defers the join of `side` (where `grad`, the gradient of the leaf `weight`, is
         being computed beside `here`) to the end of the backward: _end_late joins the
-        streams, sets weight.grad and runs its post-accumulate-grad hooks. `keep` (what
+        streams and sets weight.grad. `keep` (what
         the side stream reads) stays referenced until then. Entries are per backward
         (torch._C._current_graph_task_id); a backward that failed before its end leaves
         its entries, which the next one drops with their streams joined, unassigned."""
@@ -514,7 +514,7 @@ class _ConvGradsApart(torch.autograd.Function):
         # ready on this stream (and copy it there when it cannot steal it): _end_late
         # sets it once the side stream is joined, so the branch goes on without it
         wt = ctx.weight
-        if c.grads_late and ctx.once and wt is not None and wt.grad is None and not wt._backward_hooks:
+        if c.grads_late and ctx.once and wt is not None and wt.grad is None and _late_ok(wt):
             c.join_late(here, side, wt, gw, (x, w, gy))
             gw = None
         else:
@@ -548,12 +548,21 @@ def _drop_late():
     _join_late_streams(entries)
 
 
+def _late_ok(weight):
+    """Whether a weight's gradient may be set after the backward: no tensor hook (autograd
+    would run it on the gradient), and no post-accumulate-grad hook but
+    KitsuneOptimizer's in-backward one (autograd runs those when the node's gradient
+    arrives, here None; the in-backward update leaves such a parameter to its finish)."""
+    if weight._backward_hooks:
+        return False
+    hooks = (weight._post_accumulate_grad_hooks or {}).values()
+    return all(getattr(getattr(h, "__self__", None), "kitsune_in_backward", False) for h in hooks)
+
+
 def _end_late():
     """The backward's final callback (on the streams backward() was called on, which the
-    engine has joined with the leaf streams): the late weight gradients are joined,
-    then each becomes its weight's .grad and the weight's post-accumulate-grad hooks
-    run, as after autograd's AccumulateGrad (KitsuneOptimizer's in-backward update
-    among them). The entries go after."""
+    engine has joined with the leaf streams): the late weight gradients are joined, then
+    each becomes its weight's .grad. The entries go after."""
     entries = _LATE[:]
     _LATE.clear()
     _join_late_streams(entries)
@@ -562,8 +571,6 @@ def _end_late():
             weight.grad = grad
         else:   # not expected (no other use of the weight), but never lost
             weight.grad.add_(grad)
-        for hook in tuple((weight._post_accumulate_grad_hooks or {}).values()):
-            hook(weight)
 
 
 def conv_grads_mode():

@@ -290,6 +290,30 @@ def test_each_split_conv_knows_whether_its_weight_is_used_once():
     assert flags == {"w": False, "v": True}, (flags, plan)
 
 
+def test_a_late_weight_gradient_is_only_for_weights_without_hooks_that_would_see_it():
+    """KITSUNE_CONV_GRADS=late hands autograd no weight gradient and sets .grad after the
+    backward, so not for a weight with a tensor hook or a post-accumulate-grad hook of
+    the user's (autograd runs those on the missing gradient); KitsuneOptimizer's
+    in-backward hook takes such a parameter at its finish instead (a hook that sees no
+    gradient leaves it there)."""
+    w = nn.Parameter(torch.randn(3))
+    assert ks._late_ok(w)
+
+    class InBackward:
+        kitsune_in_backward = True
+
+        def ready(self, p):
+            pass
+    h = w.register_post_accumulate_grad_hook(InBackward().ready)
+    assert ks._late_ok(w)
+    u = w.register_post_accumulate_grad_hook(lambda p: None)
+    assert not ks._late_ok(w)
+    u.remove(), h.remove()
+    assert ks._late_ok(w)
+    w.register_hook(lambda g: g)
+    assert not ks._late_ok(w)
+
+
 # ---- on the GPU -----------------------------------------------------------------------------
 from test_torch_allocator import gpu  # noqa: E402
 

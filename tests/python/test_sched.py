@@ -499,16 +499,18 @@ def test_gpu_conv_gradients_apart_under_bf16_autocast(monkeypatch):
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_late_joined_weight_gradients_wait_for_the_update_in_the_backward(monkeypatch):
+def test_gpu_late_weight_gradients_and_the_update_in_the_backward(monkeypatch):
     """KITSUNE_CONV_GRADS=late with the optimizer's update inside the backward: an
-    Inception block of 256 channels (1.4M parameters, so buckets flush during the
-    backward) trains as with the gradients together; the flushes wait for the weight
-    gradients not yet joined."""
+    Inception block of 256 channels and a 2.6M-parameter head, whose bucket the update
+    flushes during the backward either way; the late convolution weights (their hook
+    runs with no gradient) are updated at its finish. Trains as with the gradients
+    together."""
     torch.manual_seed(0)
     torch.backends.cudnn.deterministic = True
     base = nn.Sequential(nn.Conv2d(8, 256, 1), ks.Inception(256), nn.Flatten(), nn.LazyLinear(10)).cuda()
-    base(torch.randn(1, 8, 8, 8, device="cuda"))
-    batches = [(torch.randn(4, 8, 8, 8, device="cuda"), torch.randint(0, 10, (4,), device="cuda")) for _ in range(3)]
+    base(torch.randn(1, 8, 16, 16, device="cuda"))
+    batches = [(torch.randn(4, 8, 16, 16, device="cuda"), torch.randint(0, 10, (4,), device="cuda"))
+               for _ in range(3)]
     losses = {}
     for mode in ("together", "late"):
         monkeypatch.setenv("KITSUNE_CONV_GRADS", mode)
@@ -517,4 +519,5 @@ def test_gpu_late_joined_weight_gradients_wait_for_the_update_in_the_backward(mo
         losses[mode] = torch.stack([step(*batches[i % 3]) for i in range(6)]).cpu()
         st = step.stats()
         assert st["reason"] is None and st["streams"] > 1 and st["optimizer_in_backward"] > 0, st
+        assert st["conv_grads"]["late"] == (mode == "late"), st["conv_grads"]
     torch.testing.assert_close(losses["late"], losses["together"], rtol=1e-4, atol=1e-5)

@@ -519,5 +519,5 @@ def test_gpu_late_weight_gradients_and_the_update_in_the_backward(monkeypatch):
         losses[mode] = torch.stack([step(*batches[i % 3]) for i in range(6)]).cpu()
         st = step.stats()
         assert st["reason"] is None and st["streams"] > 1 and st["optimizer_in_backward"] > 0, st
-        assert st["conv_grads"]["late"] == (mode == "late"), st["conv_grads"]
+        assert (st["conv_grads"] or {}).get("late", False) == (mode == "late"), st["conv_grads"]   # together: no split
     torch.testing.assert_close(losses["late"], losses["together"], rtol=1e-4, atol=1e-5)

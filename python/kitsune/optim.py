@@ -117,6 +117,8 @@ class _InBackward:
         self.hooks = [p.register_post_accumulate_grad_hook(self._ready) for p in self.group_of]
 
     def _ready(self, p):
+        if p.grad is None:   # autograd runs the hook for a None gradient too: nothing to update, as capture_step
+            return
         self.pending.append(p)
         self.pending_n += p.numel()
         if self.pending_n >= self.quota:

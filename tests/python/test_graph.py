@@ -119,6 +119,31 @@ def test_capturable_ops_refuse_a_bad_found_inf_before_changing_anything():
     assert hyper[1].item() == 0 and torch.equal(p[0], torch.ones(4))   # nothing counted, nothing updated
 
 
+def test_the_in_backward_update_takes_no_parameter_whose_gradient_is_none():
+    """Autograd runs a post-accumulate-grad hook for a None gradient too (a Function that
+    returns None for a weight): the in-backward update leaves such a parameter out, as
+    capture_step does, instead of handing the fused kernel a missing gradient."""
+    from kitsune.optim import _InBackward
+
+    class NoWeightGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            return x * w
+
+        @staticmethod
+        def backward(ctx, g):
+            return g.clone(), None
+    a, w = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    opt = KitsuneOptimizer(torch.optim.AdamW, [a, w], lr=0.1)
+    ib = _InBackward(opt, [[a, w]], stream=None, buckets=6)   # small: nothing flushes, so no stream is used
+    try:
+        NoWeightGrad.apply(a * 2, w).sum().backward()
+        assert w.grad is None and a.grad is not None
+        assert [p is a for p in ib.pending] == [True], ib.pending
+    finally:
+        ib.close()
+
+
 def test_capture_step_refuses_cpu_parameters():
     w = torch.nn.Parameter(torch.ones(3))
     opt = KitsuneOptimizer(torch.optim.AdamW, [w], lr=0.1)

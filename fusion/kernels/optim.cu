@@ -100,6 +100,7 @@ __device__ __forceinline__ void update(T *const *p, int64_t i, const Args &a, F 
 template <typename T, int NP, typename Args, typename F>
 __global__ void __launch_bounds__(kThreads) multi_tensor(Lists<NP> l, int64_t chunks, Args args, F f) {
   constexpr int E = 16 / sizeof(T);
+  if (args.skip && *args.skip != 0.f) return;   // inf or NaN gradients under loss scaling: no update
   const Args a = kt::resolve(args);   // lr and step from device memory under a CUDA graph
   for (int64_t c = blockIdx.x; c < chunks; c += gridDim.x) {
     int t = 0;

@@ -39,9 +39,16 @@ kernel starts 0.4 us after it (H100). ``stats()["memsets_replaced"]`` counts the
 When a step cannot be captured (no CUDA device, an optimizer the fused kernel does
 not cover, an op that syncs with the host or refuses capture, a batch on another
 device), it runs eagerly from then on: ``stats()["reason"]`` says why, and a warning
-says so once. bf16 autocast: ``autocast_dtype=torch.bfloat16``. fp16 with loss
-scaling (torch.amp.GradScaler, or KitsuneOptimizer(enable_amp=True), which compile_step
-scales and unscales for) runs eagerly: the scaler reads its inf check on the host.
+says so once. bf16 autocast: ``autocast_dtype=torch.bfloat16``. fp16 with dynamic loss
+scaling: ``autocast_dtype=torch.float16`` with ``KitsuneOptimizer(..., enable_amp=True)``
+(its torch.amp.GradScaler). The graph holds the whole scaled step with no host sync
+(KitsuneOptimizer.capture_amp_step): the loss times the scale, the backward, the
+scaler's unscale_ and inf check, clipping if asked, the update skipped on the device
+where the check found inf or NaN (parameters, state and step counts untouched), and the
+scaler's update of the scale; the scale lives on the device, as GradScaler keeps it.
+torch.optim's host step counts are put right from the device when next read
+(``state_dict`` and the like; one sync); ``get_stats()["skipped_steps"]`` counts the
+skipped replays the same way.
 
 Streams: the first capture plans the model's forward graph with kitsune.sched
 (``streams`` at most, default 4) and, where the plan gains, captures it with
@@ -233,7 +240,7 @@ class CompiledStep:
         self._n["replays"] += 1
         return g.loss.clone()
 
-    def _forward_backward(self, batch, model=None):
+    def _forward_backward(self, batch, model=None, clip=True):
         model = self.model if model is None else model
         inputs, target = (batch[:-1], batch[-1]) if self.loss_fn is not None else (batch, None)
         amp = (torch.autocast("cuda", dtype=self.autocast_dtype, cache_enabled=False)   # no cache across a capture
@@ -253,7 +260,7 @@ class CompiledStep:
                             f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}")
         amp = self.optimizer.enable_amp
         (self.optimizer.scale(loss) if amp else loss).backward()
-        if self.max_grad_norm is not None:
+        if self.max_grad_norm is not None and clip:
             if amp:
                 self.optimizer.unscale_()
             params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
@@ -298,6 +305,11 @@ class CompiledStep:
         # workspaces the warm-up made on the capture stream (the autograd thread's
         # handle, say) move to the partner; the capture then makes none
         self._blas = _share_workspaces(partner, side)
+        if self.optimizer.enable_amp and self.optimizer._first_update_pending():
+            # the loss scaler skipped the warm-up's update (inf or NaN gradients), so the optimizer
+            # state a capture reads is not there yet: eager again, until an update is taken
+            self._setup_s += time.perf_counter() - t0
+            return loss
         slots = [i for i, b in enumerate(batch) if isinstance(b, torch.Tensor)]
         laid = self._layout(batch)
         static = [laid[i].detach().clone() for i in slots]   # outside the pool: the graph's inputs
@@ -320,6 +332,7 @@ class CompiledStep:
         except Exception as e:   # noqa: BLE001 - any failure inside the capture means: run eagerly
             torch.cuda.set_stream(here)   # a streamed forward may have failed on a side stream
             self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer._amp_forget()
             torch.cuda.synchronize()
             _end_generator_capture(device)
             self._fall_back(f"the step could not be captured: {_describe(e)}")
@@ -345,9 +358,10 @@ class CompiledStep:
         try:
             with self._capturing(graph, pool):
                 ib = self._in_backward() if update else None
-                static_loss = self._forward_backward(tuple(args), self._captured)
+                static_loss = self._forward_backward(tuple(args), self._captured, clip=update)
                 if update:
-                    plan = ib.finish() if ib is not None else self.optimizer.capture_step()
+                    plan = ib.finish() if ib is not None else (
+                        self.optimizer.capture_amp_step() if self.optimizer.enable_amp else self.optimizer.capture_step())
                     self._ib_launches = ib.launches if ib is not None else 0
         except BaseException:
             if ib is not None:
@@ -581,9 +595,6 @@ class CompiledStep:
     def _capture_blocker(self, batch):
         if not torch.cuda.is_available():
             return "CUDA is not available"
-        if self.optimizer.enable_amp:
-            return ("KitsuneOptimizer(enable_amp=True) reads its inf check on the host each step (as "
-                    "torch.amp.GradScaler does), which a CUDA graph cannot hold")
         devices = {p.device for p in self.model.parameters()}
         if len(devices) != 1 or next(iter(devices)).type != "cuda":
             return f"the model's parameters must be on one CUDA device, found {sorted(map(str, devices))}"

@@ -24,6 +24,7 @@ import torch
 from . import ops as _ops  # noqa: F401 - loads the bridge (torch.ops.kitsune.adam_ / sgd_)
 
 _lib = torch.ops.kitsune
+_AMP_UNSCALED = torch.amp.grad_scaler.OptState.UNSCALED   # GradScaler: unscale_ done since update()
 
 
 def _why_not(opt):
@@ -69,6 +70,8 @@ class _CapturePlan:
     def __init__(self):
         self.groups, self.states, self.baked = [], [], {}
         self.counts = self.mask = None
+        self.group_states = {}   # group index -> its Adam states here (a loss-scaled plan's counts settle by group)
+        self.amp = False   # the update is conditional on the loss scaler's inf check (capture_amp_step)
 
 
 class _StepCounts:
@@ -197,7 +200,9 @@ class KitsuneOptimizer:
     As with GradScaler, ``step`` reads the inf check on the host (one sync a step), a
     skipped step changes no parameter, state or step count, and the parameters stay
     fp32 (fp16 compute comes from ``torch.autocast``; GradScaler refuses fp16
-    gradients). ``opt.scaler`` is the GradScaler (its ``state_dict`` holds the scale)."""
+    gradients). ``opt.scaler`` is the GradScaler (its ``state_dict`` holds the scale).
+    Under kitsune.compile_step the whole scaled step is one CUDA graph with no sync
+    (capture_amp_step): the skip is decided on the device."""
 
     def __init__(self, optimizer, params=None, *, enable_amp=False, enable_fusion=True, num_streams=4,
                  profile=False, amp_options=None, **options):
@@ -224,6 +229,9 @@ class KitsuneOptimizer:
         self._counts = None   # _StepCounts of the Adam state's step tensors, made by capture_step
         self.enable_amp, self._amp_options, self.scaler = bool(enable_amp), dict(amp_options or {}), None
         self._amp_view, self._skipped = _AmpView(self), 0
+        # captured loss-scaled steps (capture_amp_step): the device's count of skipped
+        # replays, how many of them the host has seen, and the plans replayed since (_settle)
+        self._amp_skips, self._amp_skips_seen, self._unsettled = None, 0, {}
 
     # ---- torch.optim's interface, from the wrapped optimizer ----
     @property
@@ -232,6 +240,7 @@ class KitsuneOptimizer:
 
     @property
     def state(self):
+        self._settle()
         return self.optimizer.state
 
     @property
@@ -242,9 +251,11 @@ class KitsuneOptimizer:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self):
+        self._settle()
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict):
+        self._settle()
         self.optimizer.load_state_dict(state_dict)
 
     def add_param_group(self, group):
@@ -281,6 +292,7 @@ class KitsuneOptimizer:
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
         t0 = time.perf_counter()
+        self._settle()
         if self.enable_amp:
             scaler, stepped = self._need_amp("step"), self._steps
             scaler.step(self._amp_view)   # unscales if not yet, checks for inf/NaN, then calls _update()
@@ -382,20 +394,100 @@ class KitsuneOptimizer:
     def prepare_capture(self, device):
         """Before a capture, outside it: makes the device rows capture_step reads (once;
         every graph captured from this optimizer shares them)."""
+        self._settle()
         n = len(self.optimizer.param_groups)
         if self._hyper is None or self._hyper.device != torch.device(device) or self._hyper.shape[0] != n:
             self._hyper = torch.zeros(n, 2, dtype=torch.float64, device=device)
             self._hyper_mirror = {}
+        if self.enable_amp and (self._amp_skips is None or self._amp_skips.device != torch.device(device)):
+            self._amp_skips, self._amp_skips_seen = torch.zeros(1, dtype=torch.float64, device=device), 0
 
-    def capture_step(self):
+    def capture_step(self, found_inf=None):
         """Runs the step as torch.ops.kitsune.adam_capturable_ / sgd_capturable_, to be
         recorded into a CUDA graph (after prepare_capture), and returns the plan that
         sync_hyper() (before every replay, the first included) and replayed() take;
-        raises RuntimeError with the reason when the step cannot be captured."""
+        raises RuntimeError with the reason when the step cannot be captured.
+        found_inf: a device flag (torch.amp's inf check) that, where not 0 when the
+        update runs, leaves parameters, state and step counts as they are."""
         live = [[p for p in g["params"] if p.grad is not None] for g in self.optimizer.param_groups]
         plan = self._capture_plan(live)
-        self._capture_launch(live, set())
+        self._capture_launch(live, set(), found_inf)
         return plan
+
+    def capture_amp_step(self):
+        """capture_step under loss scaling (enable_amp=True), for a CUDA graph, with no host
+        sync: the GradScaler's unscale_ (unless called already, for clipping), the update
+        conditional on its inf check on the device, and the scaler's update() of the
+        scale, all recorded (GradScaler's own calls and arithmetic). A replay then does
+        what step() does eagerly, but a replay cannot tell the host whether it skipped:
+        the host's step counts (torch.optim's "step" state) are moved on at each replay
+        and put right from the device at the next state, state_dict, load_state_dict,
+        get_stats, eager step or capture (_settle, one sync)."""
+        scaler = self._need_amp("capture_amp_step")
+        if not scaler.is_enabled():   # GradScaler(enabled=False): no scaling, no check
+            return self.capture_step()
+        if self._amp_skips is None:
+            raise RuntimeError("the optimizer step cannot be captured: prepare_capture(device) was not called")
+        view = self._amp_view
+        # GradScaler keeps its inf checks per optimizer (here the view) until update(); a
+        # private structure, read where GradScaler.step would read it on the host
+        state = scaler._per_optimizer_states[id(view)]
+        if state["stage"] is not _AMP_UNSCALED:
+            scaler.unscale_(view)
+        found = list(state["found_inf_per_device"].values())
+        if len(found) != 1:
+            raise RuntimeError(f"the optimizer step cannot be captured: loss scaling needs the gradients on one "
+                               f"device, found inf checks on {len(found)}")
+        plan = self.capture_step(found_inf=found[0])
+        plan.amp = True
+        self._amp_skips.add_(found[0])
+        scaler.update()
+        return plan
+
+    def _first_update_pending(self):
+        """Whether a parameter with a gradient has none of the optimizer state a capture
+        needs yet (Adam's moments, SGD's momentum buffer): the loss scaler skipped its
+        first update."""
+        opt = self.optimizer
+        sgd = isinstance(opt, torch.optim.SGD)
+        for g in opt.param_groups:
+            if sgd and g["momentum"] == 0:
+                continue
+            for p in g["params"]:
+                st = opt.state.get(p, {})
+                if p.grad is not None and (st.get("momentum_buffer") is None if sgd else len(st) == 0):
+                    return True
+        return False
+
+    def _amp_forget(self):
+        """After a capture that failed: the scaler's per-optimizer record (inf checks the
+        graph never computed) is dropped, so the next step checks afresh."""
+        if self.scaler is not None:
+            self.scaler._per_optimizer_states.pop(id(self._amp_view), None)
+
+    def _settle(self):
+        """The host's step counts after replays of loss-scaled plans (capture_amp_step),
+        each counted as a step by replayed(): the device's count of skipped replays says
+        how many were not (one sync), and each Adam group's device step count is the
+        true one. Nothing to do (no sync) when no such plan was replayed since."""
+        if not self._unsettled:
+            return
+        plans, self._unsettled = list(self._unsettled.values()), {}
+        total = int(self._amp_skips.item())
+        d, self._amp_skips_seen = total - self._amp_skips_seen, total
+        if d == 0:
+            return
+        self._skipped += d
+        self._steps -= d
+        self._fused -= d
+        self._path = "fused, in a CUDA graph (kitsune.compile_step); skipped replays (inf or NaN gradients)"
+        for plan in plans:
+            for gi, states in plan.group_states.items():
+                true = float(self._hyper[gi, 1])
+                for st in states:
+                    st["step"].fill_(true)
+                if gi in self._hyper_mirror:
+                    self._hyper_mirror[gi] = (self._hyper_mirror[gi][0], true)
 
     def _capture_plan(self, live, bind=True):
         """The capture plan for live (per group, the parameters with gradients the step
@@ -429,6 +521,7 @@ class KitsuneOptimizer:
                 if len(counts) > 1:
                     refuse(f"a group's parameters are at different step counts {counts}")
                 plan.states += states
+                plan.group_states[gi] = states
             plan.groups.append((gi, None if sgd else states[0]))
             plan.baked[gi] = _baked(g)
         if not flat:
@@ -439,14 +532,14 @@ class KitsuneOptimizer:
             self._bind_steps(plan)   # after every refusal: a refused capture leaves the state as it was
         return plan
 
-    def _capture_launch(self, live, counted):
+    def _capture_launch(self, live, counted, found_inf=None):
         """The fused update of live (per group, parameters with gradients), one launch
         per group and dtype, on the current stream, reading lr and step count from the
         device rows (no sync_hyper here: its writes would be captured too, and every
         replay would put back the lr and step count of the capture). An Adam group's
         device step count moves on in its first launch of the capture: counted holds
         the groups already counted (this call adds to it), whose launches must come
-        after that one on the GPU."""
+        after that one on the GPU. found_inf: as capture_step's."""
         opt = self.optimizer
         sgd = isinstance(opt, torch.optim.SGD)
         with torch.no_grad():
@@ -461,13 +554,14 @@ class KitsuneOptimizer:
                     if sgd:
                         bufs = [st["momentum_buffer"] for st in states] if g["momentum"] != 0 else []
                         _lib.sgd_capturable_(group, grads, bufs, self._hyper[gi, :1], float(g["momentum"]),
-                                             float(g["dampening"]), float(g["weight_decay"]), bool(g["nesterov"]))
+                                             float(g["dampening"]), float(g["weight_decay"]), bool(g["nesterov"]),
+                                             found_inf=found_inf)
                     else:
                         beta1, beta2 = g["betas"]
                         _lib.adam_capturable_(group, grads, [st["exp_avg"] for st in states],
                                               [st["exp_avg_sq"] for st in states], self._hyper[gi], float(beta1),
                                               float(beta2), float(g["eps"]), float(g["weight_decay"]),
-                                              _decoupled(opt, g), gi not in counted)
+                                              _decoupled(opt, g), gi not in counted, found_inf=found_inf)
                         counted.add(gi)
 
     def capture_in_backward(self, stream, buckets=6):
@@ -539,12 +633,15 @@ class KitsuneOptimizer:
         self._fused += 1
         self._path = "fused, in a CUDA graph (kitsune.compile_step)"
         self.optimizer._opt_called = True
+        if plan.amp:   # whether it skipped, the device knows (_settle)
+            self._unsettled[id(plan)] = plan
 
     def get_stats(self):
         """Measured numbers: updates run and fused, the last step's path (with the
         reason when not fused), step times in ms (CUDA events with profile=True, else
         host time), the optimizer state's tensors and bytes, and with enable_amp the
         steps skipped for inf/NaN gradients and the current loss scale."""
+        self._settle()
         tensors = [t for st in self.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
         stats = {"steps": self._steps, "fused_steps": self._fused, "path": self._path,
                  "timing": "cuda events" if self.profile else "host",

@@ -80,6 +80,70 @@ def test_capturable_ops_refuse_bad_hyper_before_changing_anything():
         _lib.sgd_capturable_(p, grads, [], torch.zeros(2, dtype=torch.float64), 0.0, 0.0, 0.0, False)
 
 
+@pytest.mark.parametrize("found", [0.0, 1.0])
+def test_capturable_ops_skip_the_update_where_found_inf_is_set(found):
+    """found_inf (torch.amp's inf check, read when the update runs): 0 updates as the op
+    does without it; 1 leaves parameters, states and Adam's step count as they were, as
+    GradScaler skips optimizer.step() after inf or NaN gradients."""
+    g = torch.Generator().manual_seed(4)
+    p0, grads = _lists(torch.float32, "cpu", g), _lists(torch.float32, "cpu", g)
+    m0, v0 = [t.abs() for t in _lists(torch.float32, "cpu", g)], [t.abs() for t in _lists(torch.float32, "cpu", g)]
+    ref = [[t.clone() for t in ts] for ts in (p0, m0, v0)]
+    got = [[t.clone() for t in ts] for ts in (p0, m0, v0)]
+    h_ref, h_got = torch.tensor([1e-2, 2.0], dtype=torch.float64), torch.tensor([1e-2, 2.0], dtype=torch.float64)
+    _lib.adam_capturable_(*ref[:1], grads, *ref[1:], h_ref, 0.9, 0.99, 1e-8, 0.1, True)
+    _lib.adam_capturable_(*got[:1], grads, *got[1:], h_got, 0.9, 0.99, 1e-8, 0.1, True, found_inf=torch.tensor([found]))
+    want, count = ((p0, m0, v0), 2.0) if found else (ref, 3.0)
+    for a, b in zip(sum(map(list, got), []), sum(map(list, want), [])):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert h_got[1].item() == count
+    if not found:
+        assert not torch.equal(got[0][0], p0[0])   # it did update
+    q, bufs = [t.clone() for t in p0], [t.clone() for t in grads]
+    q_ref, bufs_ref = [t.clone() for t in p0], [t.clone() for t in grads]
+    _lib.sgd_capturable_(q_ref, grads, bufs_ref, torch.tensor([0.1], dtype=torch.float64), 0.9, 0.0, 0.0, False)
+    _lib.sgd_capturable_(q, grads, bufs, torch.tensor([0.1], dtype=torch.float64), 0.9, 0.0, 0.0, False,
+                         found_inf=torch.tensor([found]))
+    for a, b in zip(q + bufs, (p0 + grads) if found else (q_ref + bufs_ref)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_capturable_ops_refuse_a_bad_found_inf_before_changing_anything():
+    p, grads, m, v = [torch.ones(4)], [torch.ones(4)], [torch.zeros(4)], [torch.zeros(4)]
+    hyper = torch.tensor([0.1, 0.0], dtype=torch.float64)
+    for bad, got in [(torch.zeros(1, dtype=torch.float64), r"Double \[1\]"), (torch.zeros(2), r"Float \[2\]")]:
+        with pytest.raises(RuntimeError, match=f"found_inf must be a one-element float32 tensor on cpu; got {got}"):
+            _lib.adam_capturable_(p, grads, m, v, hyper, 0.9, 0.99, 1e-8, 0.0, False, found_inf=bad)
+        with pytest.raises(RuntimeError, match="found_inf must be a one-element float32 tensor"):
+            _lib.sgd_capturable_(p, grads, [], hyper[:1], 0.0, 0.0, 0.0, False, found_inf=bad)
+    assert hyper[1].item() == 0 and torch.equal(p[0], torch.ones(4))   # nothing counted, nothing updated
+
+
+def test_the_in_backward_update_takes_no_parameter_whose_gradient_is_none():
+    """Autograd runs a post-accumulate-grad hook for a None gradient too (a Function that
+    returns None for a weight): the in-backward update leaves such a parameter out, as
+    capture_step does, instead of handing the fused kernel a missing gradient."""
+    from kitsune.optim import _InBackward
+
+    class NoWeightGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            return x * w
+
+        @staticmethod
+        def backward(ctx, g):
+            return g.clone(), None
+    a, w = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    opt = KitsuneOptimizer(torch.optim.AdamW, [a, w], lr=0.1)
+    ib = _InBackward(opt, [[a, w]], stream=None, buckets=6)   # small: nothing flushes, so no stream is used
+    try:
+        NoWeightGrad.apply(a * 2, w).sum().backward()
+        assert w.grad is None and a.grad is not None
+        assert [p is a for p in ib.pending] == [True], ib.pending
+    finally:
+        ib.close()
+
+
 def test_capture_step_refuses_cpu_parameters():
     w = torch.nn.Parameter(torch.ones(3))
     opt = KitsuneOptimizer(torch.optim.AdamW, [w], lr=0.1)
@@ -555,15 +619,79 @@ def test_compile_step_with_enable_amp_scales_and_runs_eagerly():
     assert o2.get_stats()["loss_scale"] == o1.get_stats()["loss_scale"] == 256.0   # growth_interval 2000
 
 
+def _eager_amp_reference(model, opt, batches, loss_fn, clip=None):
+    """The eager loop of a KitsuneOptimizer(enable_amp=True) under fp16 autocast."""
+    losses = []
+    for batch in batches:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.float16, cache_enabled=False):
+            out = model(*batch[:-1])
+            with kitsune.fx.FusedLoss():
+                loss = loss_fn(out, batch[-1])
+        opt.scale(loss).backward()
+        if clip is not None:
+            opt.unscale_()
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], clip, foreach=True)
+        opt.step()
+        losses.append(loss.detach().float())
+    return torch.stack(losses)
+
+
 @pytest.mark.gpu
 @gpu
-def test_gpu_compile_step_with_enable_amp_says_why_it_runs_eagerly():
-    m = _mlp(4, "cuda")   # fp32 parameters, fp16 autocast: GradScaler refuses fp16 gradients
-    opt = KitsuneOptimizer(torch.optim.AdamW, m.parameters(), lr=1e-3, enable_amp=True)
-    step = kitsune.compile_step(m, torch.nn.functional.cross_entropy, opt, autocast_dtype=torch.float16)
-    with pytest.warns(UserWarning, match=r"running eagerly: KitsuneOptimizer\(enable_amp=True\) reads its inf check"):
-        losses = [step(x, y) for x, y in _batches(3, "cuda")]
-    assert all(torch.isfinite(v) for v in losses) and opt.get_stats()["fused_steps"] == 3
+@pytest.mark.parametrize("cls,kw,clip", [(torch.optim.AdamW, {"lr": 1e-3}, None), (torch.optim.AdamW, {"lr": 1e-3}, 1.0),
+                                         (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}, None)])
+def test_gpu_compile_step_fp16_loss_scaling_trains_as_eager_grad_scaler(cls, kw, clip):
+    """fp16 autocast with KitsuneOptimizer(enable_amp=True), the whole scaled step in the
+    graph. An initial scale of 2**24 overflows fp16 gradients, so the first steps are
+    skipped (the warm-up's included: the capture waits for a first update) and the scale
+    halves each time; growth_interval=3 doubles it after 3 good steps, into overflow
+    again. 24 steps train as the eager loop with GradScaler: losses, parameters,
+    optimizer state and step counts (settled from the device), the scale, and the
+    skipped steps, which must be some but not all."""
+    nn = torch.nn
+    torch.manual_seed(9)
+    base = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 5)).cuda()
+    amp = {"init_scale": 2.0 ** 24, "growth_interval": 3}
+    m1, m2 = base, copy.deepcopy(base)
+    o1 = KitsuneOptimizer(cls, m1.parameters(), enable_amp=True, amp_options=amp, **kw)
+    o2 = KitsuneOptimizer(cls, m2.parameters(), enable_amp=True, amp_options=amp, **kw)
+    batches = _batches(24, "cuda", seed=10)
+    loss_fn = torch.nn.functional.cross_entropy
+    want = _eager_amp_reference(m1, o1, batches, loss_fn, clip=clip)
+    got, step = _compiled(m2, o2, batches, loss_fn, autocast_dtype=torch.float16, max_grad_norm=clip)
+    st = step.stats()
+    assert st["reason"] is None and st["captures"] == 1 and st["replays"] >= 12, st
+    s1, s2 = o1.get_stats(), o2.get_stats()
+    assert 0 < s1["skipped_steps"] < 24 and s2["skipped_steps"] == s1["skipped_steps"], (s1, s2)
+    assert s2["steps"] == s1["steps"] == 24 - s1["skipped_steps"], (s1, s2)
+    assert s2["loss_scale"] == s1["loss_scale"], (s1, s2)
+    _assert_same_training(m1, o1, m2, o2, want, got, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_a_failed_loss_scaled_capture_leaves_the_scaler_as_eager_steps_need_it(monkeypatch):
+    """A capture that fails after the scaler's unscale_ (here: the optimizer step refuses)
+    drops the scaler's record of that step, so the eager steps after the fallback check
+    their own gradients: they train as the eager loop does."""
+    nn = torch.nn
+    torch.manual_seed(11)
+    base = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 5)).cuda()
+    m1, m2 = base, copy.deepcopy(base)
+    o1 = KitsuneOptimizer(torch.optim.AdamW, m1.parameters(), lr=1e-3, enable_amp=True)
+    o2 = KitsuneOptimizer(torch.optim.AdamW, m2.parameters(), lr=1e-3, enable_amp=True)
+
+    def refuse(*a, **k):
+        raise RuntimeError("the optimizer step cannot be captured: refused by the test")
+    monkeypatch.setattr(o2, "capture_step", refuse)
+    batches = _batches(6, "cuda", seed=12)
+    want = _eager_amp_reference(m1, o1, batches, torch.nn.functional.cross_entropy, clip=1.0)
+    with pytest.warns(UserWarning, match="refused by the test"):
+        got, step = _compiled(m2, o2, batches, torch.nn.functional.cross_entropy, autocast_dtype=torch.float16,
+                              max_grad_norm=1.0)
+    assert step.stats()["eager_steps"] == 6
+    _assert_same_training(m1, o1, m2, o2, want, got, rtol=1e-5, atol=1e-6)
 
 
 class _ConvBN(torch.nn.Module):

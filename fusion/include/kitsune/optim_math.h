@@ -16,6 +16,12 @@
  * update's own memory (device memory for the kernel): dev[0] = lr, dev[1] = step
  * (Adam; the count after this update), as doubles; resolve() turns them into the
  * coefficients above with the host path's formulas.
+ *
+ * Loss scaling inside a CUDA graph: `skip`, when set, points at a float in device
+ * memory (torch.amp's found_inf, written earlier in the same graph); where it is not 0
+ * the launch changes nothing, as GradScaler skips optimizer.step() after inf or NaN
+ * gradients. The step count is the caller's (kitsune.adam_capturable_ moves it on by
+ * 1 - found_inf).
  */
 #ifndef KITSUNE_OPTIM_MATH_H
 #define KITSUNE_OPTIM_MATH_H
@@ -36,12 +42,14 @@ struct AdamArgs {
   double bias2_sqrt;        /* sqrt(1 - beta2^t) */
   int decoupled;            /* AdamW */
   const double *dev;        /* NULL, or {lr, step} read when the update runs */
+  const float *skip;        /* NULL, or a flag read when the update runs: not 0 = no update */
 };
 
 struct SgdArgs {
   double lr, momentum, dampening, weight_decay;
   int nesterov, first;      /* first: the momentum buffer starts as the gradient */
   const double *dev;        /* NULL, or {lr} read when the update runs */
+  const float *skip;        /* as AdamArgs::skip */
 };
 
 KT_OPT_FN AdamArgs adam_coefficients(AdamArgs a, double lr, double step) {

@@ -2324,7 +2324,7 @@ kt::AdamArgs adam_args(double lr, double beta1, double beta2, double eps, double
   TORCH_CHECK(lr >= 0 && eps >= 0 && beta1 >= 0 && beta1 < 1 && beta2 >= 0 && beta2 < 1, "kitsune.", op,
               ": need lr >= 0, eps >= 0 and betas in [0, 1); got lr ", lr, " eps ", eps, " betas (", beta1, ", ", beta2,
               ")");
-  kt::AdamArgs a{lr, beta1, beta2, eps, wd, 0, 0, decoupled ? 1 : 0, nullptr};
+  kt::AdamArgs a{lr, beta1, beta2, eps, wd, 0, 0, decoupled ? 1 : 0, nullptr, nullptr};
   return kt::adam_coefficients(a, lr, step);
 }
 template <typename S, typename F> void adam_cpu_one(const Tensor& p, const Tensor& g, const Tensor& m, const Tensor& v,
@@ -2461,7 +2461,7 @@ kt::SgdArgs sgd_args(double lr, double momentum, double dampening, double wd, bo
   TORCH_CHECK(lr >= 0 && momentum >= 0, "kitsune.sgd_: need lr >= 0 and momentum >= 0; got lr ", lr, " momentum ",
               momentum);
   TORCH_CHECK(!nesterov || (momentum > 0 && dampening == 0), "kitsune.sgd_: nesterov needs momentum > 0 and dampening 0");
-  return {lr, momentum, dampening, wd, nesterov ? 1 : 0, first ? 1 : 0};
+  return {lr, momentum, dampening, wd, nesterov ? 1 : 0, first ? 1 : 0, nullptr, nullptr};
 }
 void sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList bufs, double lr, double momentum,
              double dampening, double wd, bool nesterov, bool first) {
@@ -2488,7 +2488,19 @@ void sgd_cuda(at::TensorList params, at::TensorList grads, at::TensorList bufs, 
 // first (on the stream, captured with the rest) unless count_step is false: a step
 // that updates a group's parameters in several calls (several dtypes, or buckets
 // during the backward) counts in the first only, and the others must be ordered after
-// it. SGD's momentum buffers must exist.
+// it. SGD's momentum buffers must exist. found_inf (optional; torch.amp's inf check, a
+// one-element float32 tensor on the parameters' device, 0 or 1) makes the update
+// conditional, read when it runs: where it is not 0 nothing changes, and Adam's step
+// count moves on by 1 - found_inf, as GradScaler skips the whole optimizer step.
+const float* skip_flag(const std::optional<Tensor>& found_inf, const Tensor& p0, const char* op) {
+  if (!found_inf.has_value() || !found_inf->defined()) return nullptr;
+  const Tensor& f = *found_inf;
+  TORCH_CHECK(f.scalar_type() == at::kFloat && f.numel() == 1 && f.device() == p0.device(), "kitsune.", op,
+              ": found_inf must be a one-element float32 tensor on ", p0.device(), "; got ", f.scalar_type(), " ",
+              f.sizes(), " on ", f.device());
+  return f.data_ptr<float>();
+}
+bool skipped_now(const float* skip) { return skip && *skip != 0.f; }   // the CPU path: read at once
 void check_hyper(const Tensor& hyper, const Tensor& p0, int64_t n, const char* op) {
   TORCH_CHECK(hyper.scalar_type() == at::kDouble && hyper.dim() == 1 && hyper.numel() == n && hyper.is_contiguous() &&
                   hyper.device() == p0.device(),
@@ -2497,32 +2509,41 @@ void check_hyper(const Tensor& hyper, const Tensor& p0, int64_t n, const char* o
 }
 kt::AdamArgs adam_capturable_args(at::TensorList params, at::TensorList grads, at::TensorList m, at::TensorList v,
                                   Tensor& hyper, double beta1, double beta2, double eps, double wd, bool decoupled,
-                                  bool count_step) {
+                                  bool count_step, const std::optional<Tensor>& found_inf) {
   const char* op = "adam_capturable_";
   check_lists(op, params, {{"grads", grads}, {"exp_avgs", m}, {"exp_avg_sqs", v}});
   kt::AdamArgs a = adam_args(0.0, beta1, beta2, eps, wd, decoupled, 1.0, op);
   if (params.empty()) return a;
   check_hyper(hyper, params[0], 2, op);
-  if (count_step) hyper.narrow(0, 1, 1).add_(1);
+  a.skip = skip_flag(found_inf, params[0], op);
+  if (count_step) {
+    Tensor count = hyper.narrow(0, 1, 1);
+    if (a.skip) count.sub_(*found_inf).add_(1);   // exact: found_inf is 0 or 1, the count an integer
+    else count.add_(1);
+  }
   a.dev = hyper.data_ptr<double>();
   return a;
 }
 void adam_capturable_cpu(at::TensorList params, at::TensorList grads, at::TensorList m, at::TensorList v, Tensor hyper,
-                         double beta1, double beta2, double eps, double wd, bool decoupled, bool count_step) {
-  const kt::AdamArgs a =
-      kt::resolve(adam_capturable_args(params, grads, m, v, hyper, beta1, beta2, eps, wd, decoupled, count_step));
+                         double beta1, double beta2, double eps, double wd, bool decoupled, bool count_step,
+                         const std::optional<Tensor>& found_inf) {
+  const kt::AdamArgs a = kt::resolve(
+      adam_capturable_args(params, grads, m, v, hyper, beta1, beta2, eps, wd, decoupled, count_step, found_inf));
+  if (skipped_now(a.skip)) return;
   for (size_t i = 0; i < params.size(); i++)
     KT_OPT_CPU_DISPATCH(params[i].scalar_type(), adam_cpu_one, params[i], grads[i], m[i], v[i], a);
 }
 void adam_capturable_cuda(at::TensorList params, at::TensorList grads, at::TensorList m, at::TensorList v,
                           Tensor hyper, double beta1, double beta2, double eps, double wd, bool decoupled,
-                          bool count_step) {
-  const kt::AdamArgs a = adam_capturable_args(params, grads, m, v, hyper, beta1, beta2, eps, wd, decoupled, count_step);
+                          bool count_step, const std::optional<Tensor>& found_inf) {
+  const kt::AdamArgs a =
+      adam_capturable_args(params, grads, m, v, hyper, beta1, beta2, eps, wd, decoupled, count_step, found_inf);
   if (params.empty()) return;
   launch_adam(params, grads, m, v, a);
 }
 kt::SgdArgs sgd_capturable_args(at::TensorList params, at::TensorList grads, at::TensorList bufs, const Tensor& hyper,
-                                double momentum, double dampening, double wd, bool nesterov) {
+                                double momentum, double dampening, double wd, bool nesterov,
+                                const std::optional<Tensor>& found_inf) {
   const char* op = "sgd_capturable_";
   kt::SgdArgs a = sgd_args(0.0, momentum, dampening, wd, nesterov, false);
   if (momentum != 0) check_lists(op, params, {{"grads", grads}, {"momentum_buffers", bufs}});
@@ -2530,18 +2551,23 @@ kt::SgdArgs sgd_capturable_args(at::TensorList params, at::TensorList grads, at:
   if (!params.empty()) {
     check_hyper(hyper, params[0], 1, op);
     a.dev = hyper.data_ptr<double>();
+    a.skip = skip_flag(found_inf, params[0], op);
   }
   return a;
 }
 void sgd_capturable_cpu(at::TensorList params, at::TensorList grads, at::TensorList bufs, Tensor hyper,
-                        double momentum, double dampening, double wd, bool nesterov) {
-  const kt::SgdArgs a = kt::resolve(sgd_capturable_args(params, grads, bufs, hyper, momentum, dampening, wd, nesterov));
+                        double momentum, double dampening, double wd, bool nesterov,
+                        const std::optional<Tensor>& found_inf) {
+  const kt::SgdArgs a =
+      kt::resolve(sgd_capturable_args(params, grads, bufs, hyper, momentum, dampening, wd, nesterov, found_inf));
+  if (skipped_now(a.skip)) return;
   for (size_t i = 0; i < params.size(); i++)
     KT_OPT_CPU_DISPATCH(params[i].scalar_type(), sgd_cpu_one, params[i], grads[i], momentum != 0 ? &bufs[i] : nullptr, a);
 }
 void sgd_capturable_cuda(at::TensorList params, at::TensorList grads, at::TensorList bufs, Tensor hyper,
-                         double momentum, double dampening, double wd, bool nesterov) {
-  const kt::SgdArgs a = sgd_capturable_args(params, grads, bufs, hyper, momentum, dampening, wd, nesterov);
+                         double momentum, double dampening, double wd, bool nesterov,
+                         const std::optional<Tensor>& found_inf) {
+  const kt::SgdArgs a = sgd_capturable_args(params, grads, bufs, hyper, momentum, dampening, wd, nesterov, found_inf);
   if (!params.empty()) launch_sgd(params, grads, bufs, a);
 }
 
@@ -4198,8 +4224,8 @@ TORCH_LIBRARY(kitsune, m) {
   m.def("adam_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, float lr, float beta1, float beta2, float eps, float weight_decay, bool decoupled, float step) -> ()");
   m.def("adam_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] state_steps, float lr, float beta1, float beta2, float eps, float weight_decay, bool decoupled) -> ()");
   m.impl("adam_step_", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &adam_step));
-  m.def("adam_capturable_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, Tensor(d!) hyper, float beta1, float beta2, float eps, float weight_decay, bool decoupled, bool count_step=True) -> ()");
-  m.def("sgd_capturable_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, Tensor hyper, float momentum, float dampening, float weight_decay, bool nesterov) -> ()");
+  m.def("adam_capturable_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, Tensor(d!) hyper, float beta1, float beta2, float eps, float weight_decay, bool decoupled, bool count_step=True, Tensor? found_inf=None) -> ()");
+  m.def("sgd_capturable_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, Tensor hyper, float momentum, float dampening, float weight_decay, bool nesterov, Tensor? found_inf=None) -> ()");
   m.def("optim_fusable(Tensor[] params, Tensor[] grads) -> bool");
   m.impl("optim_fusable", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &optim_fusable));
   m.def("sgd_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, float lr, float momentum, float dampening, float weight_decay, bool nesterov, bool first) -> ()");

@@ -144,6 +144,37 @@ def test_the_in_backward_update_takes_no_parameter_whose_gradient_is_none():
         ib.close()
 
 
+def test_loss_scaled_replays_settle_the_host_step_counts_from_the_device():
+    """A replay of a loss-scaled plan (capture_amp_step) cannot tell the host whether the
+    update was skipped: replayed() counts it as taken, and the next state_dict (or
+    state, get_stats, step, capture) puts torch.optim's step counts, the optimizer's
+    counters and the device mirror right from the device's step count and its count of
+    skipped replays, with no sync when nothing needs settling. Here three replays, one
+    of them skipped on the "device" (CPU tensors stand in for it)."""
+    from kitsune.optim import _CapturePlan
+    a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    opt = KitsuneOptimizer(torch.optim.AdamW, [a, b], lr=0.1, enable_amp=True)
+    opt.scale(a.sum() + b.sum()).backward()
+    opt.step()   # eager: makes the state, step counts 1 (no inf)
+    opt.prepare_capture("cpu")
+    states = [opt.optimizer.state[p] for p in (a, b)]
+    plan = _CapturePlan()
+    plan.groups, plan.states, plan.group_states, plan.amp = [(0, states[0])], states, {0: states}, True
+    assert opt.sync_hyper(plan)   # device row: lr, count 1
+    for skipped in (False, True, False):   # what the graph would do on the device
+        opt._hyper[0, 1] += 0 if skipped else 1
+        opt._amp_skips += 1 if skipped else 0
+        opt.replayed(plan)
+    assert [float(st["step"]) for st in opt.optimizer.state.values()] == [4.0, 4.0]   # counted as taken, unsettled
+    sd = opt.state_dict()
+    assert [sd["state"][i]["step"].item() for i in (0, 1)] == [3.0, 3.0]
+    st = opt.get_stats()
+    assert st["skipped_steps"] == 1 and st["steps"] == 3 and st["fused_steps"] == 3, st
+    assert opt._hyper_mirror[0] == (0.1, 3.0) and opt._unsettled == {}
+    opt._amp_skips += 5   # nothing replayed since: nothing read
+    assert opt.get_stats()["skipped_steps"] == 1
+
+
 def test_capture_step_refuses_cpu_parameters():
     w = torch.nn.Parameter(torch.ones(3))
     opt = KitsuneOptimizer(torch.optim.AdamW, [w], lr=0.1)

@@ -27,6 +27,15 @@ _lib = torch.ops.kitsune
 _AMP_UNSCALED = torch.amp.grad_scaler.OptState.UNSCALED   # GradScaler: unscale_ done since update()
 
 
+def _no_state_yet(sgd, group, state):
+    """Whether a parameter's optimizer state lacks what a captured update reads (Adam's
+    moments and step count, SGD's momentum buffer where there is momentum): made by a
+    first update taken eagerly."""
+    if sgd:
+        return group["momentum"] != 0 and state.get("momentum_buffer") is None
+    return len(state) == 0
+
+
 def _why_not(opt):
     """None when opt's step can be fused, else the reason."""
     kind = type(opt)
@@ -446,14 +455,8 @@ class KitsuneOptimizer:
         first update."""
         opt = self.optimizer
         sgd = isinstance(opt, torch.optim.SGD)
-        for g in opt.param_groups:
-            if sgd and g["momentum"] == 0:
-                continue
-            for p in g["params"]:
-                st = opt.state.get(p, {})
-                if p.grad is not None and (st.get("momentum_buffer") is None if sgd else len(st) == 0):
-                    return True
-        return False
+        return any(p.grad is not None and _no_state_yet(sgd, g, opt.state.get(p, {}))
+                   for g in opt.param_groups for p in g["params"])
 
     def _amp_forget(self):
         """After a capture that failed: the scaler's per-optimizer record (inf checks the
@@ -477,9 +480,10 @@ class KitsuneOptimizer:
         self._steps -= d
         self._fused -= d
         self._path = "fused, in a CUDA graph (kitsune.compile_step); skipped replays (inf or NaN gradients)"
+        counts = self._hyper[:, 1].tolist()   # each group's true step count
         for plan in plans:
             for gi, states in plan.group_states.items():
-                true = float(self._hyper[gi, 1])
+                true = counts[gi]
                 for st in states:
                     st["step"].fill_(true)
                 if gi in self._hyper_mirror:
@@ -508,11 +512,10 @@ class KitsuneOptimizer:
             if not ps:
                 continue
             states = [opt.state[p] for p in ps]
-            if sgd and g["momentum"] != 0 and any(st.get("momentum_buffer") is None for st in states):
-                refuse("SGD's momentum buffers are made by a first eager step")
+            if any(_no_state_yet(sgd, g, st) for st in states):
+                refuse("SGD's momentum buffers are made by a first eager step" if sgd else
+                       "Adam's state is made by a first eager step")
             if not sgd:
-                if any(len(st) == 0 for st in states):
-                    refuse("Adam's state is made by a first eager step")
                 counts = sorted({float(st["step"]) for st in states})
                 if len(counts) > 1:
                     refuse(f"a group's parameters are at different step counts {counts}")

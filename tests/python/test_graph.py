@@ -308,8 +308,11 @@ def _eager_reference(model, opt, batches, loss_fn, sched=None, clip=None, amp=No
             out = model(*batch[:-1])
             with kitsune.fx.FusedLoss():   # the loss as compile_step runs it (fuse_loss=True)
                 loss = loss_fn(out, batch[-1])
-        loss.backward()
+        scaled = getattr(opt, "enable_amp", False)   # KitsuneOptimizer(enable_amp=True): its GradScaler's loop
+        (opt.scale(loss) if scaled else loss).backward()
         if clip is not None:
+            if scaled:
+                opt.unscale_()
             torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], clip, foreach=True)
         opt.step()
         if sched is not None:
@@ -650,24 +653,6 @@ def test_compile_step_with_enable_amp_scales_and_runs_eagerly():
     assert o2.get_stats()["loss_scale"] == o1.get_stats()["loss_scale"] == 256.0   # growth_interval 2000
 
 
-def _eager_amp_reference(model, opt, batches, loss_fn, clip=None):
-    """The eager loop of a KitsuneOptimizer(enable_amp=True) under fp16 autocast."""
-    losses = []
-    for batch in batches:
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.float16, cache_enabled=False):
-            out = model(*batch[:-1])
-            with kitsune.fx.FusedLoss():
-                loss = loss_fn(out, batch[-1])
-        opt.scale(loss).backward()
-        if clip is not None:
-            opt.unscale_()
-            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], clip, foreach=True)
-        opt.step()
-        losses.append(loss.detach().float())
-    return torch.stack(losses)
-
-
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("cls,kw,clip", [(torch.optim.AdamW, {"lr": 1e-3}, None), (torch.optim.AdamW, {"lr": 1e-3}, 1.0),
@@ -689,7 +674,7 @@ def test_gpu_compile_step_fp16_loss_scaling_trains_as_eager_grad_scaler(cls, kw,
     o2 = KitsuneOptimizer(cls, m2.parameters(), enable_amp=True, amp_options=amp, **kw)
     batches = _batches(24, "cuda", seed=10)
     loss_fn = torch.nn.functional.cross_entropy
-    want = _eager_amp_reference(m1, o1, batches, loss_fn, clip=clip)
+    want = _eager_reference(m1, o1, batches, loss_fn, clip=clip, amp=torch.float16)
     got, step = _compiled(m2, o2, batches, loss_fn, autocast_dtype=torch.float16, max_grad_norm=clip)
     st = step.stats()
     assert st["reason"] is None and st["captures"] == 1 and st["replays"] >= 12, st
@@ -717,7 +702,7 @@ def test_gpu_a_failed_loss_scaled_capture_leaves_the_scaler_as_eager_steps_need_
         raise RuntimeError("the optimizer step cannot be captured: refused by the test")
     monkeypatch.setattr(o2, "capture_step", refuse)
     batches = _batches(6, "cuda", seed=12)
-    want = _eager_amp_reference(m1, o1, batches, torch.nn.functional.cross_entropy, clip=1.0)
+    want = _eager_reference(m1, o1, batches, torch.nn.functional.cross_entropy, clip=1.0, amp=torch.float16)
     with pytest.warns(UserWarning, match="refused by the test"):
         got, step = _compiled(m2, o2, batches, torch.nn.functional.cross_entropy, autocast_dtype=torch.float16,
                               max_grad_norm=1.0)

@@ -122,12 +122,22 @@ class _InBackward:
         total = sum(p.numel() for ps in want for p in ps)
         self.quota = max(total // max(buckets, 1), 1 << 20)   # elements a bucket; a small model's all wait for finish
         self.pending, self.pending_n, self.done, self.left, self.launches = [], 0, [], [], 0
+        # raw stream -> an event recorded there after the pending bucket's last gradient on it:
+        # autograd runs a parameter's AccumulateGrad (and this hook) on the stream of its
+        # forward use, so a streamed model's bucket has gradients ready on several streams
+        self.ready_on = {}
         self.counted = set()   # groups whose device step count this capture moved on
         self.hooks = [p.register_post_accumulate_grad_hook(self._ready) for p in self.group_of]
 
     def _ready(self, p):
         if p.grad is None:   # autograd runs the hook for a None gradient too: nothing to update, as capture_step
             return
+        if p.is_cuda:
+            here = torch.cuda.current_stream(p.device)
+            ev = self.ready_on.get(here.cuda_stream)
+            if ev is None:
+                ev = self.ready_on[here.cuda_stream] = torch.cuda.Event()
+            ev.record(here)
         self.pending.append(p)
         self.pending_n += p.numel()
         if self.pending_n >= self.quota:
@@ -140,15 +150,20 @@ class _InBackward:
         return live
 
     def _flush(self):
-        """The pending bucket, updated on the step's stream after the backward so far."""
+        """The pending bucket, updated on the step's stream once each of its gradients is
+        ready (on whichever stream autograd made it: waiting only for the stream of the
+        hook that filled the bucket raced a streamed model's other branches, H100:
+        bench/results/h100_late_debug2_4d32aeb.log)."""
         ps, self.pending, self.pending_n = self.pending, [], 0
+        ready, self.ready_on = self.ready_on, {}
         live = self._live(ps)
         try:
             self.owner._capture_plan(live, bind=False)
         except RuntimeError:
             self.left += ps   # for finish's plan, which refuses them as capture_step would
             return
-        self.stream.wait_stream(torch.cuda.current_stream(ps[0].device))   # these gradients included
+        for ev in ready.values():
+            self.stream.wait_event(ev)
         with torch.cuda.stream(self.stream):
             self.owner._capture_launch(live, self.counted)
         self.launches += 1

@@ -27,6 +27,15 @@ _lib = torch.ops.kitsune
 _AMP_UNSCALED = torch.amp.grad_scaler.OptState.UNSCALED   # GradScaler: unscale_ done since update()
 
 
+def _no_state_yet(sgd, group, state):
+    """Whether a parameter's optimizer state lacks what a captured update reads (Adam's
+    moments and step count, SGD's momentum buffer where there is momentum): made by a
+    first update taken eagerly."""
+    if sgd:
+        return group["momentum"] != 0 and state.get("momentum_buffer") is None
+    return len(state) == 0
+
+
 def _why_not(opt):
     """None when opt's step can be fused, else the reason."""
     kind = type(opt)
@@ -115,12 +124,22 @@ class _InBackward:
         total = sum(p.numel() for ps in want for p in ps)
         self.quota = max(total // max(buckets, 1), 1 << 20)   # elements a bucket; a small model's all wait for finish
         self.pending, self.pending_n, self.done, self.left, self.launches = [], 0, [], [], 0
+        # raw stream -> an event recorded there after the pending bucket's last gradient on it:
+        # autograd runs a parameter's AccumulateGrad (and this hook) on the stream of its
+        # forward use, so a streamed model's bucket has gradients ready on several streams
+        self.ready_on = {}
         self.counted = set()   # groups whose device step count this capture moved on
         self.hooks = [p.register_post_accumulate_grad_hook(self._ready) for p in self.group_of]
 
     def _ready(self, p):
         if p.grad is None:   # autograd runs the hook for a None gradient too; a late one is finish's
             return
+        if p.is_cuda:
+            here = torch.cuda.current_stream(p.device)
+            ev = self.ready_on.get(here.cuda_stream)
+            if ev is None:
+                ev = self.ready_on[here.cuda_stream] = torch.cuda.Event()
+            ev.record(here)
         self.pending.append(p)
         self.pending_n += p.numel()
         if self.pending_n >= self.quota:
@@ -133,15 +152,20 @@ class _InBackward:
         return live
 
     def _flush(self):
-        """The pending bucket, updated on the step's stream after the backward so far."""
+        """The pending bucket, updated on the step's stream once each of its gradients is
+        ready (on whichever stream autograd made it: waiting only for the stream of the
+        hook that filled the bucket raced a streamed model's other branches, H100:
+        bench/results/h100_late_debug2_4d32aeb.log)."""
         ps, self.pending, self.pending_n = self.pending, [], 0
+        ready, self.ready_on = self.ready_on, {}
         live = self._live(ps)
         try:
             self.owner._capture_plan(live, bind=False)
         except RuntimeError:
             self.left += ps   # for finish's plan, which refuses them as capture_step would
             return
-        self.stream.wait_stream(torch.cuda.current_stream(ps[0].device))   # these gradients included
+        for ev in ready.values():
+            self.stream.wait_event(ev)
         with torch.cuda.stream(self.stream):
             self.owner._capture_launch(live, self.counted)
         self.launches += 1
@@ -450,14 +474,8 @@ class KitsuneOptimizer:
         first update."""
         opt = self.optimizer
         sgd = isinstance(opt, torch.optim.SGD)
-        for g in opt.param_groups:
-            if sgd and g["momentum"] == 0:
-                continue
-            for p in g["params"]:
-                st = opt.state.get(p, {})
-                if p.grad is not None and (st.get("momentum_buffer") is None if sgd else len(st) == 0):
-                    return True
-        return False
+        return any(p.grad is not None and _no_state_yet(sgd, g, opt.state.get(p, {}))
+                   for g in opt.param_groups for p in g["params"])
 
     def _amp_forget(self):
         """After a capture that failed: the scaler's per-optimizer record (inf checks the
@@ -481,9 +499,10 @@ class KitsuneOptimizer:
         self._steps -= d
         self._fused -= d
         self._path = "fused, in a CUDA graph (kitsune.compile_step); skipped replays (inf or NaN gradients)"
+        counts = self._hyper[:, 1].tolist()   # each group's true step count
         for plan in plans:
             for gi, states in plan.group_states.items():
-                true = float(self._hyper[gi, 1])
+                true = counts[gi]
                 for st in states:
                     st["step"].fill_(true)
                 if gi in self._hyper_mirror:
@@ -512,11 +531,10 @@ class KitsuneOptimizer:
             if not ps:
                 continue
             states = [opt.state[p] for p in ps]
-            if sgd and g["momentum"] != 0 and any(st.get("momentum_buffer") is None for st in states):
-                refuse("SGD's momentum buffers are made by a first eager step")
+            if any(_no_state_yet(sgd, g, st) for st in states):
+                refuse("SGD's momentum buffers are made by a first eager step" if sgd else
+                       "Adam's state is made by a first eager step")
             if not sgd:
-                if any(len(st) == 0 for st in states):
-                    refuse("Adam's state is made by a first eager step")
                 counts = sorted({float(st["step"]) for st in states})
                 if len(counts) > 1:
                     refuse(f"a group's parameters are at different step counts {counts}")

@@ -144,6 +144,37 @@ def test_the_in_backward_update_takes_no_parameter_whose_gradient_is_none():
         ib.close()
 
 
+def test_loss_scaled_replays_settle_the_host_step_counts_from_the_device():
+    """A replay of a loss-scaled plan (capture_amp_step) cannot tell the host whether the
+    update was skipped: replayed() counts it as taken, and the next state_dict (or
+    state, get_stats, step, capture) puts torch.optim's step counts, the optimizer's
+    counters and the device mirror right from the device's step count and its count of
+    skipped replays, with no sync when nothing needs settling. Here three replays, one
+    of them skipped on the "device" (CPU tensors stand in for it)."""
+    from kitsune.optim import _CapturePlan
+    a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    opt = KitsuneOptimizer(torch.optim.AdamW, [a, b], lr=0.1, enable_amp=True)
+    opt.scale(a.sum() + b.sum()).backward()
+    opt.step()   # eager: makes the state, step counts 1 (no inf)
+    opt.prepare_capture("cpu")
+    states = [opt.optimizer.state[p] for p in (a, b)]
+    plan = _CapturePlan()
+    plan.groups, plan.states, plan.group_states, plan.amp = [(0, states[0])], states, {0: states}, True
+    assert opt.sync_hyper(plan)   # device row: lr, count 1
+    for skipped in (False, True, False):   # what the graph would do on the device
+        opt._hyper[0, 1] += 0 if skipped else 1
+        opt._amp_skips += 1 if skipped else 0
+        opt.replayed(plan)
+    assert [float(st["step"]) for st in opt.optimizer.state.values()] == [4.0, 4.0]   # counted as taken, unsettled
+    sd = opt.state_dict()
+    assert [sd["state"][i]["step"].item() for i in (0, 1)] == [3.0, 3.0]
+    st = opt.get_stats()
+    assert st["skipped_steps"] == 1 and st["steps"] == 3 and st["fused_steps"] == 3, st
+    assert opt._hyper_mirror[0] == (0.1, 3.0) and opt._unsettled == {}
+    opt._amp_skips += 5   # nothing replayed since: nothing read
+    assert opt.get_stats()["skipped_steps"] == 1
+
+
 def test_capture_step_refuses_cpu_parameters():
     w = torch.nn.Parameter(torch.ones(3))
     opt = KitsuneOptimizer(torch.optim.AdamW, [w], lr=0.1)
@@ -277,8 +308,11 @@ def _eager_reference(model, opt, batches, loss_fn, sched=None, clip=None, amp=No
             out = model(*batch[:-1])
             with kitsune.fx.FusedLoss():   # the loss as compile_step runs it (fuse_loss=True)
                 loss = loss_fn(out, batch[-1])
-        loss.backward()
+        scaled = getattr(opt, "enable_amp", False)   # KitsuneOptimizer(enable_amp=True): its GradScaler's loop
+        (opt.scale(loss) if scaled else loss).backward()
         if clip is not None:
+            if scaled:
+                opt.unscale_()
             torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], clip, foreach=True)
         opt.step()
         if sched is not None:
@@ -619,24 +653,6 @@ def test_compile_step_with_enable_amp_scales_and_runs_eagerly():
     assert o2.get_stats()["loss_scale"] == o1.get_stats()["loss_scale"] == 256.0   # growth_interval 2000
 
 
-def _eager_amp_reference(model, opt, batches, loss_fn, clip=None):
-    """The eager loop of a KitsuneOptimizer(enable_amp=True) under fp16 autocast."""
-    losses = []
-    for batch in batches:
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.float16, cache_enabled=False):
-            out = model(*batch[:-1])
-            with kitsune.fx.FusedLoss():
-                loss = loss_fn(out, batch[-1])
-        opt.scale(loss).backward()
-        if clip is not None:
-            opt.unscale_()
-            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], clip, foreach=True)
-        opt.step()
-        losses.append(loss.detach().float())
-    return torch.stack(losses)
-
-
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("cls,kw,clip", [(torch.optim.AdamW, {"lr": 1e-3}, None), (torch.optim.AdamW, {"lr": 1e-3}, 1.0),
@@ -658,7 +674,7 @@ def test_gpu_compile_step_fp16_loss_scaling_trains_as_eager_grad_scaler(cls, kw,
     o2 = KitsuneOptimizer(cls, m2.parameters(), enable_amp=True, amp_options=amp, **kw)
     batches = _batches(24, "cuda", seed=10)
     loss_fn = torch.nn.functional.cross_entropy
-    want = _eager_amp_reference(m1, o1, batches, loss_fn, clip=clip)
+    want = _eager_reference(m1, o1, batches, loss_fn, clip=clip, amp=torch.float16)
     got, step = _compiled(m2, o2, batches, loss_fn, autocast_dtype=torch.float16, max_grad_norm=clip)
     st = step.stats()
     assert st["reason"] is None and st["captures"] == 1 and st["replays"] >= 12, st
@@ -686,7 +702,7 @@ def test_gpu_a_failed_loss_scaled_capture_leaves_the_scaler_as_eager_steps_need_
         raise RuntimeError("the optimizer step cannot be captured: refused by the test")
     monkeypatch.setattr(o2, "capture_step", refuse)
     batches = _batches(6, "cuda", seed=12)
-    want = _eager_amp_reference(m1, o1, batches, torch.nn.functional.cross_entropy, clip=1.0)
+    want = _eager_reference(m1, o1, batches, torch.nn.functional.cross_entropy, clip=1.0, amp=torch.float16)
     with pytest.warns(UserWarning, match="refused by the test"):
         got, step = _compiled(m2, o2, batches, torch.nn.functional.cross_entropy, autocast_dtype=torch.float16,
                               max_grad_norm=1.0)

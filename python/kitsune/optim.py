@@ -585,8 +585,9 @@ class KitsuneOptimizer:
     def capture_in_backward(self, stream, buckets=6):
         """For a capture whose backward comes next: updates each parameter during the
         backward, once its gradient is final (a post-accumulate-grad hook), a bucket
-        of them at a time on ``stream`` (which waits there for the backward so far),
-        so the update overlaps the rest of the backward. Returns an _InBackward whose
+        of them at a time on ``stream`` (which waits there for each of the bucket's
+        gradients, on the stream autograd made it on), so the update overlaps the
+        rest of the backward. Returns an _InBackward whose
         finish(), after the backward, updates what is left on the current stream,
         joins ``stream`` to it and returns the plan capture_step would have; raises
         RuntimeError as capture_step does when the step cannot be captured (an

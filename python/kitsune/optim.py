@@ -124,7 +124,7 @@ class _InBackward:
         total = sum(p.numel() for ps in want for p in ps)
         self.quota = max(total // max(buckets, 1), 1 << 20)   # elements a bucket; a small model's all wait for finish
         self.pending, self.pending_n, self.done, self.left, self.launches = [], 0, [], [], 0
-        # raw stream -> an event recorded there after the pending bucket's last gradient on it:
+        # raw stream -> an event recorded there at the pending bucket's last gradient on it:
         # autograd runs a parameter's AccumulateGrad (and this hook) on the stream of its
         # forward use, so a streamed model's bucket has gradients ready on several streams
         self.ready_on = {}
@@ -136,10 +136,7 @@ class _InBackward:
             return
         if p.is_cuda:
             here = torch.cuda.current_stream(p.device)
-            ev = self.ready_on.get(here.cuda_stream)
-            if ev is None:
-                ev = self.ready_on[here.cuda_stream] = torch.cuda.Event()
-            ev.record(here)
+            self.ready_on[here.cuda_stream] = here.record_event()
         self.pending.append(p)
         self.pending_n += p.numel()
         if self.pending_n >= self.quota:

@@ -131,7 +131,8 @@ def child(model_name, config, steps):
            "static_reserved": static_reserved, "eager_reserved_peak": eager_reserved_peak,
            "graph_reserved": torch.cuda.memory_reserved(), "graph_allocated": torch.cuda.memory_allocated(),
            "ms": ms, "final_loss": losses[-1].float().item(), "steps": steps,
-           "compile_step": {k: st[k] for k in ("replays", "captures", "reason", "streams", "setup_s", "memory_plan")}}
+           "compile_step": {k: st[k] for k in ("replays", "captures", "reason", "streams", "setup_s", "memory_plan",
+                                                "conv_grads")}}
     print(json.dumps(out), flush=True)
 
 

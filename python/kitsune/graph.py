@@ -197,6 +197,7 @@ class CompiledStep:
             self._cl, self._cl_reason = channels_last, "asked" if channels_last else "off"
         self._captured = None   # the model as captured: with its plan's streams (kitsune.sched.streamed)
         self._conv_grads = None   # how its convolutions' gradients run (_choose_conv_grads)
+        self._eager_peak = 0   # the most allocated after the last warm-up step (_late_over_budget)
         self._stream_info = {"streams": 1, "streams_reason": "not planned yet"}
         # load_state_dict replaces the optimizer's state tensors, which the graphs hold
         ref = weakref.ref(self)
@@ -297,6 +298,7 @@ class CompiledStep:
             side.wait_stream(partner)
         with torch.cuda.stream(side):
             loss = self._warm_up(batch)
+        self._eager_peak = torch.cuda.max_memory_allocated(device)   # the budget of _late_over_budget
         here.wait_stream(side)
         if partner != here:
             partner.wait_stream(side)
@@ -379,36 +381,73 @@ class CompiledStep:
         return graph, static_loss, plan
 
     def _choose_conv_grads(self, args):
-        """Whether the captured model's bias-free convolutions run their weight gradient
-        beside their input gradient (kitsune.sched._ConvGradsApart): with
-        KITSUNE_CONV_GRADS unset, measured. The forward and backward alone are captured
-        each way into a pool of their own, replayed 3 times, then timed as the best of
-        3 runs of 10 replays (CUDA events on the capture stream), and dropped before
-        the next; the model's buffers and the CUDA generator are put back after. The
-        split is kept when it is at least 1% faster: a near tie keeps the graph with
-        fewer streams. Setup took 0.24 s instead of 0.11 for the branchy net at batch 8
-        and 0.33 s instead of 0.13 at batch 64 (H100, models_dd35b59.json against
-        models_cae1b3e.json)."""
+        """How the captured model's bias-free convolutions run their weight gradient
+        (kitsune.sched._ConvGradsApart): "together" with the input gradient, "apart" on
+        a side stream joined in the node, or "late", joined at the end of the backward
+        (see kitsune.sched.conv_grads_mode). With KITSUNE_CONV_GRADS unset, measured: the
+        forward and backward alone are captured each way into a pool of their own,
+        replayed 3 times, then timed as the best of 3 runs of 10 replays (CUDA events on
+        the capture stream), and dropped before the next; the model's buffers and the
+        CUDA generator are put back after. A way is kept over the one before it in that
+        order only when it is at least 1% faster (a near tie keeps fewer streams and
+        less memory held); "late" is not tried when no convolution joined late in its
+        trial. Under planned memory _capture_planned may still refuse "late"
+        (_late_over_budget). Setup took 0.24 s instead of 0.11 for the branchy net at
+        batch 8 and 0.33 s instead of 0.13 at batch 64 with two ways (H100,
+        models_dd35b59.json against models_cae1b3e.json)."""
         from . import sched
         n = sched.conv_grad_splits(self._captured)
         if n == 0:
             return
         mode, ctx = sched.conv_grads_mode(), self._captured._kitsune_streams
         if mode != "auto":
-            ctx.grads_apart = mode == "apart"
-            self._conv_grads = {"convs": n, "apart": ctx.grads_apart, "how": mode}
+            self._set_conv_grads(mode)
+            self._conv_grads = {"convs": n, "apart": ctx.grads_apart, "late": ctx.grads_late, "how": mode}
             return
         restore, ms = sched.saved_state(self.model), {}
         try:
-            for apart in (False, True):
-                ctx.grads_apart = apart
-                ms[apart] = self._time_trial(args)
+            for way in _CONV_GRAD_WAYS:
+                joins = ctx.late_joins
+                self._set_conv_grads(way)
+                t = self._time_trial(args)
+                if way != "late" or ctx.late_joins > joins:
+                    ms[way] = t
         finally:
             restore()
-            ctx.grads_apart = False
-        ctx.grads_apart = ms[True] < 0.99 * ms[False]
-        self._conv_grads = {"convs": n, "apart": ctx.grads_apart, "how": "measured", "apart_ms": ms[True],
-                            "together_ms": ms[False]}
+            self._set_conv_grads("together")
+        best = "together"
+        for way in _CONV_GRAD_WAYS[1:]:
+            if way in ms and ms[way] < 0.99 * ms[best]:
+                best = way
+        self._set_conv_grads(best)
+        self._conv_grads = {"convs": n, "apart": ctx.grads_apart, "late": ctx.grads_late, "how": "measured",
+                            "ms": ms}
+
+    def _set_conv_grads(self, way):
+        ctx = self._captured._kitsune_streams
+        ctx.grads_apart, ctx.grads_late = way != "together", way == "late"
+
+    def _late_over_budget(self, plan_bytes, device):
+        """Whether the recorded plan of a step whose weight gradients join late takes the
+        device past the eager step's peak (the most allocated after the warm-up, so never
+        under an earlier peak of the process): "late" keeps each convolution's input and
+        output gradient to the backward's end (the branchy net at batch 64: a plan of
+        472.4 MiB against 345.4 apart). Then compile_step captures the way measured next
+        fastest; stats()["conv_grads"]["late_refused"] says so."""
+        info = self._conv_grads
+        if not (info and info.get("late") and info.get("how") == "measured" and self._eager_peak):
+            return False
+        held = torch.cuda.memory_allocated(device) + plan_bytes
+        if held <= self._eager_peak:
+            return False
+        ms = {k: v for k, v in info["ms"].items() if k != "late"}
+        way = "apart" if ms.get("apart", float("inf")) < 0.99 * ms["together"] else "together"
+        self._set_conv_grads(way)
+        info.update(apart=way == "apart", late=False,
+                    late_refused=f"the plan with late joins ({plan_bytes / 2**20:.1f} MiB) and what is allocated "
+                                 f"outside the graph ({(held - plan_bytes) / 2**20:.1f} MiB) exceed the eager step's "
+                                 f"peak ({self._eager_peak / 2**20:.1f} MiB)")
+        return True
 
     def _time_trial(self, args):
         """ms per replay of the forward and backward captured as the model now stands
@@ -466,15 +505,18 @@ class CompiledStep:
         (kitsune/capplan.h). stats()["memory_plan"] says how it went."""
         from . import allocator
         dev = device.index if device.index is not None else torch.cuda.current_device()
-        first = torch.cuda.graph_pool_handle()
-        allocator._record_capture(first, dev)
-        graph, loss, _ = self._capture(args, first)
-        del loss   # what is still live when planned is left out of the plan
-        try:
-            mplan = allocator._take_plan(first, dev)
-        except RuntimeError as e:   # host memory: capture as without a plan
-            mplan, self._memory = None, {"reason": f"not planned: {_describe(e)}"}
-        del graph   # its pool goes back to the device's pool
+        while True:
+            first = torch.cuda.graph_pool_handle()
+            allocator._record_capture(first, dev)
+            graph, loss, _ = self._capture(args, first)
+            del loss   # what is still live when planned is left out of the plan
+            try:
+                mplan = allocator._take_plan(first, dev)
+            except RuntimeError as e:   # host memory: capture as without a plan
+                mplan, self._memory = None, {"reason": f"not planned: {_describe(e)}"}
+            del graph   # its pool goes back to the device's pool
+            if mplan is None or not self._late_over_budget(mplan.info["plan_bytes"], device):
+                break
         if mplan is None:
             return self._capture(args, self._pool)
         placer = allocator._placer_stats(self._pool, dev)
@@ -606,6 +648,9 @@ _CAPTURE_LOCK = threading.RLock()   # a first step and its capture, one thread a
 # model -> the compile_steps that captured graphs of it: a graph holds the parameters'
 # storage, so another compile_step of the same model must not move the weights
 _CAPTURED = weakref.WeakKeyDictionary()
+
+
+_CONV_GRAD_WAYS = ("together", "apart", "late")   # _choose_conv_grads' order: the later, the more streams and memory
 
 
 def _graphs_elsewhere(step):

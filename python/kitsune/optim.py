@@ -116,6 +116,8 @@ class _StepCounts:
 class _InBackward:
     """KitsuneOptimizer.capture_in_backward's hooks and buckets (see there)."""
 
+    kitsune_in_backward = True   # kitsune.sched._late_ok: its hook lets a gradient come after the backward
+
     def __init__(self, owner, want, stream, buckets):
         self.owner, self.stream = owner, stream
         self.group_of = {p: gi for gi, ps in enumerate(want) for p in ps}
@@ -130,7 +132,7 @@ class _InBackward:
         self.hooks = [p.register_post_accumulate_grad_hook(self._ready) for p in self.group_of]
 
     def _ready(self, p):
-        if p.grad is None:   # autograd runs the hook for a None gradient too: nothing to update, as capture_step
+        if p.grad is None:   # autograd runs the hook for a None gradient too; a late one is finish's
             return
         if p.is_cuda:
             here = torch.cuda.current_stream(p.device)
@@ -171,7 +173,9 @@ class _InBackward:
         stream after it waits for ``stream``; the capture plan of every parameter
         updated (RuntimeError as capture_step's where it would refuse)."""
         self.close()
-        rest = self.pending + self.left
+        seen = set(self.done + self.pending + self.left)
+        late = [p for p in self.group_of if p.grad is not None and p not in seen]   # set after their hook ran
+        rest = self.pending + self.left + late
         plan = self.owner._capture_plan(self._live(self.done + rest))
         if self.launches:
             torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)

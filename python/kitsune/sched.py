@@ -334,6 +334,8 @@ class _Streams:
         self.per_device = {}
         self.grads = {}   # device index -> _ConvGradsApart's streams, one per plan stream
         self.grads_apart = True   # _ConvGradsApart splits (compile_step may measure and turn it off)
+        self.grads_late = conv_grads_mode() == "late"   # ... and joins at the end of the backward where it can
+        self.late_joins = 0   # weight gradients joined at a backward's end so far (join_late)
         self.main = None
         self.active = False
         self.used = set()
@@ -371,6 +373,21 @@ class _Streams:
 
     def stream(self, k):
         return self.main if k == 0 else self.sides[k - 1]
+
+    def join_late(self, here, side, weight, grad, keep):
+        """Defers the join of `side` (where `grad`, the gradient of the leaf `weight`, is
+        being computed beside `here`) to the end of the backward: _end_late joins the
+        streams and sets weight.grad. `keep` (what
+        the side stream reads) stays referenced until then. Entries are per backward
+        (torch._C._current_graph_task_id); a backward that failed before its end leaves
+        its entries, which the next one drops with their streams joined, unassigned."""
+        task = torch._C._current_graph_task_id()
+        if _LATE and _LATE[0][0] != task:
+            _drop_late()
+        if not _LATE:
+            torch.autograd.Variable._execution_engine.queue_callback(_end_late)
+        _LATE.append((task, here, side, weight, grad, keep))
+        self.late_joins += 1
 
     def grad_stream(self, here):
         """The stream a convolution's weight gradient runs on beside its input gradient
@@ -450,8 +467,10 @@ class _ConvGradsApart(torch.autograd.Function):
     64: 1.947 ms apart, 1.907 together; ab_conv_grads_6d3534f.json), so the split is
     switched per module (_Streams.grads_apart), and compile_step measures which way
     its step runs faster (graph.CompiledStep._choose_conv_grads). The two read the same
-    inputs and write separate outputs. Nothing leaves the node unjoined, so autograd's
-    stream bookkeeping (both gradients ready on the node's stream) holds. Memory: gy
+    inputs and write separate outputs. Every gradient handed to autograd is joined
+    into the node's stream, so autograd's stream bookkeeping (gradients ready on the
+    node's stream) holds; with KITSUNE_CONV_GRADS=late a weight gradient autograd need
+    not see (see backward) joins at the end of the backward instead. Memory: gy
     and x are freed after the join, into their own stream's blocks; the weight gradient,
     allocated on the side stream, is held as the parameter's gradient for the rest of
     the capture; the cuDNN workspace the side stream takes is used by its own kernel
@@ -459,8 +478,10 @@ class _ConvGradsApart(torch.autograd.Function):
     Elsewhere (no capture, CPU) ATen's backward as usual."""
 
     @staticmethod
-    def forward(ctx, x, w, stride, padding, dilation, groups, cid):
-        ctx.dtypes = (x.dtype, w.dtype)
+    def forward(ctx, x, w, stride, padding, dilation, groups, cid, once=False):
+        # the weight itself (a leaf: no cycle through the graph) to see, in the backward,
+        # whether its gradient exists yet
+        ctx.dtypes, ctx.once, ctx.weight = (x.dtype, w.dtype), once, w if w.is_leaf else None
         kind = x.device.type
         if torch.is_autocast_enabled(kind):   # cast as autocast casts F.conv2d's inputs: the backward then
             dt = torch.get_autocast_dtype(kind)   # computes in that dtype as autocast's conv backward does
@@ -480,29 +501,87 @@ class _ConvGradsApart(torch.autograd.Function):
         here = torch.cuda.current_stream(gy.device) if gy.is_cuda else None
         side = c.grad_stream(here) if (need_x and need_w and c is not None and c.grads_apart and here is not None
                                        and torch.cuda.is_current_stream_capturing()) else None
+        back = lambda g, dt: g.to(dt) if g is not None and g.dtype != dt else g   # autocast: the inputs' dtypes
         if side is None:
             gx, gw, _ = grads([need_x, need_w, False])
+            return back(gx, ctx.dtypes[0]), back(gw, ctx.dtypes[1]), None, None, None, None, None, None
+        side.wait_stream(here)
+        with torch.cuda.stream(side):
+            gw = back(grads([False, True, False])[1], ctx.dtypes[1])
+        gx = back(grads([True, False, False])[0], ctx.dtypes[0])
+        # late: the weight's gradient (its only use in the graph, no gradient to add it to, no
+        # tensor hook) is not handed to autograd, whose AccumulateGrad would take it as
+        # ready on this stream (and copy it there when it cannot steal it): _end_late
+        # sets it once the side stream is joined, so the branch goes on without it
+        wt = ctx.weight
+        if c.grads_late and ctx.once and wt is not None and wt.grad is None and _late_ok(wt):
+            c.join_late(here, side, wt, gw, (x, w, gy))
+            gw = None
         else:
-            side.wait_stream(here)
-            with torch.cuda.stream(side):
-                gw = grads([False, True, False])[1]
-            gx = grads([True, False, False])[0]
             here.wait_stream(side)
-        # under autocast: back to the inputs' dtypes, as the backward of autocast's casts does
-        gx, gw = (g.to(dt) if g is not None and g.dtype != dt else g for g, dt in zip((gx, gw), ctx.dtypes))
-        return gx, gw, None, None, None, None, None
+        return gx, gw, None, None, None, None, None, None
 
 
-_CONV_GRADS_MODES = ("auto", "apart", "together")
+_CONV_GRADS_MODES = ("auto", "apart", "together", "late")
+# Weight gradients whose join waits for the end of the backward: (graph task, node
+# stream, side stream, weight, gradient, tensors kept), all of one backward. Filled by
+# _ConvGradsApart.backward through _Streams.join_late, emptied by _end_late.
+_LATE = []
+
+
+def _join_late_streams(entries):
+    """Each entry's side stream joined into its node's stream, and that into the current
+    stream of its device: later work, and the allocator's frees of the kept tensors
+    (on the streams they were made on), come after the side stream's last use."""
+    cur = {}
+    for _, here, side, *_ in entries:
+        here.wait_stream(side)
+        c = cur.setdefault(here.device.index, torch.cuda.current_stream(here.device))
+        if c.cuda_stream != here.cuda_stream:
+            c.wait_stream(here)
+
+
+def _drop_late():
+    """A failed backward's entries: joined, their gradients dropped."""
+    entries = _LATE[:]
+    _LATE.clear()
+    _join_late_streams(entries)
+
+
+def _late_ok(weight):
+    """Whether a weight's gradient may be set after the backward: no tensor hook (autograd
+    would run it on the gradient), and no post-accumulate-grad hook but
+    KitsuneOptimizer's in-backward one (autograd runs those when the node's gradient
+    arrives, here None; the in-backward update leaves such a parameter to its finish)."""
+    if weight._backward_hooks:
+        return False
+    hooks = (weight._post_accumulate_grad_hooks or {}).values()
+    return all(getattr(getattr(h, "__self__", None), "kitsune_in_backward", False) for h in hooks)
+
+
+def _end_late():
+    """The backward's final callback (on the streams backward() was called on, which the
+    engine has joined with the leaf streams): the late weight gradients are joined, then
+    each becomes its weight's .grad. The entries go after."""
+    entries = _LATE[:]
+    _LATE.clear()
+    _join_late_streams(entries)
+    for _, _, _, weight, grad, _ in entries:
+        if weight.grad is None:
+            weight.grad = grad
+        else:   # not expected (no other use of the weight), but never lost
+            weight.grad.add_(grad)
 
 
 def conv_grads_mode():
     """``KITSUNE_CONV_GRADS``: how a streamed module's bias-free convolutions run their two
     gradients inside a capture. "auto" (unset): kitsune.compile_step times its step's
-    forward and backward both ways and keeps the faster (stats()["conv_grads"]; a
-    streamed module captured by other code splits them); "apart": split, unmeasured;
-    "together": ATen's backward, both on the node's stream (the module then has no
-    _conv_grads_apart node)."""
+    forward and backward each way below and keeps the fastest (stats()["conv_grads"]; a
+    streamed module captured by other code splits them); "apart": split, joined in the
+    node; "together": ATen's backward, both on the node's stream (the module then has
+    no _conv_grads_apart node); "late": split, and a weight used once whose gradient
+    is the first joins at the end of the backward (_end_late), which keeps the
+    convolution's input and output gradient until then."""
     mode = os.environ.get("KITSUNE_CONV_GRADS", "auto") or "auto"
     if mode not in _CONV_GRADS_MODES:
         raise ValueError(f"KITSUNE_CONV_GRADS must be one of {', '.join(_CONV_GRADS_MODES)} (or unset), got {mode!r}")
@@ -516,9 +595,18 @@ def conv_grad_splits(module):
     return 0 if graph is None else sum(1 for n in graph.nodes if n.target is _conv_grads_apart)
 
 
-def _conv_grads_apart(x, w, bias, stride, padding, dilation, groups, cid):
-    """The call a streamed graph makes for F.conv2d(x, w, None, ...) (see _ConvGradsApart)."""
-    return _ConvGradsApart.apply(x, w, stride, padding, dilation, groups, cid)
+def _conv_grads_apart(x, w, bias, stride, padding, dilation, groups, cid, once=False):
+    """The call a streamed graph makes for F.conv2d(x, w, None, ...) (see _ConvGradsApart);
+    once: w is used by this call only in the graph."""
+    return _ConvGradsApart.apply(x, w, stride, padding, dilation, groups, cid, once)
+
+
+def _used_once(nodes, w):
+    """Whether the weight node w has one user in the graph, and no other get_attr names
+    the same parameter."""
+    if not isinstance(w, tfx.Node) or len(w.users) != 1:
+        return False
+    return w.op != "get_attr" or sum(1 for n in nodes if n.op == "get_attr" and n.target == w.target) == 1
 
 
 def _splits_conv_grads(n):
@@ -583,7 +671,7 @@ def _apply(gm, p, eager):
             current = s
         if split and _splits_conv_grads(n):
             env[n] = g.call_function(_conv_grads_apart, tuple(env[a] if isinstance(a, tfx.Node) else a
-                                                              for a in n.args) + (cid,))
+                                                              for a in n.args) + (cid, _used_once(old, n.args[1])))
             env[n].meta = dict(n.meta)
         else:
             copy(n)

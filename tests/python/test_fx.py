@@ -856,6 +856,24 @@ def test_gelu_with_other_users_is_left():
     assert any("dropout(gelu)" in why and "also used elsewhere" in why for _, why in rep.left), rep
 
 
+def test_optimize_registers_the_backend_without_importing_dynamos_backends():
+    """optimize() imports kitsune.fx, which registers the "kitsune" torch.compile backend.
+    Asking Dynamo's list_backends() whether it is there first imports every backend module
+    (Inductor's code cache, networkx: about 390 modules, 2 s of compile_step's setup on the
+    H100 machine); the registration must not, and the backend must still resolve."""
+    import subprocess
+    code = (
+        "import sys, torch, torch._dynamo, kitsune\n"
+        "kitsune.optimize(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()))\n"
+        "pulled = [m for m in ('networkx', 'torch._inductor.codecache') if m in sys.modules]\n"
+        "assert not pulled, pulled\n"
+        "from torch._dynamo.backends.registry import lookup_backend\n"
+        "import kitsune.fx\n"
+        "assert lookup_backend('kitsune') is kitsune.fx.kitsune_backend\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ.copy())
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
 def test_torch_compile_backend_rewrites_and_matches():
     """torch.compile(model, backend="kitsune"): the Dynamo graph is rewritten (modules
     arrive there as F.linear / F.gelu / torch.relu calls) and Inductor compiles the

@@ -31,6 +31,13 @@ Recipes:
   kitsune_ob0    kitsune with the optimizer's update after the backward, not inside it
                  (compile_step(optimizer_in_backward=False))
 
+Each recipe runs in a fresh process, which first trains a copy of the model for 3 eager
+steps, untimed: the process's first use of the GPU (CUDA context, cuBLAS and cuDNN handles,
+cuDNN's benchmarks for the eager layouts, lazily loaded kernels) is then no recipe's setup,
+and no recipe's setup is helped by what an earlier recipe imported, compiled or benchmarked
+(in one process, a recipe run after torch.compile's finds Inductor's modules imported,
+among others: Kitsune's setup measured 0.4 s there and 2.9-3.1 s in a fresh process after
+eager steps, models_setup_fresh_process_4da69b4.json, before 5387e9c).
 Each recipe runs --steps steps (default 60). Reported: ms/step (the median over blocks
 of 10 steps between CUDA events, steps 20 on, no sync inside a block), the host's ms
 per step, setup seconds (the first 3 steps' wall time, synchronized, less 3 steady
@@ -44,8 +51,10 @@ its graph's memory; compile_ro gets plain CUDA graphs instead of CUDA graph tree
 import argparse
 import copy
 import gc
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -258,6 +267,58 @@ def run(recipe, base, loss_fn, data, steps):
     return row
 
 
+def warm_up(base, loss_fn, data):
+    """3 untimed eager steps on a copy of the model: what a program's first eager steps pay
+    once (CUDA context, cuBLAS and cuDNN handles and benchmarks, lazily loaded kernels),
+    so that a recipe's setup counts its own work, not the process's first use of the GPU."""
+    model = copy.deepcopy(base)
+    step = eager_step(model, loss_fn, torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True))
+    for i in range(3):
+        step(*data[i % len(data)])
+    torch.cuda.synchronize()
+
+
+def child(spec, recipe, steps):
+    """One recipe in a fresh process, after the model's eager warm-up; prints its row."""
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    try:
+        base, loss_fn, data = build_spec(spec, gen)
+        warm_up(base, loss_fn, data)
+        row = dict(model=spec, **run(recipe, base, loss_fn, data, steps))
+    except Exception as e:   # noqa: BLE001 - report and go on (e.g. torchvision missing)
+        traceback.print_exc()
+        row = {"model": spec, "recipe": recipe, "error": f"{type(e).__name__}: {e}"[:400]}
+    print("ROW " + json.dumps(row), flush=True)
+
+
+def in_child(spec, recipe, args):
+    """Runs child() in a new interpreter; its output passes through, its row comes back."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", spec, recipe, "--steps", str(args.steps)]
+    if args.kitsune_allocator:
+        cmd.append("--kitsune-allocator")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    row = None
+    for line in proc.stdout:
+        if line.startswith("ROW "):
+            row = json.loads(line[4:])
+        else:
+            print(line, end="", flush=True)
+    rc = proc.wait()
+    return row or {"model": spec, "recipe": recipe, "error": f"the child process exited with {rc} and no result"}
+
+
+def describe(row):
+    if "error" in row:
+        return f"{row['model']:10s} {row['recipe']:14s} FAILED {row['error'][:120]}"
+    cs = row.get("compile_step")
+    return (f"{row['model']:10s} {row['recipe']:14s} {row['ms']:8.3f} ms/step  host {row['host_ms']:7.3f}  setup "
+            f"{row['setup_s']:6.2f} s  peak {row['peak_alloc_mib']:8.1f} / {row['peak_reserved_mib']:8.1f} MiB"
+            f"  loss {row['final_loss']:.4f}"
+            + (f"  streams {cs['streams']} ({cs['streams_reason']}), {cs['optimizer_in_backward']} updates in the "
+               f"backward" if cs else ""))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
@@ -268,45 +329,28 @@ def main():
                     help="install Kitsune's allocator first (every recipe then runs on it, and compile_step plans its "
                          "graph's memory); compile_ro then uses plain CUDA graphs, not CUDA graph trees, which need "
                          "allocator checkpoints Kitsune does not implement")
+    ap.add_argument("--child", nargs=2, metavar=("MODEL", "RECIPE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/models.py needs a CUDA GPU")
-    if args.kitsune_allocator:
-        import kitsune.allocator
-        kitsune.allocator.install()
-        import torch._inductor.config as inductor_config
-        inductor_config.triton.cudagraph_trees = False
-    torch.backends.cudnn.benchmark = True
-    print(f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
+    if args.child:
+        if args.kitsune_allocator:
+            import kitsune.allocator
+            kitsune.allocator.install()
+            import torch._inductor.config as inductor_config
+            inductor_config.triton.cudagraph_trees = False
+        torch.backends.cudnn.benchmark = True
+        return child(*args.child, args.steps)
+    print(f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}; each recipe in a fresh process "
+          f"after 3 eager steps of the model", flush=True)
     rows = []
     for name in args.models.split(","):
-        gen = torch.Generator().manual_seed(0)
-        torch.manual_seed(0)
-        try:
-            base, loss_fn, data = build_spec(name, gen)
-        except Exception as e:   # noqa: BLE001 - report and go on (e.g. torchvision missing)
-            print(f"{name}: cannot build: {e}", flush=True)
-            rows.append({"model": name, "error": f"build: {e}"})
-            continue
         for recipe in args.recipes.split(","):
-            try:
-                row = dict(model=name, **run(recipe, base, loss_fn, data, args.steps))
-            except Exception as e:   # noqa: BLE001
-                traceback.print_exc()
-                row = {"model": name, "recipe": recipe, "error": f"{type(e).__name__}: {e}"[:400]}
+            row = in_child(name, recipe, args)
             rows.append(row)
-            if "error" in row:
-                print(f"{name:10s} {recipe:14s} FAILED {row['error'][:120]}", flush=True)
-            else:
-                print(f"{name:10s} {recipe:14s} {row['ms']:8.3f} ms/step  host {row['host_ms']:7.3f}  setup "
-                      f"{row['setup_s']:6.2f} s  peak {row['peak_alloc_mib']:8.1f} / {row['peak_reserved_mib']:8.1f} MiB"
-                      f"  loss {row['final_loss']:.4f}" + (f"  streams {row['compile_step']['streams']} "
-                                                           f"({row['compile_step']['streams_reason']}), "
-                                                           f"{row['compile_step']['optimizer_in_backward']} "
-                                                           f"updates in the backward"
-                                                           if "compile_step" in row else ""), flush=True)
-            write_result(args.out, "models", {"steps": args.steps, "rows": rows})
-        del base, data
+            print(describe(row), flush=True)
+            write_result(args.out, "models", {"steps": args.steps, "process": "one per recipe, after 3 eager steps",
+                                              "rows": rows})
     with open(os.path.join(args.out, "models.md"), "w") as f:
         f.write(table(rows))
     print(table(rows))

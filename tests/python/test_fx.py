@@ -859,8 +859,8 @@ def test_gelu_with_other_users_is_left():
 def test_optimize_registers_the_backend_without_importing_dynamos_backends():
     """optimize() imports kitsune.fx, which registers the "kitsune" torch.compile backend.
     Asking Dynamo's list_backends() whether it is there first imports every backend module
-    (Inductor's code cache, networkx: about 390 modules, 2 s of compile_step's setup on the
-    H100 machine); the registration must not, and the backend must still resolve."""
+    (Inductor's code cache, networkx: about 390 modules, 1.3-1.5 s of compile_step's setup
+    on the H100 machine); the registration must not, and the backend must still resolve."""
     import subprocess
     code = (
         "import sys, torch, torch._dynamo, kitsune\n"

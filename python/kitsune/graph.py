@@ -394,7 +394,8 @@ class CompiledStep:
         trial. Under planned memory _capture_planned may still refuse "late"
         (_late_over_budget). Setup took 0.24 s instead of 0.11 for the branchy net at
         batch 8 and 0.33 s instead of 0.13 at batch 64 with two ways (H100,
-        models_dd35b59.json against models_cae1b3e.json)."""
+        models_dd35b59.json against models_cae1b3e.json, in one process after the stock
+        recipe, which had already paid the process's first-use costs)."""
         from . import sched
         n = sched.conv_grad_splits(self._captured)
         if n == 0:

@@ -579,9 +579,11 @@ def conv_grads_mode():
     forward and backward each way below and keeps the fastest (stats()["conv_grads"]; a
     streamed module captured by other code splits them); "apart": split, joined in the
     node; "together": ATen's backward, both on the node's stream (the module then has
-    no _conv_grads_apart node); "late": split, and a weight used once whose gradient
-    is the first joins at the end of the backward (_end_late), which keeps the
-    convolution's input and output gradient until then."""
+    no _conv_grads_apart node); "late": split, and the gradient of a weight used once in
+    the graph, which has no gradient yet, joins at the end of the backward (_end_late),
+    which keeps the convolution's input and output gradient until then. The pending
+    joins are one process-wide list, of one backward at a time: two threads running
+    backwards of streamed captures at once are not supported."""
     mode = os.environ.get("KITSUNE_CONV_GRADS", "auto") or "auto"
     if mode not in _CONV_GRADS_MODES:
         raise ValueError(f"KITSUNE_CONV_GRADS must be one of {', '.join(_CONV_GRADS_MODES)} (or unset), got {mode!r}")

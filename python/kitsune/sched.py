@@ -582,8 +582,10 @@ def conv_grads_mode():
     no _conv_grads_apart node); "late": split, and the gradient of a weight used once in
     the graph, which has no gradient yet, joins at the end of the backward (_end_late),
     which keeps the convolution's input and output gradient until then. The pending
-    joins are one process-wide list, of one backward at a time: two threads running
-    backwards of streamed captures at once are not supported."""
+    joins are one process-wide list, of one backward at a time: compile_step captures
+    one step at a time (graph._CAPTURE_LOCK); two threads capturing backwards of
+    streamed modules by other code at once are not supported (the second would drop
+    the first's pending gradients as a failed backward's)."""
     mode = os.environ.get("KITSUNE_CONV_GRADS", "auto") or "auto"
     if mode not in _CONV_GRADS_MODES:
         raise ValueError(f"KITSUNE_CONV_GRADS must be one of {', '.join(_CONV_GRADS_MODES)} (or unset), got {mode!r}")

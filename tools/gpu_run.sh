@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: facts, clean build, then the parts named in GPU_RUN_PARTS
-# (default "test bench demo": make gpu-test, make bench, make demo; "pytest" runs
+# (default, when unset, "test bench demo": make gpu-test, make bench, make demo; set but empty, the build alone; "pytest" runs
 # only the pytest part of gpu-test, on KT_PYTEST_ARGS (paths and options; default tests/python); "data" adds
 # make bench-data, "kernels" make bench-kernels, "profile" tools/profile_train.py, "gaps"
 # tools/step_gaps.py, "optim" bench/kernels/optimizer.py, "ew" bench/kernels/elementwise.py, "lact" bench/kernels/linear_act.py, "colsum" bench/kernels/colsum.py, "pool" bench/kernels/pool.py, "losses" bench/loss_match.py (LOSS_ARGS), "copies" tools/copy_sources.py (COPY_MODELS, COPY_ARGS), "train" bench/kernels/train_models.py,
@@ -16,7 +16,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/kt_out}; mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
-parts=" ${GPU_RUN_PARTS:-test bench demo} "
+parts=" ${GPU_RUN_PARTS-test bench demo} "   # set but empty: the build alone
 export PYTHONUNBUFFERED=1
 exec > >(tee "$OUT/run.log") 2>&1
 echo "== machine =="; date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader

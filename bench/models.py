@@ -36,8 +36,9 @@ steps, untimed: the process's first use of the GPU (CUDA context, cuBLAS and cuD
 cuDNN's benchmarks for the eager layouts, lazily loaded kernels) is then no recipe's setup,
 and no recipe's setup is helped by what an earlier recipe imported, compiled or benchmarked
 (in one process, a recipe run after torch.compile's finds Inductor's modules imported,
-among others: Kitsune's setup measured 0.4 s there and 2.9-3.1 s in a fresh process after
-eager steps, models_setup_fresh_process_4da69b4.json, before 5387e9c).
+among others: Kitsune's setup on the conv nets measured 0.25-0.42 s there, models_4da69b4.json,
+and 2.9-3.0 s in a fresh process after eager steps, models_setup_fresh_process_4da69b4.json
+and h100_setup_fresh_resnet18_4da69b4.log, before 5387e9c).
 Each recipe runs --steps steps (default 60). Reported: ms/step (the median over blocks
 of 10 steps between CUDA events, steps 20 on, no sync inside a block), the host's ms
 per step, setup seconds (the first 3 steps' wall time, synchronized, less 3 steady
@@ -271,8 +272,7 @@ def warm_up(base, loss_fn, data):
     """3 untimed eager steps on a copy of the model: what a program's first eager steps pay
     once (CUDA context, cuBLAS and cuDNN handles and benchmarks, lazily loaded kernels),
     so that a recipe's setup counts its own work, not the process's first use of the GPU."""
-    model = copy.deepcopy(base)
-    step = eager_step(model, loss_fn, torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True))
+    step, _ = make("eager", copy.deepcopy(base), loss_fn)
     for i in range(3):
         step(*data[i % len(data)])
     torch.cuda.synchronize()

@@ -1,22 +1,23 @@
 """Debugging KITSUNE_CONV_GRADS=late on the GPU (wip): trains the branchy test net and test_sched's
 256-channel block with late against together, with and without the in-backward update and with
 private copies of each late gradient's inputs, and prints which parameters differ and what the
-late callbacks saw. Run: KITSUNE_LIBRARY=build/libkitsune.so PYTHONPATH=python python3 tools/late_debug.py"""
+late callbacks saw. Run: KITSUNE_LIBRARY=build/libkitsune.so PYTHONPATH=python python3 tools/late_debug.py
+(its logs at bd9bb18 and 6f04743 count "drops", a failed backward's takes only; it now counts every take)"""
 import copy, os, sys, threading, traceback
 import torch, torch.nn as nn
 import kitsune, kitsune.graph as kg, kitsune.sched as ks
 kg._describe = lambda e: " | ".join(l.strip() for l in traceback.format_exception(e) if "File" in l and "kitsune" in l)[-900:]
 torch.backends.cudnn.deterministic = True
-LOG = {"drops": 0, "ends": 0, "assigned": 0, "tasks": set(), "threads": set(), "cur": set()}
-orig_drop, orig_end = ks._drop_late, ks._end_late
-def drop():
-    LOG["drops"] += 1; orig_drop()
+LOG = {"takes": 0, "ends": 0, "assigned": 0, "tasks": set(), "threads": set(), "cur": set()}
+orig_take, orig_end = ks._take_late, ks._end_late
+def take():   # every take: the ends' and a failed backward's drops
+    LOG["takes"] += 1; return orig_take()
 def end():
     LOG["ends"] += 1; LOG["assigned"] += len(ks._LATE); LOG["threads"].add(threading.get_ident())
     LOG["cur"].add((torch.cuda.current_stream().cuda_stream, torch.cuda.is_current_stream_capturing()))
     orig_end()
     LOG["cur"].add(("after", torch.cuda.is_current_stream_capturing()))
-ks._drop_late, ks._end_late = drop, end
+ks._take_late, ks._end_late = take, end
 orig_join = ks._Streams.join_late
 def join(self, here, side, weight, grad, keep):
     LOG["tasks"].add(torch._C._current_graph_task_id()); orig_join(self, here, side, weight, grad, keep)

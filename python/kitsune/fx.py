@@ -1348,9 +1348,9 @@ def kitsune_backend(gm, example_inputs):
 
 def _register_backend():
     # list_backends() first imports every backend module of Dynamo's (Inductor's code cache,
-    # networkx, ...): 0.14-0.5 s on the CPU machine, 1.3-1.5 s on the H100 one (which compiles
-    # their bytecode each time), paid by optimize() and compile_step's setup. The registry's
-    # own table answers without them.
+    # networkx, ...): 0.14 s of optimize() and a step on the CPU machine, 1.3-1.5 s of
+    # compile_step's setup on the H100 one (which compiles their bytecode each time). The
+    # registry's own table answers without them.
     from torch._dynamo import list_backends, register_backend
     from torch._dynamo.backends import registry
     known = getattr(registry, "_COMPILER_FNS", None)

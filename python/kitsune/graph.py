@@ -416,11 +416,7 @@ class CompiledStep:
         finally:
             restore()
             self._set_conv_grads("together")
-        best = "together"
-        for way in _CONV_GRAD_WAYS[1:]:
-            if way in ms and ms[way] < 0.99 * ms[best]:
-                best = way
-        self._set_conv_grads(best)
+        self._set_conv_grads(_fastest_way(ms))
         self._conv_grads = {"convs": n, "apart": ctx.grads_apart, "late": ctx.grads_late, "how": "measured",
                             "ms": ms}
 
@@ -441,8 +437,7 @@ class CompiledStep:
         held = torch.cuda.memory_allocated(device) + plan_bytes
         if held <= self._eager_peak:
             return False
-        ms = {k: v for k, v in info["ms"].items() if k != "late"}
-        way = "apart" if ms.get("apart", float("inf")) < 0.99 * ms["together"] else "together"
+        way = _fastest_way({k: v for k, v in info["ms"].items() if k != "late"})
         self._set_conv_grads(way)
         info.update(apart=way == "apart", late=False,
                     late_refused=f"the plan with late joins ({plan_bytes / 2**20:.1f} MiB) and what is allocated "
@@ -652,6 +647,16 @@ _CAPTURED = weakref.WeakKeyDictionary()
 
 
 _CONV_GRAD_WAYS = ("together", "apart", "late")   # _choose_conv_grads' order: the later, the more streams and memory
+
+
+def _fastest_way(ms):
+    """Of the ways timed in ms (way -> ms, "together" always), the one kept: each later way
+    only when at least 1% faster than the best before it."""
+    best = "together"
+    for way in _CONV_GRAD_WAYS[1:]:
+        if way in ms and ms[way] < 0.99 * ms[best]:
+            best = way
+    return best
 
 
 def _graphs_elsewhere(step):

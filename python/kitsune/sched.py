@@ -382,8 +382,8 @@ class _Streams:
         (torch._C._current_graph_task_id); a backward that failed before its end leaves
         its entries, which the next one drops with their streams joined, unassigned."""
         task = torch._C._current_graph_task_id()
-        if _LATE and _LATE[0][0] != task:
-            _drop_late()
+        if _LATE and _LATE[0][0] != task:   # left by a backward that failed before its end
+            _take_late()
         if not _LATE:
             torch.autograd.Variable._execution_engine.queue_callback(_end_late)
         _LATE.append((task, here, side, weight, grad, keep))
@@ -541,11 +541,13 @@ def _join_late_streams(entries):
             c.wait_stream(here)
 
 
-def _drop_late():
-    """A failed backward's entries: joined, their gradients dropped."""
+def _take_late():
+    """The pending entries, taken from _LATE with their streams joined (a failed
+    backward's are then dropped: their gradients never assigned)."""
     entries = _LATE[:]
     _LATE.clear()
     _join_late_streams(entries)
+    return entries
 
 
 def _late_ok(weight):
@@ -563,10 +565,7 @@ def _end_late():
     """The backward's final callback (on the streams backward() was called on, which the
     engine has joined with the leaf streams): the late weight gradients are joined, then
     each becomes its weight's .grad. The entries go after."""
-    entries = _LATE[:]
-    _LATE.clear()
-    _join_late_streams(entries)
-    for _, _, _, weight, grad, _ in entries:
+    for _, _, _, weight, grad, _ in _take_late():
         if weight.grad is None:
             weight.grad = grad
         else:   # not expected (no other use of the weight), but never lost

@@ -245,6 +245,18 @@ def test_streamed_splits_each_bias_free_conv2d_s_gradients_and_computes_the_same
             and n.target is nn.functional.conv2d] == [True, False, False, False, False]
 
 
+def test_the_conv_gradient_way_kept_must_beat_the_best_before_it_by_one_percent():
+    """compile_step's choice among the timed ways (and the fallback when planned memory
+    refuses late): a later way, with more streams and memory held, only for a 1% gain."""
+    from kitsune.graph import _fastest_way
+    assert _fastest_way({"together": 1.0}) == "together"
+    assert _fastest_way({"together": 1.0, "apart": 0.995, "late": 0.993}) == "together"
+    assert _fastest_way({"together": 1.0, "apart": 0.98, "late": 0.975}) == "apart"
+    assert _fastest_way({"together": 1.0, "apart": 0.98, "late": 0.96}) == "late"
+    assert _fastest_way({"together": 1.0, "late": 0.9}) == "late"   # late timed, apart not
+    assert _fastest_way({"together": 1.0, "apart": 1.2, "late": 0.985}) == "late"
+
+
 def test_conv_grads_mode_is_read_from_the_environment_and_together_splits_nothing(monkeypatch):
     """KITSUNE_CONV_GRADS: unset or "" is auto, a bad value names itself and the
     choices, and "together" leaves the convolutions as F.conv2d (no node to split)."""

@@ -15,6 +15,9 @@ For each model of bench/models.py (same builders, batches and AdamW), kitsune.op
                 --configs: how much of a streamed graph's memory its streams take
   kitsune_plan_ob0  kitsune_plan with the optimizer's update after the backward
                 (compile_step(optimizer_in_backward=False)); only when named in --configs
+  kitsune_plan_nowait  kitsune_plan without a budget (KITSUNE_PLAN_WAITS=0): the plan keeps
+                apart what the capture's order keeps apart, never buying reuse with a
+                wait; only when named in --configs
 
 Each process runs 5 eager steps, then measures one more: `static` is what is allocated
 before it (parameters, optimizer state, batches, workspaces; gradients dropped),
@@ -54,7 +57,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = ("native", "kitsune_pool", "kitsune_plan")
-EXTRA = ("kitsune_plan_1s", "kitsune_plan_ob0")   # by name only (--configs)
+EXTRA = ("kitsune_plan_1s", "kitsune_plan_ob0", "kitsune_plan_nowait")   # by name only (--configs)
 MiB = 2 ** 20
 
 
@@ -101,6 +104,8 @@ def child(model_name, config, steps):
     eager_peak, eager_reserved_peak = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     opt.zero_grad(set_to_none=True)
 
+    if config == "kitsune_plan_nowait":
+        os.environ["KITSUNE_PLAN_WAITS"] = "0"
     step = kitsune.compile_step(model, loss_fn, opt, plan_memory=config.startswith("kitsune_plan"),
                                 streams=1 if config == "kitsune_plan_1s" else 4,
                                 optimizer_in_backward=config != "kitsune_plan_ob0")
@@ -177,7 +182,7 @@ def table(rows):
     print("rsv/rsv: graph_reserved / the eager step's peak reserved (both after an empty_cache)")
     print("own/eager: (static + the plan's extent) / eager_peak (planned configs)")
     print(f"{'model':<10}{'config':<17}{'static':>9}{'eager pk':>10}{'eager+':>8}{'graph rsv':>11}{'graph+':>8}"
-          f"{'graph/eager':>12}{'rsv/rsv':>8}{'own/eager':>10}{'plan':>8}{'live pk':>9}{'placed':>10}{'ms':>8}"
+          f"{'graph/eager':>12}{'rsv/rsv':>8}{'own/eager':>10}{'plan':>8}{'live pk':>9}{'placed':>10}{'waits':>6}{'ms':>8}"
           f"{'loss':>9}")
     for r in rows:
         if "error" in r:
@@ -185,7 +190,7 @@ def table(rows):
             continue
         mp = r["compile_step"]["memory_plan"] or {}
         plan = f"{mp['plan_bytes'] / MiB:8.1f}{mp['peak_bytes'] / MiB:9.1f}{mp['placed']:>5}/{mp['blocks']:<4}" \
-            if "plan_bytes" in mp else f"{'':8}{'':9}{'':10}"
+            f"{mp.get('waits') or 0:6d}" if "plan_bytes" in mp else f"{'':8}{'':9}{'':10}{'':6}"
         own = f"{(r['static'] + mp['plan_bytes']) / r['eager_peak']:10.3f}" if "plan_bytes" in mp else f"{'':10}"
         print(f"{r['model']:<10}{r['config']:<17}{r['static'] / MiB:9.1f}{r['eager_peak'] / MiB:10.1f}"
               f"{(r['eager_peak'] - r['static']) / MiB:8.1f}{r['graph_reserved'] / MiB:11.1f}"

@@ -41,6 +41,11 @@ def load(path):
         for line in f:
             i, rest = line.split(":")
             share.update((int(i), int(j)) for j in rest.split())
+    gap = head.get("wait_gap", -1)
+    if gap >= 0:   # a plan with waits (kt_capplan_create_within): the pairs far enough apart share too
+        waitable = [not r["after"] and not r["unordered"] for r in planned]
+        share.update((i, j) for i in range(len(planned)) for j in range(len(planned))
+                     if i != j and waitable[i] and waitable[j] and blocks[j][1] - blocks[i][2] >= gap)
     return head, blocks, share
 
 

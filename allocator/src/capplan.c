@@ -455,10 +455,30 @@ typedef struct order_bits {
   int32_t n;
 } order_bits;
 
-static int order_share(void *ctx, int32_t i, int32_t j) {
-  const order_bits *o = ctx;
+static int order_bit(const order_bits *o, int32_t i, int32_t j) {
   size_t k = (size_t)i * (size_t)o->n + (size_t)j;
   return (int)((o->bits[k / 64] >> (k % 64)) & 1);
+}
+
+static int order_share(void *ctx, int32_t i, int32_t j) { return order_bit(ctx, i, j); }
+
+/* What a plan with waits lets share: the order's pairs, and those where the earlier
+ * block may be waited for (waitable[i]) and the later starts at least gap recorded
+ * events after it ends. */
+typedef struct wait_share {
+  const order_bits *ob;
+  const kt_memplan_block *mb;
+  const uint8_t *waitable;
+  int64_t gap;
+} wait_share;
+
+static int waited(const wait_share *w, int32_t i, int32_t j) {
+  return w->waitable[i] && w->waitable[j] && w->mb[j].start - w->mb[i].end >= w->gap;
+}
+
+static int share_or_wait(void *ctx, int32_t i, int32_t j) {
+  const wait_share *w = ctx;
+  return order_bit(w->ob, i, j) || waited(w, i, j);
 }
 
 /* Fills o for the planned blocks (src[j]: planned block j's rec_block) from the
@@ -531,7 +551,59 @@ static int32_t planned_count(const kt_caprec *r) {
 
 static int plan_ordered(const kt_caprec *r, int32_t n) { return r->dag.valid && n <= KT_CAPPLAN_ORDER_MAX_BLOCKS; }
 
-kt_status kt_capplan_create(const kt_caprec *r, kt_capplan **out) {
+/* The plan with waits (kt_capplan_create_within), when its extent without them,
+ * *total, passes budget: the largest gap whose packing fits (bisection over the
+ * recorded events; the packings need not shrink monotonically as the gap falls, so
+ * the one kept is one that was seen to fit), or 0, every waitable pair, when none
+ * does, if that is smaller. off and *total are replaced only by a smaller plan. */
+static kt_status fit_with_waits(const kt_caprec *r, const int32_t *src, const kt_memplan_block *mb, int32_t n,
+                                const order_bits *ob, uint64_t budget, uint64_t *off, uint64_t *total,
+                                int64_t *gap_out, int32_t *pairs_out) {
+  *gap_out = -1;
+  *pairs_out = 0;
+  uint8_t *waitable = calloc((size_t)n + 1, 1);
+  uint64_t *trial = malloc(((size_t)n + 1) * sizeof *trial);
+  kt_status st = waitable && trial ? KT_OK : KT_ERR_HOST_OOM;
+  for (int32_t j = 0; j < n && st == KT_OK; j++) {
+    const rec_block *b = &r->b[src[j]];
+    waitable[j] = !b->after && !b->o.unordered;
+  }
+  wait_share w = {ob, mb, waitable, 0};
+  uint64_t got = 0;
+  if (st == KT_OK) st = kt_memplan_shared(mb, n, KT_CAPPLAN_ALIGN, share_or_wait, &w, trial, &got);
+  if (st == KT_OK && got < *total) {
+    int64_t lo = 0, hi = r->t + 1;   /* hi: no pair is that far apart, so no waits */
+    uint64_t best = got;
+    memcpy(off, trial, (size_t)n * sizeof *off);
+    if (got <= budget)
+      while (hi - lo > 1 && st == KT_OK) {
+        w.gap = lo + (hi - lo) / 2;
+        st = kt_memplan_shared(mb, n, KT_CAPPLAN_ALIGN, share_or_wait, &w, trial, &got);
+        if (st == KT_OK && got <= budget) {
+          lo = w.gap;
+          best = got;
+          memcpy(off, trial, (size_t)n * sizeof *off);
+        } else {
+          hi = w.gap;
+        }
+      }
+    if (st == KT_OK) {
+      w.gap = lo;
+      *total = best;
+      *gap_out = lo;
+      for (int32_t i = 0; i < n; i++)
+        for (int32_t j = 0; j < n; j++)
+          *pairs_out += i != j && mb[i].end <= mb[j].start && !order_bit(ob, i, j) && waited(&w, i, j);
+    }
+  }
+  free(waitable);
+  free(trial);
+  return st;
+}
+
+kt_status kt_capplan_create(const kt_caprec *r, kt_capplan **out) { return kt_capplan_create_within(r, UINT64_MAX, out); }
+
+kt_status kt_capplan_create_within(const kt_caprec *r, uint64_t budget, kt_capplan **out) {
   if (!r || !out) return KT_ERR_INVALID;
   int32_t n = planned_count(r);
   int ordered = plan_ordered(r, n);
@@ -560,6 +632,11 @@ kt_status kt_capplan_create(const kt_caprec *r, kt_capplan **out) {
   kt_status st = ordered ? order_fill(r, src, mb, n, &ob, &cross) : KT_OK;
   if (st == KT_OK)
     st = kt_memplan_shared(mb, n, KT_CAPPLAN_ALIGN, ordered ? order_share : NULL, &ob, p->off, &total);
+  uint64_t unwaited = total;
+  int64_t wait_gap = -1;
+  int32_t wait_pairs = 0;
+  if (st == KT_OK && total > budget && ordered && n <= KT_CAPPLAN_WAIT_MAX_BLOCKS)
+    st = fit_with_waits(r, src, mb, n, &ob, budget, p->off, &total, &wait_gap, &wait_pairs);
   if (st == KT_OK) st = kt_memplan_peak(mb, n, KT_CAPPLAN_ALIGN, &peak);
   if (st == KT_OK) st = sum_group_peaks(mb, n, nseen, &group_peak);
   free(ob.bits);
@@ -571,7 +648,8 @@ kt_status kt_capplan_create(const kt_caprec *r, kt_capplan **out) {
   }
   p->n = n;
   p->info = (kt_capplan_info){n, (size_t)round_up(total, KT_SEGMENT_ALIGN), (size_t)total, (size_t)peak,
-                              (size_t)group_peak, ordered ? r->dag.n : 0, cross};
+                              (size_t)group_peak, ordered ? r->dag.n : 0, cross, wait_gap, wait_pairs,
+                              budget, (size_t)unwaited};
   *out = p;
   return KT_OK;
 }
@@ -660,7 +738,10 @@ struct kt_placer {
   kt_capture_order ord;    /* ord.frontier NULL: none */
   tokens tok;              /* the capture being placed's */
   tokens front;            /* the frontier a placement is checked at */
+  tokens need;             /* the nodes a placement makes its stream wait for */
   capdag dag;              /* the capture's graph as far as the last check */
+  int may_wait;            /* the plan has waits and the order can add them */
+  int32_t waits;
 };
 
 kt_status kt_placer_create(const kt_backend *be, int device, kt_placer **out) {
@@ -697,6 +778,7 @@ void kt_placer_destroy(kt_placer *pl) {
   dag_free(&pl->dag);
   free(pl->tok.v);
   free(pl->front.v);
+  free(pl->need.v);
   free(pl->lv);
   free(pl->blk);
   free(pl);
@@ -757,7 +839,8 @@ kt_status kt_placer_begin(kt_placer *pl, const kt_capplan *plan) {
   pl->n = plan->n;
   pl->cursor = 0;
   pl->epoch++;
-  pl->placed = pl->refused = 0;
+  pl->placed = pl->refused = pl->waits = 0;
+  pl->may_wait = plan->info.wait_gap >= 0 && pl->ord.wait != NULL;
   pl->tok.n = 0;
   dag_free(&pl->dag);   /* another capture's graph */
   pl->plan_bytes = plan->info.plan_bytes;
@@ -782,12 +865,31 @@ static int mark_frontier(kt_placer *pl, kt_stream_t stream) {
   return 1;
 }
 
+/* Appends to pl->need the nodes of b's frontiers at its free that stream's marked
+ * frontier does not follow yet (once each). */
+static kt_status need_nodes(kt_placer *pl, const pl_block *b) {
+  for (int32_t t = b->o.ff; t < b->o.ff + b->o.nff; t++) {
+    uint64_t v = pl->tok.v[t];
+    if (dag_covers(&pl->dag, pl->front.v, pl->front.n, &v, 1)) continue;
+    int dup = 0;
+    for (int32_t q = 0; q < pl->need.n && !dup; q++) dup = pl->need.v[q] == v;
+    if (dup) continue;
+    kt_status st = grow((void **)&pl->need.v, &pl->need.cap, pl->need.n + 1, sizeof *pl->need.v);
+    if (st != KT_OK) return st;
+    pl->need.v[pl->need.n++] = v;
+  }
+  return KT_OK;
+}
+
 /* Whether a block of the current capture, placed on stream at [off, off+size),
  * would share bytes with a placed block that could still be in use: one live, or
  * one used on another stream or of another stream whose work the capture's graph
- * does not put before stream's next work. */
-static int conflicts(kt_placer *pl, uint64_t off, uint64_t size, kt_stream_t stream) {
+ * does not put before stream's next work. With waits, the freed blocks of that last
+ * kind (noted on the order) are made to come first: stream waits for the nodes
+ * need_nodes gathers, and the check runs again without waits. */
+static int conflicts(kt_placer *pl, uint64_t off, uint64_t size, kt_stream_t stream, int may_wait) {
   int marked = 0;   /* 1: stream's frontier marked; -1: it cannot be had */
+  pl->need.n = 0;
   for (int32_t k = 0; k < pl->cursor; k++) {
     const pl_block *b = &pl->blk[k];
     if (b->state == PL_UNPLACED || b->off >= off + size || off >= b->off + b->size) continue;
@@ -795,9 +897,14 @@ static int conflicts(kt_placer *pl, uint64_t off, uint64_t size, kt_stream_t str
     if (b->o.nuse == 1 && b->stream == stream) continue;   /* stream order */
     if (!pl->ord.frontier || b->o.unordered) return 1;
     if (!marked) marked = mark_frontier(pl, stream) ? 1 : -1;
-    if (marked < 0 || !dag_covers(&pl->dag, pl->front.v, pl->front.n, pl->tok.v + b->o.ff, b->o.nff)) return 1;
+    if (marked < 0) return 1;
+    if (dag_covers(&pl->dag, pl->front.v, pl->front.n, pl->tok.v + b->o.ff, b->o.nff)) continue;
+    if (!may_wait || need_nodes(pl, b) != KT_OK) return 1;
   }
-  return 0;
+  if (!pl->need.n) return 0;
+  if (pl->ord.wait(pl->ord.ctx, stream, pl->need.v, (size_t)pl->need.n) != KT_OK) return 1;
+  pl->waits++;
+  return conflicts(pl, off, size, stream, 0);
 }
 
 kt_status kt_placer_alloc(kt_placer *pl, size_t size, kt_stream_t stream, void **out) {
@@ -807,7 +914,7 @@ kt_status kt_placer_alloc(kt_placer *pl, size_t size, kt_stream_t stream, void *
   int32_t j = pl->cursor, stop = pl->n - pl->cursor > KT_CAPPLAN_WINDOW ? pl->cursor + KT_CAPPLAN_WINDOW : pl->n;
   while (j < stop && (pl->blk[j].state != PL_UNPLACED || pl->blk[j].size != rs)) j++;
   if (j == stop || !pl->cur || pl->blk[j].off + rs > pl->cur->bytes ||
-      conflicts(pl, pl->blk[j].off, rs, stream) || pm_get(&pl->map, pl->cur->base + pl->blk[j].off) >= 0) {
+      pm_get(&pl->map, pl->cur->base + pl->blk[j].off) >= 0 || conflicts(pl, pl->blk[j].off, rs, stream, pl->may_wait)) {
     pl->refused++;
     return KT_ERR_UNAVAILABLE;
   }
@@ -875,6 +982,6 @@ kt_status kt_placer_get_stats(const kt_placer *pl, kt_placer_stats *out) {
     arenas++;
   }
   *out = (kt_placer_stats){arena, arenas, pl->live_bytes, pl->live_blocks, pl->n, pl->placed, pl->refused, pl->plan_bytes,
-                           pl->peak_bytes};
+                           pl->peak_bytes, pl->waits};
   return KT_OK;
 }

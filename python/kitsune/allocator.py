@@ -100,8 +100,12 @@ class CapturePlan:
     blocks by; 0: streams were kept apart), ``cross_shares`` (pairs of blocks of
     different streams, or used on another, the graph's order let share bytes),
     ``programmatic_edges`` (edges of the graph into kernels that may start before their
-    predecessor ends) and ``programmatic_ordered`` (of them, those into Kitsune's
-    dependent launches, which wait before touching memory: counted as order)."""
+    predecessor ends), ``programmatic_ordered`` (of them, those into Kitsune's
+    dependent launches, which wait before touching memory: counted as order), and for a
+    ``budget`` (as given to _take_plan; None: none): ``unwaited_bytes`` (the plan's
+    extent without waits), ``wait_gap`` (-1: no waits; else blocks at least that many
+    recorded allocations and frees apart share bytes by a wait) and ``wait_shares``
+    (the pairs only waits let share)."""
 
     def __init__(self, handle, info):
         self._handle, self.info = handle, info
@@ -133,7 +137,7 @@ def _pool_args(pool, device):
         i64p = ctypes.POINTER(ctypes.c_int64)
         b.kt_bridge_pool_record.argtypes = ids
         b.kt_bridge_pool_place.argtypes = ids + [ctypes.c_void_p]
-        b.kt_bridge_pool_take_plan.argtypes = ids + [ctypes.POINTER(ctypes.c_void_p), i64p]
+        b.kt_bridge_pool_take_plan.argtypes = ids + [ctypes.c_int64, ctypes.POINTER(ctypes.c_void_p), i64p]
         b.kt_bridge_pool_placer_stats.argtypes = ids + [i64p]
         b.kt_bridge_plan_free.argtypes = [ctypes.c_void_p]
         b.kt_bridge_plan_free.restype = None
@@ -147,16 +151,25 @@ def _record_capture(pool, device=0):
     check(b.kt_bridge_pool_record(d, i0, i1), f"recording the next capture into pool {pool}")
 
 
-def _take_plan(pool, device=0):
+def _take_plan(pool, device=0, budget=None):
     """The :class:`CapturePlan` of the capture recorded into ``pool``; the recording
-    ends. Free the graph's outputs first: what is still live is left out."""
+    ends. Free the graph's outputs first: what is still live is left out. ``budget``
+    (bytes, None: none): when the plan passes it, blocks of streams the capture's order
+    keeps apart may share bytes too, each such reuse bought with a wait of the later
+    block's stream on the earlier block's work (kt_capplan_create_within)."""
+    if budget is not None and (not isinstance(budget, int) or budget < 0):
+        raise ValueError(f"budget must be None or a number of bytes >= 0, got {budget!r}")
     b, d, i0, i1 = _pool_args(pool, device)
     h = ctypes.c_void_p()
-    out = (ctypes.c_int64 * 12)()
-    check(b.kt_bridge_pool_take_plan(d, i0, i1, ctypes.byref(h), out), f"planning pool {pool}'s recorded capture")
+    out = (ctypes.c_int64 * 15)()
+    check(b.kt_bridge_pool_take_plan(d, i0, i1, -1 if budget is None else budget, ctypes.byref(h), out),
+          f"planning pool {pool}'s recorded capture")
     keys = ("blocks", "arena_bytes", "plan_bytes", "peak_bytes", "recorded", "left_live", "freed_after",
-            "stream_peak_bytes", "graph_nodes", "cross_shares", "programmatic_edges", "programmatic_ordered")
-    return CapturePlan(h.value, dict(zip(keys, list(out))))
+            "stream_peak_bytes", "graph_nodes", "cross_shares", "programmatic_edges", "programmatic_ordered",
+            "wait_gap", "wait_shares", "unwaited_bytes")
+    info = dict(zip(keys, list(out)))
+    info["budget"] = budget
+    return CapturePlan(h.value, info)
 
 
 def _place_capture(pool, plan, device=0):
@@ -188,14 +201,15 @@ def _placer_stats(pool, device=0):
     ``live_bytes`` / ``live_blocks`` (placed blocks live now), ``planned``, ``placed`` (at
     their planned offsets), ``refused`` (served by the pool instead: the plan did not
     foresee them, or they would have shared bytes with a block still in use),
-    ``plan_bytes``, ``peak_bytes`` and ``status`` (0, or the kt_status of an arena that
-    could not be had). None when the pool has no placer."""
+    ``plan_bytes``, ``peak_bytes``, ``status`` (0, or the kt_status of an arena that
+    could not be had) and ``waits`` (placements that made their stream wait: plans with
+    a budget). None when the pool has no placer."""
     b, d, i0, i1 = _pool_args(pool, device)
-    out = (ctypes.c_int64 * 10)()
+    out = (ctypes.c_int64 * 11)()
     if b.kt_bridge_pool_placer_stats(d, i0, i1, out) != 0:
         return None
     keys = ("arena_bytes", "arenas", "live_bytes", "live_blocks", "planned", "placed", "refused", "plan_bytes",
-            "peak_bytes", "status")
+            "peak_bytes", "status", "waits")
     return dict(zip(keys, list(out)))
 
 

@@ -90,6 +90,13 @@ against the blocks still in use, so a capture that differs from the recording is
 correct (what the plan did not foresee comes from the pool). ``stats()["memory_plan"]``
 gives the plan (``plan_bytes`` against the recording's live ``peak_bytes``) and how many
 allocations were ``placed`` or ``refused``. The graphs of one compile_step share the arena.
+The plan's budget is the eager step's peak (the most allocated after the warm-up) less
+what is allocated outside the graph: a plan over it (streams running branches side by
+side keep their blocks apart) lets blocks the capture's order keeps apart share bytes
+as well, each reuse bought with a wait of the later block's stream on the earlier
+block's work, the waits between blocks farthest apart first (``memory_plan``'s
+``budget``, ``unwaited_bytes``, ``wait_gap`` and ``waits``). ``KITSUNE_PLAN_WAITS=0``
+plans without a budget.
 
 Loss (``fuse_loss=True``, the default): the loss function runs in a
 kitsune.fx.FusedLoss mode, so its F.cross_entropy calls run as kitsune.cross_entropy
@@ -298,7 +305,7 @@ class CompiledStep:
             side.wait_stream(partner)
         with torch.cuda.stream(side):
             loss = self._warm_up(batch)
-        self._eager_peak = torch.cuda.max_memory_allocated(device)   # the budget of _late_over_budget
+        self._eager_peak = torch.cuda.max_memory_allocated(device)   # the budget of the plans (_plan_budget)
         here.wait_stream(side)
         if partner != here:
             partner.wait_stream(side)
@@ -424,6 +431,14 @@ class CompiledStep:
         ctx = self._captured._kitsune_streams
         ctx.grads_apart, ctx.grads_late = way != "together", way == "late"
 
+    def _plan_budget(self, device):
+        """Bytes a memory plan may take: the eager step's peak (the most allocated after
+        the warm-up) less what is allocated now, outside the graph; None without a warm-up
+        peak or with KITSUNE_PLAN_WAITS=0."""
+        if not self._eager_peak or os.environ.get("KITSUNE_PLAN_WAITS", "1") == "0":
+            return None
+        return max(self._eager_peak - torch.cuda.memory_allocated(device), 0)
+
     def _late_over_budget(self, plan_bytes, device):
         """Whether the recorded plan of a step whose weight gradients join late takes the
         device past the eager step's peak (the most allocated after the warm-up, so never
@@ -507,7 +522,7 @@ class CompiledStep:
             graph, loss, _ = self._capture(args, first)
             del loss   # what is still live when planned is left out of the plan
             try:
-                mplan = allocator._take_plan(first, dev)
+                mplan = allocator._take_plan(first, dev, budget=self._plan_budget(device))
             except RuntimeError as e:   # host memory: capture as without a plan
                 mplan, self._memory = None, {"reason": f"not planned: {_describe(e)}"}
             del graph   # its pool goes back to the device's pool
@@ -523,7 +538,7 @@ class CompiledStep:
         allocator._place_capture(self._pool, mplan, dev)
         out = self._capture(args, self._pool)
         placer = allocator._placer_stats(self._pool, dev) or {}
-        self._memory = dict(mplan.info, **{k: placer.get(k) for k in ("placed", "refused", "status")},
+        self._memory = dict(mplan.info, **{k: placer.get(k) for k in ("placed", "refused", "status", "waits")},
                             pool_arena_bytes=placer.get("arena_bytes"))
         return out
 

@@ -1,13 +1,15 @@
 """compile_step with planned graph memory, run by test_graph.py in a fresh process
 (Kitsune's allocator must be installed before CUDA initialises).
 
-    python plan_workloads.py CASE    # mlp | shapes | lm | branchy | fused_branchy
+    python plan_workloads.py CASE    # mlp | shapes | lm | branchy | fused_branchy | waited_branchy
 
 Trains one model three ways from the same start: the eager loop, compile_step with
 plan_memory=False and with plan_memory=True. Checks (assert_close: the process fails
 otherwise) that the planned graph trains as the unplanned one does (1e-6) and that the
 unplanned one trains as the eager loop (the case's tolerance; for the branchy conv net
 on streams, the losses), then prints one JSON line: both steps' stats().
+waited_branchy is fused_branchy planned within a budget of 0 bytes: every reuse waits
+can buy is bought (the eager peak would leave this small net's plan alone).
 """
 import copy
 import faulthandler
@@ -73,14 +75,14 @@ def case(name):
             t = torch.randint(0, 96, (8, 65), generator=g)
             batches.append((t[:, :-1], t[:, 1:]))
         return TinyLM(), lm_loss, batches, dict(autocast_dtype=torch.bfloat16), (1e-4, 1e-5)
-    if name in ("branchy", "fused_branchy"):
+    if name in ("branchy", "fused_branchy", "waited_branchy"):
         torch.manual_seed(0)
         torch.backends.cudnn.deterministic = True
         batches = [(torch.randn(16, 3, 16, 16, generator=g), torch.randint(0, 10, (16,), generator=g))
                    for _ in range(12)]
         # fused_branchy: through kitsune.optimize, so its bias gradients are Kitsune's column
         # sums (dependent launches on sm_90), in the eager loop too
-        model = kitsune.optimize(Branchy()) if name == "fused_branchy" else Branchy()
+        model = Branchy() if name == "branchy" else kitsune.optimize(Branchy())
         return model, ce, batches, dict(streams=4), (1e-3, 1e-4)
     raise SystemExit(f"unknown case {name!r}")
 
@@ -114,6 +116,8 @@ def main(name):
     eager_peak = torch.cuda.max_memory_allocated()
     steps = [kitsune.compile_step(m, loss_fn, o, plan_memory=plan, **kw)
              for m, o, plan in zip(twins, opts[1:], (False, True))]
+    if name == "waited_branchy":
+        steps[1]._plan_budget = lambda device: 0
     pool, planned = (train(s, batches) for s in steps)
     # the plan changes where blocks are, not what is computed
     torch.testing.assert_close(planned, pool, rtol=1e-6, atol=1e-7)

@@ -988,7 +988,7 @@ def test_gpu_compile_step_shares_the_partner_streams_cublas_workspaces():
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("case", ["mlp", "shapes", "lm", "branchy", "fused_branchy"])
+@pytest.mark.parametrize("case", ["mlp", "shapes", "lm", "branchy", "fused_branchy", "waited_branchy"])
 def test_gpu_compile_step_with_planned_memory_trains_as_eager(case):
     """Kitsune installed, compile_step(plan_memory=True): captured once while recording,
     planned, captured again by the plan. It trains as the eager loop does (checked in
@@ -1000,7 +1000,9 @@ def test_gpu_compile_step_with_planned_memory_trains_as_eager(case):
     Through kitsune.optimize (fused_branchy, sm_90) its bias gradients are column sums
     launched as dependents: their programmatic edges count as order
     (programmatic_ordered; not counting them cut the streams' ancestry and grew the
-    bench's 4-stream Inception net's plan from 351.7 to 459.9 MiB)."""
+    bench's 4-stream Inception net's plan from 351.7 to 459.9 MiB). Planned within a
+    budget of 0 (waited_branchy), waits buy reuse the order does not allow: a smaller
+    plan, every block placed, the same training (the waits add edges, not work)."""
     here = os.path.dirname(os.path.abspath(__file__))
     r = subprocess.run([sys.executable, os.path.join(here, "plan_workloads.py"), case], capture_output=True,
                        text=True, env=env(), timeout=600)
@@ -1019,6 +1021,10 @@ def test_gpu_compile_step_with_planned_memory_trains_as_eager(case):
     if "branchy" in case:
         assert st["streams"] > 1, st
         assert mp["graph_nodes"] > 0 and mp["cross_shares"] > 0, mp
+    if case == "waited_branchy":   # a budget of 0: waits bought bytes the order kept apart
+        assert mp["budget"] == 0 and mp["wait_gap"] >= 0 and mp["wait_shares"] > 0, mp
+        assert mp["plan_bytes"] < mp["unwaited_bytes"] and mp["waits"] > 0, mp
+        assert mp["placed"] == mp["blocks"] and mp["refused"] == 0, mp
     if case == "fused_branchy" and torch.cuda.get_device_capability()[0] >= 9:
         assert mp["programmatic_ordered"] > 0, mp
         # every one is into a kernel of ours here (8 of 8 on the H100 at 2f5a092): one left

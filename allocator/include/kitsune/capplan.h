@@ -69,6 +69,9 @@ extern "C" {
 /* More planned blocks than this: the plan keeps streams apart (its order matrix
  * would take n^2 / 8 bytes). */
 #define KT_CAPPLAN_ORDER_MAX_BLOCKS 16384
+/* More planned blocks than this: kt_capplan_create_within plans without waits (each
+ * threshold it tries packs the blocks again, O(n^2)). */
+#define KT_CAPPLAN_WAIT_MAX_BLOCKS 4096
 
 /* ---- the order of a capture's work (optional) ------------------------------------- */
 /* Node ids are the captured graph's nodes, nonzero. Both callbacks write the first
@@ -81,6 +84,11 @@ typedef struct kt_capture_order {
   kt_status (*frontier)(void *ctx, kt_stream_t stream, uint64_t *nodes, size_t cap, size_t *n);
   /* the captured graph's edges so far that order completion (from[k] -> to[k]) */
   kt_status (*edges)(void *ctx, uint64_t *from, uint64_t *to, size_t cap, size_t *n);
+  /* optional (NULL: none): makes the next operation captured on stream depend on
+   * nodes too (n >= 1 nodes of this capture). A placer by a plan made within a budget
+   * (kt_capplan_create_within) calls it to order a block's work after the work of an
+   * earlier block whose bytes it takes. */
+  kt_status (*wait)(void *ctx, kt_stream_t stream, const uint64_t *nodes, size_t n);
 } kt_capture_order;
 
 /* ---- recording --------------------------------------------------------------- */
@@ -127,6 +135,18 @@ typedef struct kt_capplan kt_capplan;
  * blocks share bytes as the order allows (above). Live blocks are left out. rec may
  * be destroyed afterwards. */
 kt_status kt_capplan_create(const kt_caprec *rec, kt_capplan **out);
+/* kt_capplan_create, and when its plan's extent passes budget bytes, a block whose
+ * work the order does not put after an earlier block's may take that block's bytes
+ * all the same, at the price of a wait: the placer makes the later block's stream
+ * wait for the work that used the earlier one (kt_capture_order.wait). Waits cost
+ * overlap between streams, so they are bought from the far end: pairs whose gap (the
+ * recorded events from the earlier block's free to the later one's allocation) is at
+ * least a threshold, the largest threshold whose plan fits the budget (found by
+ * bisection; with no threshold fitting, every such pair: the least the waits can
+ * give). Only with an order (the recording's graph) and up to
+ * KT_CAPPLAN_WAIT_MAX_BLOCKS planned blocks; blocks freed after the capture or noted
+ * on no order are never waited for. kt_capplan_info says what was chosen. */
+kt_status kt_capplan_create_within(const kt_caprec *rec, uint64_t budget, kt_capplan **out);
 void kt_capplan_destroy(kt_capplan *plan);
 
 typedef struct kt_capplan_info {
@@ -140,6 +160,12 @@ typedef struct kt_capplan_info {
   int32_t graph_nodes;   /* nodes of the recorded graph the plan ordered blocks by; 0: none */
   int32_t cross_shares;  /* pairs of blocks of different streams (or used on another) the
                           * order let share bytes */
+  /* kt_capplan_create_within: the threshold chosen (-1: no waits, the plan fit or
+   * could not have them), and the pairs of blocks only a wait lets share bytes */
+  int64_t wait_gap;
+  int32_t wait_shares;
+  uint64_t budget;       /* as given (UINT64_MAX: kt_capplan_create) */
+  size_t unwaited_bytes; /* the plan's extent without waits */
 } kt_capplan_info;
 kt_status kt_capplan_get_info(const kt_capplan *plan, kt_capplan_info *out);
 /* Planned block j (the recorded blocks freed when planned, in recorded order): its
@@ -173,7 +199,11 @@ kt_status kt_placer_set_order(kt_placer *pl, const kt_capture_order *ord);
 /* Ends placing (later allocations are refused); frees are still recognised. */
 void kt_placer_end(kt_placer *pl);
 /* KT_OK with *out in the arena, or KT_ERR_UNAVAILABLE (not placing, no planned
- * block of this size ahead, or the checks above refuse it). size 0: UNAVAILABLE. */
+ * block of this size ahead, or the checks above refuse it). size 0: UNAVAILABLE.
+ * By a plan with waits (kt_capplan_info.wait_gap >= 0), an overlap with freed blocks
+ * that the order does not put first, all of them noted on it, is bought with one
+ * call of the order's wait (the stream then waits for the nodes their streams had
+ * reached at their frees that it does not follow yet) and checked again. */
 kt_status kt_placer_alloc(kt_placer *pl, size_t size, kt_stream_t stream, void **out);
 /* KT_ERR_INVALID when ptr is not a live block of this placer. */
 kt_status kt_placer_free(kt_placer *pl, const void *ptr);
@@ -193,6 +223,7 @@ typedef struct kt_placer_stats {
                             * requests are not placed and not counted */
   size_t plan_bytes;       /* its plan's extent */
   size_t peak_bytes;       /* its recording's live peak */
+  int32_t waits;           /* placements that made their stream wait (plans with waits) */
 } kt_placer_stats;
 kt_status kt_placer_get_stats(const kt_placer *pl, kt_placer_stats *out);
 

@@ -194,12 +194,29 @@ kt_status capture_edges(void* ctx, uint64_t* from, uint64_t* to, size_t cap, siz
   return KT_OK;
 }
 
+// A plan within a budget (kt_capplan_create_within) orders a block's work after an
+// earlier block's by adding that block's last nodes to the stream's dependencies.
+kt_status capture_wait(void* ctx, kt_stream_t stream, const uint64_t* nodes, size_t n) {
+  auto* c = static_cast<CaptureOrder*>(ctx);
+  auto s = static_cast<cudaStream_t>(stream);
+  if (!c->graph || reinterpret_cast<uintptr_t>(s) <= 2 || !n) return KT_ERR_UNAVAILABLE;
+  std::vector<cudaGraphNode_t> deps(n);
+  for (size_t i = 0; i < n; i++) deps[i] = reinterpret_cast<cudaGraphNode_t>(nodes[i]);
+  if (cudaStreamUpdateCaptureDependencies(s, deps.data(), nullptr, n, cudaStreamAddCaptureDependencies) !=
+      cudaSuccess) {
+    (void)cudaGetLastError();
+    return KT_ERR_UNAVAILABLE;
+  }
+  return KT_OK;
+}
+
 // KITSUNE_CAPPLAN_LOG=DIR: each plan compile_step takes also goes to
 // DIR/capplan_<pid>_<n>.csv, a row a recorded block (size, stream as the order streams
 // first appeared, recorded events, flags, planned offset or -1), and the pairs of
 // planned blocks it let share bytes to DIR/capplan_<pid>_<n>_share.txt (a line a
 // planned block i, in the CSV's order of planned blocks: "i: j ..." for each j that may
-// reuse i's bytes; plans of up to KT_CAPPLAN_ORDER_MAX_BLOCKS blocks), for analysis off
+// reuse i's bytes by the order; plans of up to KT_CAPPLAN_ORDER_MAX_BLOCKS blocks; a plan
+// with waits also lets the pairs its header's wait_gap names share), for analysis off
 // the GPU (tools/capplan_log.py, tools/capplan_pack.py). Best effort: a file that cannot
 // be written is skipped.
 void log_plan(const kt_caprec* rec, const kt_capplan* plan) {
@@ -224,8 +241,9 @@ void log_plan(const kt_caprec* rec, const kt_capplan* plan) {
   }
   FILE* f = std::fopen((path + ".csv").c_str(), "w");
   if (!f) return;
-  std::fprintf(f, "# plan_bytes %zu peak_bytes %zu stream_peak_bytes %zu graph_nodes %d cross_shares %d\n",
-               pi.plan_bytes, pi.peak_bytes, pi.group_peak_bytes, pi.graph_nodes, pi.cross_shares);
+  std::fprintf(f, "# plan_bytes %zu peak_bytes %zu stream_peak_bytes %zu graph_nodes %d cross_shares %d wait_gap %lld\n",
+               pi.plan_bytes, pi.peak_bytes, pi.group_peak_bytes, pi.graph_nodes, pi.cross_shares,
+               static_cast<long long>(pi.wait_gap));
   std::fprintf(f, "block,size,stream,start,end,after,uses,unordered,offset\n");
   kt_caprec_info ri;
   kt_caprec_get_info(rec, &ri);
@@ -648,42 +666,47 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
     pending_.push_back(Pending{dev, id, record, plan});
     return KT_OK;
   }
-  // The plan of (dev, id)'s recorded capture; the recording ends. *info: planned
-  // blocks, arena bytes, plan bytes, live peak, recorded blocks, of them still live
-  // (left out), freed after the capture, the sum of the streams' live peaks, the
-  // recorded graph's nodes (0: streams kept apart), pairs shared across streams, the
-  // graph's programmatic edges and, of them, those counted as ordering.
-  kt_status take_plan(c10::DeviceIndex dev, c10::cuda::MempoolId_t id, kt_capplan** out, int64_t* info) {
+  // The plan of (dev, id)'s recorded capture, within budget bytes (< 0: none;
+  // kt_capplan_create_within); the recording ends. *info: planned blocks, arena
+  // bytes, plan bytes, live peak, recorded blocks, of them still live (left out),
+  // freed after the capture, the sum of the streams' live peaks, the recorded graph's
+  // nodes (0: streams kept apart), pairs shared across streams, the graph's
+  // programmatic edges and, of them, those counted as ordering, the wait gap (-1:
+  // none), the pairs only waits let share, the plan's bytes without waits.
+  kt_status take_plan(c10::DeviceIndex dev, c10::cuda::MempoolId_t id, int64_t budget, kt_capplan** out,
+                      int64_t* info) {
     std::lock_guard<std::mutex> g(mu_);
     Private* p = find_private(dev, id);
     if (!p || !p->rec || p->filter) return KT_ERR_INVALID;
     kt_caprec_info ri;
     kt_caprec_get_info(p->rec, &ri);
-    kt_status st = kt_capplan_create(p->rec, out);
+    kt_status st = kt_capplan_create_within(p->rec, budget < 0 ? UINT64_MAX : static_cast<uint64_t>(budget), out);
     if (st != KT_OK) return st;
     log_plan(p->rec, *out);
     kt_capplan_info ci;
     kt_capplan_get_info(*out, &ci);
-    int64_t v[12] = {ci.blocks, static_cast<int64_t>(ci.arena_bytes), static_cast<int64_t>(ci.plan_bytes),
+    int64_t v[15] = {ci.blocks, static_cast<int64_t>(ci.arena_bytes), static_cast<int64_t>(ci.plan_bytes),
                      static_cast<int64_t>(ci.peak_bytes), ri.blocks, ri.live, ri.freed_after,
                      static_cast<int64_t>(ci.group_peak_bytes), ci.graph_nodes, ci.cross_shares,
-                     p->order ? p->order->programmatic : 0, p->order ? p->order->programmatic_ordered : 0};
+                     p->order ? p->order->programmatic : 0, p->order ? p->order->programmatic_ordered : 0,
+                     ci.wait_gap, ci.wait_shares, static_cast<int64_t>(ci.unwaited_bytes)};
     std::memcpy(info, v, sizeof v);
     kt_caprec_destroy(p->rec);
     p->rec = nullptr;
     return KT_OK;
   }
   // out: arena bytes, arenas, live bytes, live blocks, planned, placed, refused, plan
-  // bytes, peak bytes, the last begin's kt_status. KT_ERR_INVALID when (dev, id) has no placer.
+  // bytes, peak bytes, the last begin's kt_status, waits. KT_ERR_INVALID when (dev, id)
+  // has no placer.
   kt_status placer_stats(c10::DeviceIndex dev, c10::cuda::MempoolId_t id, int64_t* out) {
     std::lock_guard<std::mutex> g(mu_);
     Private* p = find_private(dev, id);
     if (!p || !p->placer) return KT_ERR_INVALID;
     kt_placer_stats s;
     kt_placer_get_stats(p->placer, &s);
-    int64_t v[10] = {static_cast<int64_t>(s.arena_bytes), s.arenas, static_cast<int64_t>(s.live_bytes), s.live_blocks,
+    int64_t v[11] = {static_cast<int64_t>(s.arena_bytes), s.arenas, static_cast<int64_t>(s.live_bytes), s.live_blocks,
                      s.planned, s.placed, s.refused, static_cast<int64_t>(s.plan_bytes),
-                     static_cast<int64_t>(s.peak_bytes), p->placer_status};
+                     static_cast<int64_t>(s.peak_bytes), p->placer_status, s.waits};
     std::memcpy(out, v, sizeof v);
     return KT_OK;
   }
@@ -824,7 +847,7 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
       if (ordered) {
         if (!p->order) {
           p->order = std::make_unique<CaptureOrder>();
-          p->order->ops = kt_capture_order{p->order.get(), capture_frontier, capture_edges};
+          p->order->ops = kt_capture_order{p->order.get(), capture_frontier, capture_edges, capture_wait};
         }
         p->order->graph = nullptr;   // this capture's is taken from its first frontier
         p->order->programmatic = p->order->programmatic_ordered = 0;
@@ -1015,9 +1038,9 @@ __attribute__((visibility("default"))) int kt_bridge_pool_place(int device, uint
   return g_allocator->set_pending(static_cast<c10::DeviceIndex>(device), {id0, id1}, false, plan);
 }
 __attribute__((visibility("default"))) int kt_bridge_pool_take_plan(int device, uint64_t id0, uint64_t id1,
-                                                                    kt_capplan** out, int64_t* info) {
+                                                                    int64_t budget, kt_capplan** out, int64_t* info) {
   if (!g_allocator) return KT_ERR_UNAVAILABLE;
-  return g_allocator->take_plan(static_cast<c10::DeviceIndex>(device), {id0, id1}, out, info);
+  return g_allocator->take_plan(static_cast<c10::DeviceIndex>(device), {id0, id1}, budget, out, info);
 }
 __attribute__((visibility("default"))) int kt_bridge_pool_placer_stats(int device, uint64_t id0, uint64_t id1,
                                                                        int64_t* out) {

@@ -499,7 +499,7 @@ typedef struct fgraph {
   int ne;
   uint64_t front[FG_STREAMS][FG_FRONT];
   int nfront[FG_STREAMS], capturing[FG_STREAMS];
-  int edge_calls;
+  int edge_calls, waits;
 } fgraph;
 
 static int sidx(kt_stream_t s) { return s == S1 ? 0 : s == S2 ? 1 : 2; }
@@ -570,8 +570,27 @@ static int fg_before(const fgraph *g, uint64_t a, uint64_t b) {
   return 0;
 }
 
+/* The next launch on s also depends on nodes (cudaStreamUpdateCaptureDependencies). */
+static kt_status fg_wait(void *ctx, kt_stream_t s, const uint64_t *nodes, size_t n) {
+  fgraph *g = ctx;
+  int k = sidx(s);
+  cr_assert(g->capturing[k], "a wait on a stream outside the capture");
+  cr_assert_gt(n, 0);
+  for (size_t i = 0; i < n; i++) {
+    cr_assert(nodes[i] >= 1 && nodes[i] <= (uint64_t)g->nodes, "not a node of the capture");
+    int dup = 0;
+    for (int j = 0; j < g->nfront[k]; j++) dup |= g->front[k][j] == nodes[i];
+    cr_assert(!dup, "a node the stream follows already");
+    cr_assert_lt(g->nfront[k], FG_FRONT);
+    g->front[k][g->nfront[k]++] = nodes[i];
+  }
+  g->waits++;
+  return KT_OK;
+}
+
 static fgraph G;
-static const kt_capture_order ORDER = {&G, fg_frontier, fg_edges};
+static const kt_capture_order ORDER = {&G, fg_frontier, fg_edges, NULL};
+static const kt_capture_order WAITING = {&G, fg_frontier, fg_edges, fg_wait};
 
 /* x (4 MiB) on S1 read on S2 (forked), S2's temp t (4 MiB) freed there; joined (or
  * not) back to S1, x freed; then y (4 MiB) and z (4 MiB) on S1. */
@@ -647,7 +666,7 @@ Test(capplan, the_share_matrix_is_the_pairs_the_plan_may_overlap) {
 
 Test(capplan, a_join_lets_blocks_of_another_stream_or_used_on_one_be_reused) {
   cr_assert_eq(kt_caprec_set_order(NULL, &ORDER), KT_ERR_INVALID);
-  kt_capture_order half = {&G, fg_frontier, NULL};
+  kt_capture_order half = {&G, fg_frontier, NULL, NULL};
   kt_caprec *r = rec_new();
   cr_assert_eq(kt_caprec_set_order(r, &half), KT_ERR_INVALID);
   kt_caprec_destroy(r);
@@ -706,6 +725,65 @@ Test(capplan, a_join_lets_blocks_of_another_stream_or_used_on_one_be_reused) {
   kt_capplan_destroy(apart);
   kt_capplan_destroy(joined);
   kt_capplan_destroy(unjoined);
+}
+
+/* record_branch(0): S2 never joins S1, so nothing of x or t may be reused on S1 by the
+ * order (16 MiB). Within a budget of 8 MiB the plan lays y and z over them anyway, and
+ * the placer buys that with one wait: S1 then follows S2's last kernel. */
+Test(capplan, within_a_budget_a_wait_buys_bytes_the_order_keeps_apart) {
+  kt_caprec *r = record_branch(0, 1);
+  kt_capplan *p = NULL;
+  cr_assert_eq(kt_capplan_create_within(NULL, 0, &p), KT_ERR_INVALID);
+  cr_assert_eq(kt_capplan_create_within(r, 16 * MiB, &p), KT_OK);
+  kt_capplan_info in = info_of(p);
+  cr_assert(in.plan_bytes == 16 * MiB && in.wait_gap == -1 && in.wait_shares == 0, "it fits: no waits");
+  kt_capplan_destroy(p);
+  cr_assert_eq(kt_capplan_create_within(r, 8 * MiB, &p), KT_OK);
+  in = info_of(p);
+  cr_assert_eq(in.plan_bytes, 8 * MiB);
+  cr_assert_eq(in.unwaited_bytes, 16 * MiB);
+  cr_assert_eq(in.budget, 8 * MiB);
+  /* events: x 0, t 1, t freed 2, x freed 3, y 4, z 5. Pairs at least 2 apart (t -> y,
+   * x -> z, t -> z) fit 8 MiB; at least 3 (t -> z) leave y no room */
+  cr_assert_eq(in.wait_gap, 2, "the largest gap that fits");
+  cr_assert_eq(in.wait_shares, 3);
+  kt_capplan *tight = NULL;
+  cr_assert_eq(kt_capplan_create_within(r, 4 * MiB, &tight), KT_OK);
+  cr_assert_eq(info_of(tight).plan_bytes, 8 * MiB, "the live peak: the least any plan takes");
+  cr_assert_eq(info_of(tight).wait_gap, 0, "nothing fits: every waitable pair");
+  kt_capplan_destroy(tight);
+  kt_caprec_destroy(r);
+
+  /* placed: y takes t's bytes after one wait, z x's with none */
+  kt_placer *pl = placer_new();
+  cr_assert_eq(kt_placer_set_order(pl, &WAITING), KT_OK);
+  cr_assert_eq(kt_placer_begin(pl, p), KT_OK);
+  fg_begin(&G);
+  void *xt[2];
+  branch(NULL, pl, 0, xt);
+  uint64_t s2_last = G.front[1][0];
+  char *y = place(pl, 4 * MiB, S1);
+  cr_assert_eq(G.waits, 1);
+  uint64_t first = fg_launch(&G, S1);
+  cr_assert(fg_before(&G, s2_last, first), "y's kernel follows S2's");
+  char *z = place(pl, 4 * MiB, S1);
+  fg_launch(&G, S1);
+  cr_assert(y == xt[1] && z == xt[0]);
+  cr_assert_eq(G.waits, 1, "z needed no wait: S1 follows S2 since y's");
+  kt_placer_stats ps = pstats(pl);
+  cr_assert(ps.waits == 1 && ps.refused == 0 && ps.placed == 4);
+  cr_assert_eq(kt_placer_free(pl, y), KT_OK);
+  cr_assert_eq(kt_placer_free(pl, z), KT_OK);
+
+  /* an order that cannot wait: refused as without waits */
+  cr_assert_eq(kt_placer_set_order(pl, &ORDER), KT_OK);
+  cr_assert_eq(kt_placer_begin(pl, p), KT_OK);
+  fg_begin(&G);
+  branch(NULL, pl, 0, xt);
+  refused(pl, 4 * MiB, S1);
+  cr_assert_eq(pstats(pl).waits, 0);
+  kt_placer_destroy(pl);
+  kt_capplan_destroy(p);
 }
 
 /* Random Inception-like captures on three streams: blocks forked to side streams,
@@ -854,8 +932,8 @@ static void run_branchy(const oop *ops, int n, kt_caprec *r, kt_placer *pl, int 
 Test(capplan, random_branchy_captures_share_across_streams_only_where_the_graph_orders_it) {
   static oop ops[OMAX];
   rng_state = 0x2545f4914f6cdd1dull;
-  int trials = 120, refused_total = 0, placed_total = 0, allocs_total = 0, foreign = 0;
-  double gain = 0, worst = 0;
+  int trials = 120, refused_total = 0, placed_total = 0, allocs_total = 0, foreign = 0, waits = 0;
+  double gain = 0, worst = 0, within = 0;
   for (int t = 0; t < trials; t++) {
     int n = make_branchy(ops), placed, allocs, over = 0;
     kt_caprec *r = rec_new();
@@ -885,15 +963,38 @@ Test(capplan, random_branchy_captures_share_across_streams_only_where_the_graph_
     refused_total += allocs - placed;
     placed_total += placed;
     allocs_total += allocs;
+    /* within a budget of the live peak: waits buy what the order keeps apart; the
+     * oracle checks every placement of both runs */
+    kt_capplan *pw = NULL;
+    cr_assert_eq(kt_capplan_create_within(r, in.peak_bytes, &pw), KT_OK);
+    kt_capplan_info iw = info_of(pw);
+    cr_assert_leq(iw.plan_bytes, in.plan_bytes);
+    cr_assert_geq(iw.plan_bytes, in.peak_bytes);
+    cr_assert_eq(iw.unwaited_bytes, in.plan_bytes);
+    cr_assert((iw.wait_gap >= 0) == (iw.plan_bytes < in.plan_bytes), "trial %d: waits chosen that gain nothing", t);
+    within += (double)iw.plan_bytes / (double)in.plan_bytes;
+    cr_assert_eq(kt_placer_set_order(pl, &WAITING), KT_OK);
+    cr_assert_eq(kt_placer_begin(pl, pw), KT_OK);
+    run_branchy(ops, n, NULL, pl, 0, &placed, &allocs, &over);
+    cr_assert_eq(placed, allocs, "trial %d: the recorded capture was not placed in full with waits (%d of %d)", t,
+                 placed, allocs);
+    waits += pstats(pl).waits;
+    cr_assert(iw.wait_gap >= 0 || pstats(pl).waits == 0, "trial %d: a wait without a plan for it", t);
+    cr_assert_eq(kt_placer_begin(pl, pw), KT_OK);
+    run_branchy(ops, n, NULL, pl, 1, &placed, &allocs, &over);
     kt_placer_destroy(pl);
+    kt_capplan_destroy(pw);
     kt_capplan_destroy(p);
     kt_capplan_destroy(p0);
     kt_caprec_destroy(r);
     kt_caprec_destroy(r0);
   }
   cr_log_info("ordered plan: %.3fx smaller than streams kept apart (mean), worst %.3fx the live peak; %d placements "
-              "over blocks of or used on another stream; perturbed: placed %d of %d", gain / trials, worst, foreign, placed_total,
-              allocs_total);
+              "over blocks of or used on another stream; perturbed: placed %d of %d; within the live peak: %.3fx the "
+              "ordered plan (mean), %d waits", gain / trials, worst, foreign, placed_total, allocs_total,
+              within / trials, waits);
+  cr_assert_lt(within / trials, 0.98, "waits hardly made the plans smaller");
+  cr_assert_gt(waits, 0);
   cr_assert_gt(gain / trials, 1.05, "the order hardly changed the plans");
   cr_assert_gt(foreign, 0, "no placement ever reused a block used on another stream");
   cr_assert_gt(refused_total, 0, "the perturbations never made a placement refused");
@@ -908,7 +1009,7 @@ static kt_status fg_edges_counting_more(void *ctx, uint64_t *from, uint64_t *to,
 }
 
 Test(capplan, an_edge_count_above_what_is_fetched_is_taken_once) {
-  kt_capture_order more = {&G, fg_frontier, fg_edges_counting_more};
+  kt_capture_order more = {&G, fg_frontier, fg_edges_counting_more, NULL};
   kt_caprec *r = rec_new();
   fg_begin(&G);
   cr_assert_eq(kt_caprec_set_order(r, &more), KT_OK);

@@ -297,6 +297,8 @@ def in_child(spec, recipe, args):
     cmd = [sys.executable, os.path.abspath(__file__), "--child", spec, recipe, "--steps", str(args.steps)]
     if args.kitsune_allocator:
         cmd.append("--kitsune-allocator")
+    if args.cudnn_benchmark_limit is not None:
+        cmd += ["--cudnn-benchmark-limit", str(args.cudnn_benchmark_limit)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     row = None
     for line in proc.stdout:
@@ -329,6 +331,9 @@ def main():
                     help="install Kitsune's allocator first (every recipe then runs on it, and compile_step plans its "
                          "graph's memory); compile_ro then uses plain CUDA graphs, not CUDA graph trees, which need "
                          "allocator checkpoints Kitsune does not implement")
+    ap.add_argument("--cudnn-benchmark-limit", type=int, default=None,
+                    help="torch.backends.cudnn.benchmark_limit in every recipe's process (how many cuDNN algorithms "
+                         "benchmark mode tries per convolution; PyTorch's default 10)")
     ap.add_argument("--child", nargs=2, metavar=("MODEL", "RECIPE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -340,6 +345,8 @@ def main():
             import torch._inductor.config as inductor_config
             inductor_config.triton.cudagraph_trees = False
         torch.backends.cudnn.benchmark = True
+        if args.cudnn_benchmark_limit is not None:
+            torch.backends.cudnn.benchmark_limit = args.cudnn_benchmark_limit
         return child(*args.child, args.steps)
     print(f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}; each recipe in a fresh process "
           f"after 3 eager steps of the model", flush=True)

@@ -299,6 +299,8 @@ def in_child(spec, recipe, args):
         cmd.append("--kitsune-allocator")
     if args.cudnn_benchmark_limit is not None:
         cmd += ["--cudnn-benchmark-limit", str(args.cudnn_benchmark_limit)]
+    if args.no_cudnn_benchmark:
+        cmd.append("--no-cudnn-benchmark")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     row = None
     for line in proc.stdout:
@@ -334,6 +336,9 @@ def main():
     ap.add_argument("--cudnn-benchmark-limit", type=int, default=None,
                     help="torch.backends.cudnn.benchmark_limit in every recipe's process (how many cuDNN algorithms "
                          "benchmark mode tries per convolution; PyTorch's default 10)")
+    ap.add_argument("--no-cudnn-benchmark", action="store_true",
+                    help="leave torch.backends.cudnn.benchmark off (PyTorch's default: cuDNN's heuristics choose each "
+                         "convolution's algorithm, nothing is timed)")
     ap.add_argument("--child", nargs=2, metavar=("MODEL", "RECIPE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -344,7 +349,7 @@ def main():
             kitsune.allocator.install()
             import torch._inductor.config as inductor_config
             inductor_config.triton.cudagraph_trees = False
-        torch.backends.cudnn.benchmark = True
+        torch.backends.cudnn.benchmark = not args.no_cudnn_benchmark
         if args.cudnn_benchmark_limit is not None:
             torch.backends.cudnn.benchmark_limit = args.cudnn_benchmark_limit
         return child(*args.child, args.steps)
@@ -357,7 +362,9 @@ def main():
             rows.append(row)
             print(describe(row), flush=True)
             write_result(args.out, "models", {"steps": args.steps, "process": "one per recipe, after 3 eager steps",
-                                              "rows": rows})
+                                              "cudnn_benchmark": not args.no_cudnn_benchmark,
+                                              "cudnn_benchmark_limit": args.cudnn_benchmark_limit,
+                                              "kitsune_allocator": args.kitsune_allocator, "rows": rows})
     with open(os.path.join(args.out, "models.md"), "w") as f:
         f.write(table(rows))
     print(table(rows))

@@ -894,6 +894,20 @@ def test_compile_step_plan_memory_needs_the_installed_allocator():
         ka._record_capture((0, 1))
     with pytest.raises(RuntimeError, match="call kitsune.allocator.install.. first"):
         ka._placer_stats((0, 1))
+    for bad in (-1, 1.5, "1"):   # checked before anything else
+        with pytest.raises(ValueError, match=f"budget must be None or a number of bytes >= 0, got {bad!r}"):
+            ka._take_plan((0, 1), budget=bad)
+
+
+def test_the_plan_budget_is_off_without_a_warm_up_peak_or_with_kitsune_plan_waits_0(monkeypatch):
+    """compile_step's memory plan budget (_plan_budget): None before a warm-up has set the
+    eager peak, and with KITSUNE_PLAN_WAITS=0 (the plan then never buys reuse with waits)."""
+    m = torch.nn.Linear(2, 2)
+    step = kitsune.compile_step(m, torch.nn.functional.mse_loss, torch.optim.SGD(m.parameters(), lr=0.1))
+    assert step._eager_peak == 0 and step._plan_budget(torch.device("cpu")) is None
+    step._eager_peak = 1 << 30
+    monkeypatch.setenv("KITSUNE_PLAN_WAITS", "0")
+    assert step._plan_budget(torch.device("cpu")) is None
 
 
 def _blas_rows(b, stream):

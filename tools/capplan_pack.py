@@ -16,6 +16,12 @@ For each log:
   orders       first fit in N random orders (sizes larger first, shuffled within a
                factor of two): the best extent found
 The numbers are MiB; the blocks are sized as planned (512-byte multiples).
+
+    python3 tools/capplan_pack.py LOG.csv --gaps 200,100,20,10,0
+
+instead packs the order's pairs plus those a plan with waits at each gap adds
+(kt_capplan_create_within: both blocks noted on the order, the later one allocated at
+least gap recorded events after the earlier one's free), in kt_memplan's orders.
 """
 import argparse
 import csv
@@ -26,8 +32,18 @@ MiB = 2 ** 20
 ALIGN = 512
 
 
-def load(path):
-    """(header, planned blocks [(size, start, end)], share set {(i, j)})."""
+def waited_pairs(blocks, waitable, gap):
+    """The pairs a plan with waits at this gap lets share besides the order's
+    (kt_capplan_create_within): both blocks noted on the order, the later one allocated
+    at least gap recorded events after the earlier one's free."""
+    n = len(blocks)
+    return {(i, j) for i in range(n) for j in range(n)
+            if i != j and waitable[i] and waitable[j] and blocks[j][1] - blocks[i][2] >= gap}
+
+
+def load(path, waits=True):
+    """(header, planned blocks [(size, start, end)], share set {(i, j)}, waitable flags);
+    waits=False: the order's pairs alone, whatever the plan's wait_gap."""
     with open(path) as f:
         first = f.readline()
         words = first[1:].split()
@@ -41,12 +57,10 @@ def load(path):
         for line in f:
             i, rest = line.split(":")
             share.update((int(i), int(j)) for j in rest.split())
-    gap = head.get("wait_gap", -1)
-    if gap >= 0:   # a plan with waits (kt_capplan_create_within): the pairs far enough apart share too
-        waitable = [not r["after"] and not r["unordered"] for r in planned]
-        share.update((i, j) for i in range(len(planned)) for j in range(len(planned))
-                     if i != j and waitable[i] and waitable[j] and blocks[j][1] - blocks[i][2] >= gap)
-    return head, blocks, share
+    waitable = [not r["after"] and not r["unordered"] for r in planned]
+    if waits and head.get("wait_gap", -1) >= 0:   # a plan with waits: the pairs far enough apart share too
+        share |= waited_pairs(blocks, waitable, head["wait_gap"])
+    return head, blocks, share, waitable
 
 
 def apart_fn(blocks, share):
@@ -108,8 +122,22 @@ def clique_bound(blocks, apart):
     return best, best_set
 
 
+def gap_sweep(path, gaps):
+    """The extent this tool's first fit (kt_memplan's orders) finds when waits let the
+    pairs at least each gap apart share too, from the order's pairs alone."""
+    head, blocks, share, waitable = load(path, waits=False)
+    lines = [f"{os.path.basename(path)}: live peak {head.get('peak_bytes', 0) / MiB:.1f} MiB; gap: extent MiB "
+             f"(pairs only waits let share)"]
+    for gap in gaps:
+        extra = waited_pairs(blocks, waitable, gap) - share
+        apart = apart_fn(blocks, share | extra)
+        extent = min(first_fit(blocks, o, apart)[0] for o in c_orders(blocks, apart))
+        lines.append(f"  {gap:5d}: {extent / MiB:.1f} ({len(extra)})")
+    return "\n".join(lines)
+
+
 def report(path, tries, seed):
-    head, blocks, share = load(path)
+    head, blocks, share, _ = load(path)
     apart = apart_fn(blocks, share)
     c_best = min(first_fit(blocks, o, apart)[0] for o in c_orders(blocks, apart))
     bound, members = clique_bound(blocks, apart)
@@ -129,9 +157,11 @@ def main():
     ap.add_argument("logs", nargs="+")
     ap.add_argument("--tries", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gaps", default=None,
+                    help="comma-separated wait gaps: instead of the report, the extent with waits at each")
     a = ap.parse_args()
     for path in a.logs:
-        print(report(path, a.tries, a.seed))
+        print(gap_sweep(path, [int(g) for g in a.gaps.split(",")]) if a.gaps else report(path, a.tries, a.seed))
 
 
 if __name__ == "__main__":

@@ -431,13 +431,17 @@ class CompiledStep:
         ctx = self._captured._kitsune_streams
         ctx.grads_apart, ctx.grads_late = way != "together", way == "late"
 
-    def _plan_budget(self, device):
-        """Bytes a memory plan may take: the eager step's peak (the most allocated after
-        the warm-up) less what is allocated now, outside the graph; None without a warm-up
-        peak or with KITSUNE_PLAN_WAITS=0."""
-        if not self._eager_peak or os.environ.get("KITSUNE_PLAN_WAITS", "1") == "0":
+    def _eager_budget(self, device):
+        """Bytes a graph may take within the eager step's peak (the most allocated after
+        the warm-up) with what is allocated now, outside the graph; None without a
+        warm-up peak."""
+        if not self._eager_peak:
             return None
         return max(self._eager_peak - torch.cuda.memory_allocated(device), 0)
+
+    def _plan_budget(self, device):
+        """The memory plan's budget: _eager_budget, or None with KITSUNE_PLAN_WAITS=0."""
+        return None if os.environ.get("KITSUNE_PLAN_WAITS", "1") == "0" else self._eager_budget(device)
 
     def _late_over_budget(self, plan_bytes, device):
         """Whether the recorded plan of a step whose weight gradients join late takes the
@@ -447,16 +451,17 @@ class CompiledStep:
         472.4 MiB against 345.4 apart). Then compile_step captures the way measured next
         fastest; stats()["conv_grads"]["late_refused"] says so."""
         info = self._conv_grads
-        if not (info and info.get("late") and info.get("how") == "measured" and self._eager_peak):
+        if not (info and info.get("late") and info.get("how") == "measured"):
             return False
-        held = torch.cuda.memory_allocated(device) + plan_bytes
-        if held <= self._eager_peak:
+        budget = self._eager_budget(device)
+        if budget is None or plan_bytes <= budget:
             return False
         way = _fastest_way({k: v for k, v in info["ms"].items() if k != "late"})
         self._set_conv_grads(way)
+        outside = torch.cuda.memory_allocated(device)
         info.update(apart=way == "apart", late=False,
                     late_refused=f"the plan with late joins ({plan_bytes / 2**20:.1f} MiB) and what is allocated "
-                                 f"outside the graph ({(held - plan_bytes) / 2**20:.1f} MiB) exceed the eager step's "
+                                 f"outside the graph ({outside / 2**20:.1f} MiB) exceed the eager step's "
                                  f"peak ({self._eager_peak / 2**20:.1f} MiB)")
         return True
 

@@ -910,6 +910,33 @@ def test_the_plan_budget_is_off_without_a_warm_up_peak_or_with_kitsune_plan_wait
     assert step._plan_budget(torch.device("cpu")) is None
 
 
+def test_late_joins_are_refused_when_their_plan_passes_the_eager_budget(monkeypatch):
+    """_late_over_budget with the device faked: a measured "late" whose plan fits the
+    eager step's peak with what is allocated outside the graph is kept; one that does not
+    is refused for the fastest other way, and the reason names the three amounts. The
+    plan's budget is the same amount, off with KITSUNE_PLAN_WAITS=0; without a warm-up
+    peak neither applies."""
+    MiB = 2 ** 20
+    m = torch.nn.Linear(2, 2)
+    step = kitsune.compile_step(m, torch.nn.functional.mse_loss, torch.optim.SGD(m.parameters(), lr=0.1))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 70 * MiB)
+    ways = []
+    monkeypatch.setattr(step, "_set_conv_grads", ways.append)
+    step._conv_grads = {"late": True, "apart": True, "how": "measured",
+                        "ms": {"together": 1.0, "apart": 0.95, "late": 0.9}}
+    dev = torch.device("cpu")
+    assert not step._late_over_budget(400 * MiB, dev), "no warm-up peak: nothing to hold it to"
+    step._eager_peak = 400 * MiB
+    assert step._eager_budget(dev) == step._plan_budget(dev) == 330 * MiB
+    assert not step._late_over_budget(330 * MiB, dev) and step._conv_grads["late"] and not ways
+    assert step._late_over_budget(330 * MiB + 512, dev)
+    assert ways == ["apart"] and not step._conv_grads["late"] and step._conv_grads["apart"]
+    assert step._conv_grads["late_refused"] == ("the plan with late joins (330.0 MiB) and what is allocated outside "
+                                                "the graph (70.0 MiB) exceed the eager step's peak (400.0 MiB)")
+    monkeypatch.setenv("KITSUNE_PLAN_WAITS", "0")
+    assert step._plan_budget(dev) is None and step._eager_budget(dev) == 330 * MiB
+
+
 def _blas_rows(b, stream):
     import ctypes
     n = b.kt_bridge_blas_list(stream, None, 0)

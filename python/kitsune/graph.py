@@ -196,6 +196,9 @@ class CompiledStep:
         self._n = {"replays": 0, "eager_steps": 0, "captures": 0, "evictions": 0, "recaptures": 0,
                    "memsets_replaced": 0}
         self._setup_s = 0.0
+        # setup_s by phase (host seconds; _phase): the eager warm-up step, the stream plan,
+        # the convolution-gradient trials, the captures (recording, planning, the graph)
+        self._phases = dict.fromkeys(("warm_up", "streams", "conv_grads", "capture"), 0.0)
         self.streams = streams
         # channels-last 4-D inputs: None = when at least half the 2-D convolutions suit cuDNN's NHWC kernels
         if channels_last is None:
@@ -303,7 +306,7 @@ class CompiledStep:
         side.wait_stream(here)
         if partner != here:
             side.wait_stream(partner)
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), self._phase("warm_up"):
             loss = self._warm_up(batch)
         self._eager_peak = torch.cuda.max_memory_allocated(device)   # the budget of the plans (_plan_budget)
         here.wait_stream(side)
@@ -325,17 +328,20 @@ class CompiledStep:
             args[i] = s
         planned = self._captured is None
         if planned:
-            self._captured = self._plan_streams(args, device)
+            with self._phase("streams"):
+                self._captured = self._plan_streams(args, device)
         self.optimizer.prepare_capture(device)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         try:
             if planned:
-                self._choose_conv_grads(args)
-            if self._plan_memory:
-                graph, static_loss, plan = self._capture_planned(args, device)
-            else:
-                graph, static_loss, plan = self._capture(args, self._pool)
+                with self._phase("conv_grads"):
+                    self._choose_conv_grads(args)
+            with self._phase("capture"):
+                if self._plan_memory:
+                    graph, static_loss, plan = self._capture_planned(args, device)
+                else:
+                    graph, static_loss, plan = self._capture(args, self._pool)
         except Exception as e:   # noqa: BLE001 - any failure inside the capture means: run eagerly
             torch.cuda.set_stream(here)   # a streamed forward may have failed on a side stream
             self.optimizer.zero_grad(set_to_none=True)
@@ -352,6 +358,15 @@ class CompiledStep:
         self._n["captures"] += 1
         self._setup_s += time.perf_counter() - t0
         return loss
+
+    @contextlib.contextmanager
+    def _phase(self, name):
+        """Adds the host seconds of the block to stats()["setup_phases"][name]."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._phases[name] += time.perf_counter() - t0
 
     def _capture(self, args, pool, update=True):
         """One capture of the step into ``pool``, on the side stream the warm-up ran on
@@ -630,7 +645,9 @@ class CompiledStep:
         """Counts (replays, eager_steps, captures, evictions, recaptures: graphs dropped
         because the optimizer's state was loaded or a baked hyperparameter changed),
         graphs kept, seconds
-        spent in first steps and captures (setup_s), and why the step runs eagerly
+        spent in first steps and captures (setup_s) and, of them, in each phase
+        (setup_phases: the eager warm-up step with cuDNN's first use of its layouts, the
+        stream plan, the convolution-gradient trials, the captures), and why the step runs eagerly
         (reason, None while it is captured), and the streams the captured forward runs on
         with the planner's verdict (streams, streams_reason), and whether 4-D inputs are
         captured channels-last (channels_last, channels_last_reason), and how many of the
@@ -642,7 +659,8 @@ class CompiledStep:
         run apart (conv_grads: None when the model has no such convolution; else their
         count, the choice, how it was made and, when measured, the forward and backward's
         time each way)."""
-        return dict(self._n, graphs=len(self._graphs), setup_s=self._setup_s, reason=self._reason, **self._stream_info,
+        return dict(self._n, graphs=len(self._graphs), setup_s=self._setup_s,
+                    setup_phases=dict(self._phases), reason=self._reason, **self._stream_info,
                     channels_last=self._cl, channels_last_reason=self._cl_reason,
                     memory_plan=dict(self._memory) if self._memory else None,
                     blas_workspaces=dict(self._blas) if self._blas else None,

@@ -271,6 +271,8 @@ def test_compile_step_without_cuda_runs_eagerly_and_says_why():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     st = step.stats()
     assert st["reason"] == "CUDA is not available" and st["eager_steps"] == 6 and st["replays"] == 0
+    assert st["setup_s"] == 0 and st["setup_phases"] == dict.fromkeys(("warm_up", "streams", "conv_grads", "capture"),
+                                                                     0.0), st   # nothing was set up
     # the loss ran in a FusedLoss mode, which leaves CPU calls alone and says so
     assert st["fused_loss"] == 0 and st["fused_loss_left"] == ["cross_entropy on cpu (fused on cuda)"], st
 
@@ -367,6 +369,10 @@ def test_gpu_compile_step_trains_as_eager_with_lr_schedule(cls, kw):
     st = step.stats()
     assert st["replays"] == 39 and st["captures"] == 1 and st["reason"] is None, st
     assert all(p.grad is None for p in m2.parameters())
+    # the phases are parts of setup_s: a warm-up and a capture ran; an MLP has no convolution to try
+    ph = st["setup_phases"]
+    assert ph["warm_up"] > 0 and ph["capture"] > 0 and ph["conv_grads"] < ph["capture"], ph
+    assert sum(ph.values()) <= st["setup_s"], (ph, st["setup_s"])
     assert o2.get_stats()["path"].startswith("fused, in a CUDA graph")
 
 

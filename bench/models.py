@@ -364,6 +364,9 @@ def main():
             write_result(args.out, "models", {"steps": args.steps, "process": "one per recipe, after 3 eager steps",
                                               "cudnn_benchmark": not args.no_cudnn_benchmark,
                                               "cudnn_benchmark_limit": args.cudnn_benchmark_limit,
+                                              # cuDNN's heuristics mode B for its algorithm choices (a PyTorch
+                                              # environment setting, read once per process; the children inherit it)
+                                              "cudnn_heuristic_mode_b": os.environ.get("TORCH_CUDNN_USE_HEURISTIC_MODE_B"),
                                               "kitsune_allocator": args.kitsune_allocator, "rows": rows})
     with open(os.path.join(args.out, "models.md"), "w") as f:
         f.write(table(rows))

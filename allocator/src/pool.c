@@ -385,9 +385,14 @@ static __thread int nested_depth;
 static __thread int nested_oom_set;
 static __thread kt_oom_info nested_oom;
 
+static kt_status alloc_large(kt_pool_t *p, size_t size, size_t align, kt_stream_t stream, void **out);
+
+/* A child's segment: a large block of the parent, KT_PAGE aligned as a pool needs its
+ * segments (the parent places other large blocks on KT_QUANTUM boundaries only). */
 kt_status kt__alloc_nested(kt_pool_t *parent, size_t size, kt_stream_t stream, void **out) {
+  if (!parent || !out || !size || size % KT_SEGMENT_ALIGN) return KT_ERR_INVALID;
   nested_depth++;
-  kt_status st = kt_alloc(parent, size, stream, out);
+  kt_status st = alloc_large(parent, size, KT_PAGE, stream, out);
   nested_depth--;
   return st;
 }
@@ -835,7 +840,8 @@ static KT_NOINLINE kt_status alloc_switch(kt_pool_t *p, int cls, size_t size, kt
   return alloc_finish(p, tc, b, cls, size, out);
 }
 
-static KT_NOINLINE kt_status alloc_large(kt_pool_t *p, size_t size, kt_stream_t stream, void **out) {
+static KT_NOINLINE kt_status alloc_large(kt_pool_t *p, size_t size, size_t align, kt_stream_t stream,
+                                         void **out) {
   if (size > KT_MAX_ALLOC) {   /* beyond any device, and beyond what packed can count: refuse at once */
     pthread_mutex_lock(&p->arena_lock);
     p->n_ooms++;
@@ -850,7 +856,7 @@ static KT_NOINLINE kt_status alloc_large(kt_pool_t *p, size_t size, kt_stream_t 
   drain_pending(p, 0);
   size_t rounded = (size + KT_QUANTUM - 1) & ~(size_t)(KT_QUANTUM - 1);
   kt_extent *e;
-  st = take_extent(p, h, rounded, KT_QUANTUM, KT_EXT_LARGE, size, &e);
+  st = take_extent(p, h, rounded, align, KT_EXT_LARGE, size, &e);
   if (st != KT_OK) return st;
   pthread_mutex_lock(&p->arena_lock);
   st = kt__radix_set(p, e->addr, (uintptr_t)e);
@@ -877,7 +883,7 @@ kt_status kt_alloc(kt_pool_t *p, size_t size, kt_stream_t stream, void **out) {
   if (kt_unlikely(size - 1 >= KT_LARGE_THRESHOLD)) {
     if (!p || !out) return KT_ERR_INVALID;
     if (size == 0) { *out = NULL; return KT_OK; }
-    return alloc_large(p, size, stream, out);
+    return alloc_large(p, size, KT_QUANTUM, stream, out);
   }
   if (kt_unlikely(!p || !out)) return KT_ERR_INVALID;
   int cls = kt__class_of(size);

@@ -362,3 +362,26 @@ Test(capture, a_child_with_2_mib_shared_segments_holds_2_mib_for_a_small_block) 
   kt_pool_destroy(child);
   kt_pool_backend_destroy(sub);
 }
+
+/* A child's segment is a block of its parent, and a pool needs its segments 64 KiB
+ * aligned (slabs and the address radix are laid out in KT_PAGE units). The parent
+ * places large blocks on 512-byte boundaries, so after a block of an odd size the
+ * next free byte is not on one: the child's segment must still be. */
+Test(capture, a_childs_segment_is_page_aligned_after_an_odd_parent_block) {
+  kt_backend *sub = kt_pool_backend_create(parent);
+  kt_pool_t *child = make_child(sub);
+  void *odd, *a, *b;
+  cr_assert_eq(kt_alloc(parent, 3 * MiB + 512, test_stream(1), &odd), KT_OK);   /* large: 512-byte aligned */
+  cr_assert_eq(kt_alloc(child, 30 * MiB, test_stream(2), &a), KT_OK, "the child's segment is refused");
+  cr_assert_eq(kt_alloc(child, 4000, test_stream(2), &b), KT_OK);
+  cr_assert_eq((uintptr_t)a % KT_PAGE, 0);
+  cr_assert(kt_fake_owns(fb, a, 30 * MiB) && kt_fake_owns(fb, b, 4000));
+  cr_assert_eq(kt_pool_validate(child), KT_OK);
+  cr_assert_eq(kt_free(child, a, 0, NULL), KT_OK);
+  cr_assert_eq(kt_free(child, b, 0, NULL), KT_OK);
+  cr_assert_eq(kt_free(parent, odd, 0, NULL), KT_OK);
+  assert_stats_identities(parent);
+  assert_stats_identities(child);
+  kt_pool_destroy(child);
+  kt_pool_backend_destroy(sub);
+}

@@ -647,7 +647,7 @@ kt_status kt_capplan_create_within(const kt_caprec *r, uint64_t budget, kt_cappl
     return st;
   }
   p->n = n;
-  p->info = (kt_capplan_info){n, (size_t)round_up(total, KT_SEGMENT_ALIGN), (size_t)total, (size_t)peak,
+  p->info = (kt_capplan_info){n, (size_t)round_up(total, KT_CAPPLAN_ARENA_ALIGN), (size_t)total, (size_t)peak,
                               (size_t)group_peak, ordered ? r->dag.n : 0, cross, wait_gap, wait_pairs,
                               budget, (size_t)unwaited};
   *out = p;
@@ -814,7 +814,8 @@ kt_status kt_placer_begin(kt_placer *pl, const kt_capplan *plan) {
   pl->active = 0;
   pl_block *blk = calloc((size_t)plan->n + 1, sizeof *blk);
   if (!blk) return KT_ERR_HOST_OOM;
-  size_t need = plan->info.arena_bytes;
+  size_t q = pl->be->reserve_quantum ? pl->be->reserve_quantum : KT_SEGMENT_ALIGN;
+  size_t need = (plan->info.arena_bytes + q - 1) / q * q;   /* what the backend takes */
   if (need && (!pl->cur || pl->cur->bytes < need)) {
     pl_arena *a = calloc(1, sizeof *a);
     void *base = NULL;

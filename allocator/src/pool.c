@@ -387,10 +387,12 @@ static __thread kt_oom_info nested_oom;
 
 static kt_status alloc_large(kt_pool_t *p, size_t size, size_t align, kt_stream_t stream, void **out);
 
-/* A child's segment: a large block of the parent, KT_PAGE aligned as a pool needs its
- * segments (the parent places other large blocks on KT_QUANTUM boundaries only). */
+/* A child's segment or a capture's arena: a large block of the parent, KT_PAGE aligned
+ * as a pool needs its segments (the parent places other large blocks on KT_QUANTUM
+ * boundaries only) and sized in KT_PAGE units (two blocks never start in one radix
+ * page, whatever their sizes). */
 kt_status kt__alloc_nested(kt_pool_t *parent, size_t size, kt_stream_t stream, void **out) {
-  if (!parent || !out || !size || size % KT_SEGMENT_ALIGN) return KT_ERR_INVALID;
+  if (!parent || !out || !size || size % KT_PAGE) return KT_ERR_INVALID;
   nested_depth++;
   kt_status st = alloc_large(parent, size, KT_PAGE, stream, out);
   nested_depth--;

@@ -29,7 +29,8 @@ typedef void *kt_event_t;
 typedef struct kt_backend {
   const char *name;
   void *ctx;
-  /* size is a multiple of KT_SEGMENT_ALIGN; *out must be 64 KiB aligned and below 2^48.
+  /* size is a multiple of KT_SEGMENT_ALIGN (of reserve_quantum when that is set); *out
+   * must be 64 KiB aligned and below 2^48.
    * Returns KT_OK, KT_ERR_OOM when the device has no room, or KT_ERR_BACKEND. */
   kt_status (*reserve)(void *ctx, int device, size_t size, void **out);
   /* Must be safe while work enqueued before the call still uses the memory
@@ -70,6 +71,12 @@ typedef struct kt_backend {
   kt_status (*va_release)(void *ctx, int device, void *ptr, size_t size);
   kt_status (*map)(void *ctx, int device, void *ptr, size_t size);
   kt_status (*unmap)(void *ctx, int device, void *ptr, size_t size);
+  /* 0: reserve takes multiples of KT_SEGMENT_ALIGN. Else the finer multiple it takes,
+   * a power of two dividing KT_SEGMENT_ALIGN: a pool's backend
+   * (kt_pool_backend_create) takes 64 KiB multiples, being blocks of its parent, so a
+   * capture's arena (kitsune/capplan.h) holds its plan to within 64 KiB, not 2 MiB.
+   * Pools still reserve whole KT_SEGMENT_ALIGN multiples. */
+  size_t reserve_quantum;
 } kt_backend;
 
 /* ---- host fake backend ---------------------------------------------------- */

@@ -339,6 +339,50 @@ Test(capplan, the_arena_can_be_a_block_of_a_device_pool) {
   kt_caprec_destroy(r);
 }
 
+/* A plan of 2 MiB and a bit: on a device pool the arena is one parent block within
+ * 64 KiB of the plan (its rounding to whole 2 MiB granules held 1.6 MiB more than
+ * the MLP's 2.4 MiB plan); on a backend that reserves whole segments, 4 MiB. */
+Test(capplan, the_arena_holds_its_plan_to_within_64_kib_on_a_device_pool) {
+  kt_caprec *r = rec_new();
+  cr_assert_eq(kt_caprec_alloc(r, P(0), 2 * MiB, S1), KT_OK);
+  cr_assert_eq(kt_caprec_alloc(r, P(1), 1000, S1), KT_OK);
+  cr_assert_eq(kt_caprec_free(r, P(0)), KT_OK);
+  cr_assert_eq(kt_caprec_free(r, P(1)), KT_OK);
+  kt_capplan *p = plan_of(r);
+  cr_assert_eq(info_of(p).plan_bytes, 2 * MiB + 1024);
+  cr_assert_eq(info_of(p).arena_bytes, 2 * MiB + 64 * KiB);
+  kt_pool_t *parent = NULL;
+  cr_assert_eq(kt_pool_create(NULL, fb, &parent), KT_OK);
+  void *odd;   /* the parent's next free byte off a page boundary */
+  cr_assert_eq(kt_alloc(parent, 1 * MiB + 512, S2, &odd), KT_OK);
+  kt_backend *sub = kt_pool_backend_create(parent);
+  kt_placer *pl = NULL;
+  cr_assert_eq(kt_placer_create(sub, 0, &pl), KT_OK);
+  cr_assert_eq(kt_placer_begin(pl, p), KT_OK);
+  kt_stats st;
+  cr_assert_eq(kt_get_stats(parent, &st), KT_OK);
+  cr_assert_eq(st.allocated_bytes.current, (int64_t)(1 * MiB + 512 + 2 * MiB + 64 * KiB), "the arena, exactly");
+  cr_assert_eq(pstats(pl).arena_bytes, 2 * MiB + 64 * KiB);
+  char *a = place(pl, 2 * MiB, S1), *b = place(pl, 1000, S1);
+  cr_assert_eq((uintptr_t)a % (64 * KiB), 0, "the arena starts on a page");
+  cr_assert(b >= a + 2 * MiB && b + 1000 <= a + 2 * MiB + 64 * KiB, "b lies in the arena, past a");
+  cr_assert_eq(kt_placer_free(pl, a), KT_OK);
+  cr_assert_eq(kt_placer_free(pl, b), KT_OK);
+  kt_placer_destroy(pl);
+  cr_assert_eq(kt_get_stats(parent, &st), KT_OK);
+  cr_assert_eq(st.allocated_bytes.current, (int64_t)(1 * MiB + 512), "destroy gives the arena back");
+  cr_assert_eq(kt_free(parent, odd, 0, NULL), KT_OK);
+  assert_stats_identities(parent);
+  kt_pool_backend_destroy(sub);
+  kt_pool_destroy(parent);
+  pl = placer_new();   /* the fake reserves whole segments */
+  cr_assert_eq(kt_placer_begin(pl, p), KT_OK);
+  cr_assert_eq(pstats(pl).arena_bytes, 4 * MiB);
+  kt_placer_destroy(pl);
+  kt_capplan_destroy(p);
+  kt_caprec_destroy(r);
+}
+
 /* ---- random training-step-shaped captures, replayed with perturbations ---------- */
 static uint64_t rng_state;
 static uint64_t rnd(void) {

@@ -389,10 +389,10 @@ static kt_status alloc_large(kt_pool_t *p, size_t size, size_t align, kt_stream_
 
 /* A child's segment or a capture's arena: a large block of the parent, KT_PAGE aligned
  * as a pool needs its segments (the parent places other large blocks on KT_QUANTUM
- * boundaries only) and sized in KT_PAGE units (two blocks never start in one radix
- * page, whatever their sizes). */
+ * boundaries only), at least KT_PAGE long (alloc_large: two large blocks never start
+ * in one radix page). */
 kt_status kt__alloc_nested(kt_pool_t *parent, size_t size, kt_stream_t stream, void **out) {
-  if (!parent || !out || !size || size % KT_PAGE) return KT_ERR_INVALID;
+  if (!parent || !out || !size || size % KT_QUANTUM) return KT_ERR_INVALID;
   nested_depth++;
   kt_status st = alloc_large(parent, size, KT_PAGE, stream, out);
   nested_depth--;
@@ -857,6 +857,7 @@ static KT_NOINLINE kt_status alloc_large(kt_pool_t *p, size_t size, size_t align
   if (st != KT_OK) return st;
   drain_pending(p, 0);
   size_t rounded = (size + KT_QUANTUM - 1) & ~(size_t)(KT_QUANTUM - 1);
+  if (rounded < align) rounded = align;   /* a page-aligned block spans its page (kt__alloc_nested) */
   kt_extent *e;
   st = take_extent(p, h, rounded, align, KT_EXT_LARGE, size, &e);
   if (st != KT_OK) return st;
@@ -913,8 +914,10 @@ KT_INLINE kt_block *slab_block(kt_slab *s, uintptr_t addr) {
 static KT_NOINLINE kt_status free_large(kt_pool_t *p, uintptr_t addr, uintptr_t ent, size_t size, int idle) {
   kt_extent *e = (kt_extent *)ent;
   pthread_mutex_lock(&p->arena_lock);
+  /* a size must round as the one asked for did (e->size may be more: kt__alloc_nested) */
   if (e->addr != addr || e->kind != KT_EXT_LARGE || e->blk.state != KT_BLOCK_LIVE ||
-      (size && ((size + KT_QUANTUM - 1) & ~(size_t)(KT_QUANTUM - 1)) != e->size)) {
+      (size && ((size + KT_QUANTUM - 1) & ~(size_t)(KT_QUANTUM - 1)) !=
+                   ((e->blk.requested + KT_QUANTUM - 1) & ~(size_t)(KT_QUANTUM - 1)))) {
     pthread_mutex_unlock(&p->arena_lock);
     return KT_ERR_INVALID;
   }

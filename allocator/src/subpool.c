@@ -12,7 +12,7 @@
 #include "internal.h"
 #include "kitsune/capplan.h"
 
-_Static_assert(KT_CAPPLAN_ARENA_ALIGN == KT_PAGE, "a plan's arena is sized in the units this backend reserves");
+_Static_assert(KT_CAPPLAN_ALIGN % KT_QUANTUM == 0, "a plan's arena is sized in the units this backend reserves");
 
 static char token;   /* the parent-side stream of every segment */
 
@@ -80,7 +80,7 @@ kt_backend *kt_pool_backend_create(kt_pool_t *parent) {
       .event_query = sub_event_query,
       .synchronize = sub_synchronize,
       .mem_info = sub_mem_info,
-      .reserve_quantum = KT_PAGE,   /* blocks of the parent: an arena holds its plan to 64 KiB */
+      .reserve_quantum = KT_QUANTUM,   /* blocks of the parent: an arena holds its plan exactly */
   };
   return &b->be;
 }

@@ -73,9 +73,9 @@ typedef struct kt_backend {
   kt_status (*unmap)(void *ctx, int device, void *ptr, size_t size);
   /* 0: reserve takes multiples of KT_SEGMENT_ALIGN. Else the finer multiple it takes,
    * a power of two dividing KT_SEGMENT_ALIGN: a pool's backend
-   * (kt_pool_backend_create) takes 64 KiB multiples, being blocks of its parent, so a
-   * capture's arena (kitsune/capplan.h) holds its plan to within 64 KiB, not 2 MiB.
-   * Pools still reserve whole KT_SEGMENT_ALIGN multiples. */
+   * (kt_pool_backend_create) takes multiples of KT_QUANTUM (512 bytes), being blocks of
+   * its parent, so a capture's arena (kitsune/capplan.h) holds its plan exactly, not
+   * rounded up to 2 MiB. Pools still reserve whole KT_SEGMENT_ALIGN multiples. */
   size_t reserve_quantum;
 } kt_backend;
 

@@ -59,7 +59,6 @@ extern "C" {
 
 /* Sizes are rounded up to this; offsets are multiples of it. */
 #define KT_CAPPLAN_ALIGN 512u
-#define KT_CAPPLAN_ARENA_ALIGN ((size_t)64 << 10)   /* a pool's backend's reserve_quantum */
 /* A placement takes the first unplaced planned block of its size among the next
  * this many, so one allocation the plan did not see does not derail the rest. */
 #define KT_CAPPLAN_WINDOW 64
@@ -152,8 +151,8 @@ void kt_capplan_destroy(kt_capplan *plan);
 
 typedef struct kt_capplan_info {
   int32_t blocks;        /* planned blocks */
-  size_t arena_bytes;    /* the plan's extent rounded up to KT_CAPPLAN_ARENA_ALIGN; a placer
-                          * on a backend with a coarser reserve_quantum holds more */
+  size_t arena_bytes;    /* what a placer on a pool's backend reserves for it: the plan's
+                          * extent (a backend with a coarser reserve_quantum takes more) */
   size_t plan_bytes;     /* the plan's extent (kt_memplan's total) */
   size_t peak_bytes;     /* most bytes live at once: no plan is smaller */
   /* the sum over streams of each stream's own live peak: no plan that keeps streams

@@ -331,7 +331,12 @@ class CompiledStep:
             with self._phase("streams"):
                 self._captured = self._plan_streams(args, device)
         self.optimizer.prepare_capture(device)
-        if self._pool is None:
+        if self._pool is None or not self._graphs:
+            # a pool whose last graph is gone takes no capture until its cache is emptied
+            # (PyTorch's beginAllocateToPool asserts its use count, in the CUDA host
+            # allocator too), and _capturing skips torch.cuda.graph's empty_cache under
+            # Kitsune's allocator: reusing the handle failed the capture of a batch shape
+            # after an arena grew (H100, bench/results/h100_graph_gmem_08d37d5.log)
             self._pool = torch.cuda.graph_pool_handle()
         try:
             if planned:
@@ -555,6 +560,7 @@ class CompiledStep:
             # a larger arena: the graphs laid out in the old one would keep it alive
             self._n["evictions"] += len(self._graphs)
             self._graphs.clear()
+            self._pool = torch.cuda.graph_pool_handle()   # see _first_locked
         allocator._place_capture(self._pool, mplan, dev)
         out = self._capture(args, self._pool)
         placer = allocator._placer_stats(self._pool, dev) or {}

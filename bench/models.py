@@ -48,6 +48,10 @@ caches: the model copy, its gradients and optimizer state, activations, graph po
 and the loss after the last step. Writes models.json and models.md (a table) to --out.
 --kitsune-allocator runs every recipe on Kitsune's allocator (compile_step then plans
 its graph's memory; compile_ro gets plain CUDA graphs instead of CUDA graph trees).
+cuDNN: cudnn.benchmark is on in every process unless --no-cudnn-benchmark
+(--cudnn-benchmark-limit N: how many algorithms it times); --cudnn-mode-b sets
+TORCH_CUDNN_USE_HEURISTIC_MODE_B=1 for every process (cuDNN's more accurate heuristics
+choose what is not timed). models.json records the three.
 """
 import argparse
 import copy
@@ -301,7 +305,10 @@ def in_child(spec, recipe, args):
         cmd += ["--cudnn-benchmark-limit", str(args.cudnn_benchmark_limit)]
     if args.no_cudnn_benchmark:
         cmd.append("--no-cudnn-benchmark")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    env = dict(os.environ)
+    if args.cudnn_mode_b:   # read once per process, at its first convolution: set before the child starts
+        env["TORCH_CUDNN_USE_HEURISTIC_MODE_B"] = "1"
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     row = None
     for line in proc.stdout:
         if line.startswith("ROW "):
@@ -339,6 +346,10 @@ def main():
     ap.add_argument("--no-cudnn-benchmark", action="store_true",
                     help="leave torch.backends.cudnn.benchmark off (PyTorch's default: cuDNN's heuristics choose each "
                          "convolution's algorithm, nothing is timed)")
+    ap.add_argument("--cudnn-mode-b", action="store_true",
+                    help="TORCH_CUDNN_USE_HEURISTIC_MODE_B=1 in every recipe's process: cuDNN's slower, more accurate "
+                         "heuristics choose the algorithms cudnn.benchmark does not time (with --no-cudnn-benchmark, "
+                         "all of them)")
     ap.add_argument("--child", nargs=2, metavar=("MODEL", "RECIPE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -366,7 +377,8 @@ def main():
                                               "cudnn_benchmark_limit": args.cudnn_benchmark_limit,
                                               # cuDNN's heuristics mode B for its algorithm choices (a PyTorch
                                               # environment setting, read once per process; the children inherit it)
-                                              "cudnn_heuristic_mode_b": os.environ.get("TORCH_CUDNN_USE_HEURISTIC_MODE_B"),
+                                              "cudnn_heuristic_mode_b": "1" if args.cudnn_mode_b else
+                                              os.environ.get("TORCH_CUDNN_USE_HEURISTIC_MODE_B"),
                                               "kitsune_allocator": args.kitsune_allocator, "rows": rows})
     with open(os.path.join(args.out, "models.md"), "w") as f:
         f.write(table(rows))

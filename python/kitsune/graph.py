@@ -82,6 +82,15 @@ NCHW and is captured NCHW, and ``stats()["channels_last_reason"]`` says so. Whil
 another compile_step of the same model holds captured graphs (on the weights'
 storage), the weights are left as they are, and the reason says so.
 
+cuDNN picks the channels-last convolutions' algorithms at the warm-up step, the first to
+run them: with ``torch.backends.cudnn.benchmark`` on, by timing candidates (on the H100,
+ResNet-18's warm-up took 1.20 s with it, 0.16 s without); with it off, by cuDNN's
+heuristics, whose picks made the branchy net at batch 8 0.529 ms a step against 0.419
+benchmarked. ``TORCH_CUDNN_USE_HEURISTIC_MODE_B=1`` (PyTorch reads it at the process's
+first convolution) made it 0.423 ms with a setup of 0.55 s (bench/results/
+models_cudnn_limit_*_d3ed817.json, models_heuristic_mode_b_893c0f7.json).
+``stats()["setup_phases"]`` says where a setup's time went.
+
 Memory (``plan_memory``, default: when Kitsune's allocator is installed): the step is
 captured once while the allocator records every allocation, the recorded lifetimes are
 packed into one arena (kitsune/capplan.h), and the step is captured again with its

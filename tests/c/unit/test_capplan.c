@@ -29,10 +29,16 @@ static kt_capplan_info info_of(const kt_capplan *p) {
   cr_assert_eq(kt_capplan_get_info(p, &i), KT_OK);
   return i;
 }
-static kt_placer *placer_new(void) {
+static kt_placer *placer_on(const kt_backend *be) {
   kt_placer *pl = NULL;
-  cr_assert_eq(kt_placer_create(fb, 0, &pl), KT_OK);
+  cr_assert_eq(kt_placer_create(be, 0, &pl), KT_OK);
   return pl;
+}
+static kt_placer *placer_new(void) { return placer_on(fb); }
+static int64_t allocated(kt_pool_t *pool) {
+  kt_stats st;
+  cr_assert_eq(kt_get_stats(pool, &st), KT_OK);
+  return st.allocated_bytes.current;
 }
 static kt_placer_stats pstats(const kt_placer *pl) {
   kt_placer_stats s;
@@ -320,19 +326,15 @@ Test(capplan, the_arena_can_be_a_block_of_a_device_pool) {
   kt_backend *sub = kt_pool_backend_create(parent);
   kt_caprec *r = chain();
   kt_capplan *p = plan_of(r);
-  kt_placer *pl = NULL;
-  cr_assert_eq(kt_placer_create(sub, 0, &pl), KT_OK);
+  kt_placer *pl = placer_on(sub);
   cr_assert_eq(kt_placer_begin(pl, p), KT_OK);
-  kt_stats st;
-  cr_assert_eq(kt_get_stats(parent, &st), KT_OK);
-  cr_assert_eq(st.allocated_bytes.current, (int64_t)(6 * MiB), "the arena is one parent block");
+  cr_assert_eq(allocated(parent), (int64_t)(6 * MiB), "the arena is one parent block");
   void *a = place(pl, 4 * MiB, S1);
   kt_block_info bi;
   cr_assert_eq(kt_block_query(parent, a, &bi), KT_OK, "a placed block lies in the parent's block");
   cr_assert_eq(kt_placer_free(pl, a), KT_OK);
   kt_placer_destroy(pl);
-  cr_assert_eq(kt_get_stats(parent, &st), KT_OK);
-  cr_assert_eq(st.allocated_bytes.current, 0, "destroy gives the arena back to the parent");
+  cr_assert_eq(allocated(parent), 0, "destroy gives the arena back to the parent");
   kt_pool_backend_destroy(sub);
   kt_pool_destroy(parent);
   kt_capplan_destroy(p);
@@ -363,12 +365,9 @@ Test(capplan, the_arena_holds_its_plan_exactly_on_a_device_pool) {
   void *odd;   /* the parent's next free byte off a page boundary */
   cr_assert_eq(kt_alloc(parent, 1 * MiB + 512, S2, &odd), KT_OK);
   kt_backend *sub = kt_pool_backend_create(parent);
-  kt_placer *pl = NULL;
-  cr_assert_eq(kt_placer_create(sub, 0, &pl), KT_OK);
+  kt_placer *pl = placer_on(sub);
   cr_assert_eq(kt_placer_begin(pl, p), KT_OK);
-  kt_stats st;
-  cr_assert_eq(kt_get_stats(parent, &st), KT_OK);
-  cr_assert_eq(st.allocated_bytes.current, (int64_t)(1 * MiB + 512 + 2 * MiB + 1024), "the arena, exactly");
+  cr_assert_eq(allocated(parent), (int64_t)(1 * MiB + 512 + 2 * MiB + 1024), "the arena, exactly");
   cr_assert_eq(pstats(pl).arena_bytes, 2 * MiB + 1024);
   char *a = place(pl, 2 * MiB, S1), *b = place(pl, 1000, S1);
   cr_assert_eq((uintptr_t)a % (64 * KiB), 0, "the arena starts on a page");
@@ -379,13 +378,10 @@ Test(capplan, the_arena_holds_its_plan_exactly_on_a_device_pool) {
   cr_assert_eq(kt_placer_free(pl, a), KT_OK);
   cr_assert_eq(kt_placer_free(pl, b), KT_OK);
   kt_placer_destroy(pl);
-  cr_assert_eq(kt_get_stats(parent, &st), KT_OK);
-  cr_assert_eq(st.allocated_bytes.current, (int64_t)(2 * MiB + 1024), "destroy gives the arena back");
-  pl = NULL;
-  cr_assert_eq(kt_placer_create(sub, 0, &pl), KT_OK);
+  cr_assert_eq(allocated(parent), (int64_t)(2 * MiB + 1024), "destroy gives the arena back");
+  pl = placer_on(sub);
   cr_assert_eq(kt_placer_begin(pl, p1), KT_OK);
-  cr_assert_eq(kt_get_stats(parent, &st), KT_OK);
-  cr_assert_eq(st.allocated_bytes.current, (int64_t)(2 * MiB + 1024 + 64 * KiB), "a page for a tiny plan");
+  cr_assert_eq(allocated(parent), (int64_t)(2 * MiB + 1024 + 64 * KiB), "a page for a tiny plan");
   char *c = place(pl, 1000, S1);
   cr_assert_eq(kt_block_query(parent, c, &(kt_block_info){0}), KT_OK, "c lies in a parent block");
   cr_assert_eq(kt_placer_free(pl, c), KT_OK);
@@ -393,8 +389,7 @@ Test(capplan, the_arena_holds_its_plan_exactly_on_a_device_pool) {
   cr_assert_eq(kt_free(parent, odd, 0, NULL), KT_OK);
   cr_assert_eq(kt_free(parent, next, 0, NULL), KT_OK);
   assert_stats_identities(parent);
-  cr_assert_eq(kt_get_stats(parent, &st), KT_OK);
-  cr_assert_eq(st.allocated_bytes.current, 0);
+  cr_assert_eq(allocated(parent), 0);
   kt_pool_backend_destroy(sub);
   kt_pool_destroy(parent);
   pl = placer_new();   /* the fake reserves whole segments */

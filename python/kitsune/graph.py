@@ -340,13 +340,7 @@ class CompiledStep:
             with self._phase("streams"):
                 self._captured = self._plan_streams(args, device)
         self.optimizer.prepare_capture(device)
-        if self._pool is None or not self._graphs:
-            # a pool whose last graph is gone takes no capture until its cache is emptied
-            # (PyTorch's beginAllocateToPool asserts its use count, in the CUDA host
-            # allocator too), and _capturing skips torch.cuda.graph's empty_cache under
-            # Kitsune's allocator: reusing the handle failed the capture of a batch shape
-            # after an arena grew (H100, bench/results/h100_graph_gmem_08d37d5.log)
-            self._pool = torch.cuda.graph_pool_handle()
+        self._held_pool()
         try:
             if planned:
                 with self._phase("conv_grads"):
@@ -372,6 +366,17 @@ class CompiledStep:
         self._n["captures"] += 1
         self._setup_s += time.perf_counter() - t0
         return loss
+
+    def _held_pool(self):
+        """The pool the next capture goes to: the graphs' while one holds it, else a new
+        one. A pool whose last graph is gone takes no capture until its cache is emptied
+        (PyTorch's beginAllocateToPool asserts its use count, in the CUDA host allocator
+        too), and _capturing skips torch.cuda.graph's empty_cache under Kitsune's
+        allocator: reusing the handle failed the capture of a batch shape after an arena
+        grew (H100, bench/results/h100_graph_gmem_08d37d5.log)."""
+        if self._pool is None or not self._graphs:
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
 
     @contextlib.contextmanager
     def _phase(self, name):
@@ -569,7 +574,7 @@ class CompiledStep:
             # a larger arena: the graphs laid out in the old one would keep it alive
             self._n["evictions"] += len(self._graphs)
             self._graphs.clear()
-            self._pool = torch.cuda.graph_pool_handle()   # see _first_locked
+            self._held_pool()
         allocator._place_capture(self._pool, mplan, dev)
         out = self._capture(args, self._pool)
         placer = allocator._placer_stats(self._pool, dev) or {}

@@ -647,7 +647,7 @@ kt_status kt_capplan_create_within(const kt_caprec *r, uint64_t budget, kt_cappl
     return st;
   }
   p->n = n;
-  p->info = (kt_capplan_info){n, (size_t)round_up(total, KT_CAPPLAN_ALIGN), (size_t)total, (size_t)peak,
+  p->info = (kt_capplan_info){n, (size_t)total, (size_t)total, (size_t)peak,
                               (size_t)group_peak, ordered ? r->dag.n : 0, cross, wait_gap, wait_pairs,
                               budget, (size_t)unwaited};
   *out = p;

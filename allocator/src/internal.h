@@ -365,8 +365,8 @@ kt_status kt__arena_validate(kt_pool_t *p);
 
 /* A child pool's segment or a capture's arena (subpool.c): a large block of the
  * parent, KT_PAGE aligned and at least KT_PAGE long; size a nonzero multiple of
- * KT_QUANTUM (else KT_ERR_INVALID). An out-of-memory
- * is reported by the child, with the parent's diagnosis (pool.c). */
+ * KT_QUANTUM (else KT_ERR_INVALID). An out-of-memory is reported by the child, with
+ * the parent's diagnosis (pool.c). */
 kt_status kt__alloc_nested(kt_pool_t *parent, size_t size, kt_stream_t stream, void **out);
 
 /* ---- nvtx.c ---------------------------------------------------------------- */

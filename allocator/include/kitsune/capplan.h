@@ -152,7 +152,8 @@ void kt_capplan_destroy(kt_capplan *plan);
 typedef struct kt_capplan_info {
   int32_t blocks;        /* planned blocks */
   size_t arena_bytes;    /* what a placer on a pool's backend reserves for it: the plan's
-                          * extent (a backend with a coarser reserve_quantum takes more) */
+                          * extent, plan_bytes (a backend with a coarser reserve_quantum
+                          * takes more: kt_placer_stats.arena_bytes) */
   size_t plan_bytes;     /* the plan's extent (kt_memplan's total) */
   size_t peak_bytes;     /* most bytes live at once: no plan is smaller */
   /* the sum over streams of each stream's own live peak: no plan that keeps streams

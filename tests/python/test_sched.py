@@ -154,6 +154,47 @@ def test_measured_costs_time_each_operation_and_change_nothing():
         ks.measure_costs(m, x, reps=0)
 
 
+class _Stateful(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.bn2 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.BatchNorm2d(8)
+        self.drop, self.head = nn.Dropout(0.5), nn.Linear(8, 5)
+
+    def forward(self, x):
+        y = torch.relu(self.bn(self.conv(x)))
+        y = torch.relu(self.bn2(y) + y).to(memory_format=torch.channels_last)
+        return self.head(self.drop(y.mean((2, 3)))), y[:, :4].half()
+
+
+@pytest.mark.parametrize("optimized", [False, True])
+def test_shapes_are_propagated_on_fake_tensors_and_change_nothing_real(optimized):
+    """The plan's shapes come from a run on fake tensors over a view of the model: each
+    node's shape, dtype and strides are what a real run gives (a channels-last map and a
+    half cast among them), and nothing real changes: BatchNorm's running statistics and
+    batch counts (nn's BatchNorm forward; or kitsune.optimize's fused ops and its one
+    foreach add over the modules, which the graph reaches through get_attr), the random
+    generator."""
+    from torch.fx.passes.shape_prop import ShapeProp
+    torch.manual_seed(6)
+    m = _Stateful().train()
+    m = kitsune.optimize(m) if optimized else m
+    x = torch.randn(4, 3, 16, 16)
+    gm = ks._traced(m)
+    state = {k: v.clone() for k, v in m.state_dict().items()}
+    rng = torch.get_rng_state()
+    ks._propagate_shapes(gm, (x,))
+    assert torch.get_rng_state().equal(rng)
+    after = m.state_dict()
+    assert all(torch.equal(v, after[k]) for k, v in state.items()), [k for k in state if not state[k].equal(after[k])]
+    real = copy.deepcopy(gm)
+    ShapeProp(real).propagate(x)   # on real tensors, on a copy
+    want = {n.name: n.meta.get("tensor_meta") for n in real.graph.nodes}
+    got = {n.name: n.meta.get("tensor_meta") for n in gm.graph.nodes}
+    assert got == want and sum(v is not None for v in got.values()) >= 8, (got, want)
+    strides = {tuple(t.stride) for n in gm.graph.nodes for t in ks._meta_val(n)}
+    assert (8 * 16 * 16, 1, 8 * 16, 8) in strides   # channels-last, as recorded
+
+
 def test_plans_take_measured_or_given_costs():
     """costs="measured" plans on measured times; a dict of node name -> seconds is used as
     given: on an Inception block with one branch ten times the rest, one stream takes the

@@ -60,7 +60,8 @@ The plan's costs are the roofline's (``stream_costs=None``) or, with
 (``kitsune.sched.measure_costs``: the forward run operation by operation, a few times,
 without autograd; buffers and random generators put back).
 In a streamed model each bias-free convolution (kitsune.optimize splits a Conv2d's
-bias off) can run its weight gradient on a stream beside its input gradient. On the
+bias off; a bias-free nn.Conv2d with zero padding, as in torchvision's ResNets, counts
+too) can run its weight gradient on a stream beside its input gradient. On the
 H100 that made the branchy net's step at batch 64 2% slower (the plan's streams
 already fill the GPU); at batch 8 the step ran 8% faster in one run and the forward
 and backward 4% slower in another. So the first capture decides by measurement: it captures the forward and

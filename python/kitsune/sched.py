@@ -22,8 +22,9 @@ model's graph with stream ops inserted (``torch.ops.kitsune.stream_fork``,
 plan put a sync, ``record_stream`` on tensors used on another stream than the one that
 made them). The streams run while a CUDA graph is being captured (kitsune.compile_step
 captures the whole step; autograd runs each backward op on its forward op's stream, so
-the backward is spread too; each bias-free F.conv2d, as kitsune.optimize leaves a
-Conv2d, can also run its weight gradient on a stream beside its input gradient:
+the backward is spread too; each bias-free convolution, an F.conv2d as kitsune.optimize
+leaves a Conv2d with a bias or a bias-free nn.Conv2d with zero padding (torchvision's
+ResNets), can also run its weight gradient on a stream beside its input gradient:
 _ConvGradsApart, see conv_grads_mode). Outside a capture the module runs on one stream:
 several streams in eager mode were measured slower on the H100 (ARCHITECTURE.md, Facts). When
 the plan gains less than ``min_gain``, the model comes back unchanged.
@@ -654,15 +655,38 @@ def _used_once(nodes, w):
     return w.op != "get_attr" or sum(1 for n in nodes if n.op == "get_attr" and n.target == w.target) == 1
 
 
+def _int_pairs(*vs):
+    return all(isinstance(v, tuple) and len(v) == 2 and all(isinstance(i, int) for i in v) for v in vs)
+
+
 def _splits_conv_grads(n):
     """An F.conv2d node without a bias whose stride, padding and dilation are int pairs
     (not padding="same"), as kitsune.optimize leaves a Conv2d with its bias split off."""
     if n.op != "call_function" or n.target is not torch.nn.functional.conv2d or len(n.args) != 7:
         return False
     bias, stride, padding, dilation = n.args[2:6]
-    pairs = all(isinstance(v, tuple) and len(v) == 2 and all(isinstance(i, int) for i in v)
-                for v in (stride, padding, dilation))
-    return bias is None and pairs and isinstance(n.args[6], int) and not n.kwargs
+    return bias is None and _int_pairs(stride, padding, dilation) and isinstance(n.args[6], int) and not n.kwargs
+
+
+def _conv_module(gm, n):
+    """The nn.Conv2d a call_module node calls with one input, when it is one
+    _conv_grads_apart can stand for: no bias, zero padding given as ints (a bias-free
+    Conv2d, as torchvision's ResNets have, which kitsune.optimize leaves as it is)."""
+    if n.op != "call_module" or len(n.args) != 1 or n.kwargs:
+        return None
+    m = gm.get_submodule(n.target)
+    ok = (type(m) is torch.nn.Conv2d and m.bias is None and m.padding_mode == "zeros"
+          and _int_pairs(m.stride, m.padding, m.dilation) and isinstance(m.groups, int))
+    return m if ok else None
+
+
+def _weight_used_once(gm, nodes, n):
+    """For a Conv2d module's call: the module is called once in the graph and no
+    get_attr names its weight or the module (a weight gradient it alone accumulates)."""
+    prefix = n.target + "."
+    calls = sum(1 for o in nodes if o.op == "call_module" and o.target == n.target)
+    named = any(o.op == "get_attr" and (o.target == n.target or o.target.startswith(prefix)) for o in nodes)
+    return calls == 1 and not named
 
 
 def streamed(model, *example_inputs, streams=4, roofline=None, min_gain=1.05, eager=False, costs=None):
@@ -717,6 +741,12 @@ def _apply(gm, p, eager):
         if split and _splits_conv_grads(n):
             env[n] = g.call_function(_conv_grads_apart, tuple(env[a] if isinstance(a, tfx.Node) else a
                                                               for a in n.args) + (cid, _used_once(old, n.args[1])))
+            env[n].meta = dict(n.meta)
+        elif split and _conv_module(gm, n) is not None:
+            c = _conv_module(gm, n)
+            w = g.get_attr(n.target + ".weight")
+            env[n] = g.call_function(_conv_grads_apart, (env[n.args[0]], w, None, c.stride, c.padding, c.dilation,
+                                                         c.groups, cid, _weight_used_once(gm, old, n)))
             env[n].meta = dict(n.meta)
         else:
             copy(n)

@@ -286,6 +286,57 @@ def test_streamed_splits_each_bias_free_conv2d_s_gradients_and_computes_the_same
             and n.target is nn.functional.conv2d] == [True, False, False, False, False]
 
 
+class _ModuleConvs(nn.Module):
+    """Two branches of bias-free Conv2d modules (as torchvision's ResNets have, which
+    kitsune.optimize leaves as modules), one called twice, beside convolutions that
+    stay as they are: with a bias, padding="same", reflect padding."""
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(8, 8, 3, padding=1, bias=False)
+        self.b = nn.Conv2d(8, 8, 3, stride=(1, 1), padding=(2, 2), dilation=2, bias=False)
+        self.twice = nn.Conv2d(8, 8, 1, bias=False)
+        self.c = nn.Conv2d(8, 8, 3, padding=1, groups=2, bias=False)
+        self.biased = nn.Conv2d(8, 8, 3, padding=1)
+        self.same = nn.Conv2d(8, 8, 3, padding="same", bias=False)
+        self.reflect = nn.Conv2d(8, 8, 3, padding=1, padding_mode="reflect", bias=False)
+
+    def forward(self, x):
+        left = self.twice(self.twice(self.a(x)))
+        right = self.c(self.b(x))
+        return torch.cat([left, right, self.biased(x), self.same(x), self.reflect(x)], 1)
+
+
+def test_streamed_splits_bias_free_conv2d_modules_too_and_computes_the_same():
+    """A bias-free nn.Conv2d with zero padding given as ints, called as a module, becomes
+    _conv_grads_apart on its weight like an F.conv2d (its weight flagged used once only
+    when the module is called once); one with a bias, padding="same" or reflect
+    padding stays a module call. On the CPU the outputs and every gradient are the
+    model's."""
+    torch.manual_seed(1)
+    m = _ModuleConvs()
+    x = torch.randn(2, 8, 8, 8)
+    sm, plan = ks.streamed(m, x, streams=4, min_gain=1.0)
+    assert plan.streams_used > 1, plan
+    apart = {n.args[1].target: n for n in sm.graph.nodes if n.target is ks._conv_grads_apart}
+    assert set(apart) == {"a.weight", "b.weight", "twice.weight", "c.weight"}, sorted(apart)
+    assert sum(1 for n in sm.graph.nodes if n.target is ks._conv_grads_apart) == 5   # twice: two calls
+    assert {k: n.args[-1] for k, n in apart.items()} == {"a.weight": True, "b.weight": True, "twice.weight": False,
+                                                         "c.weight": True}
+    assert apart["b.weight"].args[3:7] == ((1, 1), (2, 2), (2, 2), 1) and apart["c.weight"].args[6] == 2
+    assert {n.target for n in sm.graph.nodes if n.op == "call_module"} == {"biased", "same", "reflect"}
+    assert ks.conv_grad_splits(sm) == 5
+
+    def run(mod):
+        for p in m.parameters():
+            p.grad = None
+        xi = x.clone().requires_grad_()
+        y = mod(xi)
+        y.square().sum().backward()
+        return [y.detach(), xi.grad] + [p.grad.clone() for p in m.parameters()]
+    for a, b in zip(run(m), run(sm)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_the_conv_gradient_way_kept_must_beat_the_best_before_it_by_one_percent():
     """compile_step's choice among the timed ways (and the fallback when planned memory
     refuses late): a later way, with more streams and memory held, only for a 1% gain."""

@@ -127,6 +127,7 @@ after the first step is not followed: make a new compile_step.
 import collections
 import contextlib
 import ctypes
+import math
 import os
 import threading
 import time
@@ -428,8 +429,10 @@ class CompiledStep:
         a side stream joined in the node, or "late", joined at the end of the backward
         (see kitsune.sched.conv_grads_mode). With KITSUNE_CONV_GRADS unset, measured: the
         forward and backward alone are captured each way into a pool of their own,
-        replayed 3 times, then timed as the best of 3 runs of 10 replays (CUDA events on
-        the capture stream), and dropped before the next; the model's buffers and the
+        replayed twice (the first uploads the graph, the second sizes the blocks), then
+        timed as the best of 3 blocks of 2 to 10 replays, each about 3 ms (CUDA events
+        on the capture stream; 3 + 3 x 10 replays before ff46ff7: 0.19 s of ResNet-18's
+        setup for three ways), and dropped before the next; the model's buffers and the
         CUDA generator are put back after. A way is kept over the one before it in that
         order only when it is at least 1% faster (a near tie keeps fewer streams and
         less memory held); "late" is not tried when no convolution joined late in its
@@ -505,18 +508,10 @@ class CompiledStep:
         (see _choose_conv_grads)."""
         graph = self._capture(args, torch.cuda.graph_pool_handle(), update=False)[0]
         torch.cuda.synchronize(self._side.device)   # the static inputs were copied on the caller's stream
-        best = float("inf")
         with torch.cuda.stream(self._side):
-            for _ in range(3):
-                graph.replay()
-            for _ in range(3):
-                t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                t0.record()
-                for _ in range(10):
-                    graph.replay()
-                t1.record()
-                t1.synchronize()
-                best = min(best, t0.elapsed_time(t1) / 10)
+            graph.replay()   # the first replay uploads the graph
+            n = min(10, max(2, math.ceil(_TRIAL_BLOCK_MS / max(_replay_ms(graph, 1), 1e-3))))
+            best = min(_replay_ms(graph, n) for _ in range(3))
         del graph   # its pool goes back to the device's pool
         return best
 
@@ -705,7 +700,19 @@ _CAPTURE_LOCK = threading.RLock()   # a first step and its capture, one thread a
 _CAPTURED = weakref.WeakKeyDictionary()
 
 
+_TRIAL_BLOCK_MS = 3.0   # _time_trial's blocks: about this long (2 to 10 replays)
 _CONV_GRAD_WAYS = ("together", "apart", "late")   # _choose_conv_grads' order: the later, the more streams and memory
+
+
+def _replay_ms(graph, n):
+    """ms per replay of n replays of graph on the current stream (CUDA events)."""
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    for _ in range(n):
+        graph.replay()
+    t1.record()
+    t1.synchronize()
+    return t0.elapsed_time(t1) / n
 
 
 def _fastest_way(ms):

@@ -647,12 +647,31 @@ def _conv_grads_apart(x, w, bias, stride, padding, dilation, groups, cid, once=F
     return _ConvGradsApart.apply(x, w, stride, padding, dilation, groups, cid, once)
 
 
-def _used_once(nodes, w):
-    """Whether the weight node w has one user in the graph, and no other get_attr names
-    the same parameter."""
+def _used_once(gm, nodes, w):
+    """Whether the weight node w of an F.conv2d has one user in the graph and, when it is
+    a parameter (get_attr), the graph reaches that parameter nowhere else."""
     if not isinstance(w, tfx.Node) or len(w.users) != 1:
         return False
-    return w.op != "get_attr" or sum(1 for n in nodes if n.op == "get_attr" and n.target == w.target) == 1
+    return w.op != "get_attr" or _reaches(gm, nodes, _attr(gm, w.target)) == 1
+
+
+def _attr(gm, target):
+    a = gm
+    for name in target.split("."):
+        a = getattr(a, name)
+    return a
+
+
+def _reaches(gm, nodes, t):
+    """How many times the graph reaches tensor t: a get_attr of t or of a module that
+    holds it, a call of a module that holds it (by identity: tied weights count under
+    each of their names)."""
+    k = 0
+    for o in nodes:
+        if o.op in ("get_attr", "call_module"):
+            a = _attr(gm, o.target)
+            k += a is t or (isinstance(a, torch.nn.Module) and any(q is t for q in a.parameters()))
+    return k
 
 
 def _int_pairs(*vs):
@@ -680,13 +699,6 @@ def _conv_module(gm, n):
     return m if ok else None
 
 
-def _weight_used_once(gm, nodes, n):
-    """For a Conv2d module's call: the module is called once in the graph and no
-    get_attr names its weight or the module (a weight gradient it alone accumulates)."""
-    prefix = n.target + "."
-    calls = sum(1 for o in nodes if o.op == "call_module" and o.target == n.target)
-    named = any(o.op == "get_attr" and (o.target == n.target or o.target.startswith(prefix)) for o in nodes)
-    return calls == 1 and not named
 
 
 def streamed(model, *example_inputs, streams=4, roofline=None, min_gain=1.05, eager=False, costs=None):
@@ -740,13 +752,13 @@ def _apply(gm, p, eager):
             current = s
         if split and _splits_conv_grads(n):
             env[n] = g.call_function(_conv_grads_apart, tuple(env[a] if isinstance(a, tfx.Node) else a
-                                                              for a in n.args) + (cid, _used_once(old, n.args[1])))
+                                                              for a in n.args) + (cid, _used_once(gm, old, n.args[1])))
             env[n].meta = dict(n.meta)
         elif split and _conv_module(gm, n) is not None:
             c = _conv_module(gm, n)
             w = g.get_attr(n.target + ".weight")
             env[n] = g.call_function(_conv_grads_apart, (env[n.args[0]], w, None, c.stride, c.padding, c.dilation,
-                                                         c.groups, cid, _weight_used_once(gm, old, n)))
+                                                         c.groups, cid, _reaches(gm, old, c.weight) == 1))
             env[n].meta = dict(n.meta)
         else:
             copy(n)

@@ -393,6 +393,24 @@ def test_each_split_conv_knows_whether_its_weight_is_used_once():
     flags = {n.args[1].target: n.args[-1] for n in sm.graph.nodes if n.target is ks._conv_grads_apart}
     assert flags == {"w": False, "v": True}, (flags, plan)
 
+    class Tied(nn.Module):   # one weight under two names, and two Conv2d modules sharing one
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8, 8, 3, 3))
+            self.alias, self.v = self.w, nn.Parameter(torch.randn(8, 8, 3, 3))
+            self.c1, self.c2 = nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.Conv2d(8, 8, 3, padding=1, bias=False)
+            self.c2.weight = self.c1.weight
+
+        def forward(self, x):
+            F = nn.functional
+            a = F.conv2d(x, self.w, None, (1, 1), (1, 1), (1, 1), 1)
+            b = F.conv2d(x, self.alias, None, (1, 1), (1, 1), (1, 1), 1)
+            c = F.conv2d(x, self.v, None, (1, 1), (1, 1), (1, 1), 1)
+            return torch.cat([a, b, c, self.c1(x), self.c2(x)], 1)
+    sm, plan = ks.streamed(Tied(), torch.randn(2, 8, 8, 8), streams=4, min_gain=1.0)
+    flags = sorted((n.args[1].target, n.args[-1]) for n in sm.graph.nodes if n.target is ks._conv_grads_apart)
+    assert len(flags) == 5 and [f for _, f in flags].count(True) == 1 and ("v", True) in flags, (flags, plan)
+
 
 def test_a_late_weight_gradient_is_only_for_weights_without_hooks_that_would_see_it():
     """KITSUNE_CONV_GRADS=late hands autograd no weight gradient and sets .grad after the

@@ -652,3 +652,53 @@ def test_gpu_in_backward_update_of_a_streamed_net_equals_the_update_after_the_ba
     assert torch.equal(losses[True], losses[False]), (losses[True], losses[False])
     for (name, a), b in zip(models[True].named_parameters(), models[False].parameters()):
         assert torch.equal(a, b), name
+
+
+class _BiasFreeBranches(nn.Module):
+    """Four branches of bias-free Conv2d modules with BatchNorm (as torchvision's ResNets
+    build them; kitsune.optimize leaves such convolutions as modules), two of the
+    branches' convolutions sharing one weight."""
+    def __init__(self, c=32):
+        super().__init__()
+        self.stem, self.bn = nn.Conv2d(3, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.b1, self.b2 = nn.Conv2d(c, c, 1, bias=False), nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.b3, self.b4 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.Conv2d(c, c, 5, padding=2, bias=False)
+        self.b3.weight = self.b2.weight
+        self.bns = nn.ModuleList(nn.BatchNorm2d(c) for _ in range(4))
+        self.head = nn.Linear(4 * c, 10)
+
+    def forward(self, x):
+        x = torch.relu(self.bn(self.stem(x)))
+        ys = [torch.relu(bn(conv(x))) for conv, bn in zip((self.b1, self.b2, self.b3, self.b4), self.bns)]
+        return self.head(torch.cat(ys, 1).mean((2, 3)))
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_bias_free_conv2d_modules_train_alike_with_their_weight_gradients_late(monkeypatch):
+    """compile_step on a branchy net of bias-free Conv2d modules: each becomes
+    _conv_grads_apart; with KITSUNE_CONV_GRADS=late the weight gradients used once join
+    after the backward, the two convolutions sharing a weight hand theirs to autograd
+    (a late join of each would keep one of the two), and 6 SGD-with-momentum steps
+    train as with the gradients together (SGD: a gradient lost or counted twice shows
+    in the update, where AdamW's normalisation would hide a factor)."""
+    torch.manual_seed(0)
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
+    base = _BiasFreeBranches().cuda()
+    batches = [(torch.randn(8, 3, 16, 16, device="cuda"), torch.randint(0, 10, (8,), device="cuda"))
+               for _ in range(3)]
+    runs = {}
+    for way in ("together", "late"):
+        monkeypatch.setenv("KITSUNE_CONV_GRADS", way)
+        m = kitsune.optimize(copy.deepcopy(base))
+        opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+        step = kitsune.compile_step(m, nn.functional.cross_entropy, opt)
+        losses = torch.stack([step(*batches[i % 3]) for i in range(6)]).cpu()
+        st = step.stats()
+        assert st["reason"] is None and st["replays"] == 5 and st["streams"] > 1, st
+        assert st["conv_grads"]["convs"] == 5 and st["conv_grads"]["late"] == (way == "late"), st["conv_grads"]
+        runs[way] = (losses, [p.detach().clone() for p in m.parameters()])
+    torch.testing.assert_close(runs["late"][0], runs["together"][0], rtol=1e-5, atol=1e-6)
+    assert not torch.equal(runs["late"][1][0], base.stem.weight)   # trained
+    for a, b in zip(runs["late"][1], runs["together"][1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

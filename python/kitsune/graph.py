@@ -64,13 +64,15 @@ bias off; a bias-free nn.Conv2d with zero padding, as in torchvision's ResNets, 
 too) can run its weight gradient on a stream beside its input gradient. On the
 H100 that made the branchy net's step at batch 64 2% slower (the plan's streams
 already fill the GPU); at batch 8 the step ran 8% faster in one run and the forward
-and backward 4% slower in another. ResNet-18 (CIFAR-sized, batch 128, whose small
-late layers leave SMs idle) took 1.29 ms a forward and backward together, 1.15
-apart and 1.05 with the weight gradients joined late, its step 1.17 ms against 1.41
-before (bench/results/models_heuristic_mode_b_b4c5928.json). So the first capture decides by measurement: it captures the forward and
-backward alone both ways, times their replays, puts the buffers and the CUDA
-generator back, and keeps the split only when it is at least 1% faster. ``stats()["conv_grads"]`` gives both times and the choice;
-``KITSUNE_CONV_GRADS=apart`` or ``=together`` decides without measuring.
+and backward 4% slower in another. So the first capture decides by measurement: it
+captures the forward and backward alone each way, times their replays, puts the
+buffers and the CUDA generator back, and keeps a split only when it is at least 1%
+faster. ``stats()["conv_grads"]`` gives the times and the choice;
+``KITSUNE_CONV_GRADS=apart``, ``=late`` or ``=together`` decides without measuring.
+ResNet-18 (CIFAR-sized, batch 128: its last layers' maps are 2x2 and 1x1) took 1.29
+ms a forward and backward together, 1.15 apart and 1.05 with the weight gradients
+joined late; its step 1.17 ms against 1.41 before its bias-free Conv2d modules were
+split (bench/results/models_heuristic_mode_b_b4c5928.json).
 
 Layout: a model at least half of whose Conv2d layers have channel counts (in and out,
 per group) that are multiples of 8 is captured on channels-last copies of its 4-D

@@ -71,8 +71,9 @@ faster. ``stats()["conv_grads"]`` gives the times and the choice;
 ``KITSUNE_CONV_GRADS=apart``, ``=late`` or ``=together`` decides without measuring.
 ResNet-18 (CIFAR-sized, batch 128: its last layers' maps are 2x2 and 1x1) took 1.29
 ms a forward and backward together, 1.15 apart and 1.05 with the weight gradients
-joined late; its step 1.17 ms against 1.41 before its bias-free Conv2d modules were
-split (bench/results/models_heuristic_mode_b_b4c5928.json).
+joined late; its step (cuDNN's heuristics mode B) 1.17 ms against 1.41 before its
+bias-free Conv2d modules were split (bench/results/models_heuristic_mode_b_b4c5928.json,
+models_heuristic_mode_b_893c0f7.json).
 
 Layout: a model at least half of whose Conv2d layers have channel counts (in and out,
 per group) that are multiples of 8 is captured on channels-last copies of its 4-D
@@ -436,8 +437,8 @@ class CompiledStep:
         forward and backward alone are captured each way into a pool of their own,
         replayed twice (the first uploads the graph, the second sizes the blocks), then
         timed as the best of 3 blocks of 2 to 10 replays, each about 3 ms (CUDA events
-        on the capture stream; 3 + 3 x 10 replays before ff46ff7: 0.19 s of ResNet-18's
-        setup for three ways), and dropped before the next; the model's buffers and the
+        on the capture stream; until 5ef92da 3 + 3 x 10 replays, which took 0.19 s of
+        ResNet-18's setup for three ways at ff46ff7), and dropped before the next; the model's buffers and the
         CUDA generator are put back after. A way is kept over the one before it in that
         order only when it is at least 1% faster (a near tie keeps fewer streams and
         less memory held); "late" is not tried when no convolution joined late in its

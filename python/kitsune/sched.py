@@ -754,8 +754,7 @@ def _apply(gm, p, eager):
             env[n] = g.call_function(_conv_grads_apart, tuple(env[a] if isinstance(a, tfx.Node) else a
                                                               for a in n.args) + (cid, _used_once(gm, old, n.args[1])))
             env[n].meta = dict(n.meta)
-        elif split and _conv_module(gm, n) is not None:
-            c = _conv_module(gm, n)
+        elif split and (c := _conv_module(gm, n)) is not None:
             w = g.get_attr(n.target + ".weight")
             env[n] = g.call_function(_conv_grads_apart, (env[n.args[0]], w, None, c.stride, c.padding, c.dilation,
                                                          c.groups, cid, _reaches(gm, old, c.weight) == 1))

@@ -35,6 +35,13 @@ static kt_placer *placer_on(const kt_backend *be) {
   return pl;
 }
 static kt_placer *placer_new(void) { return placer_on(fb); }
+/* A placer on the fake backend placing plan by order (both asserted to take). */
+static kt_placer *placer_ordered(const kt_capture_order *ord, const kt_capplan *plan) {
+  kt_placer *pl = placer_new();
+  cr_assert_eq(kt_placer_set_order(pl, ord), KT_OK);
+  cr_assert_eq(kt_placer_begin(pl, plan), KT_OK);
+  return pl;
+}
 static int64_t allocated(kt_pool_t *pool) {
   kt_stats st;
   cr_assert_eq(kt_get_stats(pool, &st), KT_OK);
@@ -818,9 +825,7 @@ Test(capplan, within_a_budget_a_wait_buys_bytes_the_order_keeps_apart) {
   kt_caprec_destroy(r);
 
   /* placed: y takes t's bytes after one wait, z x's with none */
-  kt_placer *pl = placer_new();
-  cr_assert_eq(kt_placer_set_order(pl, &WAITING), KT_OK);
-  cr_assert_eq(kt_placer_begin(pl, p), KT_OK);
+  kt_placer *pl = placer_ordered(&WAITING, p);
   fg_begin(&G);
   void *xt[2];
   branch(NULL, pl, 0, xt);
@@ -1016,9 +1021,7 @@ Test(capplan, random_branchy_captures_share_across_streams_only_where_the_graph_
                   info_of(p0).plan_bytes);
     gain += g;
     if ((double)in.plan_bytes / (double)in.peak_bytes > worst) worst = (double)in.plan_bytes / (double)in.peak_bytes;
-    kt_placer *pl = placer_new();
-    cr_assert_eq(kt_placer_set_order(pl, &ORDER), KT_OK);
-    cr_assert_eq(kt_placer_begin(pl, p), KT_OK);
+    kt_placer *pl = placer_ordered(&ORDER, p);
     run_branchy(ops, n, NULL, pl, 0, &placed, &allocs, &foreign);
     cr_assert_eq(placed, allocs, "trial %d: the recorded capture was not placed in full (%d of %d)", t, placed, allocs);
     cr_assert_eq(kt_placer_begin(pl, p), KT_OK);
@@ -1080,9 +1083,7 @@ Test(capplan, an_edge_count_above_what_is_fetched_is_taken_once) {
   cr_assert_eq(kt_caprec_end(r), KT_OK);
   kt_capplan *p = plan_of(r);
   cr_assert_eq(info_of(p).plan_bytes, 8 * MiB);
-  kt_placer *pl = placer_new();
-  cr_assert_eq(kt_placer_set_order(pl, &more), KT_OK);
-  cr_assert_eq(kt_placer_begin(pl, p), KT_OK);
+  kt_placer *pl = placer_ordered(&more, p);
   fg_begin(&G);
   void *xt[2];
   branch(NULL, pl, 1, xt);

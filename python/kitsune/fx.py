@@ -166,12 +166,19 @@ def _binary(node, op):
     return a, b, None
 
 
+def _attr(gm, target):
+    """What a dotted get_attr / call_module target names in gm (a module, a tensor, ...),
+    or None."""
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
 def _param(gm, node):
     """The tensor a get_attr node names, else None."""
     if isinstance(node, tfx.Node) and node.op == "get_attr":
-        obj = gm
-        for part in node.target.split("."):
-            obj = getattr(obj, part, None)
+        obj = _attr(gm, node.target)
         return obj if isinstance(obj, torch.Tensor) else None
     return None
 

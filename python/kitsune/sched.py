@@ -40,6 +40,7 @@ import torch.fx as tfx
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from ._native import OK, Schedule, check, native
+from .fx import _attr
 
 
 @dataclass
@@ -653,13 +654,6 @@ def _used_once(gm, nodes, w):
     if not isinstance(w, tfx.Node) or len(w.users) != 1:
         return False
     return w.op != "get_attr" or _reaches(gm, nodes, _attr(gm, w.target)) == 1
-
-
-def _attr(gm, target):
-    a = gm
-    for name in target.split("."):
-        a = getattr(a, name)
-    return a
 
 
 def _reaches(gm, nodes, t):

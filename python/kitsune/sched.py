@@ -272,12 +272,13 @@ def _traced(model):
 
 def _fake_view(module, mode, memo):
     """A shallow copy of ``module``'s tree whose parameters and buffers are fake tensors
-    (``mode``'s, converted once each): what runs on it changes nothing real, neither the
-    tensors (an in-place update, BatchNorm's num_batches_tracked += 1 say, lands on its
-    fake) nor the modules' attributes. The code and the graph are shared, nothing is
-    recompiled: ShapeProp's deep copy to fake tensors (a GraphModule's __deepcopy__
-    recompiles it) was half of the stream plan's time (ResNet-18: 0.19 of 0.43 s under
-    cProfile)."""
+    (``mode``'s, converted once each): what runs on it writes no real tensor (an in-place
+    update, BatchNorm's num_batches_tracked += 1 say, lands on its fake) and rebinds no
+    attribute of the real modules (mutable attribute objects are shared, not copied).
+    The code and the graph are shared, nothing is recompiled: ShapeProp's deep copy to
+    fake tensors (a GraphModule's __deepcopy__ recompiles it) was 0.19 of the 0.43 s
+    that _plan took on ResNet-18 under cProfile on the CPU machine; unprofiled first
+    calls showed no clear gain there (docs/issue5.md)."""
     if id(module) in memo:
         return memo[id(module)]
     view = object.__new__(type(module))

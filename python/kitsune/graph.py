@@ -402,6 +402,9 @@ class CompiledStep:
         after it (they stay in the pool, the graph's). ``update=False``: the forward
         and backward alone, no optimizer (plan None; _choose_conv_grads' trials)."""
         self.optimizer.zero_grad(set_to_none=True)
+        ctx = getattr(self._captured, "_kitsune_streams", None)
+        if ctx is not None:
+            ctx.late_kept = []   # this capture's late joins (_late_kept)
         graph = torch.cuda.CUDAGraph(keep_graph=True)   # instantiated below, after _memsets_to_kernels
         ib = plan = None
         try:
@@ -471,9 +474,14 @@ class CompiledStep:
         self._conv_grads = {"convs": n, "apart": ctx.grads_apart, "late": ctx.grads_late, "how": "measured",
                             "ms": ms}
 
-    def _set_conv_grads(self, way):
+    def _set_conv_grads(self, way, late_limit=None):
         ctx = self._captured._kitsune_streams
-        ctx.grads_apart, ctx.grads_late = way != "together", way == "late"
+        ctx.grads_apart, ctx.grads_late, ctx.late_limit = way != "together", way == "late", late_limit
+
+    def _late_kept(self):
+        """The bytes each late join of the last capture kept to the backward's end."""
+        ctx = getattr(self._captured, "_kitsune_streams", None)
+        return list(ctx.late_kept) if ctx is not None else []
 
     def _eager_budget(self, device):
         """Bytes a graph may take within the eager step's peak (the most allocated after
@@ -487,26 +495,38 @@ class CompiledStep:
         """The memory plan's budget: _eager_budget, or None with KITSUNE_PLAN_WAITS=0."""
         return None if os.environ.get("KITSUNE_PLAN_WAITS", "1") == "0" else self._eager_budget(device)
 
-    def _late_over_budget(self, plan_bytes, device):
+    def _late_over_budget(self, plan_bytes, device, kept=()):
         """Whether the recorded plan of a step whose weight gradients join late takes the
         device past the eager step's peak (the most allocated after the warm-up, so never
         under an earlier peak of the process): "late" keeps each convolution's input and
         output gradient to the backward's end (the branchy net at batch 64: a plan of
-        472.4 MiB against 345.4 apart). Then compile_step captures the way measured next
-        fastest; stats()["conv_grads"]["late_refused"] says so."""
+        472.4 MiB against 345.4 apart; ResNet-18 at batch 128: 108.6 against a budget of
+        100.5, graph_memory_resnet18_split_a09cec9.json). `kept`: the bytes each late
+        join of the recorded capture kept. Then fewer join late: those keeping the most
+        are left out until they add up to the excess (_late_limit), and compile_step
+        records and plans again (stats()["conv_grads"]["late_limited"] says so); when
+        none would be left, it captures the way measured next fastest
+        (["late_refused"])."""
         info = self._conv_grads
         if not (info and info.get("late") and info.get("how") == "measured"):
             return False
         budget = self._eager_budget(device)
         if budget is None or plan_bytes <= budget:
             return False
+        outside = torch.cuda.memory_allocated(device)
+        over = (f"the plan with late joins ({plan_bytes / 2**20:.1f} MiB) and what is allocated outside the graph "
+                f"({outside / 2**20:.1f} MiB) exceed the eager step's peak ({self._eager_peak / 2**20:.1f} MiB)")
+        limit = _late_limit(kept, plan_bytes - budget)
+        if limit is not None:
+            self._set_conv_grads("late", limit)
+            info.update(late_limit=limit, late_limited=f"{sum(k <= limit for k in kept)} of {len(kept)} late joins "
+                                                       f"kept (those holding at most {limit / 2**20:.2f} MiB): {over}")
+            return True
         way = _fastest_way({k: v for k, v in info["ms"].items() if k != "late"})
         self._set_conv_grads(way)
-        outside = torch.cuda.memory_allocated(device)
-        info.update(apart=way == "apart", late=False,
-                    late_refused=f"the plan with late joins ({plan_bytes / 2**20:.1f} MiB) and what is allocated "
-                                 f"outside the graph ({outside / 2**20:.1f} MiB) exceed the eager step's "
-                                 f"peak ({self._eager_peak / 2**20:.1f} MiB)")
+        for k in ("late_limit", "late_limited"):
+            info.pop(k, None)
+        info.update(apart=way == "apart", late=False, late_refused=over)
         return True
 
     def _time_trial(self, args):
@@ -567,7 +587,7 @@ class CompiledStep:
             except RuntimeError as e:   # host memory: capture as without a plan
                 mplan, self._memory = None, {"reason": f"not planned: {_describe(e)}"}
             del graph   # its pool goes back to the device's pool
-            if mplan is None or not self._late_over_budget(mplan.info["plan_bytes"], device):
+            if mplan is None or not self._late_over_budget(mplan.info["plan_bytes"], device, self._late_kept()):
                 break
         if mplan is None:
             return self._capture(args, self._pool)
@@ -729,6 +749,21 @@ def _fastest_way(ms):
         if way in ms and ms[way] < 0.99 * ms[best]:
             best = way
     return best
+
+
+def _late_limit(kept, excess):
+    """The most bytes a late join may keep (_Streams.late_limit) so that, of late joins
+    keeping `kept` bytes each, the largest are left out until they add up to `excess`
+    (all that keep as much as the last one left out go with it: the limit is a size);
+    None when none would be left."""
+    kept = sorted(kept, reverse=True)
+    i, out = 0, 0
+    while i < len(kept) and out < excess:
+        out += kept[i]
+        i += 1
+    while 0 < i < len(kept) and kept[i] == kept[i - 1]:
+        i += 1
+    return kept[i] if i < len(kept) else None
 
 
 def _graphs_elsewhere(step):

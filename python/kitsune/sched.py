@@ -381,6 +381,12 @@ class _Streams:
         self.grads_apart = True   # _ConvGradsApart splits (compile_step may measure and turn it off)
         self.grads_late = conv_grads_mode() == "late"   # ... and joins at the end of the backward where it can
         self.late_joins = 0   # weight gradients joined at a backward's end so far (join_late)
+        # for compile_step's memory budget: a weight gradient joins late only when the
+        # tensors it keeps to the backward's end take at most late_limit bytes (None: no
+        # limit); late_kept, those bytes of each late join since compile_step last emptied
+        # it (one capture's)
+        self.late_limit = None
+        self.late_kept = []
         self.main = None
         self.active = False
         self.used = set()
@@ -419,13 +425,14 @@ class _Streams:
     def stream(self, k):
         return self.main if k == 0 else self.sides[k - 1]
 
-    def join_late(self, here, side, weight, grad, keep):
+    def join_late(self, here, side, weight, grad, keep, kept):
         """Defers the join of `side` (where `grad`, the gradient of the leaf `weight`, is
         being computed beside `here`) to the end of the backward: _end_late joins the
         streams and sets weight.grad. `keep` (what
         the side stream reads) stays referenced until then. Entries are per backward
         (torch._C._current_graph_task_id); a backward that failed before its end leaves
-        its entries, which the next one drops with their streams joined, unassigned."""
+        its entries, which the next one drops with their streams joined, unassigned.
+        `kept`: the bytes of `keep` this holds beyond the node (late_kept)."""
         task = torch._C._current_graph_task_id()
         if _LATE and _LATE[0][0] != task:   # left by a backward that failed before its end
             _take_late()
@@ -433,6 +440,7 @@ class _Streams:
             torch.autograd.Variable._execution_engine.queue_callback(_end_late)
         _LATE.append((task, here, side, weight, grad, keep))
         self.late_joins += 1
+        self.late_kept.append(kept)
 
     def grad_stream(self, here):
         """The stream a convolution's weight gradient runs on beside its input gradient
@@ -559,8 +567,12 @@ class _ConvGradsApart(torch.autograd.Function):
         # ready on this stream (and copy it there when it cannot steal it): _end_late
         # sets it once the side stream is joined, so the branch goes on without it
         wt = ctx.weight
-        if c.grads_late and ctx.once and wt is not None and wt.grad is None and _late_ok(wt):
-            c.join_late(here, side, wt, gw, (x, w, gy))
+        # what a late join holds to the backward's end that a join here lets go: the input
+        # and the output gradient (the weight is a parameter, its gradient kept either way)
+        kept = x.nbytes + gy.nbytes
+        if (c.grads_late and ctx.once and wt is not None and wt.grad is None and _late_ok(wt)
+                and (c.late_limit is None or kept <= c.late_limit)):
+            c.join_late(here, side, wt, gw, (x, w, gy), kept)
             gw = None
         else:
             here.wait_stream(side)

@@ -1,7 +1,7 @@
 """compile_step with planned graph memory, run by test_graph.py in a fresh process
 (Kitsune's allocator must be installed before CUDA initialises).
 
-    python plan_workloads.py CASE    # mlp | shapes | lm | branchy | fused_branchy | waited_branchy
+    python plan_workloads.py CASE    # mlp | shapes | lm | branchy | fused_branchy | waited_branchy | late_branchy
 
 Trains one model three ways from the same start: the eager loop, compile_step with
 plan_memory=False and with plan_memory=True. Checks (assert_close: the process fails
@@ -10,6 +10,11 @@ unplanned one trains as the eager loop (the case's tolerance; for the branchy co
 on streams, the losses), then prints one JSON line: both steps' stats().
 waited_branchy is fused_branchy planned within a budget of 0 bytes: every reuse waits
 can buy is bought (the eager peak would leave this small net's plan alone).
+late_branchy: bias-free Conv2d branches of four widths whose weight gradients are told to
+join late (as if measured fastest), planned within a budget one byte under the plan
+with every join late: fewer join late (compile_step._late_over_budget); the JSON line
+also has the bytes each late join kept in that first plan and the late joins of the
+graph kept.
 """
 import copy
 import faulthandler
@@ -52,6 +57,22 @@ class Branchy(nn.Module):
         return self.fc(self.block(torch.relu(self.stem(x))).mean((2, 3)))
 
 
+class Widths(nn.Module):
+    """A stem and four branches of bias-free Conv2d modules of four widths (the tensors
+    their late weight gradients keep differ in size), concatenated."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 32, 3, padding=1, bias=False)
+        self.branches = nn.ModuleList(nn.Conv2d(32, w, k, padding=k // 2, bias=False)
+                                      for w, k in ((16, 1), (32, 3), (48, 3), (64, 5)))
+        self.fc = nn.Linear(160, 10)
+
+    def forward(self, x):
+        x = torch.relu(self.stem(x))
+        return self.fc(torch.cat([torch.relu(b(x)) for b in self.branches], 1).mean((2, 3)))
+
+
 def lm_loss(logits, target):
     return nn.functional.cross_entropy(logits.float().flatten(0, 1), target.flatten())
 
@@ -75,16 +96,38 @@ def case(name):
             t = torch.randint(0, 96, (8, 65), generator=g)
             batches.append((t[:, :-1], t[:, 1:]))
         return TinyLM(), lm_loss, batches, dict(autocast_dtype=torch.bfloat16), (1e-4, 1e-5)
-    if name in ("branchy", "fused_branchy", "waited_branchy"):
+    if name in ("branchy", "fused_branchy", "waited_branchy", "late_branchy"):
         torch.manual_seed(0)
         torch.backends.cudnn.deterministic = True
         batches = [(torch.randn(16, 3, 16, 16, generator=g), torch.randint(0, 10, (16,), generator=g))
                    for _ in range(12)]
         # fused_branchy: through kitsune.optimize, so its bias gradients are Kitsune's column
         # sums (dependent launches on sm_90), in the eager loop too
-        model = Branchy() if name == "branchy" else kitsune.optimize(Branchy())
+        model = Branchy() if name == "branchy" else kitsune.optimize(Widths() if name == "late_branchy" else Branchy())
         return model, ce, batches, dict(streams=4), (1e-3, 1e-4)
     raise SystemExit(f"unknown case {name!r}")
+
+
+def force_late(steps, first):
+    """Both steps' weight gradients join late as if "late" had been measured fastest (the
+    trial's choice depends on timings); the planned one's budget becomes, once its first
+    plan is seen (noted in `first`: plan bytes, each late join's kept bytes), one byte
+    under that plan."""
+    for s in steps:
+        def forced(args, s=s):
+            s._set_conv_grads("late")
+            s._conv_grads = {"convs": ks.conv_grad_splits(s._captured), "apart": True, "late": True,
+                             "how": "measured", "ms": {"together": 1.0, "apart": 0.99, "late": 0.9}}
+        s._choose_conv_grads = forced
+    planned = steps[1]
+    over = planned._late_over_budget
+
+    def first_over(plan_bytes, device, kept=()):
+        if not first:
+            first.append((plan_bytes, list(kept)))
+            planned._eager_budget = lambda device: plan_bytes - 1
+        return over(plan_bytes, device, kept)
+    planned._late_over_budget = first_over
 
 
 def train(step_fn, batches):
@@ -118,6 +161,9 @@ def main(name):
              for m, o, plan in zip(twins, opts[1:], (False, True))]
     if name == "waited_branchy":
         steps[1]._plan_budget = lambda device: 0
+    first = []
+    if name == "late_branchy":
+        force_late(steps, first)
     pool, planned = (train(s, batches) for s in steps)
     # the plan changes where blocks are, not what is computed
     torch.testing.assert_close(planned, pool, rtol=1e-6, atol=1e-7)
@@ -131,8 +177,12 @@ def main(name):
     torch.cuda.synchronize()
     exact = bool(torch.equal(planned, pool)) and all(torch.equal(a, b) for a, b in
                                                      zip(twins[0].parameters(), twins[1].parameters()))
-    print(json.dumps({"stats": steps[1].stats(), "pool_stats": steps[0].stats(), "plan_equals_pool_exactly": exact,
-                      "eager_peak_allocated": eager_peak}), flush=True)
+    out = {"stats": steps[1].stats(), "pool_stats": steps[0].stats(), "plan_equals_pool_exactly": exact,
+           "eager_peak_allocated": eager_peak}
+    if name == "late_branchy":
+        out.update(first_kept=first[0][1] if first else None, late_joins=len(steps[1]._late_kept()),
+                   pool_late_joins=len(steps[0]._late_kept()))
+    print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":

@@ -919,28 +919,67 @@ def test_the_plan_budget_is_off_without_a_warm_up_peak_or_with_kitsune_plan_wait
 def test_late_joins_are_refused_when_their_plan_passes_the_eager_budget(monkeypatch):
     """_late_over_budget with the device faked: a measured "late" whose plan fits the
     eager step's peak with what is allocated outside the graph is kept; one that does not
-    is refused for the fastest other way, and the reason names the three amounts. The
-    plan's budget is the same amount, off with KITSUNE_PLAN_WAITS=0; without a warm-up
-    peak neither applies."""
+    is refused for the fastest other way when the late joins' kept bytes are not known
+    (or would all have to go), and the reason names the three amounts. The plan's
+    budget is the same amount, off with KITSUNE_PLAN_WAITS=0; without a warm-up peak
+    neither applies."""
     MiB = 2 ** 20
     m = torch.nn.Linear(2, 2)
     step = kitsune.compile_step(m, torch.nn.functional.mse_loss, torch.optim.SGD(m.parameters(), lr=0.1))
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 70 * MiB)
     ways = []
-    monkeypatch.setattr(step, "_set_conv_grads", ways.append)
+    monkeypatch.setattr(step, "_set_conv_grads", lambda *a: ways.append(a))
     step._conv_grads = {"late": True, "apart": True, "how": "measured",
                         "ms": {"together": 1.0, "apart": 0.95, "late": 0.9}}
     dev = torch.device("cpu")
     assert not step._late_over_budget(400 * MiB, dev), "no warm-up peak: nothing to hold it to"
     step._eager_peak = 400 * MiB
     assert step._eager_budget(dev) == step._plan_budget(dev) == 330 * MiB
-    assert not step._late_over_budget(330 * MiB, dev) and step._conv_grads["late"] and not ways
+    assert not step._late_over_budget(330 * MiB, dev, [MiB]) and step._conv_grads["late"] and not ways
     assert step._late_over_budget(330 * MiB + 512, dev)
-    assert ways == ["apart"] and not step._conv_grads["late"] and step._conv_grads["apart"]
+    assert ways == [("apart",)] and not step._conv_grads["late"] and step._conv_grads["apart"]
     assert step._conv_grads["late_refused"] == ("the plan with late joins (330.0 MiB) and what is allocated outside "
                                                 "the graph (70.0 MiB) exceed the eager step's peak (400.0 MiB)")
     monkeypatch.setenv("KITSUNE_PLAN_WAITS", "0")
     assert step._plan_budget(dev) is None and step._eager_budget(dev) == 330 * MiB
+
+
+def test_late_joins_over_the_budget_are_cut_to_those_keeping_least(monkeypatch):
+    """Over the budget with the late joins' kept bytes known, _late_over_budget keeps
+    "late" for fewer: the largest keepers go until they add up to the excess, and
+    compile_step is told to record again (True); round after round the limit only
+    falls; when none would be left, "late" is refused for the fastest other way and
+    the limit's record goes. _late_limit alone: ties go together, nothing left is None."""
+    from kitsune.graph import _late_limit
+    MiB = 2 ** 20
+    assert _late_limit([4, 1, 2, 4, 3], 1) == 3   # the two 4s go together
+    assert _late_limit([4, 1, 2, 4, 3], 9) == 2 and _late_limit([4, 1, 2, 4, 3], 11) == 2
+    assert _late_limit([4, 1, 2, 4, 3], 12) == 1 and _late_limit([4, 1, 2, 4, 3], 14) is None
+    assert _late_limit([], 1) is None
+    assert _late_limit([5, 5], 1) is None   # a tie with the one left out: nothing left
+    m = torch.nn.Linear(2, 2)
+    step = kitsune.compile_step(m, torch.nn.functional.mse_loss, torch.optim.SGD(m.parameters(), lr=0.1))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 70 * MiB)
+    ways = []
+    monkeypatch.setattr(step, "_set_conv_grads", lambda *a: ways.append(a))
+    step._conv_grads = {"late": True, "apart": True, "how": "measured",
+                        "ms": {"together": 1.0, "apart": 1.2, "late": 0.9}}
+    step._eager_peak, dev = 400 * MiB, torch.device("cpu")   # a budget of 330 MiB
+    kept = [8 * MiB, 2 * MiB, 2 * MiB, MiB, MiB // 2]
+    assert step._late_over_budget(338 * MiB, dev, kept)   # 8 MiB over: the 8 MiB keeper goes
+    assert ways == [("late", 2 * MiB)] and step._conv_grads["late"] and step._conv_grads["late_limit"] == 2 * MiB
+    assert step._conv_grads["late_limited"] == (
+        "4 of 5 late joins kept (those holding at most 2.00 MiB): the plan with late joins (338.0 MiB) and what is "
+        "allocated outside the graph (70.0 MiB) exceed the eager step's peak (400.0 MiB)")
+    assert step._late_over_budget(331 * MiB, dev, kept[1:])   # 1 MiB over: both 2 MiB keepers go
+    assert ways[-1] == ("late", MiB) and step._conv_grads["late_limit"] == MiB
+    assert not step._late_over_budget(329 * MiB, dev, kept[3:])   # fits: kept as it is
+    assert len(ways) == 2 and step._conv_grads["late"]
+    assert step._late_over_budget(340 * MiB, dev, kept[3:])   # 10 MiB over, 1.5 MiB kept: refused
+    assert ways[-1] == ("together",)   # apart was slower than together
+    info = step._conv_grads
+    assert not info["late"] and not info["apart"] and "late_limit" not in info and "late_limited" not in info
+    assert info["late_refused"].startswith("the plan with late joins (340.0 MiB)")
 
 
 def _blas_rows(b, stream):
@@ -1035,7 +1074,8 @@ def test_gpu_compile_step_shares_the_partner_streams_cublas_workspaces():
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("case", ["mlp", "shapes", "lm", "branchy", "fused_branchy", "waited_branchy"])
+@pytest.mark.parametrize("case", ["mlp", "shapes", "lm", "branchy", "fused_branchy", "waited_branchy",
+                                  "late_branchy"])
 def test_gpu_compile_step_with_planned_memory_trains_as_eager(case):
     """Kitsune installed, compile_step(plan_memory=True): captured once while recording,
     planned, captured again by the plan. It trains as the eager loop does (checked in
@@ -1049,7 +1089,9 @@ def test_gpu_compile_step_with_planned_memory_trains_as_eager(case):
     (programmatic_ordered; not counting them cut the streams' ancestry and grew the
     bench's 4-stream Inception net's plan from 351.7 to 459.9 MiB). Planned within a
     budget of 0 (waited_branchy), waits buy reuse the order does not allow: a smaller
-    plan, every block placed, the same training (the waits add edges, not work)."""
+    plan, every block placed, the same training (the waits add edges, not work). With
+    weight gradients joining late and a budget one byte under that plan (late_branchy),
+    the largest keepers stop joining late, the others still do, and it trains alike."""
     here = os.path.dirname(os.path.abspath(__file__))
     r = subprocess.run([sys.executable, os.path.join(here, "plan_workloads.py"), case], capture_output=True,
                        text=True, env=env(), timeout=600)
@@ -1072,6 +1114,12 @@ def test_gpu_compile_step_with_planned_memory_trains_as_eager(case):
         assert mp["budget"] == 0 and mp["wait_gap"] >= 0 and mp["wait_shares"] > 0, mp
         assert mp["plan_bytes"] < mp["unwaited_bytes"] and mp["waits"] > 0, mp
         assert mp["placed"] == mp["blocks"] and mp["refused"] == 0, mp
+    if case == "late_branchy":
+        cg, kept = st["conv_grads"], d["first_kept"]
+        # unplanned, every split convolution joins late but the stem's (its input needs no gradient)
+        assert cg["convs"] == 5 and d["pool_late_joins"] == len(kept) == 4, d
+        assert cg["late"] and "late_refused" not in cg and cg["late_limit"] < max(kept), cg
+        assert 0 < d["late_joins"] == sum(k <= cg["late_limit"] for k in kept) < len(kept), (d["late_joins"], cg, kept)
     if case == "fused_branchy" and torch.cuda.get_device_capability()[0] >= 9:
         assert mp["programmatic_ordered"] > 0, mp
         # every one is into a kernel of ours here (8 of 8 on the H100 at 2f5a092): one left

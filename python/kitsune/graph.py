@@ -55,6 +55,10 @@ Streams: the first capture plans the model's forward graph with kitsune.sched
 independent branches on separate streams (their backward follows them). A model
 torch.fx cannot trace, or whose plan gains under 5%, is captured on one stream;
 ``stats()["streams"]`` and ``["streams_reason"]`` say which. ``streams=1`` turns it off.
+The plan's shapes are noted during the warm-up step when the model is a GraphModule
+without hooks of its own and no autocast is asked (its forward then runs through
+torch.fx's Interpreter once: kitsune.sched.shape_recorder), else taken on fake tensors
+(``stats()["stream_shapes"]``: "recorded" or "fake tensors").
 The plan's costs are the roofline's (``stream_costs=None``) or, with
 ``stream_costs="measured"``, each operation's time measured on the first batch
 (``kitsune.sched.measure_costs``: the forward run operation by operation, a few times,
@@ -225,7 +229,8 @@ class CompiledStep:
         self._captured = None   # the model as captured: with its plan's streams (kitsune.sched.streamed)
         self._conv_grads = None   # how its convolutions' gradients run (_choose_conv_grads)
         self._eager_peak = 0   # the most allocated after the last warm-up step (_late_over_budget)
-        self._stream_info = {"streams": 1, "streams_reason": "not planned yet"}
+        self._stream_info = {"streams": 1, "streams_reason": "not planned yet", "stream_shapes": None}
+        self._shapes_recorded = False   # the last warm-up noted the stream plan's shapes (_warm_up)
         # load_state_dict replaces the optimizer's state tensors, which the graphs hold
         ref = weakref.ref(self)
         optimizer.optimizer.register_load_state_dict_post_hook(lambda opt: ref() and ref()._invalidate())
@@ -294,9 +299,9 @@ class CompiledStep:
             torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm, foreach=True)
         return loss.detach()
 
-    def _eager(self, batch):
+    def _eager(self, batch, model=None):
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self._forward_backward(batch)
+        loss = self._forward_backward(batch, model)
         self.optimizer.step()
         self._n["eager_steps"] += 1
         return loss
@@ -608,7 +613,11 @@ class CompiledStep:
         """The first step of a signature, eager. With channels-last on it tries that layout
         first, its Conv2d weights made channels-last; a model that refuses it (a .view()
         needing NCHW strides, say) gets its buffers, the CUDA rng and the weights' layout
-        put back, and the step runs NCHW from then on."""
+        put back, and the step runs NCHW from then on. With a stream plan still to make,
+        the forward runs through kitsune.sched.shape_recorder where it can: the shapes the
+        plan needs are noted on the way (_plan_streams then skips its run on fake tensors)."""
+        run = self._shape_recorder()
+        self._shapes_recorded = False
         if self._cl:
             from .sched import saved_state
             restore = saved_state(self.model)
@@ -620,12 +629,26 @@ class CompiledStep:
                 self._cl_reason += f"; Conv2d weights kept as they are ({held} other compile_step(s) hold graphs " \
                                    f"on them)"
             try:
-                return self._eager(self._layout(batch))
+                loss = self._eager(self._layout(batch), run)
+                self._shapes_recorded = run is not None
+                return loss
             except Exception as e:   # noqa: BLE001 - whatever the model raises on that layout
                 restore()
                 _relayout(moved, self.optimizer, torch.contiguous_format)
                 self._cl, self._cl_reason = False, f"the model refused channels-last input: {_describe(e)}"
-        return self._eager(batch)
+        loss = self._eager(batch, run)
+        self._shapes_recorded = run is not None
+        return loss
+
+    def _shape_recorder(self):
+        """kitsune.sched.shape_recorder(model) when the warm-up is to record the shapes of
+        the stream plan: before the first capture, with more than one stream asked, and
+        without autocast (the plan's shapes are taken on the model as called outside
+        it, and so are the recorded ones); else None."""
+        if self._captured is not None or self.streams == 1 or self.autocast_dtype is not None:
+            return None
+        from . import sched
+        return sched.shape_recorder(self.model)
 
     def _layout(self, batch):
         """The batch as the graph takes it: 4-D floating tensors channels-last when that
@@ -639,7 +662,7 @@ class CompiledStep:
         """The model to capture: with kitsune.sched's streams when its plan gains, else the
         model itself (stats() says which and why)."""
         if self.streams == 1:
-            self._stream_info = {"streams": 1, "streams_reason": "streams=1"}
+            self._stream_info = {"streams": 1, "streams_reason": "streams=1", "stream_shapes": None}
             return self.model
         from . import sched
         inputs = batch[:-1] if self.loss_fn is not None else batch
@@ -648,14 +671,17 @@ class CompiledStep:
             amp = (torch.autocast("cuda", dtype=self.autocast_dtype, cache_enabled=False)
                    if self.autocast_dtype is not None and self.stream_costs else contextlib.nullcontext())
             with amp:
-                module, plan = sched.streamed(self.model, *inputs, streams=self.streams, costs=self.stream_costs)
+                module, plan = sched.streamed(self.model, *inputs, streams=self.streams, costs=self.stream_costs,
+                                              shapes_recorded=self._shapes_recorded)
         except Exception as e:   # noqa: BLE001 - an untraceable model keeps one stream
-            self._stream_info = {"streams": 1, "streams_reason": f"not planned: {_describe(e)}"}
+            self._stream_info = {"streams": 1, "streams_reason": f"not planned: {_describe(e)}",
+                                 "stream_shapes": None}
             return self.model
         source = "measured" if self.stream_costs else "roofline"
         self._stream_info = {"streams": plan.streams_used, "streams_reason": (
             f"{plan.reason} ({source} costs)" if plan.reason else
-            f"plan: {plan.gain:.2f}x estimated from {source} costs, {len(plan.syncs)} syncs")}
+            f"plan: {plan.gain:.2f}x estimated from {source} costs, {len(plan.syncs)} syncs"),
+            "stream_shapes": plan.shapes}
         if module is not self.model:
             module._kitsune_streams.prepare(device)
         return module
@@ -691,7 +717,8 @@ class CompiledStep:
         (setup_phases: the eager warm-up step with cuDNN's first use of its layouts, the
         stream plan, the convolution-gradient trials, the captures), and why the step runs eagerly
         (reason, None while it is captured), and the streams the captured forward runs on
-        with the planner's verdict (streams, streams_reason), and whether 4-D inputs are
+        with the planner's verdict (streams, streams_reason) and where its shapes came
+        from (stream_shapes), and whether 4-D inputs are
         captured channels-last (channels_last, channels_last_reason), and how many of the
         loss function's F.cross_entropy calls ran as kitsune.cross_entropy in the last
         step traced (fused_loss) with why any others did not (fused_loss_left), and

@@ -5,7 +5,7 @@
     print(plan)            # per-operation stream, the syncs, estimated gain
 
 The model is traced with torch.fx and its shapes propagated on fake tensors (nothing
-is computed). Each operation gets a roofline cost from its FLOPs and bytes (Linear,
+is computed), or taken from a real run that ``shape_recorder`` noted them in. Each operation gets a roofline cost from its FLOPs and bytes (Linear,
 convolutions and matmuls count 2 FLOPs a multiply-add; everything else one FLOP an
 output element; views, reshapes, getitem and the like are free), or, with
 ``costs="measured"``, its measured time: ``measure_costs`` runs the forward operation
@@ -131,7 +131,8 @@ def _flops(gm, n, out):
 class Plan:
     """A schedule of a model's operations on streams. ``stream`` maps node names to
     streams (only when ``streams_used`` > 1), ``syncs`` lists (after, before) node
-    names, the estimates are in seconds."""
+    names, the estimates are in seconds; ``shapes``: where the shapes came from, "fake
+    tensors" or "recorded" (shape_recorder's run)."""
     streams_asked: int
     streams_used: int
     makespan: float
@@ -140,6 +141,7 @@ class Plan:
     syncs: list
     order: list
     reason: str
+    shapes: str = "fake tensors"
 
     @property
     def gain(self):
@@ -302,11 +304,16 @@ class _FakeShapes(tfx.Interpreter):
     def run_node(self, n):
         with self.mode:
             out = super().run_node(n)
-        if _tensors(out):
-            n.meta["tensor_meta"] = tfx.node.map_aggregate(
-                out, lambda v: _extract_tensor_metadata(v) if isinstance(v, torch.Tensor) else v)
-        n.meta["type"] = type(out)
+        _note_meta(n, out)
         return out
+
+
+def _note_meta(n, out):
+    """n.meta's "tensor_meta" (as ShapeProp records it) and "type" for n's output `out`."""
+    if _tensors(out):
+        n.meta["tensor_meta"] = tfx.node.map_aggregate(
+            out, lambda v: _extract_tensor_metadata(v) if isinstance(v, torch.Tensor) else v)
+    n.meta["type"] = type(out)
 
 
 def _propagate_shapes(gm, example_inputs):
@@ -314,6 +321,42 @@ def _propagate_shapes(gm, example_inputs):
     from torch._subclasses.fake_tensor import FakeTensorMode
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     _FakeShapes(gm, mode).run(*[mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs])
+
+
+class _RecordShapes(tfx.Interpreter):
+    """Runs ``gm``'s graph for real, noting each node's output as _FakeShapes does."""
+
+    def run_node(self, n):
+        out = super().run_node(n)
+        _note_meta(n, out)
+        return out
+
+
+def _module_hooks(m):
+    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
+
+
+def shape_recorder(model):
+    """A callable that runs ``model``'s forward as calling it does, node by node through
+    its graph (torch.fx's Interpreter, values dropped after their last use), and notes
+    each node's tensor_meta on the way: then ``streamed(model, *the same inputs,
+    shapes_recorded=True)`` plans from those shapes instead of running the graph again on
+    fake tensors. kitsune.compile_step records its warm-up step so. None when ``model``
+    is no GraphModule whose call is its graph's plain code: another type, custom codegen
+    (inputs and outputs rearranged), or hooks of its own or global module hooks (which
+    calling it runs and the Interpreter does not)."""
+    mm = torch.nn.modules.module
+    if (not isinstance(model, tfx.GraphModule) or type(model.graph._codegen) is not tfx.graph.CodeGen
+            or _module_hooks(model) or mm._global_forward_hooks or mm._global_forward_pre_hooks
+            or mm._global_backward_hooks or mm._global_backward_pre_hooks):
+        return None
+
+    def run(*inputs):
+        for n in model.graph.nodes:   # what a run that fails part way leaves is never read
+            n.meta.pop("tensor_meta", None)
+            n.meta.pop("type", None)
+        return _RecordShapes(model, garbage_collect_values=True).run(*inputs)
+    return run
 
 
 def _roofline_cost(gm, n, rl):
@@ -331,7 +374,7 @@ def _roofline_cost(gm, n, rl):
     return rl.launch + max(_flops(gm, n, out) / peak, nbytes / rl.bandwidth)
 
 
-def _plan(gm, example_inputs, streams, roofline, min_gain, costs=None):
+def _plan(gm, example_inputs, streams, roofline, min_gain, costs=None, shapes_recorded=False):
     if isinstance(streams, bool) or not isinstance(streams, int) or not 1 <= streams <= 64:
         raise ValueError(f"kitsune.sched.plan: streams must be an int in 1..64, got {streams!r}")
     if not (costs is None or costs == "measured" or isinstance(costs, dict)):
@@ -340,8 +383,12 @@ def _plan(gm, example_inputs, streams, roofline, min_gain, costs=None):
     given = measure_costs(gm, *example_inputs) if costs == "measured" else costs
     rl = roofline or Roofline()
     # shapes on fake tensors, whatever the costs: the roofline reads them, and so does
-    # streamed's rewrite (which nodes are tensors, to fork from and to hand across streams)
-    _propagate_shapes(gm, example_inputs)
+    # streamed's rewrite (which nodes are tensors, to fork from and to hand across streams);
+    # or as shape_recorder noted them, when every node has them
+    recorded = shapes_recorded and all("type" in n.meta for n in gm.graph.nodes if n.op != "output")
+    if not recorded:
+        _propagate_shapes(gm, example_inputs)
+    shapes = "recorded" if recorded else "fake tensors"
     ops = [n for n in gm.graph.nodes if n.op in ("call_module", "call_function", "call_method")]
     index = {n: i for i, n in enumerate(ops)}
     if given is not None:
@@ -358,14 +405,14 @@ def _plan(gm, example_inputs, streams, roofline, min_gain, costs=None):
     one, _, order1, _ = _schedule(lib, costs, edges, 1)
     names = [n.name for n in ops]
     if streams == 1:
-        return Plan(1, 1, one, one, {}, [], [names[i] for i in order1], "one stream asked")
+        return Plan(1, 1, one, one, {}, [], [names[i] for i in order1], "one stream asked", shapes)
     mk, stream, order, syncs = _schedule(lib, costs, edges, streams)
     if not mk or one / mk < min_gain:
         return Plan(streams, 1, one, one, {}, [], [names[i] for i in order1],
-                    f"more streams gain {one / mk:.2f}x < {min_gain}x: one stream")
+                    f"more streams gain {one / mk:.2f}x < {min_gain}x: one stream", shapes)
     used = len(set(stream))
     return Plan(streams, used, mk, one, {names[i]: stream[i] for i in range(len(ops))},
-                [(names[a], names[b]) for a, b in syncs], [names[i] for i in order], "")
+                [(names[a], names[b]) for a, b in syncs], [names[i] for i in order], "", shapes)
 
 
 # ---- executing a plan ----------------------------------------------------------------
@@ -708,13 +755,16 @@ def _conv_module(gm, n):
 
 
 
-def streamed(model, *example_inputs, streams=4, roofline=None, min_gain=1.05, eager=False, costs=None):
+def streamed(model, *example_inputs, streams=4, roofline=None, min_gain=1.05, eager=False, costs=None,
+             shapes_recorded=False):
     """``(module, plan)``: ``model``'s forward with the plan's streams applied (see the
     module docstring), or ``model`` itself when the plan keeps one stream. ``eager=True``
-    also runs the streams outside a capture (for tests); ``costs`` as for plan. Raises
-    what torch.fx raises when the model cannot be traced."""
+    also runs the streams outside a capture (for tests); ``costs`` as for plan;
+    ``shapes_recorded``: the last run of shape_recorder(model) took these inputs'
+    shapes, layouts and dtypes (no fake run then). Raises what torch.fx raises when the
+    model cannot be traced."""
     gm = _traced(model)
-    p = _plan(gm, example_inputs, streams, roofline, min_gain, costs)
+    p = _plan(gm, example_inputs, streams, roofline, min_gain, costs, shapes_recorded)
     if p.streams_used <= 1:
         return model, p
     return _apply(gm, p, eager), p

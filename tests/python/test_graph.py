@@ -1109,6 +1109,8 @@ def test_gpu_compile_step_with_planned_memory_trains_as_eager(case):
         assert st["graphs"] == 2 and st["evictions"] >= 1, st
     if "branchy" in case:
         assert st["streams"] > 1, st
+        # the plan's shapes: from the warm-up's run of a GraphModule (kitsune.optimize's), else on fake tensors
+        assert st["stream_shapes"] == ("fake tensors" if case == "branchy" else "recorded"), st
         assert mp["graph_nodes"] > 0 and mp["cross_shares"] > 0, mp
     if case == "waited_branchy":   # a budget of 0: waits bought bytes the order kept apart
         assert mp["budget"] == 0 and mp["wait_gap"] >= 0 and mp["wait_shares"] > 0, mp

@@ -195,6 +195,61 @@ def test_shapes_are_propagated_on_fake_tensors_and_change_nothing_real(optimized
     assert (8 * 16 * 16, 1, 8 * 16, 8) in strides   # channels-last, as recorded
 
 
+def test_a_recorded_run_gives_the_plan_the_shapes_the_fake_run_gives():
+    """shape_recorder runs a GraphModule's graph for real as calling it does (the same
+    outputs, gradients, BatchNorm statistics and random draws, from the same start) and
+    notes on each node the tensor_meta that the fake run gives (a channels-last map and a
+    half cast among them); streamed(..., shapes_recorded=True) then plans the same
+    without a fake run (plan.shapes says which). A node the recording did not reach
+    sends the plan back to the fake run; no recorder for a model that is no GraphModule,
+    or whose call runs hooks the graph's run would not."""
+    torch.manual_seed(6)
+    gm = kitsune.optimize(_Stateful().train())
+    twin = copy.deepcopy(gm)
+    x = torch.randn(4, 3, 16, 16)
+    run = ks.shape_recorder(gm)
+    torch.manual_seed(1)
+    outs = run(x)
+    torch.manual_seed(1)
+    want = twin(x)
+    for a, b in zip(outs, want):
+        assert torch.equal(a, b)
+    sum(o.float().sum() for o in outs).backward()
+    sum(o.float().sum() for o in want).backward()
+    for (name, a), b in zip(gm.named_parameters(), twin.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+    for (name, a), b in zip(gm.named_buffers(), twin.buffers()):
+        assert torch.equal(a, b), name
+    recorded = {n.name: n.meta.get("tensor_meta") for n in gm.graph.nodes}
+    ks._propagate_shapes(twin, (x,))
+    fake = {n.name: n.meta.get("tensor_meta") for n in twin.graph.nodes}
+    assert recorded == fake and sum(v is not None for v in recorded.values()) >= 8, (recorded, fake)
+    assert (8 * 16 * 16, 1, 8 * 16, 8) in {tuple(t.stride) for n in gm.graph.nodes for t in ks._meta_val(n)}
+
+    block = ks._traced(ks.Inception(8))
+    xb = torch.randn(2, 8, 8, 8)
+    ks.shape_recorder(block)(xb)
+    rec = ks._plan(block, (xb,), 4, None, 1.05, shapes_recorded=True)
+    fresh = ks.plan(copy.deepcopy(block), xb, streams=4)
+    assert rec.shapes == "recorded" and fresh.shapes == "fake tensors"
+    assert (rec.stream, rec.syncs, rec.order) == (fresh.stream, fresh.syncs, fresh.order) and rec.streams_used > 1
+    module, p = ks.streamed(block, xb, streams=4, shapes_recorded=True)
+    assert p.shapes == "recorded" and module is not block
+    del next(n for n in block.graph.nodes if n.op == "call_module").meta["type"]
+    assert ks._plan(block, (xb,), 4, None, 1.05, shapes_recorded=True).shapes == "fake tensors"
+
+    assert ks.shape_recorder(ks.Inception(8)) is None   # no GraphModule
+    h = block.register_forward_hook(lambda *a: None)
+    assert ks.shape_recorder(block) is None
+    h.remove()
+    assert ks.shape_recorder(block) is not None
+    h = torch.nn.modules.module.register_module_forward_pre_hook(lambda *a: None)
+    try:
+        assert ks.shape_recorder(block) is None
+    finally:
+        h.remove()
+
+
 def test_plans_take_measured_or_given_costs():
     """costs="measured" plans on measured times; a dict of node name -> seconds is used as
     given: on an Inception block with one branch ten times the rest, one stream takes the
@@ -567,6 +622,7 @@ def test_gpu_compile_step_measures_the_conv_gradient_split_and_puts_the_model_ba
         losses = torch.stack([step(*batches[i % 3]) for i in range(6)]).cpu()
         st = step.stats()
         assert st["reason"] is None and st["replays"] == 5 and st["streams"] > 1, st
+        assert st["stream_shapes"] == "recorded", st   # a GraphModule: its warm-up gave the plan its shapes
         runs[mode] = (losses, [b.detach().clone() for b in m.buffers()], st["conv_grads"])
     for mode in ("apart", "late", ""):
         torch.testing.assert_close(runs[mode][0], runs["together"][0], rtol=1e-4, atol=1e-5,

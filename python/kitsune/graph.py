@@ -228,7 +228,9 @@ class CompiledStep:
             self._cl, self._cl_reason = channels_last, "asked" if channels_last else "off"
         self._captured = None   # the model as captured: with its plan's streams (kitsune.sched.streamed)
         self._conv_grads = None   # how its convolutions' gradients run (_choose_conv_grads)
-        self._eager_peak = 0   # the most allocated after the last warm-up step (_late_over_budget)
+        # the plans' budget (_eager_budget): how far the last warm-up's forward and backward
+        # took the allocated bytes above their start (_eager), and the static inputs' bytes
+        self._eager_rise, self._inputs_bytes = None, 0
         self._stream_info = {"streams": 1, "streams_reason": "not planned yet", "stream_shapes": None}
         self._shapes_recorded = False   # the last warm-up noted the stream plan's shapes (_warm_up)
         # load_state_dict replaces the optimizer's state tensors, which the graphs hold
@@ -299,9 +301,19 @@ class CompiledStep:
             torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm, foreach=True)
         return loss.detach()
 
-    def _eager(self, batch, model=None):
+    def _eager(self, batch, model=None, rise=False):
+        """One eager step (`model`: what runs the forward, the model by default). rise:
+        notes in _eager_rise how far its forward and backward took the device's allocated
+        bytes above what was allocated when they began (the gradients dropped): the
+        device's peak since its last reset less that start, so an earlier, higher peak
+        of the process counts. The optimizer's update is left out: its state, made
+        lazily by a first update, stays allocated and is no part of a step's rise."""
         self.optimizer.zero_grad(set_to_none=True)
+        dev = self._side.device if rise else None
+        start = torch.cuda.memory_allocated(dev) if rise else 0
         loss = self._forward_backward(batch, model)
+        if rise:
+            self._eager_rise = max(torch.cuda.max_memory_allocated(dev) - start, 0)
         self.optimizer.step()
         self._n["eager_steps"] += 1
         return loss
@@ -330,7 +342,6 @@ class CompiledStep:
             side.wait_stream(partner)
         with torch.cuda.stream(side), self._phase("warm_up"):
             loss = self._warm_up(batch)
-        self._eager_peak = torch.cuda.max_memory_allocated(device)   # the budget of the plans (_plan_budget)
         here.wait_stream(side)
         if partner != here:
             partner.wait_stream(side)
@@ -345,6 +356,7 @@ class CompiledStep:
         slots = [i for i, b in enumerate(batch) if isinstance(b, torch.Tensor)]
         laid = self._layout(batch)
         static = [laid[i].detach().clone() for i in slots]   # outside the pool: the graph's inputs
+        self._inputs_bytes = sum(s.nbytes for s in static)
         args = list(batch)
         for s, i in zip(static, slots):
             args[i] = s
@@ -489,21 +501,26 @@ class CompiledStep:
         return list(ctx.late_kept) if ctx is not None else []
 
     def _eager_budget(self, device):
-        """Bytes a graph may take within the eager step's peak (the most allocated after
-        the warm-up) with what is allocated now, outside the graph; None without a
-        warm-up peak."""
-        if not self._eager_peak:
+        """Bytes a graph may take beside what the eager step keeps between steps: the
+        warm-up's rise (_eager) less the graph's static inputs (which an eager step does
+        not copy); None before a warm-up. Until this commit it was the device's peak
+        after the warm-up less what was allocated at the capture, which a first
+        optimizer update (its state made then, and kept) shrank to about the gradients'
+        bytes: in bench/models.py's fresh process ResNet-18's budget was 43.8 MiB (its
+        eager step rises 103.4 MiB in graph_memory_resnet18_split_a09cec9.json), its
+        plan bought 23 waits, and its step took 1.391 ms against 1.177 unplanned (H100,
+        bench/results/models_planned_mode_b_60f753b.json)."""
+        if self._eager_rise is None:
             return None
-        return max(self._eager_peak - torch.cuda.memory_allocated(device), 0)
+        return max(self._eager_rise - self._inputs_bytes, 0)
 
     def _plan_budget(self, device):
         """The memory plan's budget: _eager_budget, or None with KITSUNE_PLAN_WAITS=0."""
         return None if os.environ.get("KITSUNE_PLAN_WAITS", "1") == "0" else self._eager_budget(device)
 
     def _late_over_budget(self, plan_bytes, device, kept=()):
-        """Whether the recorded plan of a step whose weight gradients join late takes the
-        device past the eager step's peak (the most allocated after the warm-up, so never
-        under an earlier peak of the process): "late" keeps each convolution's input and
+        """Whether the recorded plan of a step whose weight gradients join late takes more
+        than the budget (_eager_budget): "late" keeps each convolution's input and
         output gradient to the backward's end (the branchy net at batch 64: a plan of
         472.4 MiB against 345.4 apart; ResNet-18 at batch 128: 108.6 against a budget of
         100.5, graph_memory_resnet18_split_a09cec9.json). `kept`: the bytes each late
@@ -518,9 +535,9 @@ class CompiledStep:
         budget = self._eager_budget(device)
         if budget is None or plan_bytes <= budget:
             return False
-        outside = torch.cuda.memory_allocated(device)
-        over = (f"the plan with late joins ({plan_bytes / 2**20:.1f} MiB) and what is allocated outside the graph "
-                f"({outside / 2**20:.1f} MiB) exceed the eager step's peak ({self._eager_peak / 2**20:.1f} MiB)")
+        over = (f"the plan with late joins ({plan_bytes / 2**20:.1f} MiB) exceeds the budget ({budget / 2**20:.1f} MiB: "
+                f"the eager forward and backward's rise, {self._eager_rise / 2**20:.1f} MiB, less the graph's "
+                f"inputs)")
         limit = _late_limit(kept, plan_bytes - budget)
         if limit is not None:
             self._set_conv_grads("late", limit)
@@ -629,14 +646,14 @@ class CompiledStep:
                 self._cl_reason += f"; Conv2d weights kept as they are ({held} other compile_step(s) hold graphs " \
                                    f"on them)"
             try:
-                loss = self._eager(self._layout(batch), run)
+                loss = self._eager(self._layout(batch), run, rise=True)
                 self._shapes_recorded = run is not None
                 return loss
             except Exception as e:   # noqa: BLE001 - whatever the model raises on that layout
                 restore()
                 _relayout(moved, self.optimizer, torch.contiguous_format)
                 self._cl, self._cl_reason = False, f"the model refused channels-last input: {_describe(e)}"
-        loss = self._eager(batch, run)
+        loss = self._eager(batch, run, rise=True)
         self._shapes_recorded = run is not None
         return loss
 

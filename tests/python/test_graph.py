@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 import warnings
 import weakref
 
@@ -906,42 +907,71 @@ def test_compile_step_plan_memory_needs_the_installed_allocator():
 
 
 def test_the_plan_budget_is_off_without_a_warm_up_peak_or_with_kitsune_plan_waits_0(monkeypatch):
-    """compile_step's memory plan budget (_plan_budget): None before a warm-up has set the
-    eager peak, and with KITSUNE_PLAN_WAITS=0 (the plan then never buys reuse with waits)."""
+    """compile_step's memory plan budget (_plan_budget): None before a warm-up has
+    measured the eager step's rise, and with KITSUNE_PLAN_WAITS=0 (the plan then never
+    buys reuse with waits)."""
     m = torch.nn.Linear(2, 2)
     step = kitsune.compile_step(m, torch.nn.functional.mse_loss, torch.optim.SGD(m.parameters(), lr=0.1))
-    assert step._eager_peak == 0 and step._plan_budget(torch.device("cpu")) is None
-    step._eager_peak = 1 << 30
+    assert step._eager_rise is None and step._plan_budget(torch.device("cpu")) is None
+    step._eager_rise = 1 << 30
+    assert step._plan_budget(torch.device("cpu")) == 1 << 30
     monkeypatch.setenv("KITSUNE_PLAN_WAITS", "0")
     assert step._plan_budget(torch.device("cpu")) is None
 
 
-def test_late_joins_are_refused_when_their_plan_passes_the_eager_budget(monkeypatch):
-    """_late_over_budget with the device faked: a measured "late" whose plan fits the
-    eager step's peak with what is allocated outside the graph is kept; one that does not
-    is refused for the fastest other way when the late joins' kept bytes are not known
-    (or would all have to go), and the reason names the three amounts. The plan's
-    budget is the same amount, off with KITSUNE_PLAN_WAITS=0; without a warm-up peak
-    neither applies."""
+def test_the_budget_is_the_eager_forward_and_backwards_rise_not_the_first_updates_state(monkeypatch):
+    """_eager(rise=True) with the device's counters faked: the rise is the peak after the
+    forward and backward less what was allocated when they began (the gradients dropped
+    first), whatever the optimizer's update allocates after (a first update's state);
+    a process peak above that counts. The budget is the rise less the graph's inputs."""
     MiB = 2 ** 20
     m = torch.nn.Linear(2, 2)
     step = kitsune.compile_step(m, torch.nn.functional.mse_loss, torch.optim.SGD(m.parameters(), lr=0.1))
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 70 * MiB)
+    mem = {"now": 0, "peak": 0}
+
+    def alloc(n):
+        mem["now"] += n
+        mem["peak"] = max(mem["peak"], mem["now"])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: mem["now"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: mem["peak"])
+    zero = step.optimizer.zero_grad
+    monkeypatch.setattr(step.optimizer, "zero_grad", lambda set_to_none=True: (zero(set_to_none), alloc(-5 * MiB)))
+    monkeypatch.setattr(step, "_forward_backward", lambda batch, model=None: (alloc(100 * MiB), alloc(-60 * MiB)))
+    monkeypatch.setattr(step.optimizer, "step", lambda: alloc(90 * MiB))   # a first update's state: kept
+    step._side = types.SimpleNamespace(device=torch.device("cpu"))
+    alloc(300 * MiB)   # parameters and the last step's gradients (5 MiB)
+    step._eager((), rise=True)
+    assert step._eager_rise == 100 * MiB, step._eager_rise / MiB
+    step._inputs_bytes = 3 * MiB
+    assert step._eager_budget(None) == 97 * MiB
+    mem["peak"] = mem["now"] + 500 * MiB   # an earlier, higher peak of the process
+    step._eager((), rise=True)
+    assert step._eager_rise == 505 * MiB, step._eager_rise / MiB
+
+
+def test_late_joins_are_refused_when_their_plan_passes_the_eager_budget(monkeypatch):
+    """_late_over_budget: a measured "late" whose plan fits the budget (the eager
+    forward and backward's rise less the graph's inputs) is kept; one that does not is
+    refused for the fastest other way when the late joins' kept bytes are not known (or
+    would all have to go), and the reason names the amounts. Without a warm-up nothing
+    is refused."""
+    MiB = 2 ** 20
+    m = torch.nn.Linear(2, 2)
+    step = kitsune.compile_step(m, torch.nn.functional.mse_loss, torch.optim.SGD(m.parameters(), lr=0.1))
     ways = []
     monkeypatch.setattr(step, "_set_conv_grads", lambda *a: ways.append(a))
     step._conv_grads = {"late": True, "apart": True, "how": "measured",
                         "ms": {"together": 1.0, "apart": 0.95, "late": 0.9}}
     dev = torch.device("cpu")
-    assert not step._late_over_budget(400 * MiB, dev), "no warm-up peak: nothing to hold it to"
-    step._eager_peak = 400 * MiB
+    assert not step._late_over_budget(400 * MiB, dev), "no warm-up: nothing to hold it to"
+    step._eager_rise, step._inputs_bytes = 332 * MiB, 2 * MiB
     assert step._eager_budget(dev) == step._plan_budget(dev) == 330 * MiB
     assert not step._late_over_budget(330 * MiB, dev, [MiB]) and step._conv_grads["late"] and not ways
     assert step._late_over_budget(330 * MiB + 512, dev)
     assert ways == [("apart",)] and not step._conv_grads["late"] and step._conv_grads["apart"]
-    assert step._conv_grads["late_refused"] == ("the plan with late joins (330.0 MiB) and what is allocated outside "
-                                                "the graph (70.0 MiB) exceed the eager step's peak (400.0 MiB)")
-    monkeypatch.setenv("KITSUNE_PLAN_WAITS", "0")
-    assert step._plan_budget(dev) is None and step._eager_budget(dev) == 330 * MiB
+    assert step._conv_grads["late_refused"] == ("the plan with late joins (330.0 MiB) exceeds the budget (330.0 MiB: "
+                                                "the eager forward and backward's rise, 332.0 MiB, less the graph's "
+                                                "inputs)")
 
 
 def test_late_joins_over_the_budget_are_cut_to_those_keeping_least(monkeypatch):
@@ -959,18 +989,17 @@ def test_late_joins_over_the_budget_are_cut_to_those_keeping_least(monkeypatch):
     assert _late_limit([5, 5], 1) is None   # a tie with the one left out: nothing left
     m = torch.nn.Linear(2, 2)
     step = kitsune.compile_step(m, torch.nn.functional.mse_loss, torch.optim.SGD(m.parameters(), lr=0.1))
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 70 * MiB)
     ways = []
     monkeypatch.setattr(step, "_set_conv_grads", lambda *a: ways.append(a))
     step._conv_grads = {"late": True, "apart": True, "how": "measured",
                         "ms": {"together": 1.0, "apart": 1.2, "late": 0.9}}
-    step._eager_peak, dev = 400 * MiB, torch.device("cpu")   # a budget of 330 MiB
+    step._eager_rise, dev = 330 * MiB, torch.device("cpu")   # a budget of 330 MiB
     kept = [8 * MiB, 2 * MiB, 2 * MiB, MiB, MiB // 2]
     assert step._late_over_budget(338 * MiB, dev, kept)   # 8 MiB over: the 8 MiB keeper goes
     assert ways == [("late", 2 * MiB)] and step._conv_grads["late"] and step._conv_grads["late_limit"] == 2 * MiB
     assert step._conv_grads["late_limited"] == (
-        "4 of 5 late joins kept (those holding at most 2.00 MiB): the plan with late joins (338.0 MiB) and what is "
-        "allocated outside the graph (70.0 MiB) exceed the eager step's peak (400.0 MiB)")
+        "4 of 5 late joins kept (those holding at most 2.00 MiB): the plan with late joins (338.0 MiB) exceeds the "
+        "budget (330.0 MiB: the eager forward and backward's rise, 330.0 MiB, less the graph's inputs)")
     assert step._late_over_budget(331 * MiB, dev, kept[1:])   # 1 MiB over: both 2 MiB keepers go
     assert ways[-1] == ("late", MiB) and step._conv_grads["late_limit"] == MiB
     assert not step._late_over_budget(329 * MiB, dev, kept[3:])   # fits: kept as it is

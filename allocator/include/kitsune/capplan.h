@@ -142,8 +142,8 @@ kt_status kt_capplan_create(const kt_caprec *rec, kt_capplan **out);
  * overlap between streams, so they are bought from the far end: pairs whose gap (the
  * recorded events from the earlier block's free to the later one's allocation) is at
  * least a threshold, the largest threshold whose plan fits the budget (found by
- * bisection; with no threshold fitting, every such pair: the least the waits can
- * give). Only with an order (the recording's graph) and up to
+ * bisection). When not even every such pair fits, no waits: they would order the
+ * streams and still miss the budget. Only with an order (the recording's graph) and up to
  * KT_CAPPLAN_WAIT_MAX_BLOCKS planned blocks; blocks freed after the capture or noted
  * on no order are never waited for. kt_capplan_info says what was chosen. */
 kt_status kt_capplan_create_within(const kt_caprec *rec, uint64_t budget, kt_capplan **out);
@@ -162,8 +162,9 @@ typedef struct kt_capplan_info {
   int32_t graph_nodes;   /* nodes of the recorded graph the plan ordered blocks by; 0: none */
   int32_t cross_shares;  /* pairs of blocks of different streams (or used on another) the
                           * order let share bytes */
-  /* kt_capplan_create_within: the threshold chosen (-1: no waits, the plan fit or
-   * could not have them), and the pairs of blocks only a wait lets share bytes */
+  /* kt_capplan_create_within: the threshold chosen (-1: no waits, the plan fit without,
+   * could not have them, or would miss the budget with every one), and the pairs of
+   * blocks only a wait lets share bytes */
   int64_t wait_gap;
   int32_t wait_shares;
   uint64_t budget;       /* as given (UINT64_MAX: kt_capplan_create) */

@@ -1117,8 +1117,10 @@ def test_gpu_compile_step_with_planned_memory_trains_as_eager(case):
     launched as dependents: their programmatic edges count as order
     (programmatic_ordered; not counting them cut the streams' ancestry and grew the
     bench's 4-stream Inception net's plan from 351.7 to 459.9 MiB). Planned within a
-    budget of 0 (waited_branchy), waits buy reuse the order does not allow: a smaller
-    plan, every block placed, the same training (the waits add edges, not work). With
+    budget one byte under its plan without waits (waited_branchy), waits buy reuse the
+    order does not allow: a smaller plan, every block placed, the same training (the
+    waits add edges, not work). (Within a budget of 0, which no plan meets, it now buys
+    none: bench/results/h100_pytest_models_gmem_fd66c6b.log.) With
     weight gradients joining late and a budget one byte under that plan (late_branchy),
     the largest keepers stop joining late, the others still do, and it trains alike."""
     here = os.path.dirname(os.path.abspath(__file__))
@@ -1141,8 +1143,8 @@ def test_gpu_compile_step_with_planned_memory_trains_as_eager(case):
         # the plan's shapes: from the warm-up's run of a GraphModule (kitsune.optimize's), else on fake tensors
         assert st["stream_shapes"] == ("fake tensors" if case == "branchy" else "recorded"), st
         assert mp["graph_nodes"] > 0 and mp["cross_shares"] > 0, mp
-    if case == "waited_branchy":   # a budget of 0: waits bought bytes the order kept apart
-        assert mp["budget"] == 0 and mp["wait_gap"] >= 0 and mp["wait_shares"] > 0, mp
+    if case == "waited_branchy":   # one byte under the plan without waits: waits bought bytes the order kept apart
+        assert mp["budget"] == mp["unwaited_bytes"] - 1 and mp["wait_gap"] >= 0 and mp["wait_shares"] > 0, mp
         assert mp["plan_bytes"] < mp["unwaited_bytes"] and mp["waits"] > 0, mp
         assert mp["placed"] == mp["blocks"] and mp["refused"] == 0, mp
     if case == "late_branchy":

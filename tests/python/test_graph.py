@@ -949,6 +949,18 @@ def test_the_budget_is_the_eager_forward_and_backwards_rise_not_the_first_update
     assert step._eager_rise == 505 * MiB, step._eager_rise / MiB
 
 
+def _measured_late_step(monkeypatch, apart_ms):
+    """A compile_step (of a Linear, never run) whose trial chose "late" (together 1.0 ms,
+    apart apart_ms, late 0.9) and the ways it is then set to, in a list."""
+    m = torch.nn.Linear(2, 2)
+    step = kitsune.compile_step(m, torch.nn.functional.mse_loss, torch.optim.SGD(m.parameters(), lr=0.1))
+    ways = []
+    monkeypatch.setattr(step, "_set_conv_grads", lambda *a: ways.append(a))
+    step._conv_grads = {"late": True, "apart": True, "how": "measured",
+                        "ms": {"together": 1.0, "apart": apart_ms, "late": 0.9}}
+    return step, ways
+
+
 def test_late_joins_are_refused_when_their_plan_passes_the_eager_budget(monkeypatch):
     """_late_over_budget: a measured "late" whose plan fits the budget (the eager
     forward and backward's rise less the graph's inputs) is kept; one that does not is
@@ -956,12 +968,7 @@ def test_late_joins_are_refused_when_their_plan_passes_the_eager_budget(monkeypa
     would all have to go), and the reason names the amounts. Without a warm-up nothing
     is refused."""
     MiB = 2 ** 20
-    m = torch.nn.Linear(2, 2)
-    step = kitsune.compile_step(m, torch.nn.functional.mse_loss, torch.optim.SGD(m.parameters(), lr=0.1))
-    ways = []
-    monkeypatch.setattr(step, "_set_conv_grads", lambda *a: ways.append(a))
-    step._conv_grads = {"late": True, "apart": True, "how": "measured",
-                        "ms": {"together": 1.0, "apart": 0.95, "late": 0.9}}
+    step, ways = _measured_late_step(monkeypatch, apart_ms=0.95)
     dev = torch.device("cpu")
     assert not step._late_over_budget(400 * MiB, dev), "no warm-up: nothing to hold it to"
     step._eager_rise, step._inputs_bytes = 332 * MiB, 2 * MiB
@@ -987,12 +994,7 @@ def test_late_joins_over_the_budget_are_cut_to_those_keeping_least(monkeypatch):
     assert _late_limit([4, 1, 2, 4, 3], 12) == 1 and _late_limit([4, 1, 2, 4, 3], 14) is None
     assert _late_limit([], 1) is None
     assert _late_limit([5, 5], 1) is None   # a tie with the one left out: nothing left
-    m = torch.nn.Linear(2, 2)
-    step = kitsune.compile_step(m, torch.nn.functional.mse_loss, torch.optim.SGD(m.parameters(), lr=0.1))
-    ways = []
-    monkeypatch.setattr(step, "_set_conv_grads", lambda *a: ways.append(a))
-    step._conv_grads = {"late": True, "apart": True, "how": "measured",
-                        "ms": {"together": 1.0, "apart": 1.2, "late": 0.9}}
+    step, ways = _measured_late_step(monkeypatch, apart_ms=1.2)
     step._eager_rise, dev = 330 * MiB, torch.device("cpu")   # a budget of 330 MiB
     kept = [8 * MiB, 2 * MiB, 2 * MiB, MiB, MiB // 2]
     assert step._late_over_budget(338 * MiB, dev, kept)   # 8 MiB over: the 8 MiB keeper goes

@@ -503,7 +503,7 @@ class CompiledStep:
     def _eager_budget(self, device):
         """Bytes a graph may take beside what the eager step keeps between steps: the
         warm-up's rise (_eager) less the graph's static inputs (which an eager step does
-        not copy); None before a warm-up. Until this commit it was the device's peak
+        not copy); None before a warm-up. Before 29cc25d it was the device's peak
         after the warm-up less what was allocated at the capture, which a first
         optimizer update (its state made then, and kept) shrank to about the gradients'
         bytes: in bench/models.py's fresh process ResNet-18's budget was 43.8 MiB (its

@@ -7,7 +7,8 @@
 The model is traced with torch.fx and its shapes propagated on fake tensors (nothing
 is computed), or taken from a real run that ``shape_recorder`` noted them in. Each
 operation gets a roofline cost from its FLOPs and bytes (Linear, convolutions and
-matmuls count 2 FLOPs a multiply-add; everything else one FLOP an output element; views, reshapes, getitem and the like are free), or, with
+matmuls count 2 FLOPs a multiply-add; everything else one FLOP an output element;
+views, reshapes, getitem and the like are free), or, with
 ``costs="measured"``, its measured time: ``measure_costs`` runs the forward operation
 by operation on the example inputs and times each (CUDA events on a GPU), the model's
 buffers and the random generators put back afterwards; ``costs`` may also map node

@@ -1214,3 +1214,41 @@ def test_gpu_memset_nodes_become_kernel_nodes():
         torch.cuda.synchronize()
         assert torch.equal(buf.cpu(), want), poison
         assert torch.equal(copy.cpu(), want), poison
+
+
+class _RefusesChannelsLast(torch.nn.Module):
+    """A .view() of its convolution's output, which channels-last input makes non-contiguous."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.fc = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Linear(8 * 8 * 8, 5)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return self.fc(y.view(y.size(0), -1))
+
+
+def test_the_warm_up_notes_the_plans_shapes_in_the_layout_it_kept(monkeypatch):
+    """_warm_up (on the CPU, the device's counters faked) runs a GraphModule's forward
+    through kitsune.sched.shape_recorder: on a model that refuses channels-last input,
+    the failed channels-last try leaves nothing of its own, and the NCHW step's shapes
+    (contiguous strides) are what the plan gets; a model that is no GraphModule records
+    nothing (its plan runs on fake tensors)."""
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 0)
+    torch.manual_seed(0)
+    batch = (torch.randn(2, 3, 8, 8), torch.randint(0, 5, (2,)))
+    for model in (torch.fx.symbolic_trace(_RefusesChannelsLast()), _RefusesChannelsLast()):
+        step = kitsune.compile_step(model, torch.nn.functional.cross_entropy,
+                                    torch.optim.SGD(model.parameters(), lr=0.1), channels_last=True)
+        step._side = types.SimpleNamespace(device=torch.device("cpu"))
+        step._warm_up(batch)
+        assert not step._cl and "refused channels-last" in step._cl_reason, step._cl_reason
+        assert step._n["eager_steps"] == 1 and step._eager_rise == 0
+        if not isinstance(model, torch.fx.GraphModule):
+            assert not step._shapes_recorded
+            continue
+        assert step._shapes_recorded
+        assert all("type" in n.meta for n in model.graph.nodes if n.op != "output")
+        conv = next(n for n in model.graph.nodes if n.target == "conv")
+        assert tuple(conv.meta["tensor_meta"].stride) == (8 * 8 * 8, 64, 8, 1), conv.meta["tensor_meta"]

@@ -557,7 +557,7 @@ static int plan_ordered(const kt_caprec *r, int32_t n) { return r->dag.valid && 
  * the one kept is one that was seen to fit). When not even gap 0, every waitable
  * pair, fits, no waits: each orders one stream after another's work, and buying them
  * for bytes that still miss the budget cost ResNet-18's planned step 18% (23 waits
- * for 1.5 MiB of 92.9; 1.391 ms a step against 1.177 without a plan, H100,
+ * for 1.5 MiB of 88.6; 1.391 ms a step against 1.177 without a plan, H100,
  * bench/results/models_planned_mode_b_60f753b.json). off and *total are replaced only
  * by a smaller plan that fits. */
 static kt_status fit_with_waits(const kt_caprec *r, const int32_t *src, const kt_memplan_block *mb, int32_t n,

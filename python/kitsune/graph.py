@@ -479,10 +479,9 @@ class CompiledStep:
         restore, ms = sched.saved_state(self.model), {}
         try:
             for way in _CONV_GRAD_WAYS:
-                joins = ctx.late_joins
                 self._set_conv_grads(way)
                 t = self._time_trial(args)
-                if way != "late" or ctx.late_joins > joins:
+                if way != "late" or self._late_kept():   # some weight gradient joined late in its trial
                     ms[way] = t
         finally:
             restore()
@@ -498,9 +497,9 @@ class CompiledStep:
     def _late_kept(self):
         """The bytes each late join of the last capture kept to the backward's end."""
         ctx = getattr(self._captured, "_kitsune_streams", None)
-        return list(ctx.late_kept) if ctx is not None else []
+        return ctx.late_kept if ctx is not None else []
 
-    def _eager_budget(self, device):
+    def _eager_budget(self):
         """Bytes a graph may take beside what the eager step keeps between steps: the
         warm-up's rise (_eager) less the graph's static inputs (which an eager step does
         not copy); None before a warm-up. Before 29cc25d it was the device's peak
@@ -514,11 +513,11 @@ class CompiledStep:
             return None
         return max(self._eager_rise - self._inputs_bytes, 0)
 
-    def _plan_budget(self, device):
+    def _plan_budget(self):
         """The memory plan's budget: _eager_budget, or None with KITSUNE_PLAN_WAITS=0."""
-        return None if os.environ.get("KITSUNE_PLAN_WAITS", "1") == "0" else self._eager_budget(device)
+        return None if os.environ.get("KITSUNE_PLAN_WAITS", "1") == "0" else self._eager_budget()
 
-    def _late_over_budget(self, plan_bytes, device, kept=()):
+    def _late_over_budget(self, plan_bytes, kept=()):
         """Whether the recorded plan of a step whose weight gradients join late takes more
         than the budget (_eager_budget): "late" keeps each convolution's input and
         output gradient to the backward's end (the branchy net at batch 64: a plan of
@@ -532,7 +531,7 @@ class CompiledStep:
         info = self._conv_grads
         if not (info and info.get("late") and info.get("how") == "measured"):
             return False
-        budget = self._eager_budget(device)
+        budget = self._eager_budget()
         if budget is None or plan_bytes <= budget:
             return False
         over = (f"the plan with late joins ({plan_bytes / 2**20:.1f} MiB) exceeds the budget ({budget / 2**20:.1f} MiB: "
@@ -605,11 +604,11 @@ class CompiledStep:
             graph, loss, _ = self._capture(args, first)
             del loss   # what is still live when planned is left out of the plan
             try:
-                mplan = allocator._take_plan(first, dev, budget=self._plan_budget(device))
+                mplan = allocator._take_plan(first, dev, budget=self._plan_budget())
             except RuntimeError as e:   # host memory: capture as without a plan
                 mplan, self._memory = None, {"reason": f"not planned: {_describe(e)}"}
             del graph   # its pool goes back to the device's pool
-            if mplan is None or not self._late_over_budget(mplan.info["plan_bytes"], device, self._late_kept()):
+            if mplan is None or not self._late_over_budget(mplan.info["plan_bytes"], self._late_kept()):
                 break
         if mplan is None:
             return self._capture(args, self._pool)
@@ -634,7 +633,7 @@ class CompiledStep:
         the forward runs through kitsune.sched.shape_recorder where it can: the shapes the
         plan needs are noted on the way (_plan_streams then skips its run on fake tensors)."""
         run = self._shape_recorder()
-        self._shapes_recorded = False
+        self._shapes_recorded = run is not None   # a step that raises is warmed up again next call
         if self._cl:
             from .sched import saved_state
             restore = saved_state(self.model)
@@ -646,16 +645,12 @@ class CompiledStep:
                 self._cl_reason += f"; Conv2d weights kept as they are ({held} other compile_step(s) hold graphs " \
                                    f"on them)"
             try:
-                loss = self._eager(self._layout(batch), run, rise=True)
-                self._shapes_recorded = run is not None
-                return loss
+                return self._eager(self._layout(batch), run, rise=True)
             except Exception as e:   # noqa: BLE001 - whatever the model raises on that layout
                 restore()
                 _relayout(moved, self.optimizer, torch.contiguous_format)
                 self._cl, self._cl_reason = False, f"the model refused channels-last input: {_describe(e)}"
-        loss = self._eager(batch, run, rise=True)
-        self._shapes_recorded = run is not None
-        return loss
+        return self._eager(batch, run, rise=True)
 
     def _shape_recorder(self):
         """kitsune.sched.shape_recorder(model) when the warm-up is to record the shapes of

@@ -428,7 +428,6 @@ class _Streams:
         self.grads = {}   # device index -> _ConvGradsApart's streams, one per plan stream
         self.grads_apart = True   # _ConvGradsApart splits (compile_step may measure and turn it off)
         self.grads_late = conv_grads_mode() == "late"   # ... and joins at the end of the backward where it can
-        self.late_joins = 0   # weight gradients joined at a backward's end so far (join_late)
         # for compile_step's memory budget: a weight gradient joins late only when the
         # tensors it keeps to the backward's end take at most late_limit bytes (None: no
         # limit); late_kept, those bytes of each late join since compile_step last emptied
@@ -487,7 +486,6 @@ class _Streams:
         if not _LATE:
             torch.autograd.Variable._execution_engine.queue_callback(_end_late)
         _LATE.append((task, here, side, weight, grad, keep))
-        self.late_joins += 1
         self.late_kept.append(kept)
 
     def grad_stream(self, here):

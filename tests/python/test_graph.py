@@ -912,11 +912,11 @@ def test_the_plan_budget_is_off_without_a_warm_up_peak_or_with_kitsune_plan_wait
     buys reuse with waits)."""
     m = torch.nn.Linear(2, 2)
     step = kitsune.compile_step(m, torch.nn.functional.mse_loss, torch.optim.SGD(m.parameters(), lr=0.1))
-    assert step._eager_rise is None and step._plan_budget(torch.device("cpu")) is None
+    assert step._eager_rise is None and step._plan_budget() is None
     step._eager_rise = 1 << 30
-    assert step._plan_budget(torch.device("cpu")) == 1 << 30
+    assert step._plan_budget() == 1 << 30
     monkeypatch.setenv("KITSUNE_PLAN_WAITS", "0")
-    assert step._plan_budget(torch.device("cpu")) is None
+    assert step._plan_budget() is None
 
 
 def test_the_budget_is_the_eager_forward_and_backwards_rise_not_the_first_updates_state(monkeypatch):
@@ -943,7 +943,7 @@ def test_the_budget_is_the_eager_forward_and_backwards_rise_not_the_first_update
     step._eager((), rise=True)
     assert step._eager_rise == 100 * MiB, step._eager_rise / MiB
     step._inputs_bytes = 3 * MiB
-    assert step._eager_budget(None) == 97 * MiB
+    assert step._eager_budget() == 97 * MiB
     mem["peak"] = mem["now"] + 500 * MiB   # an earlier, higher peak of the process
     step._eager((), rise=True)
     assert step._eager_rise == 505 * MiB, step._eager_rise / MiB
@@ -969,12 +969,11 @@ def test_late_joins_are_refused_when_their_plan_passes_the_eager_budget(monkeypa
     is refused."""
     MiB = 2 ** 20
     step, ways = _measured_late_step(monkeypatch, apart_ms=0.95)
-    dev = torch.device("cpu")
-    assert not step._late_over_budget(400 * MiB, dev), "no warm-up: nothing to hold it to"
+    assert not step._late_over_budget(400 * MiB), "no warm-up: nothing to hold it to"
     step._eager_rise, step._inputs_bytes = 332 * MiB, 2 * MiB
-    assert step._eager_budget(dev) == step._plan_budget(dev) == 330 * MiB
-    assert not step._late_over_budget(330 * MiB, dev, [MiB]) and step._conv_grads["late"] and not ways
-    assert step._late_over_budget(330 * MiB + 512, dev)
+    assert step._eager_budget() == step._plan_budget() == 330 * MiB
+    assert not step._late_over_budget(330 * MiB, [MiB]) and step._conv_grads["late"] and not ways
+    assert step._late_over_budget(330 * MiB + 512)
     assert ways == [("apart",)] and not step._conv_grads["late"] and step._conv_grads["apart"]
     assert step._conv_grads["late_refused"] == ("the plan with late joins (330.0 MiB) exceeds the budget (330.0 MiB: "
                                                 "the eager forward and backward's rise, 332.0 MiB, less the graph's "
@@ -995,18 +994,18 @@ def test_late_joins_over_the_budget_are_cut_to_those_keeping_least(monkeypatch):
     assert _late_limit([], 1) is None
     assert _late_limit([5, 5], 1) is None   # a tie with the one left out: nothing left
     step, ways = _measured_late_step(monkeypatch, apart_ms=1.2)
-    step._eager_rise, dev = 330 * MiB, torch.device("cpu")   # a budget of 330 MiB
+    step._eager_rise = 330 * MiB   # a budget of 330 MiB
     kept = [8 * MiB, 2 * MiB, 2 * MiB, MiB, MiB // 2]
-    assert step._late_over_budget(338 * MiB, dev, kept)   # 8 MiB over: the 8 MiB keeper goes
+    assert step._late_over_budget(338 * MiB, kept)   # 8 MiB over: the 8 MiB keeper goes
     assert ways == [("late", 2 * MiB)] and step._conv_grads["late"] and step._conv_grads["late_limit"] == 2 * MiB
     assert step._conv_grads["late_limited"] == (
         "4 of 5 late joins kept (those holding at most 2.00 MiB): the plan with late joins (338.0 MiB) exceeds the "
         "budget (330.0 MiB: the eager forward and backward's rise, 330.0 MiB, less the graph's inputs)")
-    assert step._late_over_budget(331 * MiB, dev, kept[1:])   # 1 MiB over: both 2 MiB keepers go
+    assert step._late_over_budget(331 * MiB, kept[1:])   # 1 MiB over: both 2 MiB keepers go
     assert ways[-1] == ("late", MiB) and step._conv_grads["late_limit"] == MiB
-    assert not step._late_over_budget(329 * MiB, dev, kept[3:])   # fits: kept as it is
+    assert not step._late_over_budget(329 * MiB, kept[3:])   # fits: kept as it is
     assert len(ways) == 2 and step._conv_grads["late"]
-    assert step._late_over_budget(340 * MiB, dev, kept[3:])   # 10 MiB over, 1.5 MiB kept: refused
+    assert step._late_over_budget(340 * MiB, kept[3:])   # 10 MiB over, 1.5 MiB kept: refused
     assert ways[-1] == ("together",)   # apart was slower than together
     info = step._conv_grads
     assert not info["late"] and not info["apart"] and "late_limit" not in info and "late_limited" not in info

@@ -4,7 +4,7 @@
 # only the pytest part of gpu-test, on KT_PYTEST_ARGS (paths and options; default tests/python); "data" adds
 # make bench-data, "kernels" make bench-kernels, "profile" tools/profile_train.py, "gaps"
 # tools/step_gaps.py, "optim" bench/kernels/optimizer.py, "ew" bench/kernels/elementwise.py, "lact" bench/kernels/linear_act.py, "colsum" bench/kernels/colsum.py, "pool" bench/kernels/pool.py, "losses" bench/loss_match.py (LOSS_ARGS), "copies" tools/copy_sources.py (COPY_MODELS, COPY_ARGS), "train" bench/kernels/train_models.py,
-# "ncu" Nsight Compute on the dropout kernels, "ncu_ln" on the LayerNorm ones, "ncu_optim" on the fused AdamW step, "memsets" tools/graph_memsets.py, "models" bench/models.py, "gmem" bench/graph_memory.py, "ab" tools/ab_env.py (AB_SETTING, AB_MODELS), "pgraph"
+# "ncu" Nsight Compute on the dropout kernels, "ncu_ln" on the LayerNorm ones, "ncu_optim" on the fused AdamW step, "memsets" tools/graph_memsets.py, "models" bench/models.py, "variants" tools/models_variants.py (VARIANTS, VARIANTS_ARGS or BENCH_MODELS_ARGS), "gmem" bench/graph_memory.py, "ab" tools/ab_env.py (AB_SETTING, AB_MODELS), "pgraph"
 # tools/profile_graph.py, "host" tools/host_replay.py, "alloc" the VMM C suites on CUDA, the allocator pytest,
 # bench/alloc_shapes.py and bench/alloc_torch.py; KT_NO_CLEAN=1 keeps
 # the last call's build). Everything is logged to $OUT/run.log; JSON results and the
@@ -113,6 +113,10 @@ fi
 if [[ $parts == *" models "* ]]; then   # bench/models.py (BENCH_MODELS_ARGS)
   echo "== models =="; time KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \
     python3 bench/models.py --out "$OUT" ${BENCH_MODELS_ARGS:-} 2>&1 | grep -v -i "warn"
+fi
+if [[ $parts == *" variants "* ]]; then   # tools/models_variants.py: bench/models.py (BENCH_MODELS_ARGS) once per VARIANTS setting
+  echo "== models variants =="; time KT_COMMIT=${KT_COMMIT:-?} KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \
+    python3 tools/models_variants.py --out "$OUT" --variants "${VARIANTS:?set VARIANTS}" -- ${VARIANTS_ARGS:-${BENCH_MODELS_ARGS:-}} 2>&1 | grep -v -i "warn"
 fi
 if [[ $parts == *" losses "* ]]; then   # bench/loss_match.py (LOSS_MODELS): kitsune's loss curves against eager
   echo "== loss match =="; time KT_COMMIT=${KT_COMMIT:-?} KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \

@@ -598,32 +598,34 @@ class CompiledStep:
         (kitsune/capplan.h). stats()["memory_plan"] says how it went."""
         from . import allocator
         dev = device.index if device.index is not None else torch.cuda.current_device()
-        while True:
-            first = torch.cuda.graph_pool_handle()
-            allocator._record_capture(first, dev)
-            graph, loss, _ = self._capture(args, first)
-            del loss   # what is still live when planned is left out of the plan
-            try:
-                mplan = allocator._take_plan(first, dev, budget=self._plan_budget())
-            except RuntimeError as e:   # host memory: capture as without a plan
-                mplan, self._memory = None, {"reason": f"not planned: {_describe(e)}"}
-            del graph   # its pool goes back to the device's pool
-            if mplan is None or not self._late_over_budget(mplan.info["plan_bytes"], self._late_kept()):
-                break
-        if mplan is None:
-            return self._capture(args, self._pool)
-        placer = allocator._placer_stats(self._pool, dev)
-        if placer and mplan.info["arena_bytes"] > placer["arena_bytes"] and self._graphs:
-            # a larger arena: the graphs laid out in the old one would keep it alive
-            self._n["evictions"] += len(self._graphs)
-            self._graphs.clear()
-            self._held_pool()
-        allocator._place_capture(self._pool, mplan, dev)
-        out = self._capture(args, self._pool)
-        placer = allocator._placer_stats(self._pool, dev) or {}
-        self._memory = dict(mplan.info, **{k: placer.get(k) for k in ("placed", "refused", "status", "waits")},
-                            pool_arena_bytes=placer.get("arena_bytes"))
-        return out
+        # the recording sees when a late join's side stream last reads what it let go
+        with _late_lets_go(getattr(self._captured, "_kitsune_streams", None)):
+            while True:
+                first = torch.cuda.graph_pool_handle()
+                allocator._record_capture(first, dev)
+                graph, loss, _ = self._capture(args, first)
+                del loss   # what is still live when planned is left out of the plan
+                try:
+                    mplan = allocator._take_plan(first, dev, budget=self._plan_budget())
+                except RuntimeError as e:   # host memory: capture as without a plan
+                    mplan, self._memory = None, {"reason": f"not planned: {_describe(e)}"}
+                del graph   # its pool goes back to the device's pool
+                if mplan is None or not self._late_over_budget(mplan.info["plan_bytes"], self._late_kept()):
+                    break
+            if mplan is None:
+                return self._capture(args, self._pool)
+            placer = allocator._placer_stats(self._pool, dev)
+            if placer and mplan.info["arena_bytes"] > placer["arena_bytes"] and self._graphs:
+                # a larger arena: the graphs laid out in the old one would keep it alive
+                self._n["evictions"] += len(self._graphs)
+                self._graphs.clear()
+                self._held_pool()
+            allocator._place_capture(self._pool, mplan, dev)
+            out = self._capture(args, self._pool)
+            placer = allocator._placer_stats(self._pool, dev) or {}
+            self._memory = dict(mplan.info, **{k: placer.get(k) for k in ("placed", "refused", "status", "waits")},
+                                pool_arena_bytes=placer.get("arena_bytes"))
+            return out
 
     def _warm_up(self, batch):
         """The first step of a signature, eager. With channels-last on it tries that layout
@@ -788,6 +790,21 @@ def _fastest_way(ms):
         if way in ms and ms[way] < 0.99 * ms[best]:
             best = way
     return best
+
+
+@contextlib.contextmanager
+def _late_lets_go(ctx):
+    """Late joins let go of the tensors their side streams read (sched._Streams.late_lets_go)
+    while the block runs: for the captures Kitsune's allocator records and lays out. ctx:
+    the captured module's _Streams, or None (no streams)."""
+    if ctx is None:
+        yield
+        return
+    ctx.late_lets_go = True
+    try:
+        yield
+    finally:
+        ctx.late_lets_go = False
 
 
 def _late_limit(kept, excess):

@@ -434,6 +434,12 @@ class _Streams:
         # it (one capture's)
         self.late_limit = None
         self.late_kept = []
+        # a late join lets go of what its side stream reads at the node, record_stream'd
+        # there, instead of keeping it to the backward's end: set by compile_step where
+        # Kitsune's allocator records or lays out the capture (its plan frees the bytes
+        # for blocks ordered after the side stream's read, or waited for); a pool alone
+        # holds such a block to the capture's end
+        self.late_lets_go = False
         self.main = None
         self.active = False
         self.used = set()
@@ -479,7 +485,8 @@ class _Streams:
         the side stream reads) stays referenced until then. Entries are per backward
         (torch._C._current_graph_task_id); a backward that failed before its end leaves
         its entries, which the next one drops with their streams joined, unassigned.
-        `kept`: the bytes of `keep` this holds beyond the node (late_kept)."""
+        `kept`: the bytes of `keep` this holds beyond the node (late_kept), or, with
+        late_lets_go, would hold had they not been let go."""
         task = torch._C._current_graph_task_id()
         if _LATE and _LATE[0][0] != task:   # left by a backward that failed before its end
             _take_late()
@@ -570,7 +577,11 @@ class _ConvGradsApart(torch.autograd.Function):
     into the node's stream, so autograd's stream bookkeeping (gradients ready on the
     node's stream) holds; with KITSUNE_CONV_GRADS=late a weight gradient autograd need
     not see (see backward) joins at the end of the backward instead. Memory: gy
-    and x are freed after the join, into their own stream's blocks; the weight gradient,
+    and x are freed after the join, into their own stream's blocks (a late join keeps
+    them to the backward's end; with _Streams.late_lets_go, set by compile_step for the
+    captures Kitsune's allocator records and lays out, it record_streams them on the
+    side stream and lets go at the node, and the plan gives their bytes to blocks the
+    graph orders after the side stream's read, or that wait for it); the weight gradient,
     allocated on the side stream, is held as the parameter's gradient for the rest of
     the capture; the cuDNN workspace the side stream takes is used by its own kernel
     only, and the side stream's next work comes after a wait on the node's stream.
@@ -618,7 +629,10 @@ class _ConvGradsApart(torch.autograd.Function):
         kept = x.nbytes + gy.nbytes
         if (c.grads_late and ctx.once and wt is not None and wt.grad is None and _late_ok(wt)
                 and (c.late_limit is None or kept <= c.late_limit)):
-            c.join_late(here, side, wt, gw, (x, w, gy), kept)
+            if c.late_lets_go:
+                for t in (x, gy):
+                    t.record_stream(side)
+            c.join_late(here, side, wt, gw, (w,) if c.late_lets_go else (x, w, gy), kept)
             gw = None
         else:
             here.wait_stream(side)

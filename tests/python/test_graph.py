@@ -1012,6 +1012,33 @@ def test_late_joins_over_the_budget_are_cut_to_those_keeping_least(monkeypatch):
     assert info["late_refused"].startswith("the plan with late joins (340.0 MiB)")
 
 
+def test_a_refused_late_way_comes_back_when_the_way_after_it_plans_no_smaller(monkeypatch):
+    """_late_back, after "late" was refused: the plan of the way measured next fastest
+    is kept when it is smaller than every late recording's; else the late recording
+    with the most joins whose plan is no larger comes back (its limit set again, the
+    refusal replaced by a note naming both plans and the budget), plan and all."""
+    from types import SimpleNamespace
+    MiB = 2 ** 20
+    plan = lambda mib: SimpleNamespace(info={"plan_bytes": int(mib * MiB)})   # noqa: E731
+    step, ways = _measured_late_step(monkeypatch, apart_ms=0.95)
+    step._eager_rise = 86 * MiB
+    step._conv_grads.update(late=False, late_refused="the plan with late joins (88.6 MiB) exceeds ...")
+    over = [(plan(104.2), None, 19, 19), (plan(88.6), 2 * MiB, 9, 19), (plan(88.6), MiB, 5, 19)]
+    smaller = plan(88.5)
+    assert step._late_back(over, smaller) is smaller and not ways and not step._conv_grads["late"]
+    same = plan(88.6)
+    assert step._late_back(over, same) is over[1][0]   # 9 joins, no larger: back
+    assert ways == [("late", 2 * MiB)]
+    info = step._conv_grads
+    assert info["late"] and info["apart"] and info["late_limit"] == 2 * MiB and "late_refused" not in info
+    assert info["late_back"] == ("9 of 19 late joins kept: their plan (88.6 MiB) passes the budget (86.0 MiB) but "
+                                 "is no larger than the plan without them (88.6 MiB)")
+    step._conv_grads.update(late=False)
+    del step._conv_grads["late_limit"]
+    assert step._late_back(over[:1], plan(200)) is over[0][0]   # every join late: no limit to set
+    assert ways[-1] == ("late", None) and "late_limit" not in step._conv_grads
+
+
 def _blas_rows(b, stream):
     import ctypes
     n = b.kt_bridge_blas_list(stream, None, 0)

@@ -513,11 +513,15 @@ class CompiledStep:
             return None
         return max(self._eager_rise - self._inputs_bytes, 0)
 
-    def _plan_budget(self):
-        """The memory plan's budget: _eager_budget, or None with KITSUNE_PLAN_WAITS=0."""
-        return None if os.environ.get("KITSUNE_PLAN_WAITS", "1") == "0" else self._eager_budget()
+    def _plan_budget(self, floor=None):
+        """The memory plan's budget: _eager_budget, raised to `floor` (bytes; None: none)
+        where that is given (see _planned_layout), or None with KITSUNE_PLAN_WAITS=0."""
+        if os.environ.get("KITSUNE_PLAN_WAITS", "1") == "0":
+            return None
+        budget = self._eager_budget()
+        return budget if budget is None or floor is None else max(budget, floor)
 
-    def _late_over_budget(self, plan_bytes, kept=()):
+    def _late_over_budget(self, plan_bytes, kept=(), floor=None):
         """Whether the recorded plan of a step whose weight gradients join late takes more
         than the budget (_eager_budget): "late" keeps each convolution's input and
         output gradient to the backward's end (the branchy net at batch 64: a plan of
@@ -527,53 +531,42 @@ class CompiledStep:
         are left out until they add up to the excess (_late_limit), and compile_step
         records and plans again (stats()["conv_grads"]["late_limited"] says so); when
         none would be left, it captures the way measured next fastest
-        (["late_refused"]), unless that way's plan is no smaller (_late_back)."""
+        (["late_refused"]). `floor`: where no layout meets the budget, the plan of that
+        way's recording (_planned_layout), which the late joins are held to instead."""
         info = self._conv_grads
         if not (info and info.get("late") and info.get("how") == "measured"):
             return False
         budget = self._eager_budget()
-        if budget is None or plan_bytes <= budget:
+        target = budget if budget is None or floor is None else max(budget, floor)
+        if target is None or plan_bytes <= target:
             return False
         over = (f"the plan with late joins ({plan_bytes / 2**20:.1f} MiB) exceeds the budget ({budget / 2**20:.1f} MiB: "
                 f"the eager forward and backward's rise, {self._eager_rise / 2**20:.1f} MiB, less the graph's "
-                f"inputs)")
-        limit = _late_limit(kept, plan_bytes - budget)
+                f"inputs)" + (f" and the plan without them ({floor / 2**20:.1f} MiB)" if target > budget else ""))
+        limit = _late_limit(kept, plan_bytes - target)
         if limit is not None:
             self._set_conv_grads("late", limit)
             info.update(late_limit=limit, late_limited=f"{sum(k <= limit for k in kept)} of {len(kept)} late joins "
                                                        f"kept (those holding at most {limit / 2**20:.2f} MiB): {over}")
             return True
-        way = _fastest_way({k: v for k, v in info["ms"].items() if k != "late"})
+        way = self._way_without_late()
         self._set_conv_grads(way)
         for k in ("late_limit", "late_limited"):
             info.pop(k, None)
         info.update(apart=way == "apart", late=False, late_refused=over)
         return True
 
-    def _late_back(self, over, fallback):
-        """After "late" was refused (_late_over_budget), the plan to lay out: the way
-        measured next fastest's (`fallback`) when it is smaller than every late
-        recording's in `over` (plan, late limit, joins kept, of how many); else that of
-        the late recording with the most joins whose plan is no larger, which joins late
-        again: past the budget either way, and faster. ResNet-18 in bench/models.py's
-        process: its live peak (86.8 MiB) passes its budget (86.1), and its plan took
-        88.6 MiB both apart and with some of its weight gradients late (H100,
-        models_variants_aa6c5bd.json)."""
-        size = fallback.info["plan_bytes"]
-        fits = [o for o in over if o[0].info["plan_bytes"] <= size]
-        if not fits:
-            return fallback
-        plan, limit, n, of = max(fits, key=lambda o: o[2])
-        self._set_conv_grads("late", limit)
-        info = self._conv_grads
-        info.pop("late_refused", None)
-        info.update(apart=True, late=True, late_back=(
-            f"{n} of {of} late joins kept: their plan ({plan.info['plan_bytes'] / 2**20:.1f} MiB) passes the budget "
-            f"({self._eager_budget() / 2**20:.1f} MiB) but is no larger than the plan without them "
-            f"({size / 2**20:.1f} MiB)"))
-        if limit is not None:
-            info["late_limit"] = limit
-        return plan
+    def _way_without_late(self):
+        """The way measured fastest after "late" (what a refused "late" becomes)."""
+        return _fastest_way({k: v for k, v in self._conv_grads["ms"].items() if k != "late"})
+
+    def _late_unmeetable(self, info):
+        """Whether a recorded plan (its info) of a step whose weight gradients join late
+        (as measured) passes the budget where no layout of its recording could meet it:
+        the most bytes live at once in it pass the budget too."""
+        cg, budget = self._conv_grads, self._eager_budget()
+        return (bool(cg and cg.get("late") and cg.get("how") == "measured") and budget is not None
+                and info["plan_bytes"] > budget and info["peak_bytes"] > budget)
 
     def _time_trial(self, args):
         """ms per replay of the forward and backward captured as the model now stands
@@ -626,25 +619,7 @@ class CompiledStep:
         # the recording sees when a late join's side stream last reads what it let go
         ctx = getattr(self._captured, "_kitsune_streams", None)
         with _late_lets_go(ctx):
-            over = []   # (plan, late limit, late joins kept, of) of each late recording over the budget
-            while True:
-                first = torch.cuda.graph_pool_handle()
-                allocator._record_capture(first, dev)
-                graph, loss, _ = self._capture(args, first)
-                del loss   # what is still live when planned is left out of the plan
-                try:
-                    mplan = allocator._take_plan(first, dev, budget=self._plan_budget())
-                except RuntimeError as e:   # host memory: capture as without a plan
-                    mplan, self._memory = None, {"reason": f"not planned: {_describe(e)}"}
-                del graph   # its pool goes back to the device's pool
-                if mplan is None:
-                    break
-                kept, limit = self._late_kept(), ctx.late_limit if ctx is not None else None
-                if not self._late_over_budget(mplan.info["plan_bytes"], kept):
-                    break
-                over.append((mplan, limit, sum(limit is None or k <= limit for k in kept), len(kept)))
-            if mplan is not None and over and not self._conv_grads.get("late"):
-                mplan = self._late_back(over, mplan)
+            mplan = self._planned_layout(args, dev, ctx)
             if mplan is None:
                 return self._capture(args, self._pool)
             placer = allocator._placer_stats(self._pool, dev)
@@ -659,6 +634,59 @@ class CompiledStep:
             self._memory = dict(mplan.info, **{k: placer.get(k) for k in ("placed", "refused", "status", "waits")},
                                 pool_arena_bytes=placer.get("arena_bytes"))
             return out
+
+    def _recorded_plan(self, args, dev, floor=None):
+        """One capture of the step recorded by Kitsune's allocator and planned (within
+        _plan_budget(floor)), the graph dropped; None when host memory ran out."""
+        from . import allocator
+        first = torch.cuda.graph_pool_handle()
+        allocator._record_capture(first, dev)
+        graph, loss, _ = self._capture(args, first)
+        del loss   # what is still live when planned is left out of the plan
+        try:
+            mplan = allocator._take_plan(first, dev, budget=self._plan_budget(floor))
+        except RuntimeError as e:   # host memory: capture as without a plan
+            mplan, self._memory = None, {"reason": f"not planned: {_describe(e)}"}
+        del graph   # its pool goes back to the device's pool
+        return mplan
+
+    def _planned_layout(self, args, dev, ctx):
+        """The plan the step's capture is laid out by (None: capture it unplanned),
+        recorded as many times as its late joins take (_late_over_budget). Where no
+        layout can meet the budget (_late_unmeetable: ResNet-18 in bench/models.py's
+        process, a live peak of 86.8 MiB against a budget of 86.1; H100,
+        models_planned_mode_b_fd66c6b.json), the way without late joins is recorded
+        once, and the late joins are held to its plan instead (`floor`): the waits
+        that bring them within it are bought, and no more are cut than that needs.
+        Until then they were cut to the unmeetable budget, round after round, to
+        none: "apart" planned 88.6 MiB and took 1.277 ms a step, against 1.182 with
+        every join late and the plan left over budget (H100,
+        models_variants_aa6c5bd.json). Where "late" is refused after that, the plan
+        without them is the one recorded."""
+        floor = without = None
+        while True:
+            mplan = self._recorded_plan(args, dev, floor)
+            if mplan is None:
+                return None
+            kept, limit = self._late_kept(), ctx.late_limit if ctx is not None else None
+            if floor is None and self._late_unmeetable(mplan.info):
+                self._set_conv_grads(self._way_without_late())
+                without = self._recorded_plan(args, dev)
+                self._set_conv_grads("late", limit)
+                if without is None:
+                    return None
+                floor = without.info["plan_bytes"]
+                self._conv_grads["late_held_to"] = (
+                    f"the plan without late joins ({floor / 2**20:.1f} MiB): the recording's live peak "
+                    f"({mplan.info['peak_bytes'] / 2**20:.1f} MiB) passes the budget "
+                    f"({self._eager_budget() / 2**20:.1f} MiB)")
+                if mplan.info["plan_bytes"] > floor:
+                    continue   # recorded again, planned within the floor
+            if not self._late_over_budget(mplan.info["plan_bytes"], kept, floor):
+                return mplan
+            if without is not None and not self._conv_grads["late"]:   # refused: the way recorded without
+                self._conv_grads.pop("late_held_to", None)
+                return without
 
     def _warm_up(self, batch):
         """The first step of a signature, eager. With channels-last on it tries that layout

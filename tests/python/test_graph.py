@@ -1012,31 +1012,82 @@ def test_late_joins_over_the_budget_are_cut_to_those_keeping_least(monkeypatch):
     assert info["late_refused"].startswith("the plan with late joins (340.0 MiB)")
 
 
-def test_a_refused_late_way_comes_back_when_the_way_after_it_plans_no_smaller(monkeypatch):
-    """_late_back, after "late" was refused: the plan of the way measured next fastest
-    is kept when it is smaller than every late recording's; else the late recording
-    with the most joins whose plan is no larger comes back (its limit set again, the
-    refusal replaced by a note naming both plans and the budget), plan and all."""
+def _layout_step(monkeypatch, plans):
+    """A measured-late step (_measured_late_step, budget 86 MiB) whose recordings are
+    faked: each returns plans[(way, late limit)] (plan MiB, live peak MiB, each late
+    join's kept MiB); returns the step and the (way, limit, floor MiB) of each."""
     from types import SimpleNamespace
     MiB = 2 ** 20
-    plan = lambda mib: SimpleNamespace(info={"plan_bytes": int(mib * MiB)})   # noqa: E731
     step, ways = _measured_late_step(monkeypatch, apart_ms=0.95)
     step._eager_rise = 86 * MiB
-    step._conv_grads.update(late=False, late_refused="the plan with late joins (88.6 MiB) exceeds ...")
-    over = [(plan(104.2), None, 19, 19), (plan(88.6), 2 * MiB, 9, 19), (plan(88.6), MiB, 5, 19)]
-    smaller = plan(88.5)
-    assert step._late_back(over, smaller) is smaller and not ways and not step._conv_grads["late"]
-    same = plan(88.6)
-    assert step._late_back(over, same) is over[1][0]   # 9 joins, no larger: back
-    assert ways == [("late", 2 * MiB)]
+    ctx = SimpleNamespace(late_limit=None, late_kept=[], way="late")
+    step._captured = SimpleNamespace(_kitsune_streams=ctx)
+
+    def set_way(way, limit=None):
+        ctx.way, ctx.late_limit = way, limit
+    monkeypatch.setattr(step, "_set_conv_grads", set_way)
+    recorded = []
+
+    def record(args, dev, floor=None):
+        recorded.append((ctx.way, ctx.late_limit, None if floor is None else round(floor / MiB, 1)))
+        plan, peak, kept = plans[(ctx.way, ctx.late_limit)]
+        ctx.late_kept = [int(k * MiB) for k in kept]
+        return SimpleNamespace(info={"plan_bytes": int(plan * MiB), "peak_bytes": int(peak * MiB)})
+    monkeypatch.setattr(step, "_recorded_plan", record)
+    return step, ctx, recorded
+
+
+def test_late_joins_over_a_budget_no_layout_meets_are_held_to_the_plan_without_them(monkeypatch):
+    """_planned_layout: where the late recording's live peak passes the budget too (no
+    layout meets it), the way without late joins is recorded once and its plan becomes
+    what the late joins are held to: recorded again within it (waits bought toward it),
+    kept when it fits, cut against it (not the budget) when not, and when refused, the
+    plan recorded without them is laid out, not recorded a third way. Where the budget
+    can be met, nothing of this: cut against the budget as before."""
+    MiB = 2 ** 20
+    kept = [4, 4, 2, 1, 0.5]
+    # ResNet-like: late 104 MiB, live peak 87 > 86; apart 88.6; late within 88.6 fits by waits
+    plans = {("late", None): (104, 87, kept), ("apart", None): (88.6, 87, [])}
+    step, ctx, recorded = _layout_step(monkeypatch, plans)
+    plan = step._planned_layout((), 0, ctx)
+    # the late recording within the floor still takes 104 MiB: 15.4 MiB over the floor, more than
+    # every join keeps: refused, and the apart recording's plan is laid out
+    assert recorded == [("late", None, None), ("apart", None, None), ("late", None, 88.6)], recorded
+    assert plan.info["plan_bytes"] == int(88.6 * MiB)
     info = step._conv_grads
-    assert info["late"] and info["apart"] and info["late_limit"] == 2 * MiB and "late_refused" not in info
-    assert info["late_back"] == ("9 of 19 late joins kept: their plan (88.6 MiB) passes the budget (86.0 MiB) but "
-                                 "is no larger than the plan without them (88.6 MiB)")
-    step._conv_grads.update(late=False)
-    del step._conv_grads["late_limit"]
-    assert step._late_back(over[:1], plan(200)) is over[0][0]   # every join late: no limit to set
-    assert ways[-1] == ("late", None) and "late_limit" not in step._conv_grads
+    assert ctx.way == "apart" and not info["late"] and "late_held_to" not in info
+    assert info["late_refused"].endswith("and the plan without them (88.6 MiB)"), info
+
+    fits = {("late", None): (104, 87, kept), ("apart", None): (88.6, 87, [])}
+    step, ctx, recorded = _layout_step(monkeypatch, fits)
+    seq = iter([(104, 87, kept), (88.5, 87, kept)])   # the second late recording, within the floor, fits
+    orig = step._recorded_plan
+
+    def record(args, dev, floor=None):
+        if ctx.way == "late":
+            fits[("late", None)] = next(seq)
+        return orig(args, dev, floor)
+    monkeypatch.setattr(step, "_recorded_plan", record)
+    plan = step._planned_layout((), 0, ctx)
+    assert recorded == [("late", None, None), ("apart", None, None), ("late", None, 88.6)], recorded
+    assert plan.info["plan_bytes"] == int(88.5 * MiB) and ctx.way == "late" and ctx.late_limit is None
+    assert step._conv_grads["late"] and step._conv_grads["late_held_to"] == (
+        "the plan without late joins (88.6 MiB): the recording's live peak (87.0 MiB) passes the budget (86.0 MiB)")
+
+    # over the floor by 3 MiB: the two 4 MiB keepers go, and the rest fit
+    step, ctx, recorded = _layout_step(monkeypatch, {("late", None): (91.6, 87, kept), ("apart", None): (88.6, 87, []),
+                                                     ("late", 2 * MiB): (88.0, 87, kept[2:])})
+    plan = step._planned_layout((), 0, ctx)
+    assert recorded == [("late", None, None), ("apart", None, None), ("late", None, 88.6),
+                        ("late", 2 * MiB, 88.6)], recorded
+    assert plan.info["plan_bytes"] == int(88.0 * MiB) and step._conv_grads["late_limit"] == 2 * MiB
+
+    # a budget the live peak meets: cut against the budget, no recording without late joins
+    step, ctx, recorded = _layout_step(monkeypatch, {("late", None): (90, 80, kept),
+                                                     ("late", 2 * MiB): (85, 80, kept[2:])})
+    plan = step._planned_layout((), 0, ctx)
+    assert recorded == [("late", None, None), ("late", 2 * MiB, None)] and plan.info["plan_bytes"] == 85 * MiB
+    assert "late_held_to" not in step._conv_grads
 
 
 def _blas_rows(b, stream):

@@ -122,11 +122,11 @@ def budget_under_unwaited(step):
     ka._take_plan = take_plan
     over = step._late_over_budget
 
-    def again(plan_bytes, kept=()):
+    def again(plan_bytes, kept=(), floor=None):
         if len(seen) == 1:
-            step._plan_budget = lambda: seen[0]["unwaited_bytes"] - 1
+            step._plan_budget = lambda floor=None: seen[0]["unwaited_bytes"] - 1
             return True
-        return over(plan_bytes, kept)
+        return over(plan_bytes, kept, floor)
     step._late_over_budget = again
 
 
@@ -144,11 +144,11 @@ def force_late(steps, first):
     planned = steps[1]
     over = planned._late_over_budget
 
-    def first_over(plan_bytes, kept=()):
+    def first_over(plan_bytes, kept=(), floor=None):
         if not first:
             first.append((plan_bytes, list(kept)))
             planned._eager_budget = lambda: plan_bytes - 1
-        return over(plan_bytes, kept)
+        return over(plan_bytes, kept, floor)
     planned._late_over_budget = first_over
 
 

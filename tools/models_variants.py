@@ -50,7 +50,10 @@ def main():
             print(f"== variant: {v or '(as set)'}", flush=True)
             subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, check=False)
             path = os.path.join(tmp, "models.json")
-            rows = json.load(open(path))["rows"] if os.path.exists(path) else []
+            rows = []
+            if os.path.exists(path):
+                with open(path) as f:
+                    rows = json.load(f)["rows"]
         for r in rows:
             print(f"  {r['model']:12s} {r['recipe']:12s} {summary(r)}", flush=True)
         results.append({"variant": v, "rows": rows})

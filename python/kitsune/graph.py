@@ -513,31 +513,39 @@ class CompiledStep:
             return None
         return max(self._eager_rise - self._inputs_bytes, 0)
 
-    def _plan_budget(self, floor=None):
-        """The memory plan's budget: _eager_budget, raised to `floor` (bytes; None: none)
-        where that is given (see _planned_layout), or None with KITSUNE_PLAN_WAITS=0."""
-        if os.environ.get("KITSUNE_PLAN_WAITS", "1") == "0":
-            return None
+    def _held_budget(self, floor=None):
+        """_eager_budget raised to `floor` (bytes; None: none): where no layout meets the
+        budget, the plan without late joins (_planned_layout)."""
         budget = self._eager_budget()
         return budget if budget is None or floor is None else max(budget, floor)
 
+    def _plan_budget(self, floor=None):
+        """The memory plan's budget: _held_budget(floor), or None with KITSUNE_PLAN_WAITS=0."""
+        return None if os.environ.get("KITSUNE_PLAN_WAITS", "1") == "0" else self._held_budget(floor)
+
+    def _late_measured(self):
+        """Whether the weight gradients join late because the trial measured it fastest
+        (not asked for: KITSUNE_CONV_GRADS=late is kept whatever its plan takes)."""
+        info = self._conv_grads
+        return bool(info and info.get("late") and info.get("how") == "measured")
+
     def _late_over_budget(self, plan_bytes, kept=(), floor=None):
         """Whether the recorded plan of a step whose weight gradients join late takes more
-        than the budget (_eager_budget): "late" keeps each convolution's input and
-        output gradient to the backward's end (the branchy net at batch 64: a plan of
-        472.4 MiB against 345.4 apart; ResNet-18 at batch 128: 108.6 against a budget of
-        100.5, graph_memory_resnet18_split_a09cec9.json). `kept`: the bytes each late
+        than the budget (_eager_budget): "late" holds each convolution's input and
+        output gradient past its node (until aa6c5bd to the backward's end: the branchy
+        net at batch 64, a plan of 472.4 MiB against 345.4 apart; ResNet-18 at batch
+        128, 108.6 against a budget of 100.5, graph_memory_resnet18_split_a09cec9.json;
+        since, let go at the node, as long as the plan's order or waits keep their
+        bytes from later blocks: _late_lets_go). `kept`: the bytes each late
         join of the recorded capture kept. Then fewer join late: those keeping the most
         are left out until they add up to the excess (_late_limit), and compile_step
         records and plans again (stats()["conv_grads"]["late_limited"] says so); when
         none would be left, it captures the way measured next fastest
         (["late_refused"]). `floor`: where no layout meets the budget, the plan of that
         way's recording (_planned_layout), which the late joins are held to instead."""
-        info = self._conv_grads
-        if not (info and info.get("late") and info.get("how") == "measured"):
+        if not self._late_measured():
             return False
-        budget = self._eager_budget()
-        target = budget if budget is None or floor is None else max(budget, floor)
+        info, budget, target = self._conv_grads, self._eager_budget(), self._held_budget(floor)
         if target is None or plan_bytes <= target:
             return False
         over = (f"the plan with late joins ({plan_bytes / 2**20:.1f} MiB) exceeds the budget ({budget / 2**20:.1f} MiB: "
@@ -561,12 +569,11 @@ class CompiledStep:
         return _fastest_way({k: v for k, v in self._conv_grads["ms"].items() if k != "late"})
 
     def _late_unmeetable(self, info):
-        """Whether a recorded plan (its info) of a step whose weight gradients join late
-        (as measured) passes the budget where no layout of its recording could meet it:
-        the most bytes live at once in it pass the budget too."""
-        cg, budget = self._conv_grads, self._eager_budget()
-        return (bool(cg and cg.get("late") and cg.get("how") == "measured") and budget is not None
-                and info["plan_bytes"] > budget and info["peak_bytes"] > budget)
+        """Whether no layout of a recorded plan (its info) of a step whose weight
+        gradients join late (as measured) can meet the budget: the most bytes live at
+        once in the recording (no plan is smaller) pass it."""
+        budget = self._eager_budget()
+        return self._late_measured() and budget is not None and info["peak_bytes"] > budget
 
     def _time_trial(self, args):
         """ms per replay of the forward and backward captured as the model now stands

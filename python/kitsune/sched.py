@@ -429,7 +429,8 @@ class _Streams:
         self.grads_apart = True   # _ConvGradsApart splits (compile_step may measure and turn it off)
         self.grads_late = conv_grads_mode() == "late"   # ... and joins at the end of the backward where it can
         # for compile_step's memory budget: a weight gradient joins late only when the
-        # tensors it keeps to the backward's end take at most late_limit bytes (None: no
+        # tensors it reads past its node (kept to the backward's end, or let go with
+        # late_lets_go below) take at most late_limit bytes (None: no
         # limit); late_kept, those bytes of each late join since compile_step last emptied
         # it (one capture's)
         self.late_limit = None

@@ -89,7 +89,8 @@ def _device_values(what, keys, device):
 
 class CapturePlan:
     """A captured step's memory layout (kitsune/capplan.h), made by
-    :func:`_take_plan` from a recorded capture; :func:`_place_capture` lays the next
+    :meth:`CaptureRecording.plan` (or :func:`_take_plan`) from a recorded capture;
+    :func:`_place_capture` lays the next
     capture into a pool out by it. ``info``: planned ``blocks``, ``arena_bytes``,
     ``plan_bytes`` (the layout's extent), ``peak_bytes`` (the most bytes live at once
     in the recording: no layout is smaller), ``stream_peak_bytes`` (the sum of each
@@ -102,7 +103,7 @@ class CapturePlan:
     ``programmatic_edges`` (edges of the graph into kernels that may start before their
     predecessor ends), ``programmatic_ordered`` (of them, those into Kitsune's
     dependent launches, which wait before touching memory: counted as order), and for a
-    ``budget`` (as given to _take_plan; None: none): ``unwaited_bytes`` (the plan's
+    ``budget`` (as given to the plan; None: none): ``unwaited_bytes`` (the plan's
     extent without waits), ``wait_gap`` (-1: no waits; else blocks at least that many
     recorded allocations and frees apart share bytes by a wait) and ``wait_shares``
     (the pairs only waits let share)."""
@@ -137,7 +138,10 @@ def _pool_args(pool, device):
         i64p = ctypes.POINTER(ctypes.c_int64)
         b.kt_bridge_pool_record.argtypes = ids
         b.kt_bridge_pool_place.argtypes = ids + [ctypes.c_void_p]
-        b.kt_bridge_pool_take_plan.argtypes = ids + [ctypes.c_int64, ctypes.POINTER(ctypes.c_void_p), i64p]
+        b.kt_bridge_pool_take_recording.argtypes = ids + [ctypes.POINTER(ctypes.c_void_p)]
+        b.kt_bridge_recording_plan.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(ctypes.c_void_p), i64p]
+        b.kt_bridge_recording_free.argtypes = [ctypes.c_void_p]
+        b.kt_bridge_recording_free.restype = None
         b.kt_bridge_pool_placer_stats.argtypes = ids + [i64p]
         b.kt_bridge_plan_free.argtypes = [ctypes.c_void_p]
         b.kt_bridge_plan_free.restype = None
@@ -146,30 +150,64 @@ def _pool_args(pool, device):
 
 
 def _record_capture(pool, device=0):
-    """The next capture into ``pool`` records its allocations (for :func:`_take_plan`)."""
+    """The next capture into ``pool`` records its allocations (for :func:`_take_recording`)."""
     b, d, i0, i1 = _pool_args(pool, device)
     check(b.kt_bridge_pool_record(d, i0, i1), f"recording the next capture into pool {pool}")
 
 
-def _take_plan(pool, device=0, budget=None):
-    """The :class:`CapturePlan` of the capture recorded into ``pool``; the recording
-    ends. Free the graph's outputs first: what is still live is left out. ``budget``
-    (bytes, None: none): when the plan passes it, blocks of streams the capture's order
-    keeps apart may share bytes too, each such reuse bought with a wait of the later
-    block's stream on the earlier block's work (kt_capplan_create_within)."""
+class CaptureRecording:
+    """A capture's recorded allocations and graph order, taken from its pool by
+    :func:`_take_recording`: :meth:`plan` lays them out within any budget, as often as
+    asked, with no capture more (compile_step plans one recording within the budget and
+    then within a floor: _planned_layout)."""
+
+    def __init__(self, handle):
+        self._handle = handle
+
+    def __del__(self):
+        if self._handle and _native._bridge is not None:
+            _native._bridge.kt_bridge_recording_free(self._handle)
+            self._handle = None
+
+    def plan(self, budget=None):
+        """The recording's :class:`CapturePlan`. ``budget`` (bytes, None: none): when the
+        plan passes it, blocks of streams the capture's order keeps apart may share bytes
+        too, each such reuse bought with a wait of the later block's stream on the
+        earlier block's work (kt_capplan_create_within)."""
+        _check_budget(budget)
+        b = _native.bridge()
+        h = ctypes.c_void_p()
+        out = (ctypes.c_int64 * 15)()
+        check(b.kt_bridge_recording_plan(self._handle, -1 if budget is None else budget, ctypes.byref(h), out),
+              "planning a recorded capture")
+        keys = ("blocks", "arena_bytes", "plan_bytes", "peak_bytes", "recorded", "left_live", "freed_after",
+                "stream_peak_bytes", "graph_nodes", "cross_shares", "programmatic_edges", "programmatic_ordered",
+                "wait_gap", "wait_shares", "unwaited_bytes")
+        info = dict(zip(keys, list(out)))
+        info["budget"] = budget
+        return CapturePlan(h.value, info)
+
+
+def _check_budget(budget):
     if budget is not None and (not isinstance(budget, int) or budget < 0):
         raise ValueError(f"budget must be None or a number of bytes >= 0, got {budget!r}")
+
+
+def _take_recording(pool, device=0):
+    """The :class:`CaptureRecording` of the capture recorded into ``pool``; the recording
+    there ends. Free the graph's outputs first: what is still live is left out of its
+    plans."""
     b, d, i0, i1 = _pool_args(pool, device)
     h = ctypes.c_void_p()
-    out = (ctypes.c_int64 * 15)()
-    check(b.kt_bridge_pool_take_plan(d, i0, i1, -1 if budget is None else budget, ctypes.byref(h), out),
-          f"planning pool {pool}'s recorded capture")
-    keys = ("blocks", "arena_bytes", "plan_bytes", "peak_bytes", "recorded", "left_live", "freed_after",
-            "stream_peak_bytes", "graph_nodes", "cross_shares", "programmatic_edges", "programmatic_ordered",
-            "wait_gap", "wait_shares", "unwaited_bytes")
-    info = dict(zip(keys, list(out)))
-    info["budget"] = budget
-    return CapturePlan(h.value, info)
+    check(b.kt_bridge_pool_take_recording(d, i0, i1, ctypes.byref(h)), f"taking pool {pool}'s recorded capture")
+    return CaptureRecording(h.value)
+
+
+def _take_plan(pool, device=0, budget=None):
+    """The :class:`CapturePlan` of the capture recorded into ``pool`` within ``budget``
+    (:meth:`CaptureRecording.plan`); the recording ends."""
+    _check_budget(budget)
+    return _take_recording(pool, device).plan(budget)
 
 
 def _place_capture(pool, plan, device=0):

@@ -642,20 +642,29 @@ class CompiledStep:
                                 pool_arena_bytes=placer.get("arena_bytes"))
             return out
 
-    def _recorded_plan(self, args, dev, floor=None):
-        """One capture of the step recorded by Kitsune's allocator and planned (within
-        _plan_budget(floor)), the graph dropped; None when host memory ran out."""
+    def _recording(self, args, dev):
+        """One capture of the step recorded by Kitsune's allocator, the graph dropped: its
+        allocator.CaptureRecording, or None when host memory ran out."""
         from . import allocator
         first = torch.cuda.graph_pool_handle()
         allocator._record_capture(first, dev)
         graph, loss, _ = self._capture(args, first)
         del loss   # what is still live when planned is left out of the plan
         try:
-            mplan = allocator._take_plan(first, dev, budget=self._plan_budget(floor))
+            return allocator._take_recording(first, dev)
         except RuntimeError as e:   # host memory: capture as without a plan
-            mplan, self._memory = None, {"reason": f"not planned: {_describe(e)}"}
-        del graph   # its pool goes back to the device's pool
-        return mplan
+            self._memory = {"reason": f"not planned: {_describe(e)}"}
+            return None
+        finally:
+            del graph   # its pool goes back to the device's pool
+
+    def _plan(self, rec, floor=None):
+        """rec's plan within _plan_budget(floor); None when host memory ran out."""
+        try:
+            return rec.plan(self._plan_budget(floor))
+        except RuntimeError as e:   # host memory: capture as without a plan
+            self._memory = {"reason": f"not planned: {_describe(e)}"}
+            return None
 
     def _planned_layout(self, args, dev, ctx):
         """The plan the step's capture is laid out by (None: capture it unplanned),
@@ -663,24 +672,31 @@ class CompiledStep:
         layout can meet the budget (_late_unmeetable: ResNet-18 in bench/models.py's
         process, a live peak of 86.8 MiB against a budget of 86.1; H100,
         models_planned_mode_b_fd66c6b.json), the way without late joins is recorded
-        once, and the late joins are held to its plan instead (`floor`): the waits
-        that bring them within it are bought, and no more are cut than that needs.
-        Until then they were cut to the unmeetable budget, round after round, to
-        none: "apart" planned 88.6 MiB and took 1.277 ms a step, against 1.182 with
-        every join late and the plan left over budget (H100,
-        models_variants_aa6c5bd.json). Held to apart's plan instead, all 19 joined
-        late with 27 waits in 87.9 MiB: 1.253 ms a step, setup 1.00 s (H100,
-        models_planned_mode_b_371ca73.json). Where "late" is refused after that, the
-        plan without them is the one recorded."""
-        floor = without = None
+        once, and the late joins are held to its plan instead (`floor`): the same
+        recording is planned again within it, the waits that bring it there bought, and
+        no more joins are cut than that needs. Until then they were cut to the
+        unmeetable budget, round after round, to none: "apart" planned 88.6 MiB and
+        took 1.277 ms a step, against 1.182 with every join late and the plan left
+        over budget (H100, models_variants_aa6c5bd.json). Held to apart's plan
+        instead, all 19 joined late with 27 waits in 87.9 MiB: 1.253 ms a step, setup
+        1.00 s, when the late way was still recorded a second time to plan it within
+        the floor (H100, models_planned_mode_b_371ca73.json). Where "late" is refused
+        after that, the plan recorded without them is the one laid out."""
+        floor = without = rec = None
         while True:
-            mplan = self._recorded_plan(args, dev, floor)
+            if rec is None:
+                rec = self._recording(args, dev)
+                if rec is None:
+                    return None
+                kept, limit = self._late_kept(), ctx.late_limit if ctx is not None else None
+            mplan = self._plan(rec, floor)
             if mplan is None:
                 return None
-            kept, limit = self._late_kept(), ctx.late_limit if ctx is not None else None
             if floor is None and self._late_unmeetable(mplan.info):
                 self._set_conv_grads(self._way_without_late())
-                without = self._recorded_plan(args, dev)
+                other = self._recording(args, dev)
+                without = other and self._plan(other)
+                del other
                 self._set_conv_grads("late", limit)
                 if without is None:
                     return None
@@ -690,9 +706,10 @@ class CompiledStep:
                     f"({mplan.info['peak_bytes'] / 2**20:.1f} MiB) passes the budget "
                     f"({self._eager_budget() / 2**20:.1f} MiB)")
                 if mplan.info["plan_bytes"] > floor:
-                    continue   # recorded again, planned within the floor
+                    continue   # the late recording planned again, within the floor
             if not self._late_over_budget(mplan.info["plan_bytes"], kept, floor):
                 return mplan
+            rec = None   # fewer late joins, or none: recorded again
             if without is not None and not self._conv_grads["late"]:   # refused: the way recorded without
                 self._conv_grads.pop("late_held_to", None)
                 return without

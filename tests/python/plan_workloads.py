@@ -10,7 +10,9 @@ unplanned one trains as the eager loop (the case's tolerance; for the branchy co
 on streams, the losses), then prints one JSON line: both steps' stats().
 waited_branchy is fused_branchy recorded twice: the second time planned within a budget
 one byte under the first plan without waits (waits are bought only where they bring a
-plan within its budget; the eager step's rise would leave this small net's plan alone).
+plan within its budget; the eager step's rise would leave this small net's plan alone);
+the first recording is planned within that budget and its own again too (the JSON
+line's "plans" and "replanned").
 late_branchy: bias-free Conv2d branches of four widths whose weight gradients are told to
 join late (as if measured fastest), planned within a budget one byte under the plan
 with every join late: fewer join late (compile_step._late_over_budget); the JSON line
@@ -109,17 +111,21 @@ def case(name):
     raise SystemExit(f"unknown case {name!r}")
 
 
-def budget_under_unwaited(step):
+def budget_under_unwaited(step, replanned):
     """The step's first recording is planned as usual and noted, then dropped: the step
     records again (as it does when it cuts late joins) within a budget one byte under
-    that plan without waits."""
-    seen, take = [], ka._take_plan
+    that plan without waits. The first recording is also planned twice more (noted in
+    `replanned`): within that budget and within its first budget again, as
+    _planned_layout plans a recording it keeps."""
+    seen, plan_of = [], ka.CaptureRecording.plan
 
-    def take_plan(pool, device=0, budget=None):
-        plan = take(pool, device, budget)
+    def noted(rec, budget=None):
+        plan = plan_of(rec, budget)
         seen.append(plan.info)
+        if len(seen) == 1:
+            replanned.extend(plan_of(rec, b).info for b in (plan.info["unwaited_bytes"] - 1, budget))
         return plan
-    ka._take_plan = take_plan
+    ka.CaptureRecording.plan = noted
     over = step._late_over_budget
 
     def again(plan_bytes, kept=(), floor=None):
@@ -128,6 +134,7 @@ def budget_under_unwaited(step):
             return True
         return over(plan_bytes, kept, floor)
     step._late_over_budget = again
+    return seen
 
 
 def force_late(steps, first):
@@ -181,8 +188,9 @@ def main(name):
     eager_peak = torch.cuda.max_memory_allocated()
     steps = [kitsune.compile_step(m, loss_fn, o, plan_memory=plan, **kw)
              for m, o, plan in zip(twins, opts[1:], (False, True))]
+    seen, replanned = [], []
     if name == "waited_branchy":
-        budget_under_unwaited(steps[1])
+        seen = budget_under_unwaited(steps[1], replanned)
     first = []
     if name == "late_branchy":
         force_late(steps, first)
@@ -201,6 +209,8 @@ def main(name):
                                                      zip(twins[0].parameters(), twins[1].parameters()))
     out = {"stats": steps[1].stats(), "pool_stats": steps[0].stats(), "plan_equals_pool_exactly": exact,
            "eager_peak_allocated": eager_peak}
+    if name == "waited_branchy":
+        out.update(plans=seen, replanned=replanned)
     if name == "late_branchy":
         out.update(first_kept=first[0][1] if first else None, late_joins=len(steps[1]._late_kept()),
                    pool_late_joins=len(steps[0]._late_kept()))

@@ -1014,8 +1014,10 @@ def test_late_joins_over_the_budget_are_cut_to_those_keeping_least(monkeypatch):
 
 def _layout_step(monkeypatch, plans):
     """A measured-late step (_measured_late_step, budget 86 MiB) whose recordings are
-    faked: each returns plans[(way, late limit)] (plan MiB, live peak MiB, each late
-    join's kept MiB); returns the step and the (way, limit, floor MiB) of each."""
+    faked: a recording of (way, late limit) takes plans[(way, limit)] (plan MiB, or a
+    dict floor MiB -> plan MiB; live peak MiB; each late join's kept MiB); returns the
+    step, its streams, the (way, limit) of each recording and the (way, limit, floor
+    MiB) of each plan."""
     from types import SimpleNamespace
     MiB = 2 ** 20
     step, ways = _measured_late_step(monkeypatch, apart_ms=0.95)
@@ -1026,68 +1028,70 @@ def _layout_step(monkeypatch, plans):
     def set_way(way, limit=None):
         ctx.way, ctx.late_limit = way, limit
     monkeypatch.setattr(step, "_set_conv_grads", set_way)
-    recorded = []
+    recorded, planned = [], []
 
-    def record(args, dev, floor=None):
-        recorded.append((ctx.way, ctx.late_limit, None if floor is None else round(floor / MiB, 1)))
-        plan, peak, kept = plans[(ctx.way, ctx.late_limit)]
+    def record(args, dev):
+        way = (ctx.way, ctx.late_limit)
+        recorded.append(way)
+        plan, peak, kept = plans[way]
         ctx.late_kept = [int(k * MiB) for k in kept]
-        return SimpleNamespace(info={"plan_bytes": int(plan * MiB), "peak_bytes": int(peak * MiB)})
-    monkeypatch.setattr(step, "_recorded_plan", record)
-    return step, ctx, recorded
+        return SimpleNamespace(way=way, plan=plan, peak=peak)
+
+    def plan_of(rec, floor=None):
+        floor = None if floor is None else round(floor / MiB, 1)
+        planned.append(rec.way + (floor,))
+        mib = rec.plan[floor] if isinstance(rec.plan, dict) else rec.plan
+        return SimpleNamespace(info={"plan_bytes": int(mib * MiB), "peak_bytes": int(rec.peak * MiB)})
+    monkeypatch.setattr(step, "_recording", record)
+    monkeypatch.setattr(step, "_plan", plan_of)
+    return step, ctx, recorded, planned
 
 
 def test_late_joins_over_a_budget_no_layout_meets_are_held_to_the_plan_without_them(monkeypatch):
     """_planned_layout: where the late recording's live peak passes the budget too (no
     layout meets it), the way without late joins is recorded once and its plan becomes
-    what the late joins are held to: recorded again within it (waits bought toward it),
-    kept when it fits, cut against it (not the budget) when not, and when refused, the
-    plan recorded without them is laid out, not recorded a third way. Where the budget
-    can be met, nothing of this: cut against the budget as before."""
+    what the late joins are held to: the late recording is planned again within it
+    (waits bought toward it; not captured again), kept when it fits, cut against it (not
+    the budget) when not, and when refused, the plan recorded without them is laid
+    out, not recorded a third way. Where the budget can be met, nothing of this: cut
+    against the budget as before."""
     MiB = 2 ** 20
     kept = [4, 4, 2, 1, 0.5]
-    # ResNet-like: late 104 MiB, live peak 87 > 86; apart 88.6; late within 88.6 fits by waits
-    plans = {("late", None): (104, 87, kept), ("apart", None): (88.6, 87, [])}
-    step, ctx, recorded = _layout_step(monkeypatch, plans)
+    late, apart = ("late", None), ("apart", None)
+    # ResNet-like: late 104 MiB, live peak 87 > 86; apart 88.6; within 88.6 late still takes 104
+    step, ctx, recorded, planned = _layout_step(monkeypatch, {late: (104, 87, kept), apart: (88.6, 87, [])})
     plan = step._planned_layout((), 0, ctx)
-    # the late recording within the floor still takes 104 MiB: 15.4 MiB over the floor, more than
-    # every join keeps: refused, and the apart recording's plan is laid out
-    assert recorded == [("late", None, None), ("apart", None, None), ("late", None, 88.6)], recorded
+    # 15.4 MiB over the floor, more than every join keeps: refused, and the apart recording's
+    # plan is laid out
+    assert recorded == [late, apart] and planned == [late + (None,), apart + (None,), late + (88.6,)], planned
     assert plan.info["plan_bytes"] == int(88.6 * MiB)
     info = step._conv_grads
     assert ctx.way == "apart" and not info["late"] and "late_held_to" not in info
     assert info["late_refused"].endswith("and the plan without them (88.6 MiB)"), info
 
-    fits = {("late", None): (104, 87, kept), ("apart", None): (88.6, 87, [])}
-    step, ctx, recorded = _layout_step(monkeypatch, fits)
-    seq = iter([(104, 87, kept), (88.5, 87, kept)])   # the second late recording, within the floor, fits
-    orig = step._recorded_plan
-
-    def record(args, dev, floor=None):
-        if ctx.way == "late":
-            fits[("late", None)] = next(seq)
-        return orig(args, dev, floor)
-    monkeypatch.setattr(step, "_recorded_plan", record)
+    # within the floor the late recording's plan fits (waits): one late capture, planned twice
+    step, ctx, recorded, planned = _layout_step(monkeypatch, {late: ({None: 104, 88.6: 88.5}, 87, kept),
+                                                              apart: (88.6, 87, [])})
     plan = step._planned_layout((), 0, ctx)
-    assert recorded == [("late", None, None), ("apart", None, None), ("late", None, 88.6)], recorded
+    assert recorded == [late, apart] and planned == [late + (None,), apart + (None,), late + (88.6,)], planned
     assert plan.info["plan_bytes"] == int(88.5 * MiB) and ctx.way == "late" and ctx.late_limit is None
     assert step._conv_grads["late"] and step._conv_grads["late_held_to"] == (
         "the plan without late joins (88.6 MiB): the recording's live peak (87.0 MiB) passes the budget (86.0 MiB)")
 
-    # over the floor by 3 MiB: the two 4 MiB keepers go, and the rest fit
-    step, ctx, recorded = _layout_step(monkeypatch, {("late", None): (91.6, 87, kept), ("apart", None): (88.6, 87, []),
-                                                     ("late", 2 * MiB): (88.0, 87, kept[2:])})
+    # over the floor by 3 MiB: the two 4 MiB keepers go (as the late recording kept them, not
+    # the apart one), recorded again, and the rest fit
+    step, ctx, recorded, planned = _layout_step(monkeypatch, {late: (91.6, 87, kept), apart: (88.6, 87, []),
+                                                              ("late", 2 * MiB): (88.0, 87, kept[2:])})
     plan = step._planned_layout((), 0, ctx)
-    assert recorded == [("late", None, None), ("apart", None, None), ("late", None, 88.6),
-                        ("late", 2 * MiB, 88.6)], recorded
+    assert recorded == [late, apart, ("late", 2 * MiB)], recorded
+    assert planned == [late + (None,), apart + (None,), late + (88.6,), ("late", 2 * MiB, 88.6)], planned
     assert plan.info["plan_bytes"] == int(88.0 * MiB) and step._conv_grads["late_limit"] == 2 * MiB
 
     # a budget the live peak meets: cut against the budget, no recording without late joins
-    step, ctx, recorded = _layout_step(monkeypatch, {("late", None): (90, 80, kept),
-                                                     ("late", 2 * MiB): (85, 80, kept[2:])})
+    step, ctx, recorded, planned = _layout_step(monkeypatch, {late: (90, 80, kept), ("late", 2 * MiB): (85, 80, kept[2:])})
     plan = step._planned_layout((), 0, ctx)
-    assert recorded == [("late", None, None), ("late", 2 * MiB, None)] and plan.info["plan_bytes"] == 85 * MiB
-    assert "late_held_to" not in step._conv_grads
+    assert recorded == [late, ("late", 2 * MiB)] and planned == [late + (None,), ("late", 2 * MiB, None)]
+    assert plan.info["plan_bytes"] == 85 * MiB and "late_held_to" not in step._conv_grads
 
 
 def _blas_rows(b, stream):
@@ -1198,7 +1202,8 @@ def test_gpu_compile_step_with_planned_memory_trains_as_eager(case):
     bench's 4-stream Inception net's plan from 351.7 to 459.9 MiB). Planned within a
     budget one byte under its plan without waits (waited_branchy), waits buy reuse the
     order does not allow: a smaller plan, every block placed, the same training (the
-    waits add edges, not work). (Within a budget of 0, which no plan meets, it now buys
+    waits add edges, not work); its first recording, kept (allocator.CaptureRecording),
+    plans within that budget with waits too, and within its own again as it did. (Within a budget of 0, which no plan meets, it now buys
     none: bench/results/h100_pytest_models_gmem_fd66c6b.log.) With
     weight gradients joining late and a budget one byte under that plan (late_branchy),
     the largest keepers stop joining late, the others still do, and it trains alike."""
@@ -1226,6 +1231,15 @@ def test_gpu_compile_step_with_planned_memory_trains_as_eager(case):
         assert mp["budget"] == mp["unwaited_bytes"] - 1 and mp["wait_gap"] >= 0 and mp["wait_shares"] > 0, mp
         assert mp["plan_bytes"] < mp["unwaited_bytes"] and mp["waits"] > 0, mp
         assert mp["placed"] == mp["blocks"] and mp["refused"] == 0, mp
+        # one recording planned three times (allocator.CaptureRecording): the same blocks and
+        # live peak each time; within the lower budget waits, as the recording made again got;
+        # within its first budget again, the first plan
+        first, (under, same) = d["plans"][0], d["replanned"]
+        for p in (under, same):
+            assert all(p[k] == first[k] for k in ("blocks", "recorded", "peak_bytes", "unwaited_bytes")), (p, first)
+        assert under["budget"] == first["unwaited_bytes"] - 1 and under["wait_gap"] >= 0, under
+        assert under["plan_bytes"] < under["unwaited_bytes"] and under["wait_shares"] > 0, under
+        assert same == first, (same, first)
     if case == "late_branchy":
         cg, kept = st["conv_grads"], d["first_kept"]
         # unplanned, every split convolution joins late but the stem's (its input needs no gradient)

@@ -71,6 +71,15 @@ extern "C" {
 #include "kitsune/pinned.h"
 }
 
+// A capture's recording taken from its pool (kitsune.allocator._take_recording): the
+// recorded allocations and the captured graph's order, self-contained once the capture
+// ended, so one recording can be planned within several budgets (compile_step holds
+// late weight-gradient joins to the plan without them that way: one capture fewer).
+struct TakenRecording {
+  kt_caprec* rec;
+  int64_t programmatic, programmatic_ordered;   // the graph's programmatic edges; of them, counted as order
+};
+
 namespace {
 
 namespace cca = c10::cuda::CUDACachingAllocator;
@@ -666,33 +675,18 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
     pending_.push_back(Pending{dev, id, record, plan});
     return KT_OK;
   }
-  // The plan of (dev, id)'s recorded capture, within budget bytes (< 0: none;
-  // kt_capplan_create_within); the recording ends. *info: planned blocks, arena
-  // bytes, plan bytes, live peak, recorded blocks, of them still live (left out),
-  // freed after the capture, the sum of the streams' live peaks, the recorded graph's
-  // nodes (0: streams kept apart), pairs shared across streams, the graph's
-  // programmatic edges and, of them, those counted as ordering, the wait gap (-1:
-  // none), the pairs only waits let share, the plan's bytes without waits.
-  kt_status take_plan(c10::DeviceIndex dev, c10::cuda::MempoolId_t id, int64_t budget, kt_capplan** out,
-                      int64_t* info) {
+  // (dev, id)'s recorded capture, taken from the pool: the recording ends there and is
+  // the caller's (kt_bridge_recording_plan as often as asked, then
+  // kt_bridge_recording_free). KT_ERR_INVALID when the pool recorded none.
+  kt_status take_recording(c10::DeviceIndex dev, c10::cuda::MempoolId_t id, TakenRecording** out) {
     std::lock_guard<std::mutex> g(mu_);
     Private* p = find_private(dev, id);
     if (!p || !p->rec || p->filter) return KT_ERR_INVALID;
-    kt_caprec_info ri;
-    kt_caprec_get_info(p->rec, &ri);
-    kt_status st = kt_capplan_create_within(p->rec, budget < 0 ? UINT64_MAX : static_cast<uint64_t>(budget), out);
-    if (st != KT_OK) return st;
-    log_plan(p->rec, *out);
-    kt_capplan_info ci;
-    kt_capplan_get_info(*out, &ci);
-    int64_t v[15] = {ci.blocks, static_cast<int64_t>(ci.arena_bytes), static_cast<int64_t>(ci.plan_bytes),
-                     static_cast<int64_t>(ci.peak_bytes), ri.blocks, ri.live, ri.freed_after,
-                     static_cast<int64_t>(ci.group_peak_bytes), ci.graph_nodes, ci.cross_shares,
-                     p->order ? p->order->programmatic : 0, p->order ? p->order->programmatic_ordered : 0,
-                     ci.wait_gap, ci.wait_shares, static_cast<int64_t>(ci.unwaited_bytes)};
-    std::memcpy(info, v, sizeof v);
-    kt_caprec_destroy(p->rec);
+    auto* t = new (std::nothrow) TakenRecording{p->rec, p->order ? p->order->programmatic : 0,
+                                                p->order ? p->order->programmatic_ordered : 0};
+    if (!t) return KT_ERR_HOST_OOM;
     p->rec = nullptr;
+    *out = t;
     return KT_OK;
   }
   // out: arena bytes, arenas, live bytes, live blocks, planned, placed, refused, plan
@@ -1026,7 +1020,7 @@ __attribute__((visibility("default"))) int kt_bridge_memory_breakdown(int device
   return KT_OK;
 }
 
-// Capture plans (kitsune.allocator's _record_capture / _take_plan / _place_capture,
+// Capture plans (kitsune.allocator's _record_capture / _take_recording / _place_capture,
 // used by compile_step). Pool ids are torch.cuda.graph_pool_handle()'s pair.
 __attribute__((visibility("default"))) int kt_bridge_pool_record(int device, uint64_t id0, uint64_t id1) {
   if (!g_allocator) return KT_ERR_UNAVAILABLE;
@@ -1037,10 +1031,39 @@ __attribute__((visibility("default"))) int kt_bridge_pool_place(int device, uint
   if (!g_allocator) return KT_ERR_UNAVAILABLE;
   return g_allocator->set_pending(static_cast<c10::DeviceIndex>(device), {id0, id1}, false, plan);
 }
-__attribute__((visibility("default"))) int kt_bridge_pool_take_plan(int device, uint64_t id0, uint64_t id1,
-                                                                    int64_t budget, kt_capplan** out, int64_t* info) {
+__attribute__((visibility("default"))) int kt_bridge_pool_take_recording(int device, uint64_t id0, uint64_t id1,
+                                                                         TakenRecording** out) {
   if (!g_allocator) return KT_ERR_UNAVAILABLE;
-  return g_allocator->take_plan(static_cast<c10::DeviceIndex>(device), {id0, id1}, budget, out, info);
+  return g_allocator->take_recording(static_cast<c10::DeviceIndex>(device), {id0, id1}, out);
+}
+// The plan of a taken recording within budget bytes (< 0: none; kt_capplan_create_within).
+// info[15]: planned blocks, arena bytes, plan bytes, live peak, recorded blocks, of them
+// still live (left out), freed after the capture, the sum of the streams' live peaks,
+// the recorded graph's nodes (0: streams kept apart), pairs shared across streams, the
+// graph's programmatic edges and, of them, those counted as ordering, the wait gap (-1:
+// none), the pairs only waits let share, the plan's bytes without waits.
+__attribute__((visibility("default"))) int kt_bridge_recording_plan(const TakenRecording* t, int64_t budget,
+                                                                    kt_capplan** out, int64_t* info) {
+  if (!t || !out || !info) return KT_ERR_INVALID;
+  kt_caprec_info ri;
+  kt_caprec_get_info(t->rec, &ri);
+  kt_status st = kt_capplan_create_within(t->rec, budget < 0 ? UINT64_MAX : static_cast<uint64_t>(budget), out);
+  if (st != KT_OK) return st;
+  log_plan(t->rec, *out);
+  kt_capplan_info ci;
+  kt_capplan_get_info(*out, &ci);
+  int64_t v[15] = {ci.blocks, static_cast<int64_t>(ci.arena_bytes), static_cast<int64_t>(ci.plan_bytes),
+                   static_cast<int64_t>(ci.peak_bytes), ri.blocks, ri.live, ri.freed_after,
+                   static_cast<int64_t>(ci.group_peak_bytes), ci.graph_nodes, ci.cross_shares,
+                   t->programmatic, t->programmatic_ordered, ci.wait_gap, ci.wait_shares,
+                   static_cast<int64_t>(ci.unwaited_bytes)};
+  std::memcpy(info, v, sizeof v);
+  return KT_OK;
+}
+__attribute__((visibility("default"))) void kt_bridge_recording_free(TakenRecording* t) {
+  if (!t) return;
+  kt_caprec_destroy(t->rec);
+  delete t;
 }
 __attribute__((visibility("default"))) int kt_bridge_pool_placer_stats(int device, uint64_t id0, uint64_t id1,
                                                                        int64_t* out) {

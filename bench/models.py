@@ -265,7 +265,7 @@ def run(recipe, base, loss_fn, data, steps):
         row["compile_step"] = {k: st[k] for k in ("replays", "eager_steps", "captures", "reason", "streams",
                                                   "streams_reason", "channels_last", "channels_last_reason",
                                                   "memory_plan", "optimizer_in_backward", "memsets_replaced",
-                                                  "conv_grads", "setup_s", "setup_phases")}
+                                                  "conv_grads", "setup_s", "setup_phases", "capture_parts")}
     del step, extra, model
     if recipe.startswith("compile") or recipe == "stock_graph":
         torch._dynamo.reset()

@@ -27,10 +27,12 @@ def summary(row):
     mp, cg = cs.get("memory_plan") or {}, cs.get("conv_grads") or {}
     mib = lambda k: f"{mp[k] / 2**20:.1f}" if mp.get(k) is not None else "-"   # noqa: E731
     late = cg.get("late_limited") or cg.get("late_refused") or ""
+    cp = cs.get("capture_parts") or {}
+    parts = "/".join(f"{cp[k]:.3f}" for k in ("record", "plan", "place")) + " s" if cp else "-"   # of the capture phase
     way = ("late" if cg.get("late") else "apart" if cg.get("apart") else "together") if cg else "-"
     return (f"{row['ms']:7.3f} ms  setup {row['setup_s']:5.2f} s  peak {row['peak_alloc_mib']:7.1f} MiB  "
             f"streams {cs.get('streams')}  plan {mib('plan_bytes')} / unwaited {mib('unwaited_bytes')} / "
-            f"budget {mib('budget')} MiB  waits {mp.get('waits')}  conv grads {way}  {late[:60]}")
+            f"budget {mib('budget')} MiB  waits {mp.get('waits')}  conv grads {way}  capture {parts}  {late[:60]}")
 
 
 def main():

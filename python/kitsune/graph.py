@@ -220,6 +220,9 @@ class CompiledStep:
         # setup_s by phase (host seconds; _phase): the eager warm-up step, the stream plan,
         # the convolution-gradient trials, the captures (recording, planning, the graph)
         self._phases = dict.fromkeys(("warm_up", "streams", "conv_grads", "capture"), 0.0)
+        # of "capture", with planned memory: the recording captures (each with taking its
+        # recording), their plans, the capture laid out by the plan
+        self._capture_parts = dict.fromkeys(("record", "plan", "place"), 0.0)
         self.streams = streams
         # channels-last 4-D inputs: None = when at least half the 2-D convolutions suit cuDNN's NHWC kernels
         if channels_last is None:
@@ -404,13 +407,14 @@ class CompiledStep:
         return self._pool
 
     @contextlib.contextmanager
-    def _phase(self, name):
-        """Adds the host seconds of the block to stats()["setup_phases"][name]."""
+    def _phase(self, name, into=None):
+        """Adds the host seconds of the block to stats()["setup_phases"][name] (`into`:
+        another such dict, stats()["capture_parts"])."""
         t0 = time.perf_counter()
         try:
             yield
         finally:
-            self._phases[name] += time.perf_counter() - t0
+            (self._phases if into is None else into)[name] += time.perf_counter() - t0
 
     def _capture(self, args, pool, update=True):
         """One capture of the step into ``pool``, on the side stream the warm-up ran on
@@ -636,7 +640,8 @@ class CompiledStep:
                 self._graphs.clear()
                 self._held_pool()
             allocator._place_capture(self._pool, mplan, dev)
-            out = self._capture(args, self._pool)
+            with self._phase("place", self._capture_parts):
+                out = self._capture(args, self._pool)
             placer = allocator._placer_stats(self._pool, dev) or {}
             self._memory = dict(mplan.info, **{k: placer.get(k) for k in ("placed", "refused", "status", "waits")},
                                 pool_arena_bytes=placer.get("arena_bytes"))
@@ -646,22 +651,24 @@ class CompiledStep:
         """One capture of the step recorded by Kitsune's allocator, the graph dropped: its
         allocator.CaptureRecording, or None when host memory ran out."""
         from . import allocator
-        first = torch.cuda.graph_pool_handle()
-        allocator._record_capture(first, dev)
-        graph, loss, _ = self._capture(args, first)
-        del loss   # what is still live when planned is left out of the plan
-        try:
-            return allocator._take_recording(first, dev)
-        except RuntimeError as e:   # host memory: capture as without a plan
-            self._memory = {"reason": f"not planned: {_describe(e)}"}
-            return None
-        finally:
-            del graph   # its pool goes back to the device's pool
+        with self._phase("record", self._capture_parts):
+            first = torch.cuda.graph_pool_handle()
+            allocator._record_capture(first, dev)
+            graph, loss, _ = self._capture(args, first)
+            del loss   # what is still live when planned is left out of the plan
+            try:
+                return allocator._take_recording(first, dev)
+            except RuntimeError as e:   # host memory: capture as without a plan
+                self._memory = {"reason": f"not planned: {_describe(e)}"}
+                return None
+            finally:
+                del graph   # its pool goes back to the device's pool
 
     def _plan(self, rec, floor=None):
         """rec's plan within _plan_budget(floor); None when host memory ran out."""
         try:
-            return rec.plan(self._plan_budget(floor))
+            with self._phase("plan", self._capture_parts):
+                return rec.plan(self._plan_budget(floor))
         except RuntimeError as e:   # host memory: capture as without a plan
             self._memory = {"reason": f"not planned: {_describe(e)}"}
             return None
@@ -816,7 +823,10 @@ class CompiledStep:
         graphs kept, seconds
         spent in first steps and captures (setup_s) and, of them, in each phase
         (setup_phases: the eager warm-up step with cuDNN's first use of its layouts, the
-        stream plan, the convolution-gradient trials, the captures), and why the step runs eagerly
+        stream plan, the convolution-gradient trials, the captures) and, of the captures with
+        planned memory (capture_parts), the recording captures with taking each recording
+        (record), planning them (plan) and the capture laid out by the plan (place), and why
+        the step runs eagerly
         (reason, None while it is captured), and the streams the captured forward runs on
         with the planner's verdict (streams, streams_reason) and where its shapes came
         from (stream_shapes), and whether 4-D inputs are
@@ -830,7 +840,8 @@ class CompiledStep:
         count, the choice, how it was made and, when measured, the forward and backward's
         time each way)."""
         return dict(self._n, graphs=len(self._graphs), setup_s=self._setup_s,
-                    setup_phases=dict(self._phases), reason=self._reason, **self._stream_info,
+                    setup_phases=dict(self._phases), capture_parts=dict(self._capture_parts),
+                    reason=self._reason, **self._stream_info,
                     channels_last=self._cl, channels_last_reason=self._cl_reason,
                     memory_plan=dict(self._memory) if self._memory else None,
                     blas_workspaces=dict(self._blas) if self._blas else None,

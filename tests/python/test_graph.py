@@ -274,6 +274,7 @@ def test_compile_step_without_cuda_runs_eagerly_and_says_why():
     assert st["reason"] == "CUDA is not available" and st["eager_steps"] == 6 and st["replays"] == 0
     assert st["setup_s"] == 0 and st["setup_phases"] == dict.fromkeys(("warm_up", "streams", "conv_grads", "capture"),
                                                                      0.0), st   # nothing was set up
+    assert st["capture_parts"] == dict.fromkeys(("record", "plan", "place"), 0.0), st
     # the loss ran in a FusedLoss mode, which leaves CPU calls alone and says so
     assert st["fused_loss"] == 0 and st["fused_loss_left"] == ["cross_entropy on cpu (fused on cuda)"], st
 
@@ -1218,6 +1219,9 @@ def test_gpu_compile_step_with_planned_memory_trains_as_eager(case):
     assert mp is not None and mp["status"] == 0 and mp["blocks"] > 0, st
     assert mp["peak_bytes"] <= mp["plan_bytes"] <= mp["arena_bytes"], mp
     assert mp["placed"] > 0, mp
+    # where the capture phase went: recording captures, their plans, the placed capture
+    cp, ph = st["capture_parts"], st["setup_phases"]
+    assert cp["record"] > 0 and cp["plan"] > 0 and cp["place"] > 0 and sum(cp.values()) <= ph["capture"], (cp, ph)
     if case in ("mlp", "lm"):   # every planned block at its offset; an allocation the plan did not see may come
         assert mp["placed"] == mp["blocks"] and mp["refused"] <= 2, mp
     if case == "shapes":

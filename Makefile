@@ -52,7 +52,7 @@ ASAN_OBJ := $(patsubst %.c,$(BUILD)/asan/%.o,$(LIB_SRC))
 TIERS := unit integration stress conformance hotpath
 TEST_BINS := $(addprefix $(BUILD)/tests/,$(TIERS))
 ASAN_BINS := $(addprefix $(BUILD)/asan-tests/,$(filter-out hotpath,$(TIERS)))
-BENCH_BINS := $(BUILD)/bench/alloc_bench $(BUILD)/bench/alloc_replay $(BUILD)/bench/probe_costs $(BUILD)/bench/memplan_traces
+BENCH_BINS := $(BUILD)/bench/alloc_bench $(BUILD)/bench/alloc_replay $(BUILD)/bench/probe_costs $(BUILD)/bench/memplan_traces $(BUILD)/bench/capplan_logs
 TEST_LIBS := $(DEPS_LIB) -lcriterion -lm
 
 .SECONDARY:

@@ -20,4 +20,7 @@ for t in bench/traces/*.csv ${BENCH_TRACE:-}; do
   name=$(basename "$t" .csv)
   "$build/bench/alloc_replay" "$t" --backend "$backend" --repeat 5 --json "$out/alloc_replay_${name}_$backend.json"
 done
-echo "results: $out/alloc_bench_$backend.json $out/alloc_replay_*_$backend.json"
+# host time of the memory planner's packing on captures compile_step recorded (bench/capplan_logs.c)
+logs=(bench/traces/capplan/*.csv)
+[ ${#logs[@]} -gt 0 ] && "$build/bench/capplan_logs" "${logs[@]}" | tee "$out/capplan_logs.txt"
+echo "results: $out/alloc_bench_$backend.json $out/alloc_replay_*_$backend.json $out/capplan_logs.txt"

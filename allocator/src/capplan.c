@@ -638,9 +638,10 @@ kt_status kt_capplan_create_within(const kt_caprec *r, uint64_t budget, kt_cappl
   uint64_t unwaited = total;
   int64_t wait_gap = -1;
   int32_t wait_pairs = 0;
-  if (st == KT_OK && total > budget && ordered && n <= KT_CAPPLAN_WAIT_MAX_BLOCKS)
-    st = fit_with_waits(r, src, mb, n, &ob, budget, p->off, &total, &wait_gap, &wait_pairs);
   if (st == KT_OK) st = kt_memplan_peak(mb, n, KT_CAPPLAN_ALIGN, &peak);
+  /* a live peak past the budget: no plan meets it, so no waits (fit_with_waits) */
+  if (st == KT_OK && total > budget && peak <= budget && ordered && n <= KT_CAPPLAN_WAIT_MAX_BLOCKS)
+    st = fit_with_waits(r, src, mb, n, &ob, budget, p->off, &total, &wait_gap, &wait_pairs);
   if (st == KT_OK) st = sum_group_peaks(mb, n, nseen, &group_peak);
   free(ob.bits);
   free(mb);

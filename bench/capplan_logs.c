@@ -78,7 +78,8 @@ static int read_csv(const char *path, log_plan *lp) {
     if (sscanf(line, "%lld,%lld,%lld,%lld,%lld,%lld,%lld,%lld,%lld", &blk, &size, &stream, &start, &end, &aft, &uses,
                &unord, &off) != 9)
       continue;   /* the column names */
-    if (aft ? end > last : end + 1 > last) last = aft ? end : end + 1;
+    long long t = aft ? end : end + 1;   /* a free after the capture: at the event count then */
+    if (t > last) last = t;
     if (off < 0) continue;   /* live when planned: left out */
     if (n == cap) {
       cap *= 2;
@@ -108,22 +109,9 @@ static int read_share(const char *path, int32_t n, unsigned char **out) {
   FILE *f = fopen(path, "r");
   if (!f) return -1;
   unsigned char *m = calloc((size_t)n * (size_t)n + 1, 1);
-  size_t cap = 1 << 16;
-  char *line = malloc(cap);
-  int bad = !m || !line;
-  while (!bad && fgets(line, (int)cap, f)) {
-    size_t len = strlen(line);
-    while (len == cap - 1 && line[len - 1] != '\n') {   /* a long line: grow and read on */
-      char *nl = realloc(line, cap * 2);
-      if (!nl) {
-        bad = 1;
-        break;
-      }
-      line = nl;
-      if (!fgets(line + len, (int)(cap * 2 - len), f)) break;
-      cap *= 2;
-      len = strlen(line);
-    }
+  char *line = NULL;
+  size_t cap = 0;
+  while (m && getline(&line, &cap, f) > 0) {
     char *p = line, *e;
     long i = strtol(p, &e, 10);
     if (e == p || *e != ':' || i < 0 || i >= n) continue;
@@ -135,10 +123,7 @@ static int read_share(const char *path, int32_t n, unsigned char **out) {
   }
   fclose(f);
   free(line);
-  if (bad) {
-    free(m);
-    return -1;
-  }
+  if (!m) return -1;
   *out = m;
   return 0;
 }

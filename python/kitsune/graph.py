@@ -658,9 +658,8 @@ class CompiledStep:
             del loss   # what is still live when planned is left out of the plan
             try:
                 return allocator._take_recording(first, dev)
-            except RuntimeError as e:   # host memory: capture as without a plan
-                self._memory = {"reason": f"not planned: {_describe(e)}"}
-                return None
+            except RuntimeError as e:   # host memory
+                return self._not_planned(e)
             finally:
                 del graph   # its pool goes back to the device's pool
 
@@ -669,9 +668,13 @@ class CompiledStep:
         try:
             with self._phase("plan", self._capture_parts):
                 return rec.plan(self._plan_budget(floor))
-        except RuntimeError as e:   # host memory: capture as without a plan
-            self._memory = {"reason": f"not planned: {_describe(e)}"}
-            return None
+        except RuntimeError as e:   # host memory
+            return self._not_planned(e)
+
+    def _not_planned(self, e):
+        """None, the step captured as without a plan, stats()["memory_plan"] saying why."""
+        self._memory = {"reason": f"not planned: {_describe(e)}"}
+        return None
 
     def _planned_layout(self, args, dev, ctx):
         """The plan the step's capture is laid out by (None: capture it unplanned),
@@ -689,7 +692,7 @@ class CompiledStep:
         1.00 s, when the late way was still recorded a second time to plan it within
         the floor (H100, models_planned_mode_b_371ca73.json); planned again from the one
         late recording, with the packer of 86f463a, its capture phase took 0.094 s
-        and its setup 0.93 s (models_planned_mode_b_490cc04.json). Where "late" is
+        and its setup 0.93 s (H100, models_planned_mode_b_490cc04.json). Where "late" is
         refused after that, the plan recorded without them is the one laid out."""
         floor = without = rec = None
         while True:

@@ -67,7 +67,8 @@ static int apart(const kt_memplan_block *b, int32_t i, int32_t j, kt_memplan_sha
  * stops at the first gap that holds it: O(n^2) an order at worst. Until 2026-11-27
  * each block gathered the placed blocks it stays apart from and sorted them, and
  * planning ResNet-18's 269 recorded blocks within a budget took 0.184 s of its
- * capture phase (16 packings; H100, bench/results/models_planned_mode_b_2774d17.json).
+ * capture phase (three plans, one a bisection over the wait gap; H100,
+ * bench/results/models_planned_mode_b_2774d17.json).
  * Returns the arena's bytes. */
 static uint64_t first_fit(const kt_memplan_block *b, int32_t n, uint64_t align, kt_memplan_share_fn share,
                           void *ctx, const key *order, span *placed, uint64_t *off) {

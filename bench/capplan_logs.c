@@ -5,13 +5,11 @@
  *
  * Each log is packed again as kt_capplan_create_within packed it: the planned blocks
  * (rows with an offset), blocks freed after the capture to the plan's end, sharing the
- * pairs of the _share.txt and, for a plan with waits, the pairs of waitable blocks (not
- * freed after the capture, noted on the order) whose wait keys are at least the
- * header's wait_gap apart (the rows' wait_to of the later block less wait_from of the
- * earlier; logs before wait_by was written: waits when wait_gap >= 0, by the recorded
- * events, end to start). The arena must equal the log's plan_bytes (a check that the
- * log is read as the plan was made: "same" in the output). A plan within a budget
- * packs 2 to 12 times (capplan.c: fit_with_waits bisects over the threshold).
+ * pairs of the _share.txt and, for a plan with waits (its header's wait_gap >= 0), the
+ * pairs of waitable blocks (not freed after the capture, noted on the order) at least
+ * wait_gap recorded events apart. The arena must equal the log's plan_bytes (a check
+ * that the log is read as the plan was made: "same" in the output). A plan within a
+ * budget packs 2 to 12 times (capplan.c: fit_with_waits bisects over the gap).
  *
  *   capplan_logs [--repeat N] LOG.csv ...      (default N 50)
  *
@@ -30,15 +28,14 @@ typedef struct shares {
   int32_t n;
   unsigned char *order;   /* n x n: the _share.txt's pairs (earlier row, later column) */
   const unsigned char *waitable;
-  const long long *from, *to;   /* the wait keys */
-  int waits;              /* the plan has waits */
-  long long gap;
+  const kt_memplan_block *b;
+  long long gap;          /* < 0: no waits */
 } shares;
 
 static int share(void *ctx, int32_t i, int32_t j) {
   const shares *s = ctx;
   if (s->order[(size_t)i * (size_t)s->n + (size_t)j]) return 1;
-  return s->waits && s->waitable[i] && s->waitable[j] && s->to[j] - s->from[i] >= s->gap;
+  return s->gap >= 0 && s->waitable[i] && s->waitable[j] && s->b[j].start - s->b[i].end >= s->gap;
 }
 
 static double now_s(void) {
@@ -55,15 +52,12 @@ static int by_double(const void *a, const void *b) {
 typedef struct log_plan {
   kt_memplan_block *b;
   unsigned char *waitable;
-  long long *from, *to;   /* wait keys */
   int32_t n;
   unsigned long long plan_bytes;
   long long gap;
-  int by;                 /* the header's wait_by (0: no waits); -1 before it was written */
 } log_plan;
 
-/* Reads LOG.csv: its header's plan_bytes, wait_gap and wait_by, the planned blocks.
- * 0 on success. */
+/* Reads LOG.csv: its header's plan_bytes and wait_gap, the planned blocks. 0 on success. */
 static int read_csv(const char *path, log_plan *lp) {
   FILE *f = fopen(path, "r");
   if (!f) return -1;
@@ -71,24 +65,19 @@ static int read_csv(const char *path, log_plan *lp) {
   int32_t cap = 1024, n = 0;
   lp->b = malloc(sizeof *lp->b * (size_t)cap);
   lp->waitable = malloc((size_t)cap);
-  lp->from = malloc(sizeof *lp->from * (size_t)cap);
-  lp->to = malloc(sizeof *lp->to * (size_t)cap);
   int32_t *after = malloc(sizeof *after * (size_t)cap);
   long long last = 0;   /* the recording's event count when it ended */
   int header = 0;
-  lp->by = -1;
-  while (lp->b && lp->waitable && lp->from && lp->to && after && fgets(line, sizeof line, f)) {
+  while (lp->b && lp->waitable && after && fgets(line, sizeof line, f)) {
     if (line[0] == '#') {
-      int got = sscanf(line, "# plan_bytes %llu peak_bytes %*u stream_peak_bytes %*u graph_nodes %*d cross_shares %*d "
-                       "wait_gap %lld wait_by %d", &lp->plan_bytes, &lp->gap, &lp->by);
-      header = got >= 2;
+      header = sscanf(line, "# plan_bytes %llu peak_bytes %*u stream_peak_bytes %*u graph_nodes %*d cross_shares %*d "
+                      "wait_gap %lld", &lp->plan_bytes, &lp->gap) == 2;
       continue;
     }
-    long long blk, size, stream, start, end, aft, uses, unord, off, from, to;
-    int cols = sscanf(line, "%lld,%lld,%lld,%lld,%lld,%lld,%lld,%lld,%lld,%lld,%lld", &blk, &size, &stream, &start, &end,
-                      &aft, &uses, &unord, &off, &from, &to);
-    if (cols != 9 && cols != 11) continue;   /* the column names */
-    if (cols == 9) from = end, to = start;   /* written before the wait keys: by gap */
+    long long blk, size, stream, start, end, aft, uses, unord, off;
+    if (sscanf(line, "%lld,%lld,%lld,%lld,%lld,%lld,%lld,%lld,%lld", &blk, &size, &stream, &start, &end, &aft, &uses,
+               &unord, &off) != 9)
+      continue;   /* the column names */
     long long t = aft ? end : end + 1;   /* a free after the capture: at the event count then */
     if (t > last) last = t;
     if (off < 0) continue;   /* live when planned: left out */
@@ -96,35 +85,23 @@ static int read_csv(const char *path, log_plan *lp) {
       cap *= 2;
       kt_memplan_block *nb = realloc(lp->b, sizeof *nb * (size_t)cap);
       unsigned char *nw = realloc(lp->waitable, (size_t)cap);
-      long long *nf = realloc(lp->from, sizeof *nf * (size_t)cap), *nt = realloc(lp->to, sizeof *nt * (size_t)cap);
       int32_t *na = realloc(after, sizeof *na * (size_t)cap);
       if (nb) lp->b = nb;
       if (nw) lp->waitable = nw;
-      if (nf) lp->from = nf;
-      if (nt) lp->to = nt;
       if (na) after = na;
-      if (!nb || !nw || !nf || !nt || !na) break;
+      if (!nb || !nw || !na) break;
     }
-    lp->from[n] = from;
-    lp->to[n] = to;
     lp->b[n] = (kt_memplan_block){(uint64_t)size, start, end, 0};
     lp->waitable[n] = !aft && !unord;
     after[n++] = (int32_t)aft;
   }
   fclose(f);
-  int ok = header && lp->b && lp->waitable && lp->from && lp->to && after;
+  int ok = header && lp->b && lp->waitable && after;
   for (int32_t i = 0; ok && i < n; i++)
     if (after[i]) lp->b[i].end = last + 1;   /* freed after the capture: to the plan's end */
   free(after);
   lp->n = n;
   return ok ? 0 : -1;
-}
-
-static void free_log(log_plan *lp) {
-  free(lp->b);
-  free(lp->waitable);
-  free(lp->from);
-  free(lp->to);
 }
 
 /* Reads LOG_share.txt ("i: j ..." a planned block) into an n x n matrix. 0 on success. */
@@ -179,12 +156,12 @@ int main(int argc, char **argv) {
     unsigned char *order = NULL;
     if (read_csv(argv[a], &lp) || read_share(share_path, lp.n, &order)) {
       fprintf(stderr, "capplan_logs: cannot read %s and its _share.txt\n", argv[a]);
-      free_log(&lp);
+      free(lp.b);
+      free(lp.waitable);
       failed = 1;
       continue;
     }
-    /* waits: by the header's wait_by, or for logs before it by wait_gap >= 0 */
-    shares s = {lp.n, order, lp.waitable, lp.from, lp.to, lp.by > 0 || (lp.by < 0 && lp.gap >= 0), lp.gap};
+    shares s = {lp.n, order, lp.waitable, lp.b, lp.gap};
     uint64_t *off = malloc(sizeof *off * ((size_t)lp.n + 1)), total = 0;
     for (int r = 0; r < repeat && off; r++) {
       double t0 = now_s();
@@ -202,12 +179,13 @@ int main(int argc, char **argv) {
            ms[repeat / 2]);
     if (jl < sizeof json)
       jl += (size_t)snprintf(json + jl, sizeof json - jl, "%s{\"log\": \"%s\", \"blocks\": %d, \"arena_bytes\": %llu, "
-                             "\"logged_plan_bytes\": %llu, \"wait_gap\": %lld, \"wait_by\": %d, \"ms_median\": %.4f}",
-                             a > first ? ", " : "", base, lp.n, (unsigned long long)total, lp.plan_bytes, lp.gap, lp.by,
+                             "\"logged_plan_bytes\": %llu, \"wait_gap\": %lld, \"ms_median\": %.4f}",
+                             a > first ? ", " : "", base, lp.n, (unsigned long long)total, lp.plan_bytes, lp.gap,
                              ms[repeat / 2]);
     free(off);
     free(order);
-    free_log(&lp);
+    free(lp.b);
+    free(lp.waitable);
   }
   if (jl < sizeof json) printf("%s]}\n", json);
   free(ms);

@@ -32,17 +32,13 @@ MiB = 2 ** 20
 ALIGN = 512
 
 
-def waited_pairs(blocks, waitable, gap, keys=None):
-    """The pairs a plan with waits at this threshold lets share besides the order's
-    (kt_capplan_create_waiting): both blocks noted on the order, and the later one's
-    wait key `to` at least gap past the earlier one's `from`. keys: [(from, to)] a block
-    (the log's wait_from, wait_to); None: by gap, (free event, allocation event)."""
+def waited_pairs(blocks, waitable, gap):
+    """The pairs a plan with waits at this gap lets share besides the order's
+    (kt_capplan_create_within): both blocks noted on the order, the later one allocated
+    at least gap recorded events after the earlier one's free."""
     n = len(blocks)
-    if keys is None:
-        keys = [(b[2], b[1]) for b in blocks]
     return {(i, j) for i in range(n) for j in range(n)
-            if i != j and waitable[i] and waitable[j] and blocks[j][1] >= blocks[i][2]
-            and keys[j][1] - keys[i][0] >= gap}
+            if i != j and waitable[i] and waitable[j] and blocks[j][1] - blocks[i][2] >= gap}
 
 
 def load(path, waits=True):
@@ -62,10 +58,8 @@ def load(path, waits=True):
             i, rest = line.split(":")
             share.update((int(i), int(j)) for j in rest.split())
     waitable = [not r["after"] and not r["unordered"] for r in planned]
-    # a plan with waits (wait_by; logs before it: wait_gap >= 0): the pairs far enough apart share too
-    if waits and head.get("wait_by", 1 if head.get("wait_gap", -1) >= 0 else 0):
-        keys = [(r["wait_from"], r["wait_to"]) for r in planned] if "wait_from" in planned[0] else None
-        share |= waited_pairs(blocks, waitable, head["wait_gap"], keys)
+    if waits and head.get("wait_gap", -1) >= 0:   # a plan with waits: the pairs far enough apart share too
+        share |= waited_pairs(blocks, waitable, head["wait_gap"])
     return head, blocks, share, waitable
 
 

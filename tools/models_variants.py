@@ -32,7 +32,7 @@ def summary(row):
     way = ("late" if cg.get("late") else "apart" if cg.get("apart") else "together") if cg else "-"
     return (f"{row['ms']:7.3f} ms  setup {row['setup_s']:5.2f} s  peak {row['peak_alloc_mib']:7.1f} MiB  "
             f"streams {cs.get('streams')}  plan {mib('plan_bytes')} / unwaited {mib('unwaited_bytes')} / "
-            f"budget {mib('budget')} MiB  waits {mp.get('waits')}{' by ' + mp['wait_by'] if mp.get('wait_by') else ''}  conv grads {way}  capture {parts}  {late[:60]}")
+            f"budget {mib('budget')} MiB  waits {mp.get('waits')}  conv grads {way}  capture {parts}  {late[:60]}")
 
 
 def main():

@@ -409,7 +409,6 @@ kt_status kt_caprec_get_block(const kt_caprec *r, int32_t i, kt_caprec_block *ou
 struct kt_capplan {
   int32_t n;
   uint64_t *size, *off;
-  int64_t *wfrom, *wto;   /* the wait keys (kt_capplan_get_wait_keys); NULL without waits */
   kt_capplan_info info;
 };
 
@@ -417,8 +416,6 @@ void kt_capplan_destroy(kt_capplan *p) {
   if (!p) return;
   free(p->size);
   free(p->off);
-  free(p->wfrom);
-  free(p->wto);
   free(p);
 }
 
@@ -465,18 +462,18 @@ static int order_bit(const order_bits *o, int32_t i, int32_t j) {
 
 static int order_share(void *ctx, int32_t i, int32_t j) { return order_bit(ctx, i, j); }
 
-/* What a plan with waits lets share: the order's pairs, and those where both blocks
- * may be waited for (waitable) and the later block's key `to` passes the earlier's
- * `from` by at least the threshold (kt_capplan_get_wait_keys). */
+/* What a plan with waits lets share: the order's pairs, and those where the earlier
+ * block may be waited for (waitable[i]) and the later starts at least gap recorded
+ * events after it ends. */
 typedef struct wait_share {
   const order_bits *ob;
+  const kt_memplan_block *mb;
   const uint8_t *waitable;
-  const int64_t *from, *to;
   int64_t gap;
 } wait_share;
 
 static int waited(const wait_share *w, int32_t i, int32_t j) {
-  return w->waitable[i] && w->waitable[j] && w->to[j] - w->from[i] >= w->gap;
+  return w->waitable[i] && w->waitable[j] && w->mb[j].start - w->mb[i].end >= w->gap;
 }
 
 static int share_or_wait(void *ctx, int32_t i, int32_t j) {
@@ -554,167 +551,63 @@ static int32_t planned_count(const kt_caprec *r) {
 
 static int plan_ordered(const kt_caprec *r, int32_t n) { return r->dag.valid && n <= KT_CAPPLAN_ORDER_MAX_BLOCKS; }
 
-/* Each node's level in the recorded graph, every node taken as one unit of time
- * (captured kernels of a small step take a few microseconds each, their launch
- * latency): ef[k], the earliest it can finish (1 + its predecessors' latest); lf[k],
- * the latest it can finish without lengthening the graph's longest path (*span);
- * nodes the graph orders nothing around keep ef 1 and lf *span. */
-static kt_status dag_levels(const capdag *d, int64_t *ef, int64_t *lf, int64_t *span) {
-  int32_t n = d->n;
-  int32_t *soff = calloc((size_t)n + 2, sizeof *soff), *succ = malloc(((size_t)d->poff[n] + 1) * sizeof *succ);
-  int32_t *left = malloc(((size_t)n + 1) * sizeof *left), *topo = malloc(((size_t)n + 1) * sizeof *topo);
-  kt_status st = soff && succ && left && topo ? KT_OK : KT_ERR_HOST_OOM;
-  if (st == KT_OK) {
-    for (int32_t e = 0; e < d->poff[n]; e++) soff[d->pred[e] + 1]++;
-    for (int32_t k = 0; k < n; k++) soff[k + 1] += soff[k];
-    for (int32_t k = 0; k < n; k++) left[k] = soff[k];   /* fill cursors */
-    for (int32_t k = 0; k < n; k++)
-      for (int32_t e = d->poff[k]; e < d->poff[k + 1]; e++) succ[left[d->pred[e]]++] = k;
-    int32_t m = 0;   /* Kahn's order over the predecessor counts */
-    for (int32_t k = 0; k < n; k++)
-      if (!(left[k] = d->poff[k + 1] - d->poff[k])) topo[m++] = k;
-    for (int32_t q = 0; q < m; q++)
-      for (int32_t e = soff[topo[q]]; e < soff[topo[q] + 1]; e++)
-        if (!--left[succ[e]]) topo[m++] = succ[e];
-    *span = 1;
-    for (int32_t k = 0; k < n; k++) ef[k] = 1, lf[k] = 0;
-    for (int32_t q = 0; q < m; q++) {
-      int32_t k = topo[q];
-      for (int32_t e = d->poff[k]; e < d->poff[k + 1]; e++)
-        if (ef[d->pred[e]] + 1 > ef[k]) ef[k] = ef[d->pred[e]] + 1;
-      if (ef[k] > *span) *span = ef[k];
-    }
-    /* lf[k] holds the longest path from k to a sink (k included) until the last pass */
-    for (int32_t q = m - 1; q >= 0; q--) {
-      int32_t k = topo[q];
-      int64_t tail = 0;
-      for (int32_t e = soff[k]; e < soff[k + 1]; e++)
-        if (lf[succ[e]] > tail) tail = lf[succ[e]];
-      lf[k] = tail + 1;
-    }
-    /* a cycle (no captured graph has one) leaves its nodes out of the order: unconstrained */
-    for (int32_t k = 0; k < n; k++) lf[k] = lf[k] ? *span - lf[k] + 1 : *span;
-  }
-  free(soff);
-  free(succ);
-  free(left);
-  free(topo);
-  return st;
-}
-
-/* The largest of the levels (ef or lf, by graph index) of the recorded nodes
- * tok[first .. first + count); `absent` for a node the graph has no edge of. */
-static int64_t max_level(const kt_caprec *r, int32_t first, int32_t count, const int64_t *level, int64_t absent) {
-  int64_t m = INT64_MIN;
-  for (int32_t t = first; t < first + count; t++) {
-    int32_t k = pm_get(&r->dag.at, (uintptr_t)r->tok.v[t]);
-    int64_t v = k >= 0 ? level[k] : absent;
-    if (v > m) m = v;
-  }
-  return m;
-}
-
-/* The wait keys of the planned blocks (kt_capplan_get_wait_keys). By gap: from[i], block
- * i's free event; to[j], block j's allocation event. By slack: from[i], the level its
- * streams' work at its free finishes at the earliest; to[j], the latest level the work
- * its stream had issued before its allocation may finish at (a lower bound of when the
- * next node there may start). A wait then makes that next node follow the first
- * frontier: to[j] - from[i] >= 0 keeps the graph's longest path (one wait, unit times).
- * [*lo, *hi): thresholds from one every pair passes to one none does. */
-static kt_status wait_keys(const kt_caprec *r, const int32_t *src, const kt_memplan_block *mb, int32_t n,
-                           kt_wait_by by, int64_t *from, int64_t *to, int64_t *lo, int64_t *hi) {
-  if (by == KT_WAIT_BY_GAP) {
-    for (int32_t j = 0; j < n; j++) from[j] = mb[j].end, to[j] = mb[j].start;
-    *lo = 0;           /* every pair whose lives do not meet */
-    *hi = r->t + 1;    /* none: no two events are that far apart */
-    return KT_OK;
-  }
-  int64_t *ef = malloc(((size_t)r->dag.n + 1) * sizeof *ef), *lf = malloc(((size_t)r->dag.n + 1) * sizeof *lf);
-  int64_t span = 1;
-  kt_status st = ef && lf ? dag_levels(&r->dag, ef, lf, &span) : KT_ERR_HOST_OOM;
-  for (int32_t j = 0; j < n && st == KT_OK; j++) {
-    const rec_block *b = &r->b[src[j]];
-    from[j] = b->o.nff ? max_level(r, b->o.ff, b->o.nff, ef, 1) : 0;
-    /* a stream with no work yet: its next node starts the graph, no slack */
-    to[j] = b->naf ? max_level(r, b->af, b->naf, lf, span) : 0;
-  }
-  *lo = -span;      /* from <= span, to >= 0 */
-  *hi = span + 1;   /* to <= span, from >= 0 */
-  free(ef);
-  free(lf);
-  return st;
-}
-
 /* The plan with waits (kt_capplan_create_within), when its extent without them,
- * *total, passes budget: the largest threshold on the wait keys (`by`) whose packing
- * fits (bisection; the packings need not shrink monotonically as the threshold falls,
- * so the one kept is one that was seen to fit). When not even the lowest threshold,
- * every waitable pair, fits, no waits: each orders one stream after another's work,
- * and buying them for bytes that still miss the budget cost ResNet-18's planned step
- * 18% (23 waits for 1.5 MiB of 88.6; 1.391 ms a step against 1.177 without a plan,
- * H100, bench/results/models_planned_mode_b_60f753b.json). off and *total are replaced
- * only by a smaller plan that fits; with one, p's wait keys and info are set. */
+ * *total, passes budget: the largest gap whose packing fits (bisection over the
+ * recorded events; the packings need not shrink monotonically as the gap falls, so
+ * the one kept is one that was seen to fit). When not even gap 0, every waitable
+ * pair, fits, no waits: each orders one stream after another's work, and buying them
+ * for bytes that still miss the budget cost ResNet-18's planned step 18% (23 waits
+ * for 1.5 MiB of 88.6; 1.391 ms a step against 1.177 without a plan, H100,
+ * bench/results/models_planned_mode_b_60f753b.json). off and *total are replaced only
+ * by a smaller plan that fits. */
 static kt_status fit_with_waits(const kt_caprec *r, const int32_t *src, const kt_memplan_block *mb, int32_t n,
-                                const order_bits *ob, uint64_t budget, kt_wait_by by, kt_capplan *p,
-                                uint64_t *total) {
+                                const order_bits *ob, uint64_t budget, uint64_t *off, uint64_t *total,
+                                int64_t *gap_out, int32_t *pairs_out) {
+  *gap_out = -1;
+  *pairs_out = 0;
   uint8_t *waitable = calloc((size_t)n + 1, 1);
   uint64_t *trial = malloc(((size_t)n + 1) * sizeof *trial);
-  int64_t *from = malloc(((size_t)n + 1) * sizeof *from), *to = malloc(((size_t)n + 1) * sizeof *to);
-  kt_status st = waitable && trial && from && to ? KT_OK : KT_ERR_HOST_OOM;
-  int64_t lo = 0, hi = 0;
-  if (st == KT_OK) st = wait_keys(r, src, mb, n, by, from, to, &lo, &hi);
-  int any = 0;
+  kt_status st = waitable && trial ? KT_OK : KT_ERR_HOST_OOM;
   for (int32_t j = 0; j < n && st == KT_OK; j++) {
     const rec_block *b = &r->b[src[j]];
-    any |= waitable[j] = !b->after && !b->o.unordered;
+    waitable[j] = !b->after && !b->o.unordered;
   }
+  wait_share w = {ob, mb, waitable, 0};
   uint64_t got = 0;
-  if (st == KT_OK && any) {
-    wait_share w = {ob, waitable, from, to, lo};
-    st = kt_memplan_shared(mb, n, KT_CAPPLAN_ALIGN, share_or_wait, &w, trial, &got);
-    if (st == KT_OK && got < *total && got <= budget) {
-      uint64_t best = got;
-      memcpy(p->off, trial, (size_t)n * sizeof *p->off);
-      while (hi - lo > 1 && st == KT_OK) {
-        w.gap = lo + (hi - lo) / 2;
-        st = kt_memplan_shared(mb, n, KT_CAPPLAN_ALIGN, share_or_wait, &w, trial, &got);
-        if (st == KT_OK && got <= budget) {
-          lo = w.gap;
-          best = got;
-          memcpy(p->off, trial, (size_t)n * sizeof *p->off);
-        } else {
-          hi = w.gap;
-        }
+  if (st == KT_OK) st = kt_memplan_shared(mb, n, KT_CAPPLAN_ALIGN, share_or_wait, &w, trial, &got);
+  if (st == KT_OK && got < *total && got <= budget) {
+    int64_t lo = 0, hi = r->t + 1;   /* hi: no pair is that far apart, so no waits */
+    uint64_t best = got;
+    memcpy(off, trial, (size_t)n * sizeof *off);
+    while (hi - lo > 1 && st == KT_OK) {
+      w.gap = lo + (hi - lo) / 2;
+      st = kt_memplan_shared(mb, n, KT_CAPPLAN_ALIGN, share_or_wait, &w, trial, &got);
+      if (st == KT_OK && got <= budget) {
+        lo = w.gap;
+        best = got;
+        memcpy(off, trial, (size_t)n * sizeof *off);
+      } else {
+        hi = w.gap;
       }
-      if (st == KT_OK) {
-        w.gap = lo;
-        *total = best;
-        p->info.wait_by = by;
-        p->info.wait_gap = lo;
-        for (int32_t i = 0; i < n; i++)
-          for (int32_t j = 0; j < n; j++)
-            p->info.wait_shares += i != j && mb[i].end <= mb[j].start && !order_bit(ob, i, j) && waited(&w, i, j);
-        p->wfrom = from;
-        p->wto = to;
-        from = to = NULL;
-      }
+    }
+    if (st == KT_OK) {
+      w.gap = lo;
+      *total = best;
+      *gap_out = lo;
+      for (int32_t i = 0; i < n; i++)
+        for (int32_t j = 0; j < n; j++)
+          *pairs_out += i != j && mb[i].end <= mb[j].start && !order_bit(ob, i, j) && waited(&w, i, j);
     }
   }
   free(waitable);
   free(trial);
-  free(from);
-  free(to);
   return st;
 }
 
 kt_status kt_capplan_create(const kt_caprec *r, kt_capplan **out) { return kt_capplan_create_within(r, UINT64_MAX, out); }
 
 kt_status kt_capplan_create_within(const kt_caprec *r, uint64_t budget, kt_capplan **out) {
-  return kt_capplan_create_waiting(r, budget, KT_WAIT_DEFAULT, out);
-}
-
-kt_status kt_capplan_create_waiting(const kt_caprec *r, uint64_t budget, kt_wait_by by, kt_capplan **out) {
-  if (!r || !out || (by != KT_WAIT_BY_GAP && by != KT_WAIT_BY_SLACK)) return KT_ERR_INVALID;
+  if (!r || !out) return KT_ERR_INVALID;
   int32_t n = planned_count(r);
   int ordered = plan_ordered(r, n);
   kt_capplan *p = calloc(1, sizeof *p);
@@ -739,15 +632,16 @@ kt_status kt_capplan_create_waiting(const kt_caprec *r, uint64_t budget, kt_wait
   order_bits ob = {NULL, 0};
   int32_t cross = 0;
   uint64_t total = 0, peak = 0, group_peak = 0;
-  p->info.wait_gap = -1;
   kt_status st = ordered ? order_fill(r, src, mb, n, &ob, &cross) : KT_OK;
   if (st == KT_OK)
     st = kt_memplan_shared(mb, n, KT_CAPPLAN_ALIGN, ordered ? order_share : NULL, &ob, p->off, &total);
   uint64_t unwaited = total;
+  int64_t wait_gap = -1;
+  int32_t wait_pairs = 0;
   if (st == KT_OK) st = kt_memplan_peak(mb, n, KT_CAPPLAN_ALIGN, &peak);
   /* a live peak past the budget: no plan meets it, so no waits (fit_with_waits) */
   if (st == KT_OK && total > budget && peak <= budget && ordered && n <= KT_CAPPLAN_WAIT_MAX_BLOCKS)
-    st = fit_with_waits(r, src, mb, n, &ob, budget, by, p, &total);
+    st = fit_with_waits(r, src, mb, n, &ob, budget, p->off, &total, &wait_gap, &wait_pairs);
   if (st == KT_OK) st = sum_group_peaks(mb, n, nseen, &group_peak);
   free(ob.bits);
   free(mb);
@@ -757,15 +651,9 @@ kt_status kt_capplan_create_waiting(const kt_caprec *r, uint64_t budget, kt_wait
     return st;
   }
   p->n = n;
-  kt_capplan_info *in = &p->info;
-  in->blocks = n;
-  in->arena_bytes = in->plan_bytes = (size_t)total;
-  in->peak_bytes = (size_t)peak;
-  in->group_peak_bytes = (size_t)group_peak;
-  in->graph_nodes = ordered ? r->dag.n : 0;
-  in->cross_shares = cross;
-  in->budget = budget;
-  in->unwaited_bytes = (size_t)unwaited;
+  p->info = (kt_capplan_info){n, (size_t)total, (size_t)total, (size_t)peak,
+                              (size_t)group_peak, ordered ? r->dag.n : 0, cross, wait_gap, wait_pairs,
+                              budget, (size_t)unwaited};
   *out = p;
   return KT_OK;
 }
@@ -803,14 +691,6 @@ kt_status kt_capplan_get_block(const kt_capplan *p, int32_t j, uint64_t *offset,
   if (!p || !offset || !size || j < 0 || j >= p->n) return KT_ERR_INVALID;
   *offset = p->off[j];
   *size = p->size[j];
-  return KT_OK;
-}
-
-kt_status kt_capplan_get_wait_keys(const kt_capplan *p, int32_t j, int64_t *from, int64_t *to) {
-  if (!p || !from || !to || j < 0 || j >= p->n) return KT_ERR_INVALID;
-  if (!p->wfrom) return KT_ERR_UNAVAILABLE;
-  *from = p->wfrom[j];
-  *to = p->wto[j];
   return KT_OK;
 }
 
@@ -965,7 +845,7 @@ kt_status kt_placer_begin(kt_placer *pl, const kt_capplan *plan) {
   pl->cursor = 0;
   pl->epoch++;
   pl->placed = pl->refused = pl->waits = 0;
-  pl->may_wait = plan->info.wait_by != KT_WAIT_NONE && pl->ord.wait != NULL;
+  pl->may_wait = plan->info.wait_gap >= 0 && pl->ord.wait != NULL;
   pl->tok.n = 0;
   dag_free(&pl->dag);   /* another capture's graph */
   pl->plan_bytes = plan->info.plan_bytes;

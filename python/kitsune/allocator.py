@@ -104,11 +104,9 @@ class CapturePlan:
     predecessor ends), ``programmatic_ordered`` (of them, those into Kitsune's
     dependent launches, which wait before touching memory: counted as order), and for a
     ``budget`` (as given to the plan; None: none): ``unwaited_bytes`` (the plan's
-    extent without waits), ``wait_by`` (None: no waits; "gap" or "slack": what they
-    were chosen by, :meth:`CaptureRecording.plan`), ``wait_gap`` (-1: no waits; else
-    the threshold in wait_by's unit: by gap, blocks at least that many recorded
-    allocations and frees apart share bytes by a wait) and ``wait_shares`` (the pairs
-    only waits let share)."""
+    extent without waits), ``wait_gap`` (-1: no waits; else blocks at least that many
+    recorded allocations and frees apart share bytes by a wait) and ``wait_shares``
+    (the pairs only waits let share)."""
 
     def __init__(self, handle, info):
         self._handle, self.info = handle, info
@@ -141,8 +139,7 @@ def _pool_args(pool, device):
         b.kt_bridge_pool_record.argtypes = ids
         b.kt_bridge_pool_place.argtypes = ids + [ctypes.c_void_p]
         b.kt_bridge_pool_take_recording.argtypes = ids + [ctypes.POINTER(ctypes.c_void_p)]
-        b.kt_bridge_recording_plan.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
-                                               ctypes.POINTER(ctypes.c_void_p), i64p]
+        b.kt_bridge_recording_plan.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(ctypes.c_void_p), i64p]
         b.kt_bridge_recording_free.argtypes = [ctypes.c_void_p]
         b.kt_bridge_recording_free.restype = None
         b.kt_bridge_pool_placer_stats.argtypes = ids + [i64p]
@@ -172,35 +169,23 @@ class CaptureRecording:
             _native._bridge.kt_bridge_recording_free(self._handle)
             self._handle = None
 
-    def plan(self, budget=None, waits_by=None):
+    def plan(self, budget=None):
         """The recording's :class:`CapturePlan`. ``budget`` (bytes, None: none): when the
         plan passes it, blocks of streams the capture's order keeps apart may share bytes
         too, each such reuse bought with a wait of the later block's stream on the
-        earlier block's work, the pairs farthest apart first (kt_capplan_create_waiting).
-        ``waits_by``: how far apart counts: "gap" (recorded allocations and frees between
-        the earlier block's free and the later one's allocation), "slack" (levels of the
-        recorded graph, a node a level, a wait's first node may start later than the
-        waited-for work can end without lengthening its longest path), or None (the
-        library's default, "gap")."""
+        earlier block's work (kt_capplan_create_within)."""
         _check_budget(budget)
-        if waits_by not in _WAITS_BY:
-            raise ValueError(f"waits_by must be one of {sorted(k for k in _WAITS_BY if k)} or None, got {waits_by!r}")
         b = _native.bridge()
         h = ctypes.c_void_p()
-        out = (ctypes.c_int64 * 16)()
-        check(b.kt_bridge_recording_plan(self._handle, -1 if budget is None else budget, _WAITS_BY[waits_by],
-                                         ctypes.byref(h), out), "planning a recorded capture")
+        out = (ctypes.c_int64 * 15)()
+        check(b.kt_bridge_recording_plan(self._handle, -1 if budget is None else budget, ctypes.byref(h), out),
+              "planning a recorded capture")
         keys = ("blocks", "arena_bytes", "plan_bytes", "peak_bytes", "recorded", "left_live", "freed_after",
                 "stream_peak_bytes", "graph_nodes", "cross_shares", "programmatic_edges", "programmatic_ordered",
-                "wait_gap", "wait_shares", "unwaited_bytes", "wait_by")
+                "wait_gap", "wait_shares", "unwaited_bytes")
         info = dict(zip(keys, list(out)))
         info["budget"] = budget
-        info["wait_by"] = {v: k for k, v in _WAITS_BY.items()}[info["wait_by"]]
         return CapturePlan(h.value, info)
-
-
-# kt_wait_by (kitsune/capplan.h); None: KT_WAIT_NONE, which the bridge plans by the default
-_WAITS_BY = {None: 0, "gap": 1, "slack": 2}
 
 
 def _check_budget(budget):

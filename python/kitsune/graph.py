@@ -115,9 +115,8 @@ what is allocated outside the graph: a plan over it (streams running branches si
 side keep their blocks apart) lets blocks the capture's order keeps apart share bytes
 as well, each reuse bought with a wait of the later block's stream on the earlier
 block's work, the waits between blocks farthest apart first (``memory_plan``'s
-``budget``, ``unwaited_bytes``, ``wait_by``, ``wait_gap`` and ``waits``). ``KITSUNE_PLAN_WAITS=0``
-plans without a budget; ``gap`` or ``slack`` chooses how "farthest apart" is counted
-(allocator.CaptureRecording.plan).
+``budget``, ``unwaited_bytes``, ``wait_gap`` and ``waits``). ``KITSUNE_PLAN_WAITS=0``
+plans without a budget.
 
 Loss (``fuse_loss=True``, the default): the loss function runs in a
 kitsune.fx.FusedLoss mode, so its F.cross_entropy calls run as kitsune.cross_entropy
@@ -526,7 +525,7 @@ class CompiledStep:
 
     def _plan_budget(self, floor=None):
         """The memory plan's budget: _held_budget(floor), or None with KITSUNE_PLAN_WAITS=0."""
-        return None if _plan_waits() == "0" else self._held_budget(floor)
+        return None if os.environ.get("KITSUNE_PLAN_WAITS", "1") == "0" else self._held_budget(floor)
 
     def _late_measured(self):
         """Whether the weight gradients join late because the trial measured it fastest
@@ -668,8 +667,7 @@ class CompiledStep:
         """rec's plan within _plan_budget(floor); None when host memory ran out."""
         try:
             with self._phase("plan", self._capture_parts):
-                waits = _plan_waits()
-                return rec.plan(self._plan_budget(floor), waits_by=waits if waits in ("gap", "slack") else None)
+                return rec.plan(self._plan_budget(floor))
         except RuntimeError as e:   # host memory
             return self._not_planned(e)
 
@@ -998,16 +996,6 @@ def _relayout(weights, optimizer, fmt):
                     st[k] = v.contiguous(memory_format=fmt)
             moved.append(w)
     return moved
-
-
-def _plan_waits():
-    """KITSUNE_PLAN_WAITS: "1" (unset: the same) plans within the budget with waits chosen
-    the library's way, "gap" or "slack" by that criterion (allocator.CaptureRecording.plan),
-    "0" without a budget."""
-    v = os.environ.get("KITSUNE_PLAN_WAITS", "1")
-    if v not in ("0", "1", "gap", "slack"):
-        raise ValueError(f"KITSUNE_PLAN_WAITS must be 0, 1, gap or slack, got {v!r}")
-    return v
 
 
 def _describe(e):

@@ -11,8 +11,8 @@ on streams, the losses), then prints one JSON line: both steps' stats().
 waited_branchy is fused_branchy recorded twice: the second time planned within a budget
 one byte under the first plan without waits (waits are bought only where they bring a
 plan within its budget; the eager step's rise would leave this small net's plan alone);
-the first recording is planned within that budget (by gap and by slack) and its own
-again too (the JSON line's "plans" and "replanned").
+the first recording is planned within that budget and its own again too (the JSON
+line's "plans" and "replanned").
 late_branchy: bias-free Conv2d branches of four widths whose weight gradients are told to
 join late (as if measured fastest), planned within a budget one byte under the plan
 with every join late: fewer join late (compile_step._late_over_budget); the JSON line
@@ -116,16 +116,14 @@ def budget_under_unwaited(step, replanned):
     records again (as it does when it cuts late joins) within a budget one byte under
     that plan without waits. The first recording is also planned twice more (noted in
     `replanned`): within that budget and within its first budget again, as
-    _planned_layout plans a recording it keeps, and within that budget by slack."""
+    _planned_layout plans a recording it keeps."""
     seen, plan_of = [], ka.CaptureRecording.plan
 
-    def noted(rec, budget=None, waits_by=None):
-        plan = plan_of(rec, budget, waits_by)
+    def noted(rec, budget=None):
+        plan = plan_of(rec, budget)
         seen.append(plan.info)
         if len(seen) == 1:
-            under = plan.info["unwaited_bytes"] - 1
-            replanned.extend([plan_of(rec, under).info, plan_of(rec, budget, waits_by).info,
-                              plan_of(rec, under, "slack").info])
+            replanned.extend(plan_of(rec, b).info for b in (plan.info["unwaited_bytes"] - 1, budget))
         return plan
     ka.CaptureRecording.plan = noted
     over = step._late_over_budget

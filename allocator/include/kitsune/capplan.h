@@ -135,33 +135,17 @@ typedef struct kt_capplan kt_capplan;
  * blocks share bytes as the order allows (above). Live blocks are left out. rec may
  * be destroyed afterwards. */
 kt_status kt_capplan_create(const kt_caprec *rec, kt_capplan **out);
-/* Which pairs of blocks a plan within a budget lets share bytes with a wait, from the
- * farthest apart down (kt_capplan_create_waiting):
- *   KT_WAIT_BY_GAP: apart by the recorded events from the earlier block's free to
- *     the later one's allocation;
- *   KT_WAIT_BY_SLACK: apart in the recorded graph, every node taken as one unit of
- *     time: the latest level the later block's stream may reach before its next node
- *     without lengthening the graph's longest path, less the earliest level the work
- *     that used the earlier block can be done by. A pair at 0 or more is a wait that
- *     costs no level of the longest path (alone).
- * KT_WAIT_NONE (in kt_capplan_info): the plan has no waits. */
-typedef enum kt_wait_by { KT_WAIT_NONE = 0, KT_WAIT_BY_GAP = 1, KT_WAIT_BY_SLACK = 2 } kt_wait_by;
-/* What kt_capplan_create_within chooses by. */
-#define KT_WAIT_DEFAULT KT_WAIT_BY_GAP
-
 /* kt_capplan_create, and when its plan's extent passes budget bytes, a block whose
  * work the order does not put after an earlier block's may take that block's bytes
  * all the same, at the price of a wait: the placer makes the later block's stream
  * wait for the work that used the earlier one (kt_capture_order.wait). Waits cost
- * overlap between streams, so they are bought from the far end (`by`): pairs at
- * least a threshold apart, the largest threshold whose plan fits the budget (found by
+ * overlap between streams, so they are bought from the far end: pairs whose gap (the
+ * recorded events from the earlier block's free to the later one's allocation) is at
+ * least a threshold, the largest threshold whose plan fits the budget (found by
  * bisection). When not even every such pair fits, no waits: they would order the
  * streams and still miss the budget. Only with an order (the recording's graph) and up to
  * KT_CAPPLAN_WAIT_MAX_BLOCKS planned blocks; blocks freed after the capture or noted
- * on no order are never waited for. kt_capplan_info says what was chosen.
- * KT_ERR_INVALID for a `by` that is neither KT_WAIT_BY_GAP nor KT_WAIT_BY_SLACK. */
-kt_status kt_capplan_create_waiting(const kt_caprec *rec, uint64_t budget, kt_wait_by by, kt_capplan **out);
-/* kt_capplan_create_waiting by KT_WAIT_DEFAULT. */
+ * on no order are never waited for. kt_capplan_info says what was chosen. */
 kt_status kt_capplan_create_within(const kt_caprec *rec, uint64_t budget, kt_capplan **out);
 void kt_capplan_destroy(kt_capplan *plan);
 
@@ -178,24 +162,18 @@ typedef struct kt_capplan_info {
   int32_t graph_nodes;   /* nodes of the recorded graph the plan ordered blocks by; 0: none */
   int32_t cross_shares;  /* pairs of blocks of different streams (or used on another) the
                           * order let share bytes */
-  /* kt_capplan_create_waiting: the threshold chosen, in wait_by's unit (-1 with
-   * KT_WAIT_NONE: no waits, the plan fit without, could not have them, or would miss
-   * the budget with every one), and the pairs of blocks only a wait lets share bytes */
+  /* kt_capplan_create_within: the threshold chosen (-1: no waits, the plan fit without,
+   * could not have them, or would miss the budget with every one), and the pairs of
+   * blocks only a wait lets share bytes */
   int64_t wait_gap;
   int32_t wait_shares;
   uint64_t budget;       /* as given (UINT64_MAX: kt_capplan_create) */
   size_t unwaited_bytes; /* the plan's extent without waits */
-  kt_wait_by wait_by;    /* what wait_gap counts; KT_WAIT_NONE: the plan has no waits */
 } kt_capplan_info;
 kt_status kt_capplan_get_info(const kt_capplan *plan, kt_capplan_info *out);
 /* Planned block j (the recorded blocks freed when planned, in recorded order): its
  * offset in the arena and its size. */
 kt_status kt_capplan_get_block(const kt_capplan *plan, int32_t j, uint64_t *offset, uint64_t *size);
-/* For analysis and replays (a plan with waits): planned block j's wait keys. A wait
- * let block i's bytes go to a later block j when both could be waited for and
- * to_j - from_i >= wait_gap (by gap: from is the free event, to the allocation's).
- * KT_ERR_UNAVAILABLE for a plan without waits. */
-kt_status kt_capplan_get_wait_keys(const kt_capplan *plan, int32_t j, int64_t *from, int64_t *to);
 /* For analysis (the bridge's KITSUNE_CAPPLAN_LOG): the pairs of planned blocks
  * kt_capplan_create let share bytes, from the recording it was made from. bits holds
  * n * n bits, row-major: bit i * n + j is set when block i's life ends at or before
@@ -225,7 +203,7 @@ kt_status kt_placer_set_order(kt_placer *pl, const kt_capture_order *ord);
 void kt_placer_end(kt_placer *pl);
 /* KT_OK with *out in the arena, or KT_ERR_UNAVAILABLE (not placing, no planned
  * block of this size ahead, or the checks above refuse it). size 0: UNAVAILABLE.
- * By a plan with waits (kt_capplan_info.wait_by != KT_WAIT_NONE), an overlap with freed blocks
+ * By a plan with waits (kt_capplan_info.wait_gap >= 0), an overlap with freed blocks
  * that the order does not put first, all of them noted on it, is bought with one
  * call of the order's wait (the stream then waits for the nodes their streams had
  * reached at their frees that it does not follow yet) and checked again. */

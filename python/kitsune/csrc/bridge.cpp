@@ -225,11 +225,9 @@ kt_status capture_wait(void* ctx, kt_stream_t stream, const uint64_t* nodes, siz
 // planned blocks it let share bytes to DIR/capplan_<pid>_<n>_share.txt (a line a
 // planned block i, in the CSV's order of planned blocks: "i: j ..." for each j that may
 // reuse i's bytes by the order; plans of up to KT_CAPPLAN_ORDER_MAX_BLOCKS blocks; a plan
-// with waits also lets the pairs share that its header's wait_gap and the rows' wait
-// keys name: wait_to of the later block less wait_from of the earlier at least wait_gap,
-// both waitable: kt_capplan_get_wait_keys), for analysis off the GPU
-// (tools/capplan_log.py, tools/capplan_pack.py, bench/capplan_logs.c). Best effort: a
-// file that cannot be written is skipped.
+// with waits also lets the pairs its header's wait_gap names share), for analysis off
+// the GPU (tools/capplan_log.py, tools/capplan_pack.py). Best effort: a file that cannot
+// be written is skipped.
 void log_plan(const kt_caprec* rec, const kt_capplan* plan) {
   static const char* dir = std::getenv("KITSUNE_CAPPLAN_LOG");
   static std::atomic<int> seq{0};
@@ -252,10 +250,10 @@ void log_plan(const kt_caprec* rec, const kt_capplan* plan) {
   }
   FILE* f = std::fopen((path + ".csv").c_str(), "w");
   if (!f) return;
-  std::fprintf(f, "# plan_bytes %zu peak_bytes %zu stream_peak_bytes %zu graph_nodes %d cross_shares %d wait_gap %lld "
-               "wait_by %d\n", pi.plan_bytes, pi.peak_bytes, pi.group_peak_bytes, pi.graph_nodes, pi.cross_shares,
-               static_cast<long long>(pi.wait_gap), static_cast<int>(pi.wait_by));
-  std::fprintf(f, "block,size,stream,start,end,after,uses,unordered,offset,wait_from,wait_to\n");
+  std::fprintf(f, "# plan_bytes %zu peak_bytes %zu stream_peak_bytes %zu graph_nodes %d cross_shares %d wait_gap %lld\n",
+               pi.plan_bytes, pi.peak_bytes, pi.group_peak_bytes, pi.graph_nodes, pi.cross_shares,
+               static_cast<long long>(pi.wait_gap));
+  std::fprintf(f, "block,size,stream,start,end,after,uses,unordered,offset\n");
   kt_caprec_info ri;
   kt_caprec_get_info(rec, &ri);
   std::vector<kt_stream_t> streams;
@@ -266,16 +264,9 @@ void log_plan(const kt_caprec* rec, const kt_capplan* plan) {
     while (k < streams.size() && streams[k] != b.stream) k++;
     if (k == streams.size()) streams.push_back(b.stream);
     uint64_t off = 0, size = 0;
-    int64_t from = 0, to = 0;   // 0, 0 for blocks not planned and plans without waits
-    long long o = -1;
-    if (b.end >= 0 && kt_capplan_get_block(plan, j, &off, &size) == KT_OK) {
-      o = static_cast<long long>(off);
-      if (kt_capplan_get_wait_keys(plan, j, &from, &to) != KT_OK) from = to = 0;
-      j++;
-    }
-    std::fprintf(f, "%d,%llu,%zu,%lld,%lld,%d,%d,%d,%lld,%lld,%lld\n", i, static_cast<unsigned long long>(b.size), k,
-                 static_cast<long long>(b.start), static_cast<long long>(b.end), b.after, b.uses, b.unordered, o,
-                 static_cast<long long>(from), static_cast<long long>(to));
+    long long o = b.end >= 0 && kt_capplan_get_block(plan, j++, &off, &size) == KT_OK ? static_cast<long long>(off) : -1;
+    std::fprintf(f, "%d,%llu,%zu,%lld,%lld,%d,%d,%d,%lld\n", i, static_cast<unsigned long long>(b.size), k,
+                 static_cast<long long>(b.start), static_cast<long long>(b.end), b.after, b.uses, b.unordered, o);
   }
   std::fclose(f);
 }
@@ -1045,30 +1036,27 @@ __attribute__((visibility("default"))) int kt_bridge_pool_take_recording(int dev
   if (!g_allocator) return KT_ERR_UNAVAILABLE;
   return g_allocator->take_recording(static_cast<c10::DeviceIndex>(device), {id0, id1}, out);
 }
-// The plan of a taken recording within budget bytes (< 0: none), its waits chosen by
-// `by` (kt_wait_by; KT_WAIT_NONE: kt_capplan_create_within's default).
-// info[16]: planned blocks, arena bytes, plan bytes, live peak, recorded blocks, of them
+// The plan of a taken recording within budget bytes (< 0: none; kt_capplan_create_within).
+// info[15]: planned blocks, arena bytes, plan bytes, live peak, recorded blocks, of them
 // still live (left out), freed after the capture, the sum of the streams' live peaks,
 // the recorded graph's nodes (0: streams kept apart), pairs shared across streams, the
-// graph's programmatic edges and, of them, those counted as ordering, the wait threshold
-// (-1 without waits), the pairs only waits let share, the plan's bytes without waits,
-// what the waits were chosen by (KT_WAIT_NONE: no waits).
-__attribute__((visibility("default"))) int kt_bridge_recording_plan(const TakenRecording* t, int64_t budget, int by,
+// graph's programmatic edges and, of them, those counted as ordering, the wait gap (-1:
+// none), the pairs only waits let share, the plan's bytes without waits.
+__attribute__((visibility("default"))) int kt_bridge_recording_plan(const TakenRecording* t, int64_t budget,
                                                                     kt_capplan** out, int64_t* info) {
   if (!t || !out || !info) return KT_ERR_INVALID;
   kt_caprec_info ri;
   kt_caprec_get_info(t->rec, &ri);
-  kt_status st = kt_capplan_create_waiting(t->rec, budget < 0 ? UINT64_MAX : static_cast<uint64_t>(budget),
-                                           by == KT_WAIT_NONE ? KT_WAIT_DEFAULT : static_cast<kt_wait_by>(by), out);
+  kt_status st = kt_capplan_create_within(t->rec, budget < 0 ? UINT64_MAX : static_cast<uint64_t>(budget), out);
   if (st != KT_OK) return st;
   log_plan(t->rec, *out);
   kt_capplan_info ci;
   kt_capplan_get_info(*out, &ci);
-  int64_t v[16] = {ci.blocks, static_cast<int64_t>(ci.arena_bytes), static_cast<int64_t>(ci.plan_bytes),
+  int64_t v[15] = {ci.blocks, static_cast<int64_t>(ci.arena_bytes), static_cast<int64_t>(ci.plan_bytes),
                    static_cast<int64_t>(ci.peak_bytes), ri.blocks, ri.live, ri.freed_after,
                    static_cast<int64_t>(ci.group_peak_bytes), ci.graph_nodes, ci.cross_shares,
                    t->programmatic, t->programmatic_ordered, ci.wait_gap, ci.wait_shares,
-                   static_cast<int64_t>(ci.unwaited_bytes), ci.wait_by};
+                   static_cast<int64_t>(ci.unwaited_bytes)};
   std::memcpy(info, v, sizeof v);
   return KT_OK;
 }

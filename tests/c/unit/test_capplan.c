@@ -806,8 +806,7 @@ Test(capplan, within_a_budget_a_wait_buys_bytes_the_order_keeps_apart) {
   cr_assert_eq(kt_capplan_create_within(NULL, 0, &p), KT_ERR_INVALID);
   cr_assert_eq(kt_capplan_create_within(r, 16 * MiB, &p), KT_OK);
   kt_capplan_info in = info_of(p);
-  cr_assert(in.plan_bytes == 16 * MiB && in.wait_by == KT_WAIT_NONE && in.wait_gap == -1 && in.wait_shares == 0,
-            "it fits: no waits");
+  cr_assert(in.plan_bytes == 16 * MiB && in.wait_gap == -1 && in.wait_shares == 0, "it fits: no waits");
   kt_capplan_destroy(p);
   cr_assert_eq(kt_capplan_create_within(r, 8 * MiB, &p), KT_OK);
   in = info_of(p);
@@ -816,7 +815,6 @@ Test(capplan, within_a_budget_a_wait_buys_bytes_the_order_keeps_apart) {
   cr_assert_eq(in.budget, 8 * MiB);
   /* events: x 0, t 1, t freed 2, x freed 3, y 4, z 5. Pairs at least 2 apart (t -> y,
    * x -> z, t -> z) fit 8 MiB; at least 3 (t -> z) leave y no room */
-  cr_assert_eq(in.wait_by, KT_WAIT_BY_GAP, "kt_capplan_create_within's default");
   cr_assert_eq(in.wait_gap, 2, "the largest gap that fits");
   cr_assert_eq(in.wait_shares, 3);
   kt_capplan *tight = NULL;
@@ -824,8 +822,7 @@ Test(capplan, within_a_budget_a_wait_buys_bytes_the_order_keeps_apart) {
   /* 4 MiB is under the live peak (8 MiB, the least any plan takes): no waits, which
    * would order the streams and still miss it */
   cr_assert_eq(info_of(tight).plan_bytes, 16 * MiB);
-  cr_assert(info_of(tight).wait_by == KT_WAIT_NONE && info_of(tight).wait_gap == -1 && info_of(tight).wait_shares == 0,
-            "waits that cannot meet the budget");
+  cr_assert(info_of(tight).wait_gap == -1 && info_of(tight).wait_shares == 0, "waits that cannot meet the budget");
   kt_capplan_destroy(tight);
   kt_caprec_destroy(r);
 
@@ -857,110 +854,6 @@ Test(capplan, within_a_budget_a_wait_buys_bytes_the_order_keeps_apart) {
   cr_assert_eq(pstats(pl).waits, 0);
   kt_placer_destroy(pl);
   kt_capplan_destroy(p);
-}
-
-/* The longest path of the fake graph, in nodes (edges run from earlier nodes to later). */
-static int fg_span(const fgraph *g) {
-  static int lp[FG_EDGES + 1];
-  for (int v = 1; v <= g->nodes; v++) lp[v] = 1;
-  int span = g->nodes ? 1 : 0;
-  for (int e = 0; e < g->ne; e++)
-    if (lp[g->ef[e]] + 1 > lp[g->et[e]]) lp[g->et[e]] = lp[g->ef[e]] + 1;
-  for (int v = 1; v <= g->nodes; v++) span = lp[v] > span ? lp[v] : span;
-  return span;
-}
-
-/* One allocation or free, recorded (r) or placed (pl). */
-static void *lag_alloc(kt_caprec *r, kt_placer *pl, int id, size_t size, kt_stream_t s) {
-  if (pl) return place(pl, size, s);
-  cr_assert_eq(kt_caprec_alloc(r, P(id), size, s), KT_OK);
-  return P(id);
-}
-static void lag_free(kt_caprec *r, kt_placer *pl, void *p) {
-  cr_assert_eq(pl ? kt_placer_free(pl, p) : kt_caprec_free(r, p), KT_OK);
-}
-
-/* S1 launches k, forks S2 and S3: a (4 MiB) on S2 behind a chain of 10 kernels, b
- * (4 MiB) on S3 behind one; both freed (a first, in events), then y (4 MiB) on S1 for
- * 6 kernels; S2 and S3 join S1 at the end. The order lets y share neither's
- * bytes. out: a, b, y. */
-static void lagging(kt_caprec *r, kt_placer *pl, void **out) {
-  fg_begin(&G);
-  fg_launch(&G, S1);
-  fg_join(&G, S2, S1);
-  fg_join(&G, S3, S1);
-  out[0] = lag_alloc(r, pl, 0, 4 * MiB, S2);
-  out[1] = lag_alloc(r, pl, 1, 4 * MiB, S3);
-  for (int k = 0; k < 10; k++) fg_launch(&G, S2);
-  fg_launch(&G, S3);
-  lag_free(r, pl, out[0]);
-  lag_free(r, pl, out[1]);
-  out[2] = lag_alloc(r, pl, 2, 4 * MiB, S1);
-  for (int k = 0; k < 6; k++) fg_launch(&G, S1);
-  lag_free(r, pl, out[2]);
-  fg_join(&G, S1, S2);
-  fg_join(&G, S1, S3);
-  fg_launch(&G, S1);
-}
-
-/* Within the live peak (8 MiB) y must take a's or b's bytes, each bought with a wait.
- * By gap y takes a's (freed 2 recorded events before y, b 1): its stream then waits
- * for S2's chain of 10, and the graph's longest path grows by 6 kernels. By slack it
- * takes b's: S3's one kernel is done by the level y's stream reaches anyway, and the
- * longest path stays. */
-Test(capplan, waits_by_slack_keep_the_longest_path_where_waits_by_gap_lengthen_it) {
-  kt_caprec *r = rec_new();
-  cr_assert_eq(kt_caprec_set_order(r, &ORDER), KT_OK);
-  void *rec[3];
-  lagging(r, NULL, rec);
-  int span0 = fg_span(&G);
-  cr_assert_eq(kt_caprec_end(r), KT_OK);
-  kt_capplan *p = NULL;
-  cr_assert_eq(kt_capplan_create_waiting(r, 8 * MiB, (kt_wait_by)3, &p), KT_ERR_INVALID);
-  cr_assert_eq(kt_capplan_create_waiting(r, 8 * MiB, KT_WAIT_NONE, &p), KT_ERR_INVALID);
-  int spans[2];
-  for (int by = KT_WAIT_BY_GAP; by <= KT_WAIT_BY_SLACK; by++) {
-    cr_assert_eq(kt_capplan_create_waiting(r, 8 * MiB, (kt_wait_by)by, &p), KT_OK);
-    kt_capplan_info in = info_of(p);
-    cr_assert_eq(in.unwaited_bytes, 12 * MiB);
-    cr_assert_eq(in.plan_bytes, 8 * MiB);
-    cr_assert_eq(in.wait_by, (kt_wait_by)by);
-    cr_assert_eq(in.wait_shares, 1, "one pair: y over a (by gap) or over b (by slack)");
-    uint64_t off[3], size;
-    for (int j = 0; j < 3; j++) cr_assert_eq(kt_capplan_get_block(p, j, &off[j], &size), KT_OK);
-    cr_assert_eq(off[2], by == KT_WAIT_BY_GAP ? off[0] : off[1]);
-    int64_t from[3], to[3];
-    for (int j = 0; j < 3; j++) cr_assert_eq(kt_capplan_get_wait_keys(p, j, &from[j], &to[j]), KT_OK);
-    cr_assert_eq(kt_capplan_get_wait_keys(p, 3, &from[0], &to[0]), KT_ERR_INVALID);
-    if (by == KT_WAIT_BY_GAP) {
-      cr_assert(from[0] == 2 && from[1] == 3 && to[2] == 4, "events: a freed 2, b 3, y allocated 4");
-      cr_assert_eq(in.wait_gap, 2);
-    } else {
-      /* levels: k 1, S2's chain 2..11, S3's kernel 2, y's 2..7, the join 12 (span 12);
-       * S1's frontier at y (k) may finish by 1 */
-      cr_assert(from[0] == 11 && from[1] == 2 && to[2] == 1, "a %lld, b %lld, y %lld", (long long)from[0],
-                (long long)from[1], (long long)to[2]);
-      cr_assert_eq(in.wait_gap, -1, "b -> y: 1 - 2");
-    }
-    kt_placer *pl = placer_ordered(&WAITING, p);
-    void *got[3];
-    lagging(NULL, pl, got);
-    cr_assert_eq(got[2], by == KT_WAIT_BY_GAP ? got[0] : got[1]);
-    kt_placer_stats ps = pstats(pl);
-    cr_assert(ps.waits == 1 && ps.placed == 3 && ps.refused == 0);
-    spans[by - 1] = fg_span(&G);
-    kt_placer_destroy(pl);
-    kt_capplan_destroy(p);
-  }
-  cr_assert_eq(span0, 12);
-  cr_assert_eq(spans[0], span0 + 6, "by gap: y's 6 kernels wait for S2's chain");
-  cr_assert_eq(spans[1], span0, "by slack: S3's kernel is done in time");
-  /* a plan without waits has no keys */
-  cr_assert_eq(kt_capplan_create_within(r, 12 * MiB, &p), KT_OK);
-  int64_t f, t;
-  cr_assert_eq(kt_capplan_get_wait_keys(p, 0, &f, &t), KT_ERR_UNAVAILABLE);
-  kt_capplan_destroy(p);
-  kt_caprec_destroy(r);
 }
 
 /* Random Inception-like captures on three streams: blocks forked to side streams,
@@ -1109,9 +1002,8 @@ static void run_branchy(const oop *ops, int n, kt_caprec *r, kt_placer *pl, int 
 Test(capplan, random_branchy_captures_share_across_streams_only_where_the_graph_orders_it) {
   static oop ops[OMAX];
   rng_state = 0x2545f4914f6cdd1dull;
-  int trials = 120, refused_total = 0, placed_total = 0, allocs_total = 0, foreign = 0, waits[2] = {0, 0};
-  int longer[2] = {0, 0};   /* the graphs' longest paths with waits less without, summed */
-  double gain = 0, worst = 0, within[2] = {0, 0};
+  int trials = 120, refused_total = 0, placed_total = 0, allocs_total = 0, foreign = 0, waits = 0;
+  double gain = 0, worst = 0, within = 0;
   for (int t = 0; t < trials; t++) {
     int n = make_branchy(ops), placed, allocs, over = 0;
     kt_caprec *r = rec_new();
@@ -1134,7 +1026,6 @@ Test(capplan, random_branchy_captures_share_across_streams_only_where_the_graph_
     kt_placer *pl = placer_ordered(&ORDER, p);
     run_branchy(ops, n, NULL, pl, 0, &placed, &allocs, &foreign);
     cr_assert_eq(placed, allocs, "trial %d: the recorded capture was not placed in full (%d of %d)", t, placed, allocs);
-    int span = fg_span(&G);   /* the recorded capture placed without waits */
     cr_assert_eq(kt_placer_begin(pl, p), KT_OK);
     run_branchy(ops, n, NULL, pl, 1, &placed, &allocs, &over);
     refused_total += allocs - placed;
@@ -1142,35 +1033,27 @@ Test(capplan, random_branchy_captures_share_across_streams_only_where_the_graph_
     allocs_total += allocs;
     /* within a budget of the live peak: waits buy what the order keeps apart, only
      * where they bring the plan down to it; the oracle checks every placement of both
-     * runs. By gap (the random draws as before), then by slack (the perturbed replay's
-     * draws given back, so the next trials are the same) */
-    for (int by = KT_WAIT_BY_GAP; by <= KT_WAIT_BY_SLACK; by++) {
-      kt_capplan *pw = NULL;
-      cr_assert_eq(kt_capplan_create_waiting(r, in.peak_bytes, (kt_wait_by)by, &pw), KT_OK);
-      kt_capplan_info iw = info_of(pw);
-      cr_assert_leq(iw.plan_bytes, in.plan_bytes);
-      cr_assert_geq(iw.plan_bytes, in.peak_bytes);
-      cr_assert_eq(iw.unwaited_bytes, in.plan_bytes);
-      cr_assert((iw.wait_by != KT_WAIT_NONE) == (iw.plan_bytes < in.plan_bytes), "trial %d: waits chosen that gain "
-                "nothing", t);
-      cr_assert(iw.wait_by == KT_WAIT_NONE || (int)iw.wait_by == by, "trial %d: waits by another criterion", t);
-      cr_assert(iw.wait_by == KT_WAIT_NONE || iw.plan_bytes <= in.peak_bytes, "trial %d: waits that miss the budget", t);
-      within[by - 1] += (double)iw.plan_bytes / (double)in.plan_bytes;
-      cr_assert_eq(kt_placer_set_order(pl, &WAITING), KT_OK);
-      cr_assert_eq(kt_placer_begin(pl, pw), KT_OK);
-      run_branchy(ops, n, NULL, pl, 0, &placed, &allocs, &over);
-      cr_assert_eq(placed, allocs, "trial %d: the recorded capture was not placed in full with waits (%d of %d)", t,
-                   placed, allocs);
-      waits[by - 1] += pstats(pl).waits;
-      longer[by - 1] += fg_span(&G) - span;
-      cr_assert(iw.wait_by != KT_WAIT_NONE || pstats(pl).waits == 0, "trial %d: a wait without a plan for it", t);
-      uint64_t draws = rng_state;
-      cr_assert_eq(kt_placer_begin(pl, pw), KT_OK);
-      run_branchy(ops, n, NULL, pl, 1, &placed, &allocs, &over);
-      if (by == KT_WAIT_BY_SLACK) rng_state = draws;
-      kt_capplan_destroy(pw);
-    }
+     * runs */
+    kt_capplan *pw = NULL;
+    cr_assert_eq(kt_capplan_create_within(r, in.peak_bytes, &pw), KT_OK);
+    kt_capplan_info iw = info_of(pw);
+    cr_assert_leq(iw.plan_bytes, in.plan_bytes);
+    cr_assert_geq(iw.plan_bytes, in.peak_bytes);
+    cr_assert_eq(iw.unwaited_bytes, in.plan_bytes);
+    cr_assert((iw.wait_gap >= 0) == (iw.plan_bytes < in.plan_bytes), "trial %d: waits chosen that gain nothing", t);
+    cr_assert(iw.wait_gap < 0 || iw.plan_bytes <= in.peak_bytes, "trial %d: waits that miss the budget", t);
+    within += (double)iw.plan_bytes / (double)in.plan_bytes;
+    cr_assert_eq(kt_placer_set_order(pl, &WAITING), KT_OK);
+    cr_assert_eq(kt_placer_begin(pl, pw), KT_OK);
+    run_branchy(ops, n, NULL, pl, 0, &placed, &allocs, &over);
+    cr_assert_eq(placed, allocs, "trial %d: the recorded capture was not placed in full with waits (%d of %d)", t,
+                 placed, allocs);
+    waits += pstats(pl).waits;
+    cr_assert(iw.wait_gap >= 0 || pstats(pl).waits == 0, "trial %d: a wait without a plan for it", t);
+    cr_assert_eq(kt_placer_begin(pl, pw), KT_OK);
+    run_branchy(ops, n, NULL, pl, 1, &placed, &allocs, &over);
     kt_placer_destroy(pl);
+    kt_capplan_destroy(pw);
     kt_capplan_destroy(p);
     kt_capplan_destroy(p0);
     kt_caprec_destroy(r);
@@ -1178,13 +1061,10 @@ Test(capplan, random_branchy_captures_share_across_streams_only_where_the_graph_
   }
   cr_log_info("ordered plan: %.3fx smaller than streams kept apart (mean), worst %.3fx the live peak; %d placements "
               "over blocks of or used on another stream; perturbed: placed %d of %d; within the live peak: %.3fx the "
-              "ordered plan (mean), %d waits, the longest paths %d kernels longer in all; by slack %.3fx, %d waits, "
-              "%d kernels longer", gain / trials, worst, foreign, placed_total, allocs_total, within[0] / trials,
-              waits[0], longer[0], within[1] / trials, waits[1], longer[1]);
-  for (int k = 0; k < 2; k++) {
-    cr_assert_lt(within[k] / trials, 0.98, "waits hardly made the plans smaller");
-    cr_assert_gt(waits[k], 0);
-  }
+              "ordered plan (mean), %d waits", gain / trials, worst, foreign, placed_total, allocs_total,
+              within / trials, waits);
+  cr_assert_lt(within / trials, 0.98, "waits hardly made the plans smaller");
+  cr_assert_gt(waits, 0);
   cr_assert_gt(gain / trials, 1.05, "the order hardly changed the plans");
   cr_assert_gt(foreign, 0, "no placement ever reused a block used on another stream");
   cr_assert_gt(refused_total, 0, "the perturbations never made a placement refused");

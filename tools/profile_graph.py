@@ -13,7 +13,9 @@ A model may name its batch size (inception:8). PGRAPH_TIMELINE=1 adds one replay
 timeline: each GPU operation's start (us from the step's first), duration, stream and
 name, then the step's span, the time some stream runs a kernel (the union of the
 intervals), each stream's busy time, and the idle gaps over 1 us with the operations
-either side.
+either side. PGRAPH_PLANNED=1 profiles bench/models.py's planned setting instead:
+Kitsune's allocator installed first (compile_step then plans its graph's memory) and
+cudnn.benchmark off; set TORCH_CUDNN_USE_HEURISTIC_MODE_B=1 beside it for mode B.
 """
 import json
 import os
@@ -89,8 +91,14 @@ def warmed(name, recipe):
 
 
 def main():
-    torch.backends.cudnn.benchmark = True
-    print(f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
+    planned = os.environ.get("PGRAPH_PLANNED") == "1"
+    if planned:   # before CUDA starts, as bench/models.py --kitsune-allocator
+        import kitsune
+        kitsune.allocator.install()
+    torch.backends.cudnn.benchmark = not planned
+    print(f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
+          f"{'planned (Kitsune allocator, cudnn.benchmark off)' if planned else 'cudnn.benchmark on'}, "
+          f"TORCH_CUDNN_USE_HEURISTIC_MODE_B={os.environ.get('TORCH_CUDNN_USE_HEURISTIC_MODE_B')}")
     for name in sys.argv[1:] or ["mlp"]:
         for recipe in os.environ.get("PGRAPH_RECIPES", "stock_graph kitsune").split():
             step, model, data = warmed(name, recipe)
@@ -106,6 +114,10 @@ def main():
             rows = kernels(step, data[0])
             print(f"== {name} {recipe}: {a.elapsed_time(b) / 20:.3f} ms a step (host {host:.3f} ms a step); kernels "
                   f"{sum(r[0] for r in rows):.1f} us, {sum(r[1] for r in rows):.0f} launches a step")
+            mp = (step.stats().get("memory_plan") or {}) if hasattr(step, "stats") else {}
+            if mp.get("plan_bytes") is not None:
+                print(f"  memory plan {mp['plan_bytes'] / 2**20:.1f} MiB, {mp.get('waits')} waits (gap "
+                      f"{mp.get('wait_gap')}), budget {(mp.get('budget') or 0) / 2**20:.1f} MiB")
             for us, c, k in rows[:int(os.environ.get("PGRAPH_ROWS", 18))]:
                 print(f"  {us:8.1f} us  {c:5.1f}x  {k[:110]}")
             if os.environ.get("PGRAPH_TIMELINE"):

@@ -76,7 +76,7 @@ def child(model_name, config, steps):
     sys.path.insert(0, HERE)
     sys.path.insert(0, os.path.join(HERE, "kernels"))
     import kitsune
-    from models import build_spec
+    from models import build_spec, fresh_peak
 
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
@@ -94,10 +94,7 @@ def child(model_name, config, steps):
     for i in range(5):
         eager(*data[i % len(data)])
     opt.zero_grad(set_to_none=True)
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+    fresh_peak()
     static, static_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     eager(*data[5 % len(data)])
     torch.cuda.synchronize()

@@ -223,11 +223,18 @@ def make(recipe, model, loss_fn):
     return step, step
 
 
-def run(recipe, base, loss_fn, data, steps):
-    gc.collect()   # what earlier recipes left (compiled graphs, graph pools) must not count as this one's
+def fresh_peak():
+    """What earlier recipes left (compiled graphs, graph pools) is freed and the device's
+    peak starts now: a recipe's peak memory, and compile_step's plan budget (its warm-up's
+    rise over the peak since the last reset), are then its own."""
+    gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
+
+
+def run(recipe, base, loss_fn, data, steps):
+    fresh_peak()
     alloc0, reserved0 = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     model = copy.deepcopy(base)
     t0 = time.perf_counter()

@@ -84,13 +84,11 @@ def warmed(name, recipe):
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     model, loss_fn, data = models.build_spec(name, gen)
-    # as bench/models.py's child and run: the model's eager warm-up, then the device's
-    # peak starts here, so compile_step's plan budget (the warm-up's rise over an earlier
-    # peak; a fresh process's first step also makes its library workspaces) is the bench's
+    # as bench/models.py's child and run, so that compile_step plans within the bench's
+    # budget (without the eager steps the branchy net at batch 8 planned within 104.9 MiB,
+    # not 41.0: bench/results/h100_profile_graph_inception8_fresh_1142736.log)
     models.warm_up(model, loss_fn, data)
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+    models.fresh_peak()
     step, _ = models.make(recipe, model, loss_fn)
     for i in range(5):
         step(*data[i % len(data)])
@@ -123,8 +121,9 @@ def main():
                   f"{sum(r[0] for r in rows):.1f} us, {sum(r[1] for r in rows):.0f} launches a step")
             mp = (step.stats().get("memory_plan") or {}) if hasattr(step, "stats") else {}
             if mp.get("plan_bytes") is not None:
+                budget = "none" if mp.get("budget") is None else f"{mp['budget'] / 2**20:.1f} MiB"
                 print(f"  memory plan {mp['plan_bytes'] / 2**20:.1f} MiB, {mp.get('waits')} waits (gap "
-                      f"{mp.get('wait_gap')}), budget {(mp.get('budget') or 0) / 2**20:.1f} MiB")
+                      f"{mp.get('wait_gap')}), budget {budget}")
             for us, c, k in rows[:int(os.environ.get("PGRAPH_ROWS", 18))]:
                 print(f"  {us:8.1f} us  {c:5.1f}x  {k[:110]}")
             if os.environ.get("PGRAPH_TIMELINE"):

@@ -316,6 +316,8 @@ struct kt_caprec {
   kt_capture_order ord;  /* ord.frontier NULL: none */
   tokens tok;
   capdag dag;            /* the graph, taken at the end */
+  ptrmap timed;          /* node id -> index into times (kt_caprec_set_times) */
+  int64_t *times;        /* when each timed node finished, ns */
 };
 
 kt_status kt_caprec_create(kt_caprec **out) {
@@ -329,6 +331,8 @@ kt_status kt_caprec_create(kt_caprec **out) {
 void kt_caprec_destroy(kt_caprec *r) {
   if (!r) return;
   pm_free(&r->live);
+  pm_free(&r->timed);
+  free(r->times);
   dag_free(&r->dag);
   free(r->tok.v);
   free(r->b);
@@ -386,6 +390,31 @@ kt_status kt_caprec_end(kt_caprec *r) {
   if (!r) return KT_ERR_INVALID;
   if (!r->ended && r->ord.edges && dag_snapshot(&r->dag, &r->ord) != KT_OK) dag_free(&r->dag);
   r->ended = 1;
+  return KT_OK;
+}
+
+kt_status kt_caprec_set_times(kt_caprec *r, const uint64_t *nodes, const int64_t *finish_ns, size_t n) {
+  if (!r || (n && (!nodes || !finish_ns)) || n > (size_t)INT32_MAX / 4) return KT_ERR_INVALID;
+  ptrmap m = {0};
+  int64_t *v = malloc((n + 1) * sizeof *v);
+  kt_status st = v ? KT_OK : KT_ERR_HOST_OOM;
+  for (size_t k = 0; k < n && st == KT_OK; k++) {
+    if (!nodes[k] || pm_get(&m, (uintptr_t)nodes[k]) >= 0) st = KT_ERR_INVALID;   /* 0 or a duplicate */
+    if (st == KT_OK) st = pm_reserve_one(&m);
+    if (st == KT_OK) {
+      v[k] = finish_ns[k];
+      pm_insert(&m, (uintptr_t)nodes[k], (int32_t)k);
+    }
+  }
+  if (st != KT_OK) {
+    pm_free(&m);
+    free(v);
+    return st;
+  }
+  pm_free(&r->timed);
+  free(r->times);
+  r->timed = m;
+  r->times = v;
   return KT_OK;
 }
 
@@ -463,17 +492,25 @@ static int order_bit(const order_bits *o, int32_t i, int32_t j) {
 static int order_share(void *ctx, int32_t i, int32_t j) { return order_bit(ctx, i, j); }
 
 /* What a plan with waits lets share: the order's pairs, and those where the earlier
- * block may be waited for (waitable[i]) and the later starts at least gap recorded
- * events after it ends. */
+ * block may be waited for (waitable[i]) and the later one is at least gap after it:
+ * in recorded events from i's free to j's allocation, or, with the recorded graph's
+ * node times (kt_caprec_set_times), in ns from when the work i's streams had reached
+ * at its free finished to when the work j's stream had reached at its allocation
+ * finished (the slack a wait of j's stream on i's work has in a replay without it). */
 typedef struct wait_share {
   const order_bits *ob;
   const kt_memplan_block *mb;
   const uint8_t *waitable;
+  const int64_t *freed, *ready;   /* per planned block, ns; NULL: by recorded events */
   int64_t gap;
 } wait_share;
 
+static int64_t wait_metric(const wait_share *w, int32_t i, int32_t j) {
+  return w->freed ? w->ready[j] - w->freed[i] : w->mb[j].start - w->mb[i].end;
+}
+
 static int waited(const wait_share *w, int32_t i, int32_t j) {
-  return w->waitable[i] && w->waitable[j] && w->mb[j].start - w->mb[i].end >= w->gap;
+  return w->waitable[i] && w->waitable[j] && wait_metric(w, i, j) >= w->gap;
 }
 
 static int share_or_wait(void *ctx, int32_t i, int32_t j) {
@@ -551,20 +588,77 @@ static int32_t planned_count(const kt_caprec *r) {
 
 static int plan_ordered(const kt_caprec *r, int32_t n) { return r->dag.valid && n <= KT_CAPPLAN_ORDER_MAX_BLOCKS; }
 
+/* *out: when the latest of nodes (count tokens from first) finished, ns; 0 (the
+ * graph's start) for none. 0 returned when a node has no time. */
+static int latest(const kt_caprec *r, int32_t first, int32_t count, int64_t *out) {
+  int64_t t = 0;
+  for (int32_t k = 0; k < count; k++) {
+    int32_t x = pm_get(&r->timed, (uintptr_t)r->tok.v[first + k]);
+    if (x < 0) return 0;
+    if (r->times[x] > t) t = r->times[x];
+  }
+  *out = t;
+  return 1;
+}
+
+/* With node times for every waitable block's frontiers: w->freed and w->ready, and in
+ * *lo / *hi the least metric of a pair a wait would let share and one past the most.
+ * Else w stays by recorded events (lo 0, hi past the last event). */
+static kt_status time_waits(const kt_caprec *r, const int32_t *src, int32_t n, wait_share *w, int64_t *lo,
+                            int64_t *hi) {
+  *lo = 0;
+  *hi = r->t + 1;   /* no pair is that far apart, so no waits */
+  if (!r->timed.n) return KT_OK;
+  int64_t *freed = malloc(((size_t)n + 1) * sizeof *freed), *ready = malloc(((size_t)n + 1) * sizeof *ready);
+  if (!freed || !ready) {
+    free(freed);
+    free(ready);
+    return KT_ERR_HOST_OOM;
+  }
+  int ok = 1;
+  for (int32_t j = 0; j < n && ok; j++) {
+    const rec_block *b = &r->b[src[j]];
+    freed[j] = ready[j] = 0;
+    if (w->waitable[j]) ok = latest(r, b->o.ff, b->o.nff, &freed[j]) && latest(r, b->af, b->naf, &ready[j]);
+  }
+  if (!ok) {   /* a node without a time (not of the timed graph): by recorded events */
+    free(freed);
+    free(ready);
+    return KT_OK;
+  }
+  w->freed = freed;
+  w->ready = ready;
+  int64_t least = INT64_MAX, most = INT64_MIN;
+  for (int32_t i = 0; i < n; i++)
+    for (int32_t j = 0; j < n; j++)
+      if (i != j && w->mb[i].end <= w->mb[j].start && w->waitable[i] && w->waitable[j] &&
+          !order_bit(w->ob, i, j)) {
+        int64_t m = wait_metric(w, i, j);
+        if (m < least) least = m;
+        if (m > most) most = m;
+      }
+  *lo = least == INT64_MAX ? 0 : least;
+  *hi = least == INT64_MAX ? 1 : most + 1;
+  return KT_OK;
+}
+
 /* The plan with waits (kt_capplan_create_within), when its extent without them,
- * *total, passes budget: the largest gap whose packing fits (bisection over the
- * recorded events; the packings need not shrink monotonically as the gap falls, so
- * the one kept is one that was seen to fit). When not even gap 0, every waitable
- * pair, fits, no waits: each orders one stream after another's work, and buying them
- * for bytes that still miss the budget cost ResNet-18's planned step 18% (23 waits
- * for 1.5 MiB of 88.6; 1.391 ms a step against 1.177 without a plan, H100,
- * bench/results/models_planned_mode_b_60f753b.json). off and *total are replaced only
- * by a smaller plan that fits. */
+ * *total, passes budget: the largest threshold (gap) whose packing fits, found by
+ * bisection over the pairs' metric (wait_share); the packings need not shrink
+ * monotonically as the gap falls, so the one kept is one that was seen to fit. When
+ * not even every waitable pair fits, no waits: each orders one stream after another's
+ * work, and buying them for bytes that still miss the budget cost ResNet-18's planned
+ * step 18% (23 waits for 1.5 MiB of 88.6; 1.391 ms a step against 1.177 without a
+ * plan, H100, bench/results/models_planned_mode_b_60f753b.json). off and *total are
+ * replaced only by a smaller plan that fits. Out: the fewest recorded events between
+ * a waited pair (-1: no waits), their count, and whether node times chose them and
+ * the threshold in ns they met (INT64_MIN: not timed). */
 static kt_status fit_with_waits(const kt_caprec *r, const int32_t *src, const kt_memplan_block *mb, int32_t n,
                                 const order_bits *ob, uint64_t budget, uint64_t *off, uint64_t *total,
-                                int64_t *gap_out, int32_t *pairs_out) {
+                                int64_t *gap_out, int32_t *pairs_out, int32_t *timed_out, int64_t *slack_out) {
   *gap_out = -1;
-  *pairs_out = 0;
+  *slack_out = INT64_MIN;
+  *pairs_out = *timed_out = 0;
   uint8_t *waitable = calloc((size_t)n + 1, 1);
   uint64_t *trial = malloc(((size_t)n + 1) * sizeof *trial);
   kt_status st = waitable && trial ? KT_OK : KT_ERR_HOST_OOM;
@@ -572,11 +666,13 @@ static kt_status fit_with_waits(const kt_caprec *r, const int32_t *src, const kt
     const rec_block *b = &r->b[src[j]];
     waitable[j] = !b->after && !b->o.unordered;
   }
-  wait_share w = {ob, mb, waitable, 0};
+  wait_share w = {ob, mb, waitable, NULL, NULL, 0};
+  int64_t lo = 0, hi = 1;
+  if (st == KT_OK) st = time_waits(r, src, n, &w, &lo, &hi);
   uint64_t got = 0;
+  w.gap = lo;   /* every waitable pair */
   if (st == KT_OK) st = kt_memplan_shared(mb, n, KT_CAPPLAN_ALIGN, share_or_wait, &w, trial, &got);
   if (st == KT_OK && got < *total && got <= budget) {
-    int64_t lo = 0, hi = r->t + 1;   /* hi: no pair is that far apart, so no waits */
     uint64_t best = got;
     memcpy(off, trial, (size_t)n * sizeof *off);
     while (hi - lo > 1 && st == KT_OK) {
@@ -593,12 +689,20 @@ static kt_status fit_with_waits(const kt_caprec *r, const int32_t *src, const kt
     if (st == KT_OK) {
       w.gap = lo;
       *total = best;
-      *gap_out = lo;
+      *timed_out = w.freed != NULL;
+      *slack_out = w.freed ? lo : INT64_MIN;
+      int64_t least = INT64_MAX;   /* the fewest recorded events between a waited pair */
       for (int32_t i = 0; i < n; i++)
         for (int32_t j = 0; j < n; j++)
-          *pairs_out += i != j && mb[i].end <= mb[j].start && !order_bit(ob, i, j) && waited(&w, i, j);
+          if (i != j && mb[i].end <= mb[j].start && !order_bit(ob, i, j) && waited(&w, i, j)) {
+            ++*pairs_out;
+            if (mb[j].start - mb[i].end < least) least = mb[j].start - mb[i].end;
+          }
+      *gap_out = *pairs_out ? least : -1;
     }
   }
+  free((void *)w.freed);
+  free((void *)w.ready);
   free(waitable);
   free(trial);
   return st;
@@ -636,12 +740,12 @@ kt_status kt_capplan_create_within(const kt_caprec *r, uint64_t budget, kt_cappl
   if (st == KT_OK)
     st = kt_memplan_shared(mb, n, KT_CAPPLAN_ALIGN, ordered ? order_share : NULL, &ob, p->off, &total);
   uint64_t unwaited = total;
-  int64_t wait_gap = -1;
-  int32_t wait_pairs = 0;
+  int64_t wait_gap = -1, wait_slack = INT64_MIN;
+  int32_t wait_pairs = 0, wait_timed = 0;
   if (st == KT_OK) st = kt_memplan_peak(mb, n, KT_CAPPLAN_ALIGN, &peak);
   /* a live peak past the budget: no plan meets it, so no waits (fit_with_waits) */
   if (st == KT_OK && total > budget && peak <= budget && ordered && n <= KT_CAPPLAN_WAIT_MAX_BLOCKS)
-    st = fit_with_waits(r, src, mb, n, &ob, budget, p->off, &total, &wait_gap, &wait_pairs);
+    st = fit_with_waits(r, src, mb, n, &ob, budget, p->off, &total, &wait_gap, &wait_pairs, &wait_timed, &wait_slack);
   if (st == KT_OK) st = sum_group_peaks(mb, n, nseen, &group_peak);
   free(ob.bits);
   free(mb);
@@ -653,7 +757,7 @@ kt_status kt_capplan_create_within(const kt_caprec *r, uint64_t budget, kt_cappl
   p->n = n;
   p->info = (kt_capplan_info){n, (size_t)total, (size_t)total, (size_t)peak,
                               (size_t)group_peak, ordered ? r->dag.n : 0, cross, wait_gap, wait_pairs,
-                              budget, (size_t)unwaited};
+                              budget, (size_t)unwaited, wait_timed, wait_slack};
   *out = p;
   return KT_OK;
 }
@@ -845,7 +949,7 @@ kt_status kt_placer_begin(kt_placer *pl, const kt_capplan *plan) {
   pl->cursor = 0;
   pl->epoch++;
   pl->placed = pl->refused = pl->waits = 0;
-  pl->may_wait = plan->info.wait_gap >= 0 && pl->ord.wait != NULL;
+  pl->may_wait = plan->info.wait_shares > 0 && pl->ord.wait != NULL;
   pl->tok.n = 0;
   dag_free(&pl->dag);   /* another capture's graph */
   pl->plan_bytes = plan->info.plan_bytes;

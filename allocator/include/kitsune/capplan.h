@@ -107,6 +107,12 @@ kt_status kt_caprec_end(kt_caprec *rec);
 /* Notes the order of the capture's work from now on (ord is copied; NULL: none). */
 kt_status kt_caprec_set_order(kt_caprec *rec, const kt_capture_order *ord);
 
+/* When each node of the recorded graph finished in a replay of it (ns from the
+ * replay's start; nodes as the order's callbacks named them, nonzero and each once):
+ * kt_capplan_create_within then buys its waits by them (below). n 0: none again.
+ * Replaces what an earlier call set; on error nothing changes. */
+kt_status kt_caprec_set_times(kt_caprec *rec, const uint64_t *nodes, const int64_t *finish_ns, size_t n);
+
 typedef struct kt_caprec_info {
   int32_t blocks;        /* allocations recorded */
   int32_t live;          /* of them, still live */
@@ -142,7 +148,11 @@ kt_status kt_capplan_create(const kt_caprec *rec, kt_capplan **out);
  * overlap between streams, so they are bought from the far end: pairs whose gap (the
  * recorded events from the earlier block's free to the later one's allocation) is at
  * least a threshold, the largest threshold whose plan fits the budget (found by
- * bisection). When not even every such pair fits, no waits: they would order the
+ * bisection). With node times (kt_caprec_set_times) for every node the waitable
+ * blocks' frontiers name, a pair's gap is instead its slack in that replay: when the
+ * work the later block's stream had reached at its allocation finished, less when
+ * the work that used the earlier block had (ns); a wait with slack cost that replay
+ * nothing. When not even every such pair fits, no waits: they would order the
  * streams and still miss the budget. Only with an order (the recording's graph) and up to
  * KT_CAPPLAN_WAIT_MAX_BLOCKS planned blocks; blocks freed after the capture or noted
  * on no order are never waited for. kt_capplan_info says what was chosen. */
@@ -162,13 +172,16 @@ typedef struct kt_capplan_info {
   int32_t graph_nodes;   /* nodes of the recorded graph the plan ordered blocks by; 0: none */
   int32_t cross_shares;  /* pairs of blocks of different streams (or used on another) the
                           * order let share bytes */
-  /* kt_capplan_create_within: the threshold chosen (-1: no waits, the plan fit without,
-   * could not have them, or would miss the budget with every one), and the pairs of
-   * blocks only a wait lets share bytes */
+  /* kt_capplan_create_within: the fewest recorded events between a pair of blocks
+   * only a wait lets share bytes (the threshold, when chosen by events; -1: no waits,
+   * the plan fit without, could not have them, or would miss the budget with every
+   * one), and how many such pairs there are */
   int64_t wait_gap;
   int32_t wait_shares;
   uint64_t budget;       /* as given (UINT64_MAX: kt_capplan_create) */
   size_t unwaited_bytes; /* the plan's extent without waits */
+  int32_t wait_timed;    /* 1: the waits were chosen by node times */
+  int64_t wait_slack_ns; /* then the least slack a waited pair had (INT64_MIN: not timed) */
 } kt_capplan_info;
 kt_status kt_capplan_get_info(const kt_capplan *plan, kt_capplan_info *out);
 /* Planned block j (the recorded blocks freed when planned, in recorded order): its

@@ -856,6 +856,117 @@ Test(capplan, within_a_budget_a_wait_buys_bytes_the_order_keeps_apart) {
   kt_capplan_destroy(p);
 }
 
+/* Two blocks a wait could give c (S1) the bytes of, within a budget that fits one:
+ * b on S3, freed first, whose kernel ran long, and a on S2, freed later, whose kernel
+ * finished early. Events: b 0, b freed 1, a 2, a freed 3, c 4, c freed 5. With the
+ * graph's kernels (records or places: pl NULL records into r) in nodes: b's, a's,
+ * S1's before c, c's. */
+static void two_sides(kt_caprec *r, kt_placer *pl, uint64_t *nodes, void **out) {
+  void *b = P(0), *a = P(1), *c = P(2);
+  fg_begin(&G);
+  fg_join(&G, S2, S1);
+  fg_join(&G, S3, S1);
+  if (pl) b = place(pl, 4 * MiB, S3);
+  else cr_assert_eq(kt_caprec_alloc(r, b, 4 * MiB, S3), KT_OK);
+  nodes[0] = fg_launch(&G, S3);
+  cr_assert_eq(pl ? kt_placer_free(pl, b) : kt_caprec_free(r, b), KT_OK);
+  if (pl) a = place(pl, 4 * MiB, S2);
+  else cr_assert_eq(kt_caprec_alloc(r, a, 4 * MiB, S2), KT_OK);
+  nodes[1] = fg_launch(&G, S2);
+  cr_assert_eq(pl ? kt_placer_free(pl, a) : kt_caprec_free(r, a), KT_OK);
+  nodes[2] = fg_launch(&G, S1);
+  if (pl) c = place(pl, 4 * MiB, S1);
+  else cr_assert_eq(kt_caprec_alloc(r, c, 4 * MiB, S1), KT_OK);
+  nodes[3] = fg_launch(&G, S1);
+  cr_assert_eq(pl ? kt_placer_free(pl, c) : kt_caprec_free(r, c), KT_OK);
+  if (out) {
+    out[0] = b;
+    out[1] = a;
+    out[2] = c;
+  }
+}
+
+static uint64_t offset_of(const kt_capplan *p, int32_t j) {
+  uint64_t off = 0, size = 0;
+  cr_assert_eq(kt_capplan_get_block(p, j, &off, &size), KT_OK);
+  return off;
+}
+
+static kt_capplan *within(const kt_caprec *r, uint64_t budget) {
+  kt_capplan *p = NULL;
+  cr_assert_eq(kt_capplan_create_within(r, budget, &p), KT_OK);
+  return p;
+}
+
+Test(capplan, with_node_times_a_wait_is_bought_where_it_has_slack) {
+  enum { B, A, C };
+  uint64_t nodes[4];
+  kt_caprec *r = rec_new();
+  cr_assert_eq(kt_caprec_set_order(r, &ORDER), KT_OK);
+  two_sides(r, NULL, nodes, NULL);
+  cr_assert_eq(kt_caprec_end(r), KT_OK);
+
+  /* by recorded events: the farthest pair, b -> c (3 events), fits 8 MiB alone */
+  kt_capplan *p = within(r, 8 * MiB);
+  kt_capplan_info in = info_of(p);
+  cr_assert(in.unwaited_bytes == 12 * MiB && in.plan_bytes == 8 * MiB, "unwaited %zu, plan %zu", in.unwaited_bytes,
+            in.plan_bytes);
+  cr_assert(in.wait_gap == 3 && in.wait_shares == 1 && in.wait_timed == 0 && in.wait_slack_ns == INT64_MIN);
+  cr_assert_eq(offset_of(p, C), offset_of(p, B), "c over b, whose kernel runs long");
+  kt_capplan_destroy(p);
+
+  /* b's kernel finished at 500 us, a's at 50, S1's before c at 60: only a -> c has slack */
+  int64_t ns[4] = {500000, 50000, 60000, 70000};
+  cr_assert_eq(kt_caprec_set_times(NULL, nodes, ns, 4), KT_ERR_INVALID);
+  cr_assert_eq(kt_caprec_set_times(r, NULL, ns, 4), KT_ERR_INVALID);
+  cr_assert_eq(kt_caprec_set_times(r, nodes, NULL, 4), KT_ERR_INVALID);
+  cr_assert_eq(kt_caprec_set_times(r, nodes, ns, 4), KT_OK);
+  p = within(r, 8 * MiB);
+  in = info_of(p);
+  cr_assert_eq(in.plan_bytes, 8 * MiB);
+  cr_assert(in.wait_timed == 1 && in.wait_slack_ns == 10000, "timed %d, slack %lld", in.wait_timed,
+            (long long)in.wait_slack_ns);
+  cr_assert(in.wait_shares == 1 && in.wait_gap == 1, "a -> c alone, 1 event apart");
+  cr_assert_eq(offset_of(p, C), offset_of(p, A), "c over a, whose kernel was done before S1 got to c");
+  cr_assert_neq(offset_of(p, C), offset_of(p, B));
+  kt_capplan *loose = within(r, 12 * MiB);
+  cr_assert(info_of(loose).wait_shares == 0 && info_of(loose).wait_gap == -1 && info_of(loose).wait_timed == 0,
+            "it fits without: no waits, timed or not");
+  kt_capplan_destroy(loose);
+
+  /* placed by it: c takes a's bytes, and S1 waits for a's kernel, not b's */
+  kt_placer *pl = placer_ordered(&WAITING, p);
+  uint64_t placed_nodes[4];
+  void *bac[3];
+  two_sides(NULL, pl, placed_nodes, bac);
+  cr_assert_eq(bac[2], bac[1]);
+  cr_assert_eq(G.waits, 1);
+  cr_assert(fg_before(&G, placed_nodes[1], placed_nodes[3]), "c's kernel follows a's");
+  cr_assert(!fg_before(&G, placed_nodes[0], placed_nodes[3]), "and not b's");
+  cr_assert(pstats(pl).refused == 0 && pstats(pl).waits == 1);
+  kt_placer_destroy(pl);
+  kt_capplan_destroy(p);
+
+  /* a bad call changes nothing; a node the frontiers name without a time: by events */
+  uint64_t dup[2] = {nodes[0], nodes[0]}, zero[1] = {0};
+  cr_assert_eq(kt_caprec_set_times(r, dup, ns, 2), KT_ERR_INVALID, "a node twice");
+  cr_assert_eq(kt_caprec_set_times(r, zero, ns, 1), KT_ERR_INVALID, "node 0");
+  p = within(r, 8 * MiB);
+  cr_assert(info_of(p).wait_timed == 1 && offset_of(p, C) == offset_of(p, A), "the times set before stand");
+  kt_capplan_destroy(p);
+  uint64_t three[3] = {nodes[0], nodes[2], nodes[3]};
+  int64_t three_ns[3] = {ns[0], ns[2], ns[3]};
+  cr_assert_eq(kt_caprec_set_times(r, three, three_ns, 3), KT_OK);
+  p = within(r, 8 * MiB);
+  cr_assert(info_of(p).wait_timed == 0 && info_of(p).wait_gap == 3, "a's kernel has no time: by recorded events");
+  kt_capplan_destroy(p);
+  cr_assert_eq(kt_caprec_set_times(r, NULL, NULL, 0), KT_OK);
+  p = within(r, 8 * MiB);
+  cr_assert(info_of(p).wait_timed == 0 && offset_of(p, C) == offset_of(p, B), "times cleared");
+  kt_capplan_destroy(p);
+  kt_caprec_destroy(r);
+}
+
 /* Random Inception-like captures on three streams: blocks forked to side streams,
  * side-stream temporaries and outputs, joins that a capture may leave out, frees in
  * any order. Each is recorded with an order, planned, and placed twice: as recorded,

@@ -10,6 +10,9 @@
 // forward and about 7 us in the backward, where a kernel after a kernel starts 0.4 us
 // after it (h100_timeline_gpt_inception8_18b9e89.log); the fill kernel runs 1.1 us
 // (h100_timeline_gpt_memsets_18b9e89.log).
+//
+// kt_graph_capture_nodes / kt_graph_time_nodes: when each node of a captured graph
+// finishes in a replay of it (for capture plans' waits, kitsune/capplan.h).
 // Steps measured with and without it in one process (tools/ab_env.py,
 // ab_memsets_18b9e89.json): GPT 2.281 -> 2.266 ms, ResNet-18 1.354 -> 1.330, MLP
 // 0.0939 -> 0.0925, the 4-stream Inception net at batch 8 0.479 -> 0.478. That tree
@@ -19,6 +22,7 @@
 // went.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -82,7 +86,114 @@ bool replace(cudaGraph_t g, cudaGraphNode_t m, const cudaMemsetParams &p) {
   return cudaGraphDestroyNode(m) == cudaSuccess;
 }
 
+// One thread writes the GPU's global timer (ns) to *at.
+__global__ void stamp_kernel(unsigned long long *at) {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  *at = t;
+}
+
+// All nodes of g.
+bool all_nodes(cudaGraph_t g, std::vector<cudaGraphNode_t> &out) {
+  size_t count = 0;
+  if (cudaGraphGetNodes(g, nullptr, &count) != cudaSuccess) return false;
+  out.resize(count);
+  return count == 0 || (cudaGraphGetNodes(g, out.data(), &count) == cudaSuccess && count == out.size());
+}
+
+// A stamp kernel node writing to at, after dep (none: a root).
+bool add_stamp(cudaGraph_t g, cudaGraphNode_t dep, unsigned long long *at) {
+  void *args[] = {&at};
+  cudaKernelNodeParams kp = {};
+  kp.func = reinterpret_cast<void *>(stamp_kernel);
+  kp.gridDim = dim3(1);
+  kp.blockDim = dim3(1);
+  kp.kernelParams = args;
+  cudaGraphNode_t k = nullptr;
+  return cudaGraphAddKernelNode(&k, g, dep ? &dep : nullptr, dep ? 1 : 0, &kp) == cudaSuccess;
+}
+
+// Replays of exec on stream (the first uploads it and is not counted); per node, the
+// median over the counted ones of its stamp less the root's (stamps[count]).
+kt_status time_replays(cudaGraphExec_t exec, cudaStream_t stream, const unsigned long long *stamps, size_t count,
+                       int replays, int64_t *finish_ns) {
+  std::vector<unsigned long long> host(count + 1);
+  std::vector<std::vector<int64_t>> seen(count);
+  for (int r = 0; r <= replays; r++) {
+    if (cudaGraphLaunch(exec, stream) != cudaSuccess || cudaStreamSynchronize(stream) != cudaSuccess ||
+        cudaMemcpy(host.data(), stamps, (count + 1) * sizeof host[0], cudaMemcpyDeviceToHost) != cudaSuccess)
+      return KT_ERR_BACKEND;
+    for (size_t k = 0; r > 0 && k < count; k++)
+      seen[k].push_back(static_cast<int64_t>(host[k]) - static_cast<int64_t>(host[count]));
+  }
+  for (size_t k = 0; k < count; k++) {
+    std::vector<int64_t> &v = seen[k];
+    std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+    finish_ns[k] = v[v.size() / 2];
+  }
+  return KT_OK;
+}
+
 }  // namespace
+
+extern "C" kt_status kt_graph_capture_nodes(void *stream, uint64_t *nodes, size_t cap, size_t *n) {
+  if (!n) return KT_ERR_INVALID;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  cudaGraph_t g = nullptr;
+  if (cudaStreamGetCaptureInfo(static_cast<cudaStream_t>(stream), &status, nullptr, &g, nullptr, nullptr, nullptr) !=
+      cudaSuccess) {
+    (void)cudaGetLastError();
+    return KT_ERR_BACKEND;
+  }
+  if (status != cudaStreamCaptureStatusActive || !g) return KT_ERR_INVALID;
+  std::vector<cudaGraphNode_t> all;
+  if (!all_nodes(g, all)) {
+    (void)cudaGetLastError();
+    return KT_ERR_BACKEND;
+  }
+  *n = all.size();
+  for (size_t i = 0; i < all.size() && i < cap && nodes; i++) nodes[i] = reinterpret_cast<uint64_t>(all[i]);
+  return KT_OK;
+}
+
+extern "C" kt_status kt_graph_time_nodes(void *graph, const uint64_t *skip, size_t nskip, void *stamps, int replays,
+                                         void *stream, uint64_t *nodes, int64_t *finish_ns, size_t cap, size_t *n) {
+  if (!graph || !n || (nskip && !skip)) return KT_ERR_INVALID;
+  auto g = static_cast<cudaGraph_t>(graph);
+  std::vector<cudaGraphNode_t> all;
+  if (!all_nodes(g, all)) {
+    (void)cudaGetLastError();
+    return KT_ERR_BACKEND;
+  }
+  *n = all.size();
+  if (!stamps) return KT_OK;   // the count alone
+  if (replays < 1 || cap < all.size() || !nodes || !finish_ns) return KT_ERR_INVALID;
+  const size_t count = all.size();
+  auto *at = static_cast<unsigned long long *>(stamps);
+  cudaGraph_t clone = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  kt_status st = cudaGraphClone(&clone, g) == cudaSuccess ? KT_OK : KT_ERR_BACKEND;
+  std::vector<cudaGraphNode_t> mirror(count);
+  for (size_t k = 0; k < count && st == KT_OK; k++)
+    if (cudaGraphNodeFindInClone(&mirror[k], all[k], clone) != cudaSuccess || !add_stamp(clone, mirror[k], at + k))
+      st = KT_ERR_BACKEND;
+  if (st == KT_OK && !add_stamp(clone, nullptr, at + count)) st = KT_ERR_BACKEND;
+  if (st == KT_OK && cudaGraphInstantiate(&exec, clone, 0) != cudaSuccess) st = KT_ERR_BACKEND;
+  for (size_t i = 0; i < nskip && st == KT_OK; i++) {
+    cudaGraphNode_t orig = reinterpret_cast<cudaGraphNode_t>(skip[i]), c = nullptr;
+    // a node that cannot be left out (not a kernel, copy or memset) leaves the graph untimed
+    if (cudaGraphNodeFindInClone(&c, orig, clone) != cudaSuccess || cudaGraphNodeSetEnabled(exec, c, 0) != cudaSuccess)
+      st = KT_ERR_UNAVAILABLE;
+  }
+  if (st == KT_OK && cudaGraphUpload(exec, static_cast<cudaStream_t>(stream)) != cudaSuccess) st = KT_ERR_BACKEND;
+  if (st == KT_OK) st = time_replays(exec, static_cast<cudaStream_t>(stream), at, count, replays, finish_ns);
+  if (st == KT_OK)
+    for (size_t k = 0; k < count; k++) nodes[k] = reinterpret_cast<uint64_t>(all[k]);
+  if (exec) cudaGraphExecDestroy(exec);
+  if (clone) cudaGraphDestroy(clone);
+  (void)cudaGetLastError();
+  return st;
+}
 
 extern "C" kt_status kt_graph_memsets_to_kernels(void *graph, size_t max_bytes, int *replaced) {
   if (replaced) *replaced = 0;

@@ -113,6 +113,9 @@ def _declare(lib):
         "kt_schedule_free": (None, [ctypes.POINTER(Schedule)]),
         "kt_schedule_check": (I, [P, ctypes.POINTER(Schedule)]),
         "kt_graph_memsets_to_kernels": (I, [P, S, ctypes.POINTER(I)]),
+        "kt_graph_capture_nodes": (I, [P, ctypes.POINTER(ctypes.c_uint64), S, ctypes.POINTER(S)]),
+        "kt_graph_time_nodes": (I, [P, ctypes.POINTER(ctypes.c_uint64), S, P, I, P, ctypes.POINTER(ctypes.c_uint64),
+                                    ctypes.POINTER(ctypes.c_int64), S, ctypes.POINTER(S)]),
     }
     for name, (res, args) in sig.items():
         fn = getattr(lib, name)

@@ -104,9 +104,12 @@ class CapturePlan:
     predecessor ends), ``programmatic_ordered`` (of them, those into Kitsune's
     dependent launches, which wait before touching memory: counted as order), and for a
     ``budget`` (as given to the plan; None: none): ``unwaited_bytes`` (the plan's
-    extent without waits), ``wait_gap`` (-1: no waits; else blocks at least that many
-    recorded allocations and frees apart share bytes by a wait) and ``wait_shares``
-    (the pairs only waits let share)."""
+    extent without waits), ``wait_gap`` (-1: no waits; else the fewest recorded
+    allocations and frees between blocks that share bytes by a wait), ``wait_shares``
+    (the pairs only waits let share), ``wait_timed`` (the waits were chosen by the
+    recorded graph's node times, :meth:`CaptureRecording.set_times`: by their slack in
+    a replay, not by recorded events) and ``wait_slack_us`` (then the least slack a
+    waited pair had, us; None when not timed)."""
 
     def __init__(self, handle, info):
         self._handle, self.info = handle, info
@@ -140,6 +143,8 @@ def _pool_args(pool, device):
         b.kt_bridge_pool_place.argtypes = ids + [ctypes.c_void_p]
         b.kt_bridge_pool_take_recording.argtypes = ids + [ctypes.POINTER(ctypes.c_void_p)]
         b.kt_bridge_recording_plan.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(ctypes.c_void_p), i64p]
+        b.kt_bridge_recording_set_times.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64),
+                                                    ctypes.POINTER(ctypes.c_int64), ctypes.c_size_t]
         b.kt_bridge_recording_free.argtypes = [ctypes.c_void_p]
         b.kt_bridge_recording_free.restype = None
         b.kt_bridge_pool_placer_stats.argtypes = ids + [i64p]
@@ -177,15 +182,31 @@ class CaptureRecording:
         _check_budget(budget)
         b = _native.bridge()
         h = ctypes.c_void_p()
-        out = (ctypes.c_int64 * 15)()
+        out = (ctypes.c_int64 * 17)()
         check(b.kt_bridge_recording_plan(self._handle, -1 if budget is None else budget, ctypes.byref(h), out),
               "planning a recorded capture")
         keys = ("blocks", "arena_bytes", "plan_bytes", "peak_bytes", "recorded", "left_live", "freed_after",
                 "stream_peak_bytes", "graph_nodes", "cross_shares", "programmatic_edges", "programmatic_ordered",
-                "wait_gap", "wait_shares", "unwaited_bytes")
+                "wait_gap", "wait_shares", "unwaited_bytes", "wait_timed", "wait_slack_ns")
         info = dict(zip(keys, list(out)))
+        slack = info.pop("wait_slack_ns")
+        info["wait_slack_us"] = slack / 1e3 if info["wait_timed"] else None
         info["budget"] = budget
         return CapturePlan(h.value, info)
+
+
+    def set_times(self, nodes, finish_ns):
+        """When each node of the recorded graph finished in a replay of it (``nodes``: the
+        graph's cudaGraphNode_t values as ints, each once; ``finish_ns``: ns from the
+        replay's start, as many): :meth:`plan` then buys its waits by their slack there
+        (kt_caprec_set_times). Empty: none again."""
+        nodes, finish_ns = list(nodes), list(finish_ns)
+        if len(nodes) != len(finish_ns):
+            raise ValueError(f"set_times: {len(nodes)} nodes but {len(finish_ns)} times")
+        n = len(nodes)
+        check(_native.bridge().kt_bridge_recording_set_times(self._handle, (ctypes.c_uint64 * n)(*nodes),
+                                                             (ctypes.c_int64 * n)(*finish_ns), n),
+              "setting a recording's node times")
 
 
 def _check_budget(budget):

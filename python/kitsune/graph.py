@@ -234,6 +234,7 @@ class CompiledStep:
         # the plans' budget (_eager_budget): how far the last warm-up's forward and backward
         # took the allocated bytes above their start (_eager), and the static inputs' bytes
         self._eager_rise, self._inputs_bytes = None, 0
+        self._node_times = None   # how the last recording's nodes were timed (_NodeTimer.note)
         self._stream_info = {"streams": 1, "streams_reason": "not planned yet", "stream_shapes": None}
         self._shapes_recorded = False   # the last warm-up noted the stream plan's shapes (_warm_up)
         # load_state_dict replaces the optimizer's state tensors, which the graphs hold
@@ -416,18 +417,21 @@ class CompiledStep:
         finally:
             (self._phases if into is None else into)[name] += time.perf_counter() - t0
 
-    def _capture(self, args, pool, update=True):
+    def _capture(self, args, pool, update=True, timer=None):
         """One capture of the step into ``pool``, on the side stream the warm-up ran on
         (its cuBLAS workspaces exist, so none is allocated in the pool). Returns the
         graph, its loss and the optimizer's capture plan; the gradients are dropped
         after it (they stay in the pool, the graph's). ``update=False``: the forward
-        and backward alone, no optimizer (plan None; _choose_conv_grads' trials)."""
+        and backward alone, no optimizer (plan None; _choose_conv_grads' trials).
+        ``timer``: a _NodeTimer, told which nodes are the update while capturing and
+        called with the graph once captured (_recording)."""
         self.optimizer.zero_grad(set_to_none=True)
         ctx = getattr(self._captured, "_kitsune_streams", None)
         if ctx is not None:
             ctx.late_kept = []   # this capture's late joins (_late_kept)
         graph = torch.cuda.CUDAGraph(keep_graph=True)   # instantiated below, after _memsets_to_kernels
         ib = plan = None
+        self.optimizer._launch_mark = timer.mark if timer is not None else None
         try:
             with self._capturing(graph, pool):
                 ib = self._in_backward() if update else None
@@ -447,6 +451,10 @@ class CompiledStep:
             except Exception:   # noqa: BLE001 - it had ended: the capture's own error is the one to raise
                 pass
             raise
+        finally:
+            self.optimizer._launch_mark = None
+        if timer is not None:   # before the memsets become kernels: the recording names the nodes captured
+            timer(graph)
         with torch.cuda.device(self._side.device):   # the kernel nodes are made for the current device
             self._n["memsets_replaced"] = _memsets_to_kernels(graph)
             graph.instantiate()
@@ -644,7 +652,7 @@ class CompiledStep:
                 out = self._capture(args, self._pool)
             placer = allocator._placer_stats(self._pool, dev) or {}
             self._memory = dict(mplan.info, **{k: placer.get(k) for k in ("placed", "refused", "status", "waits")},
-                                pool_arena_bytes=placer.get("arena_bytes"))
+                                pool_arena_bytes=placer.get("arena_bytes"), node_times=self._node_times)
             return out
 
     def _recording(self, args, dev):
@@ -654,14 +662,31 @@ class CompiledStep:
         with self._phase("record", self._capture_parts):
             first = torch.cuda.graph_pool_handle()
             allocator._record_capture(first, dev)
-            graph, loss, _ = self._capture(args, first)
+            timer = self._node_timer()
+            graph, loss, _ = self._capture(args, first, timer=timer)
             del loss   # what is still live when planned is left out of the plan
             try:
-                return allocator._take_recording(first, dev)
+                rec = allocator._take_recording(first, dev)
+                if timer is not None:
+                    self._node_times = timer.note
+                    if timer.times is not None:
+                        rec.set_times(*timer.times)
+                return rec
             except RuntimeError as e:   # host memory
                 return self._not_planned(e)
             finally:
                 del graph   # its pool goes back to the device's pool
+
+    def _node_timer(self):
+        """A _NodeTimer for the next recording, where its plan may buy waits between
+        streams: several streams, a budget (KITSUNE_PLAN_WAITS unset or 1;
+        KITSUNE_PLAN_WAITS=events buys them by recorded events alone), no loss scaling
+        (its scaler's state is updated outside the optimizer's launches); else None."""
+        if os.environ.get("KITSUNE_PLAN_WAITS", "1") in ("0", "events") or self.optimizer.enable_amp:
+            return None
+        if self._stream_info.get("streams", 1) < 2 or self._eager_budget() is None:
+            return None
+        return _NodeTimer(self.model, self._side)
 
     def _plan(self, rec, floor=None):
         """rec's plan within _plan_budget(floor); None when host memory ran out."""
@@ -872,6 +897,86 @@ _CAPTURED = weakref.WeakKeyDictionary()
 
 _TRIAL_BLOCK_MS = 3.0   # _time_trial's blocks: about this long (2 to 10 replays)
 _CONV_GRAD_WAYS = ("together", "apart", "late")   # _choose_conv_grads' order: the later, the more streams and memory
+
+
+class _NodeTimer:
+    """Times a recording capture's graph for its plan's waits (kt_caprec_set_times: a
+    wait is bought where it had slack in a replay). While capturing, mark (the
+    optimizer's _launch_mark) notes which nodes are the update; called with the
+    captured graph, it replays a copy of it without them (kt_graph_time_nodes), so
+    parameters and optimizer state are not updated, and puts the model's buffers and
+    the random generators back after. times: (nodes, finish ns) or None; note: what
+    stats()["memory_plan"]["node_times"] says."""
+
+    def __init__(self, model, stream):
+        self.model, self.stream = model, stream
+        self.update, self._before, self.times, self.note = set(), None, None, None
+
+    def mark(self, begin):
+        nodes = _capture_nodes(torch.cuda.current_stream())
+        if nodes is None or (not begin and self._before is None):
+            self.note = "not timed: the update's nodes could not be told apart"
+        elif begin:
+            self._before = nodes
+        else:
+            self.update |= nodes - self._before
+            self._before = None
+
+    def __call__(self, graph):
+        if self.note is not None:
+            return
+        from .sched import saved_state
+        restore = saved_state(self.model)
+        t0 = time.perf_counter()
+        try:
+            with torch.cuda.stream(self.stream):
+                self.times = _node_times(graph, sorted(self.update), self.stream)
+            self.note = (f"{len(self.times[0])} nodes timed over {_TIMED_REPLAYS} replays, {len(self.update)} of the "
+                         f"update left out, {time.perf_counter() - t0:.3f} s")
+        except RuntimeError as e:
+            self.note = f"not timed: {_describe(e)}"
+        finally:
+            restore()
+
+
+# Replays of a recording's graph its node times are the median of (_NodeTimer)
+_TIMED_REPLAYS = 3
+
+
+def _capture_nodes(stream):
+    """The nodes of the graph stream is capturing into (ints), or None."""
+    from . import _native
+    lib = _native.native()
+    n = ctypes.c_size_t(0)
+    if lib.kt_graph_capture_nodes(ctypes.c_void_p(stream.cuda_stream), None, 0, ctypes.byref(n)) != 0:
+        return None
+    room = n.value
+    out = (ctypes.c_uint64 * max(room, 1))()
+    if lib.kt_graph_capture_nodes(ctypes.c_void_p(stream.cuda_stream), out, room, ctypes.byref(n)) != 0 or \
+            n.value != room:
+        return None
+    return set(out[:room])
+
+
+def _node_times(graph, skip, stream):
+    """(nodes, ns): when each node of a captured graph (not instantiated through it)
+    finished in replays of a copy of it on stream, skip's nodes left out
+    (kt_graph_time_nodes); RuntimeError when the runtime refuses."""
+    from . import _native
+    lib = _native.native()
+    raw = ctypes.c_void_p(graph.raw_cuda_graph())
+    n = ctypes.c_size_t(0)
+    _native.check(lib.kt_graph_time_nodes(raw, None, 0, None, 0, None, None, None, 0, ctypes.byref(n)),
+                  "counting a captured graph's nodes")
+    count = n.value
+    stamps = torch.empty(count + 1, dtype=torch.int64, device=stream.device)
+    nodes, ns = (ctypes.c_uint64 * max(count, 1))(), (ctypes.c_int64 * max(count, 1))()
+    left = (ctypes.c_uint64 * max(len(skip), 1))(*skip)
+    with torch.cuda.device(stream.device):
+        _native.check(lib.kt_graph_time_nodes(raw, left, len(skip), ctypes.c_void_p(stamps.data_ptr()), _TIMED_REPLAYS,
+                                              ctypes.c_void_p(stream.cuda_stream), nodes, ns, count, ctypes.byref(n)),
+                      "timing a captured graph's nodes")
+    return list(nodes[:count]), list(ns[:count])
 
 
 def _replay_ms(graph, n):

@@ -248,6 +248,9 @@ class KitsuneOptimizer:
         self._path = "no step yet"
         self._hyper, self._hyper_mirror = None, {}   # see capture_step
         self._counts = None   # _StepCounts of the Adam state's step tensors, made by capture_step
+        # None, or a callable told True before and False after each captured update's launches
+        # (compile_step's recording capture: which of the graph's nodes are the update)
+        self._launch_mark = None
         self.enable_amp, self._amp_options, self.scaler = bool(enable_amp), dict(amp_options or {}), None
         self._amp_view, self._skipped = _AmpView(self), 0
         # captured loss-scaled steps (capture_amp_step): the device's count of skipped
@@ -557,6 +560,9 @@ class KitsuneOptimizer:
         after that one on the GPU. found_inf: as capture_step's."""
         opt = self.optimizer
         sgd = isinstance(opt, torch.optim.SGD)
+        mark = self._launch_mark
+        if mark is not None:
+            mark(True)
         with torch.no_grad():
             for gi, ps in enumerate(live):
                 g = opt.param_groups[gi]
@@ -578,6 +584,8 @@ class KitsuneOptimizer:
                                               float(beta2), float(g["eps"]), float(g["weight_decay"]),
                                               _decoupled(opt, g), gi not in counted, found_inf=found_inf)
                         counted.add(gi)
+        if mark is not None:
+            mark(False)
 
     def capture_in_backward(self, stream, buckets=6):
         """For a capture whose backward comes next: updates each parameter during the

@@ -1235,6 +1235,10 @@ def test_gpu_compile_step_with_planned_memory_trains_as_eager(case):
         assert mp["budget"] == mp["unwaited_bytes"] - 1 and mp["wait_gap"] >= 0 and mp["wait_shares"] > 0, mp
         assert mp["plan_bytes"] < mp["unwaited_bytes"] and mp["waits"] > 0, mp
         assert mp["placed"] == mp["blocks"] and mp["refused"] == 0, mp
+        # bought by their slack in a replay of the recorded graph (the update left out of it:
+        # the planned twin trained as the pool's above, exactly)
+        assert mp["wait_timed"] == 1 and mp["wait_slack_us"] is not None, mp
+        assert "nodes timed over 3 replays" in mp["node_times"], mp["node_times"]
         # one recording planned three times (allocator.CaptureRecording): the same blocks and
         # live peak each time; within the lower budget waits, as the recording made again got;
         # within its first budget again, the first plan
@@ -1255,6 +1259,75 @@ def test_gpu_compile_step_with_planned_memory_trains_as_eager(case):
         # every one is into a kernel of ours here (8 of 8 on the H100 at 2f5a092): one left
         # uncounted means a dependent launch went unnoted (as at 9af0917)
         assert mp["programmatic_ordered"] == mp["programmatic_edges"], mp
+
+
+def test_graph_node_timing_refuses_bad_input():
+    """kt_graph_time_nodes and kt_graph_capture_nodes (C, through ctypes) name a bad
+    argument before touching the runtime: no graph, no count to write, skip nodes
+    without their array."""
+    import ctypes
+    from kitsune import _native
+    lib, n = _native.native(), ctypes.c_size_t(7)
+    assert lib.kt_graph_time_nodes(None, None, 0, None, 0, None, None, None, 0, ctypes.byref(n)) == _native.ERR_INVALID
+    assert lib.kt_graph_time_nodes(ctypes.c_void_p(8), None, 0, None, 0, None, None, None, 0, None) == _native.ERR_INVALID
+    assert lib.kt_graph_time_nodes(ctypes.c_void_p(8), None, 2, None, 0, None, None, None, 0,
+                                   ctypes.byref(n)) == _native.ERR_INVALID
+    assert lib.kt_graph_capture_nodes(None, None, 0, None) == _native.ERR_INVALID
+    assert n.value == 7, "nothing written"
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_graph_node_times_replay_a_copy_with_the_update_left_out():
+    """graph._node_times (kt_graph_time_nodes) on a captured graph of two streams: a
+    sleep of about 200 us then an add on the first, a short add on the second, joined,
+    then an "update" whose nodes graph._capture_nodes told apart while capturing.
+    Every node gets a time; the add after the sleep finished at least 100 us after the
+    graph's start and after the other stream's add; the timed replays (one that
+    uploads, three counted) ran the rest (their counters moved 4) and left the update
+    out (its tensor untouched), and the graph itself is unchanged: replayed after, it
+    runs everything once, the update included."""
+    import ctypes
+    from kitsune import _native
+    from kitsune import graph as kg
+    side, other = torch.cuda.Stream(), torch.cuda.Stream()
+    count, short, upd = (torch.zeros(1, device="cuda") for _ in range(3))
+    side.wait_stream(torch.cuda.current_stream())
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph(keep_graph=True)
+
+    def added(stream, fn):   # the nodes fn captures on stream
+        before = kg._capture_nodes(stream)
+        fn()
+        return kg._capture_nodes(stream) - before
+
+    with torch.cuda.graph(g, stream=side):
+        other.wait_stream(side)
+        torch.cuda._sleep(400_000)   # cycles: about 200 us at 2 GHz
+        after_sleep = added(side, lambda: count.add_(1))
+        with torch.cuda.stream(other):
+            quick = added(other, lambda: short.add_(1))
+        side.wait_stream(other)
+        update = added(side, lambda: upd.add_(5))
+    assert len(after_sleep) == len(quick) == len(update) == 1, (after_sleep, quick, update)
+    n = ctypes.c_size_t(0)
+    lib = _native.native()
+    assert lib.kt_graph_time_nodes(ctypes.c_void_p(g.raw_cuda_graph()), None, 0, None, 0, None, None, None, 0,
+                                   ctypes.byref(n)) == _native.OK
+    nodes, ns = kg._node_times(g, sorted(update), side)
+    assert len(nodes) == len(set(nodes)) == len(ns) == n.value >= 4, (n.value, len(nodes))
+    t = dict(zip(nodes, ns))
+    (a,), (b,) = after_sleep, quick
+    assert all(v >= 0 for v in ns), ns
+    assert t[a] >= 100_000 and t[b] < t[a], (t[a], t[b])
+    torch.cuda.synchronize()
+    assert count.item() == short.item() == 4 and upd.item() == 0, (count.item(), short.item(), upd.item())
+    assert lib.kt_graph_time_nodes(ctypes.c_void_p(g.raw_cuda_graph()), None, 0, None, 0, None, None, None, 0,
+                                   ctypes.byref(n)) == _native.OK and n.value == len(nodes), "the graph is unchanged"
+    g.instantiate()
+    g.replay()
+    torch.cuda.synchronize()
+    assert count.item() == short.item() == 5 and upd.item() == 5, (count.item(), short.item(), upd.item())
 
 
 @pytest.mark.gpu

@@ -58,9 +58,9 @@ def load(path, waits=True):
             i, rest = line.split(":")
             share.update((int(i), int(j)) for j in rest.split())
     waitable = [not r["after"] and not r["unordered"] for r in planned]
-    if waits and head.get("wait_timed"):   # chosen by node times, which the log does not hold
-        raise ValueError(f"{path}: its waits were chosen by node times, which the log does not hold; --gaps "
-                         f"sweeps the order's pairs with waits by recorded events instead")
+    if waits and head.get("wait_by_slack"):   # by node times, which the log does not hold
+        raise ValueError(f"{path}: its waits were bought by slack in a timed replay, which the log does not hold; "
+                         f"--gaps sweeps the order's pairs with waits by recorded events instead")
     if waits and head.get("wait_gap", -1) >= 0:   # a plan with waits: the pairs far enough apart share too
         share |= waited_pairs(blocks, waitable, head["wait_gap"])
     return head, blocks, share, waitable

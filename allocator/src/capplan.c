@@ -493,20 +493,21 @@ static int order_share(void *ctx, int32_t i, int32_t j) { return order_bit(ctx, 
 
 /* What a plan with waits lets share: the order's pairs, and those where the earlier
  * block may be waited for (waitable[i]) and the later one is at least gap after it:
- * in recorded events from i's free to j's allocation, or, with the recorded graph's
- * node times (kt_caprec_set_times), in ns from when the work i's streams had reached
- * at its free finished to when the work j's stream had reached at its allocation
- * finished (the slack a wait of j's stream on i's work has in a replay without it). */
+ * in recorded events from i's free to j's allocation, or (by_slack) in ns of slack a
+ * wait of j's stream on i's work has in a replay of the recorded graph without it
+ * (kt_caprec_set_times): from when the work i's streams had reached at its free
+ * finished to when the work j's stream had reached at its allocation finished. */
 typedef struct wait_share {
   const order_bits *ob;
   const kt_memplan_block *mb;
   const uint8_t *waitable;
-  const int64_t *freed, *ready;   /* per planned block, ns; NULL: by recorded events */
+  const int64_t *freed, *ready;   /* per planned block, ns; NULL: no node times */
+  int by_slack;
   int64_t gap;
 } wait_share;
 
 static int64_t wait_metric(const wait_share *w, int32_t i, int32_t j) {
-  return w->freed ? w->ready[j] - w->freed[i] : w->mb[j].start - w->mb[i].end;
+  return w->by_slack ? w->ready[j] - w->freed[i] : w->mb[j].start - w->mb[i].end;
 }
 
 static int waited(const wait_share *w, int32_t i, int32_t j) {
@@ -601,13 +602,9 @@ static int latest(const kt_caprec *r, int32_t first, int32_t count, int64_t *out
   return 1;
 }
 
-/* With node times for every waitable block's frontiers: w->freed and w->ready, and in
- * *lo / *hi the least metric of a pair a wait would let share and one past the most.
- * Else w stays by recorded events (lo 0, hi past the last event). */
-static kt_status time_waits(const kt_caprec *r, const int32_t *src, int32_t n, wait_share *w, int64_t *lo,
-                            int64_t *hi) {
-  *lo = 0;
-  *hi = r->t + 1;   /* no pair is that far apart, so no waits */
+/* With node times for every node the waitable blocks' frontiers name: w->freed and
+ * w->ready. Else they stay NULL. */
+static kt_status time_blocks(const kt_caprec *r, const int32_t *src, int32_t n, wait_share *w) {
   if (!r->timed.n) return KT_OK;
   int64_t *freed = malloc(((size_t)n + 1) * sizeof *freed), *ready = malloc(((size_t)n + 1) * sizeof *ready);
   if (!freed || !ready) {
@@ -621,90 +618,160 @@ static kt_status time_waits(const kt_caprec *r, const int32_t *src, int32_t n, w
     freed[j] = ready[j] = 0;
     if (w->waitable[j]) ok = latest(r, b->o.ff, b->o.nff, &freed[j]) && latest(r, b->af, b->naf, &ready[j]);
   }
-  if (!ok) {   /* a node without a time (not of the timed graph): by recorded events */
+  if (!ok) {   /* a node without a time (not of the timed graph): none */
     free(freed);
     free(ready);
     return KT_OK;
   }
   w->freed = freed;
   w->ready = ready;
+  return KT_OK;
+}
+
+/* Whether blocks i and j overlap in a packing. */
+static int overlap(const kt_memplan_block *mb, const uint64_t *off, int32_t i, int32_t j) {
+  return off[i] < off[j] + round_up(mb[j].size, KT_CAPPLAN_ALIGN) &&
+         off[j] < off[i] + round_up(mb[i].size, KT_CAPPLAN_ALIGN);
+}
+
+/* A packing's delay in the timed replay, to first order: for each block j laid over
+ * an earlier block only a wait orders before it, how long after j's stream reached
+ * j's allocation the latest work that used such a block finished (what the placer's
+ * wait at j makes it wait; the delay is not carried on to later work). */
+static int64_t packing_delay(const wait_share *w, const uint64_t *off, int32_t n) {
+  int64_t sum = 0;
+  for (int32_t j = 0; j < n; j++) {
+    int64_t need = INT64_MIN;
+    for (int32_t i = 0; i < n; i++)
+      if (i != j && w->mb[i].end <= w->mb[j].start && !order_bit(w->ob, i, j) && overlap(w->mb, off, i, j) &&
+          w->freed[i] > need)
+        need = w->freed[i];
+    if (need > w->ready[j]) sum += need - w->ready[j];
+  }
+  return sum;
+}
+
+/* The plan a search (search_waits) keeps: its share rule, extent, and with node times
+ * its packing_delay. */
+typedef struct wait_pick {
+  int found, by_slack;
+  int64_t gap, delay;
+  uint64_t total;
+} wait_pick;
+
+/* Bisection for the largest threshold (w->gap) on w's metric whose packing fits budget,
+ * over [lo, hi) (lo: every waitable pair; hi: none); the packings need not shrink
+ * monotonically as the threshold rises, so only packings seen to fit are kept. Without
+ * node times the pick is the fitting packing of the largest threshold; with them,
+ * every fitting packing probed is a candidate and the pick is the one of least
+ * packing_delay (then extent), against *pick's from an earlier search too. Its
+ * offsets go to off. */
+static kt_status search_waits(wait_share *w, const kt_memplan_block *mb, int32_t n, uint64_t budget, int64_t lo,
+                              int64_t hi, uint64_t *trial, uint64_t *off, wait_pick *pick) {
+  int first = 1;
+  while (first || hi - lo > 1) {
+    w->gap = first ? lo : lo + (hi - lo) / 2;
+    uint64_t got = 0;
+    kt_status st = kt_memplan_shared(mb, n, KT_CAPPLAN_ALIGN, share_or_wait, w, trial, &got);
+    if (st != KT_OK) return st;
+    int fits = got <= budget;
+    if (fits) {
+      int64_t delay = w->freed ? packing_delay(w, trial, n) : 0;
+      int better = !pick->found || !w->freed || delay < pick->delay || (delay == pick->delay && got < pick->total);
+      if (better) {
+        *pick = (wait_pick){1, w->by_slack, w->gap, delay, got};
+        memcpy(off, trial, (size_t)n * sizeof *off);
+      }
+    }
+    if (first) {
+      if (!fits) return KT_OK;   /* not even every waitable pair: no waits this way */
+      first = 0;
+      continue;
+    }
+    if (fits) lo = w->gap;
+    else hi = w->gap;
+  }
+  return KT_OK;
+}
+
+/* The least and one past the most slack of the pairs a wait would let share. */
+static void slack_range(const wait_share *w, int32_t n, int64_t *lo, int64_t *hi) {
   int64_t least = INT64_MAX, most = INT64_MIN;
   for (int32_t i = 0; i < n; i++)
     for (int32_t j = 0; j < n; j++)
-      if (i != j && w->mb[i].end <= w->mb[j].start && w->waitable[i] && w->waitable[j] &&
-          !order_bit(w->ob, i, j)) {
-        int64_t m = wait_metric(w, i, j);
+      if (i != j && w->mb[i].end <= w->mb[j].start && w->waitable[i] && w->waitable[j] && !order_bit(w->ob, i, j)) {
+        int64_t m = w->ready[j] - w->freed[i];
         if (m < least) least = m;
         if (m > most) most = m;
       }
   *lo = least == INT64_MAX ? 0 : least;
   *hi = least == INT64_MAX ? 1 : most + 1;
-  return KT_OK;
 }
 
 /* The plan with waits (kt_capplan_create_within), when its extent without them,
- * *total, passes budget: the largest threshold (gap) whose packing fits, found by
- * bisection over the pairs' metric (wait_share); the packings need not shrink
- * monotonically as the gap falls, so the one kept is one that was seen to fit. When
- * not even every waitable pair fits, no waits: each orders one stream after another's
- * work, and buying them for bytes that still miss the budget cost ResNet-18's planned
- * step 18% (23 waits for 1.5 MiB of 88.6; 1.391 ms a step against 1.177 without a
- * plan, H100, bench/results/models_planned_mode_b_60f753b.json). off and *total are
- * replaced only by a smaller plan that fits. Out: the fewest recorded events between
- * a waited pair (-1: no waits), their count, and whether node times chose them and
- * the threshold in ns they met (INT64_MIN: not timed). */
+ * *total, passes budget. Pairs are bought from the far end: those at least a
+ * threshold of recorded events apart, the largest threshold whose packing fits
+ * (search_waits). With node times, also those with at least a threshold of slack, and
+ * the plan kept is the one of least packing_delay among the fitting packings either
+ * search probed: a threshold alone on slack bought pairs one event apart on the
+ * branchy net at batch 8 (0.467 and 0.481 ms a step against 0.434 by events) and
+ * gained on ResNet-18 (1.212 and 1.221 against 1.262; H100, both in
+ * bench/results/models_variants_timed_2459f4d.json). When not even every waitable
+ * pair fits, no waits: each orders one stream after another's work, and buying them
+ * for bytes that still miss the budget cost ResNet-18's planned step 18% (23 waits
+ * for 1.5 MiB of 88.6; 1.391 ms a step against 1.177 without a plan, H100,
+ * bench/results/models_planned_mode_b_60f753b.json). off and *total are replaced
+ * only by a smaller plan that fits. Out: the fewest recorded events between a waited
+ * pair (-1: no waits), their count, whether node times chose the plan (1), its pairs
+ * by slack (then the least slack of one, ns; else INT64_MIN) and its packing_delay. */
 static kt_status fit_with_waits(const kt_caprec *r, const int32_t *src, const kt_memplan_block *mb, int32_t n,
                                 const order_bits *ob, uint64_t budget, uint64_t *off, uint64_t *total,
-                                int64_t *gap_out, int32_t *pairs_out, int32_t *timed_out, int64_t *slack_out) {
-  *gap_out = -1;
-  *slack_out = INT64_MIN;
-  *pairs_out = *timed_out = 0;
+                                kt_capplan_info *out) {
+  out->wait_gap = -1;
+  out->wait_slack_ns = INT64_MIN;
+  out->wait_delay_ns = 0;
+  out->wait_shares = out->wait_timed = out->wait_by_slack = 0;
   uint8_t *waitable = calloc((size_t)n + 1, 1);
-  uint64_t *trial = malloc(((size_t)n + 1) * sizeof *trial);
-  kt_status st = waitable && trial ? KT_OK : KT_ERR_HOST_OOM;
+  uint64_t *trial = malloc(((size_t)n + 1) * sizeof *trial), *best = malloc(((size_t)n + 1) * sizeof *best);
+  kt_status st = waitable && trial && best ? KT_OK : KT_ERR_HOST_OOM;
   for (int32_t j = 0; j < n && st == KT_OK; j++) {
     const rec_block *b = &r->b[src[j]];
     waitable[j] = !b->after && !b->o.unordered;
   }
-  wait_share w = {ob, mb, waitable, NULL, NULL, 0};
-  int64_t lo = 0, hi = 1;
-  if (st == KT_OK) st = time_waits(r, src, n, &w, &lo, &hi);
-  uint64_t got = 0;
-  w.gap = lo;   /* every waitable pair */
-  if (st == KT_OK) st = kt_memplan_shared(mb, n, KT_CAPPLAN_ALIGN, share_or_wait, &w, trial, &got);
-  if (st == KT_OK && got < *total && got <= budget) {
-    uint64_t best = got;
-    memcpy(off, trial, (size_t)n * sizeof *off);
-    while (hi - lo > 1 && st == KT_OK) {
-      w.gap = lo + (hi - lo) / 2;
-      st = kt_memplan_shared(mb, n, KT_CAPPLAN_ALIGN, share_or_wait, &w, trial, &got);
-      if (st == KT_OK && got <= budget) {
-        lo = w.gap;
-        best = got;
-        memcpy(off, trial, (size_t)n * sizeof *off);
-      } else {
-        hi = w.gap;
-      }
-    }
-    if (st == KT_OK) {
-      w.gap = lo;
-      *total = best;
-      *timed_out = w.freed != NULL;
-      *slack_out = w.freed ? lo : INT64_MIN;
-      int64_t least = INT64_MAX;   /* the fewest recorded events between a waited pair */
-      for (int32_t i = 0; i < n; i++)
-        for (int32_t j = 0; j < n; j++)
-          if (i != j && mb[i].end <= mb[j].start && !order_bit(ob, i, j) && waited(&w, i, j)) {
-            ++*pairs_out;
-            if (mb[j].start - mb[i].end < least) least = mb[j].start - mb[i].end;
-          }
-      *gap_out = *pairs_out ? least : -1;
-    }
+  wait_share w = {ob, mb, waitable, NULL, NULL, 0, 0};
+  wait_pick pick = {0};
+  if (st == KT_OK) st = time_blocks(r, src, n, &w);
+  if (st == KT_OK) st = search_waits(&w, mb, n, budget, 0, r->t + 1, trial, best, &pick);
+  if (st == KT_OK && w.freed) {
+    int64_t lo = 0, hi = 1;
+    slack_range(&w, n, &lo, &hi);
+    w.by_slack = 1;
+    st = search_waits(&w, mb, n, budget, lo, hi, trial, best, &pick);
+  }
+  if (st == KT_OK && pick.found && pick.total < *total) {
+    memcpy(off, best, (size_t)n * sizeof *off);
+    *total = pick.total;
+    w.by_slack = pick.by_slack;
+    w.gap = pick.gap;
+    out->wait_timed = w.freed != NULL;
+    out->wait_by_slack = pick.by_slack;
+    out->wait_delay_ns = pick.delay;
+    int64_t least = INT64_MAX, slack = INT64_MAX;   /* the fewest events, least slack, of a waited pair */
+    for (int32_t i = 0; i < n; i++)
+      for (int32_t j = 0; j < n; j++)
+        if (i != j && mb[i].end <= mb[j].start && !order_bit(ob, i, j) && waited(&w, i, j)) {
+          out->wait_shares++;
+          if (mb[j].start - mb[i].end < least) least = mb[j].start - mb[i].end;
+          if (pick.by_slack && wait_metric(&w, i, j) < slack) slack = wait_metric(&w, i, j);
+        }
+    out->wait_gap = out->wait_shares ? least : -1;
+    out->wait_slack_ns = pick.by_slack && out->wait_shares ? slack : INT64_MIN;
   }
   free((void *)w.freed);
   free((void *)w.ready);
   free(waitable);
   free(trial);
+  free(best);
   return st;
 }
 
@@ -740,12 +807,11 @@ kt_status kt_capplan_create_within(const kt_caprec *r, uint64_t budget, kt_cappl
   if (st == KT_OK)
     st = kt_memplan_shared(mb, n, KT_CAPPLAN_ALIGN, ordered ? order_share : NULL, &ob, p->off, &total);
   uint64_t unwaited = total;
-  int64_t wait_gap = -1, wait_slack = INT64_MIN;
-  int32_t wait_pairs = 0, wait_timed = 0;
+  kt_capplan_info waits = {.wait_gap = -1, .wait_slack_ns = INT64_MIN};
   if (st == KT_OK) st = kt_memplan_peak(mb, n, KT_CAPPLAN_ALIGN, &peak);
   /* a live peak past the budget: no plan meets it, so no waits (fit_with_waits) */
   if (st == KT_OK && total > budget && peak <= budget && ordered && n <= KT_CAPPLAN_WAIT_MAX_BLOCKS)
-    st = fit_with_waits(r, src, mb, n, &ob, budget, p->off, &total, &wait_gap, &wait_pairs, &wait_timed, &wait_slack);
+    st = fit_with_waits(r, src, mb, n, &ob, budget, p->off, &total, &waits);
   if (st == KT_OK) st = sum_group_peaks(mb, n, nseen, &group_peak);
   free(ob.bits);
   free(mb);
@@ -755,9 +821,15 @@ kt_status kt_capplan_create_within(const kt_caprec *r, uint64_t budget, kt_cappl
     return st;
   }
   p->n = n;
-  p->info = (kt_capplan_info){n, (size_t)total, (size_t)total, (size_t)peak,
-                              (size_t)group_peak, ordered ? r->dag.n : 0, cross, wait_gap, wait_pairs,
-                              budget, (size_t)unwaited, wait_timed, wait_slack};
+  p->info = waits;   /* the wait_* fields */
+  p->info.blocks = n;
+  p->info.arena_bytes = p->info.plan_bytes = (size_t)total;
+  p->info.peak_bytes = (size_t)peak;
+  p->info.group_peak_bytes = (size_t)group_peak;
+  p->info.graph_nodes = ordered ? r->dag.n : 0;
+  p->info.cross_shares = cross;
+  p->info.budget = budget;
+  p->info.unwaited_bytes = (size_t)unwaited;
   *out = p;
   return KT_OK;
 }

@@ -106,10 +106,12 @@ class CapturePlan:
     ``budget`` (as given to the plan; None: none): ``unwaited_bytes`` (the plan's
     extent without waits), ``wait_gap`` (-1: no waits; else the fewest recorded
     allocations and frees between blocks that share bytes by a wait), ``wait_shares``
-    (the pairs only waits let share), ``wait_timed`` (the waits were chosen by the
-    recorded graph's node times, :meth:`CaptureRecording.set_times`: by their slack in
-    a replay, not by recorded events) and ``wait_slack_us`` (then the least slack a
-    waited pair had, us; None when not timed)."""
+    (the pairs only waits let share), ``wait_timed`` (the recorded graph's node times,
+    :meth:`CaptureRecording.set_times`, chose the plan: of the packings tried, pairs
+    bought by recorded events or by their slack in a replay, the one whose waits delay
+    that replay least, to first order: ``wait_delay_us``), ``wait_by_slack`` (its pairs
+    are those with at least a threshold of slack; ``wait_slack_us``, the least of
+    them; else None)."""
 
     def __init__(self, handle, info):
         self._handle, self.info = handle, info
@@ -182,15 +184,17 @@ class CaptureRecording:
         _check_budget(budget)
         b = _native.bridge()
         h = ctypes.c_void_p()
-        out = (ctypes.c_int64 * 17)()
+        out = (ctypes.c_int64 * 19)()
         check(b.kt_bridge_recording_plan(self._handle, -1 if budget is None else budget, ctypes.byref(h), out),
               "planning a recorded capture")
         keys = ("blocks", "arena_bytes", "plan_bytes", "peak_bytes", "recorded", "left_live", "freed_after",
                 "stream_peak_bytes", "graph_nodes", "cross_shares", "programmatic_edges", "programmatic_ordered",
-                "wait_gap", "wait_shares", "unwaited_bytes", "wait_timed", "wait_slack_ns")
+                "wait_gap", "wait_shares", "unwaited_bytes", "wait_timed", "wait_by_slack", "wait_slack_ns",
+                "wait_delay_ns")
         info = dict(zip(keys, list(out)))
-        slack = info.pop("wait_slack_ns")
-        info["wait_slack_us"] = slack / 1e3 if info["wait_timed"] else None
+        slack, delay = info.pop("wait_slack_ns"), info.pop("wait_delay_ns")
+        info["wait_slack_us"] = slack / 1e3 if info["wait_by_slack"] and info["wait_shares"] else None
+        info["wait_delay_us"] = delay / 1e3 if info["wait_timed"] else None
         info["budget"] = budget
         return CapturePlan(h.value, info)
 

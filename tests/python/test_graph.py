@@ -1235,9 +1235,9 @@ def test_gpu_compile_step_with_planned_memory_trains_as_eager(case):
         assert mp["budget"] == mp["unwaited_bytes"] - 1 and mp["wait_gap"] >= 0 and mp["wait_shares"] > 0, mp
         assert mp["plan_bytes"] < mp["unwaited_bytes"] and mp["waits"] > 0, mp
         assert mp["placed"] == mp["blocks"] and mp["refused"] == 0, mp
-        # bought by their slack in a replay of the recorded graph (the update left out of it:
-        # the planned twin trained as the pool's above, exactly)
-        assert mp["wait_timed"] == 1 and mp["wait_slack_us"] is not None, mp
+        # chosen by a replay of the recorded graph's node times (the update left out of it: the
+        # planned twin trained as the pool's above, to 1e-6)
+        assert mp["wait_timed"] == 1 and mp["wait_delay_us"] is not None and mp["wait_delay_us"] >= 0, mp
         assert "nodes timed over 3 replays" in mp["node_times"], mp["node_times"]
         # one recording planned three times (allocator.CaptureRecording): the same blocks and
         # live peak each time; within the lower budget waits, as the recording made again got;
@@ -1318,7 +1318,9 @@ def test_gpu_graph_node_times_replay_a_copy_with_the_update_left_out():
     assert len(nodes) == len(set(nodes)) == len(ns) == n.value >= 4, (n.value, len(nodes))
     t = dict(zip(nodes, ns))
     (a,), (b,) = after_sleep, quick
-    assert all(v >= 0 for v in ns), ns
+    # from the root's stamp, which may run just after a node that started with it (here the
+    # other stream's add: -256 ns on the H100 at 2459f4d)
+    assert all(v >= -10_000 for v in ns), ns
     assert t[a] >= 100_000 and t[b] < t[a], (t[a], t[b])
     torch.cuda.synchronize()
     assert count.item() == short.item() == 4 and upd.item() == 0, (count.item(), short.item(), upd.item())

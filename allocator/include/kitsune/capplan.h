@@ -149,11 +149,13 @@ kt_status kt_capplan_create(const kt_caprec *rec, kt_capplan **out);
  * recorded events from the earlier block's free to the later one's allocation) is at
  * least a threshold, the largest threshold whose plan fits the budget (found by
  * bisection). With node times (kt_caprec_set_times) for every node the waitable
- * blocks' frontiers name, a pair's gap is instead its slack in that replay: when the
- * work the later block's stream had reached at its allocation finished, less when
- * the work that used the earlier block had (ns); a wait with slack cost that replay
- * nothing. When not even every such pair fits, no waits: they would order the
- * streams and still miss the budget. Only with an order (the recording's graph) and up to
+ * blocks' frontiers name, pairs are also bought by their slack in that replay (when
+ * the work the later block's stream had reached at its allocation finished, less
+ * when the work that used the earlier block had, ns; a wait with slack cost that
+ * replay nothing), the largest slack threshold that fits, and of the fitting
+ * packings either bisection tried the plan kept is the one whose waits delay the
+ * replay least, to first order (wait_delay_ns). When not even every such pair fits,
+ * no waits: they would order the streams and still miss the budget. Only with an order (the recording's graph) and up to
  * KT_CAPPLAN_WAIT_MAX_BLOCKS planned blocks; blocks freed after the capture or noted
  * on no order are never waited for. kt_capplan_info says what was chosen. */
 kt_status kt_capplan_create_within(const kt_caprec *rec, uint64_t budget, kt_capplan **out);
@@ -180,8 +182,11 @@ typedef struct kt_capplan_info {
   int32_t wait_shares;
   uint64_t budget;       /* as given (UINT64_MAX: kt_capplan_create) */
   size_t unwaited_bytes; /* the plan's extent without waits */
-  int32_t wait_timed;    /* 1: the waits were chosen by node times */
-  int64_t wait_slack_ns; /* then the least slack a waited pair had (INT64_MIN: not timed) */
+  int32_t wait_timed;    /* 1: node times chose the plan among those tried */
+  int32_t wait_by_slack; /* 1: its pairs are those with at least a threshold of slack; 0:
+                          * those at least a threshold of recorded events apart */
+  int64_t wait_slack_ns; /* by slack: the least slack of a waited pair (INT64_MIN: not) */
+  int64_t wait_delay_ns; /* with node times, its waits' first-order delay of the replay */
 } kt_capplan_info;
 kt_status kt_capplan_get_info(const kt_capplan *plan, kt_capplan_info *out);
 /* Planned block j (the recorded blocks freed when planned, in recorded order): its

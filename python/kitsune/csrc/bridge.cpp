@@ -225,7 +225,7 @@ kt_status capture_wait(void* ctx, kt_stream_t stream, const uint64_t* nodes, siz
 // planned blocks it let share bytes to DIR/capplan_<pid>_<n>_share.txt (a line a
 // planned block i, in the CSV's order of planned blocks: "i: j ..." for each j that may
 // reuse i's bytes by the order; plans of up to KT_CAPPLAN_ORDER_MAX_BLOCKS blocks; a plan
-// with waits chosen by recorded events, wait_timed 0, also lets the pairs its header's
+// with waits by recorded events, wait_by_slack 0, also lets the pairs its header's
 // wait_gap names share), for analysis off
 // the GPU (tools/capplan_log.py, tools/capplan_pack.py). Best effort: a file that cannot
 // be written is skipped.
@@ -253,9 +253,9 @@ void log_plan(const kt_caprec* rec, const kt_capplan* plan) {
   if (!f) return;
   std::fprintf(f,
                "# plan_bytes %zu peak_bytes %zu stream_peak_bytes %zu graph_nodes %d cross_shares %d wait_gap %lld "
-               "wait_timed %d\n",
+               "wait_by_slack %d\n",
                pi.plan_bytes, pi.peak_bytes, pi.group_peak_bytes, pi.graph_nodes, pi.cross_shares,
-               static_cast<long long>(pi.wait_gap), pi.wait_timed);
+               static_cast<long long>(pi.wait_gap), pi.wait_by_slack);
   std::fprintf(f, "block,size,stream,start,end,after,uses,unordered,offset\n");
   kt_caprec_info ri;
   kt_caprec_get_info(rec, &ri);
@@ -1040,12 +1040,13 @@ __attribute__((visibility("default"))) int kt_bridge_pool_take_recording(int dev
   return g_allocator->take_recording(static_cast<c10::DeviceIndex>(device), {id0, id1}, out);
 }
 // The plan of a taken recording within budget bytes (< 0: none; kt_capplan_create_within).
-// info[17]: planned blocks, arena bytes, plan bytes, live peak, recorded blocks, of them
+// info[19]: planned blocks, arena bytes, plan bytes, live peak, recorded blocks, of them
 // still live (left out), freed after the capture, the sum of the streams' live peaks,
 // the recorded graph's nodes (0: streams kept apart), pairs shared across streams, the
 // graph's programmatic edges and, of them, those counted as ordering, the wait gap (-1:
 // none), the pairs only waits let share, the plan's bytes without waits, whether node
-// times chose the waits and then the least slack of a waited pair (ns).
+// times chose the plan, whether its pairs are by slack (then the least slack of one,
+// ns), its waits' first-order delay (ns).
 __attribute__((visibility("default"))) int kt_bridge_recording_plan(const TakenRecording* t, int64_t budget,
                                                                     kt_capplan** out, int64_t* info) {
   if (!t || !out || !info) return KT_ERR_INVALID;
@@ -1056,11 +1057,12 @@ __attribute__((visibility("default"))) int kt_bridge_recording_plan(const TakenR
   log_plan(t->rec, *out);
   kt_capplan_info ci;
   kt_capplan_get_info(*out, &ci);
-  int64_t v[17] = {ci.blocks, static_cast<int64_t>(ci.arena_bytes), static_cast<int64_t>(ci.plan_bytes),
+  int64_t v[19] = {ci.blocks, static_cast<int64_t>(ci.arena_bytes), static_cast<int64_t>(ci.plan_bytes),
                    static_cast<int64_t>(ci.peak_bytes), ri.blocks, ri.live, ri.freed_after,
                    static_cast<int64_t>(ci.group_peak_bytes), ci.graph_nodes, ci.cross_shares,
                    t->programmatic, t->programmatic_ordered, ci.wait_gap, ci.wait_shares,
-                   static_cast<int64_t>(ci.unwaited_bytes), ci.wait_timed, ci.wait_slack_ns};
+                   static_cast<int64_t>(ci.unwaited_bytes), ci.wait_timed, ci.wait_by_slack, ci.wait_slack_ns,
+                   ci.wait_delay_ns};
   std::memcpy(info, v, sizeof v);
   return KT_OK;
 }

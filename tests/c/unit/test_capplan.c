@@ -911,7 +911,8 @@ Test(capplan, with_node_times_a_wait_is_bought_where_it_has_slack) {
   kt_capplan_info in = info_of(p);
   cr_assert(in.unwaited_bytes == 12 * MiB && in.plan_bytes == 8 * MiB, "unwaited %zu, plan %zu", in.unwaited_bytes,
             in.plan_bytes);
-  cr_assert(in.wait_gap == 3 && in.wait_shares == 1 && in.wait_timed == 0 && in.wait_slack_ns == INT64_MIN);
+  cr_assert(in.wait_gap == 3 && in.wait_shares == 1 && in.wait_timed == 0 && in.wait_by_slack == 0 &&
+            in.wait_slack_ns == INT64_MIN && in.wait_delay_ns == 0);
   cr_assert_eq(offset_of(p, C), offset_of(p, B), "c over b, whose kernel runs long");
   kt_capplan_destroy(p);
 
@@ -924,8 +925,9 @@ Test(capplan, with_node_times_a_wait_is_bought_where_it_has_slack) {
   p = within(r, 8 * MiB);
   in = info_of(p);
   cr_assert_eq(in.plan_bytes, 8 * MiB);
-  cr_assert(in.wait_timed == 1 && in.wait_slack_ns == 10000, "timed %d, slack %lld", in.wait_timed,
-            (long long)in.wait_slack_ns);
+  cr_assert(in.wait_timed == 1 && in.wait_by_slack == 1 && in.wait_slack_ns == 10000, "timed %d, slack %lld",
+            in.wait_timed, (long long)in.wait_slack_ns);
+  cr_assert_eq(in.wait_delay_ns, 0, "a's kernel was done before S1 reached c");
   cr_assert(in.wait_shares == 1 && in.wait_gap == 1, "a -> c alone, 1 event apart");
   cr_assert_eq(offset_of(p, C), offset_of(p, A), "c over a, whose kernel was done before S1 got to c");
   cr_assert_neq(offset_of(p, C), offset_of(p, B));
@@ -946,6 +948,19 @@ Test(capplan, with_node_times_a_wait_is_bought_where_it_has_slack) {
   cr_assert(pstats(pl).refused == 0 && pstats(pl).waits == 1);
   kt_placer_destroy(pl);
   kt_capplan_destroy(p);
+
+  /* b's kernel done early, a's late: the pair by events has the slack; it is kept (a tie in
+   * delay and extent keeps the first plan found) */
+  int64_t early_b[4] = {10000, 500000, 60000, 70000};
+  cr_assert_eq(kt_caprec_set_times(r, nodes, early_b, 4), KT_OK);
+  p = within(r, 8 * MiB);
+  in = info_of(p);
+  cr_assert(in.wait_timed == 1 && in.wait_by_slack == 0 && in.wait_gap == 3 && in.wait_delay_ns == 0,
+            "timed %d by slack %d gap %lld delay %lld", in.wait_timed, in.wait_by_slack, (long long)in.wait_gap,
+            (long long)in.wait_delay_ns);
+  cr_assert_eq(offset_of(p, C), offset_of(p, B));
+  kt_capplan_destroy(p);
+  cr_assert_eq(kt_caprec_set_times(r, nodes, ns, 4), KT_OK);
 
   /* a bad call changes nothing; a node the frontiers name without a time: by events */
   uint64_t dup[2] = {nodes[0], nodes[0]}, zero[1] = {0};

@@ -185,7 +185,7 @@ def bridge():
         b.kt_bridge_blas_test_put.argtypes = [ctypes.c_int, u64, u64, u64]
         b.kt_bridge_blas_test_frees.restype, b.kt_bridge_blas_test_frees.argtypes = i64, []
         b.kt_bridge_stream_create.restype = ctypes.c_int
-        b.kt_bridge_stream_create.argtypes = [ctypes.c_int, ctypes.POINTER(u64)]
+        b.kt_bridge_stream_create.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.POINTER(u64)]
         del lib
         _bridge = b
         return b

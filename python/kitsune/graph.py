@@ -1052,7 +1052,9 @@ def _capture_stream(device, here):
     if got is None:
         ptr = ctypes.c_uint64()
         b = _native.bridge()
-        _native.check(b.kt_bridge_stream_create(idx, ctypes.byref(ptr)), f"creating a capture stream on cuda:{idx}")
+        from .sched import branch_priority
+        _native.check(b.kt_bridge_stream_create(idx, branch_priority(), ctypes.byref(ptr)),
+                      f"creating a capture stream on cuda:{idx}")
         got = _CAPTURE_STREAMS[idx] = (torch.cuda.ExternalStream(ptr.value, device=torch.device("cuda", idx)), here)
     return got
 

@@ -251,6 +251,18 @@ def measure_costs(model, *example_inputs, reps=5):
     return {n.name: statistics.median(timer.times[n.name]) if n.name in timed else 0.0 for n in ops}
 
 
+def branch_priority():
+    """The priority of compile_step's capture stream and of a streamed module's branch
+    streams: with KITSUNE_STREAM_PRIORITY=1 the device's greatest, so that where their
+    kernels and the weight-gradient streams' (_ConvGradsApart's, CUDA's default 0, the
+    least) contend for SMs the block scheduler starts theirs first (a captured kernel
+    keeps its stream's priority: PyTorch instantiates graphs with
+    cudaGraphInstantiateFlagUseNodePriority); else 0."""
+    if os.environ.get("KITSUNE_STREAM_PRIORITY", "0") != "1":
+        return 0
+    return torch.cuda.Stream.priority_range()[1]
+
+
 def saved_state(module):
     """What running ``module`` changes besides its parameters, saved now: its buffers
     (BatchNorm's running statistics) and the CPU and CUDA random generators. Returns a
@@ -456,7 +468,7 @@ class _Streams:
         if device.index in self.per_device:
             return
         with torch.cuda.device(device):
-            sides = [torch.cuda.Stream() for _ in range(self.n_streams - 1)]
+            sides = [torch.cuda.Stream(priority=branch_priority()) for _ in range(self.n_streams - 1)]
             events = [torch.cuda.Event() for _ in range(self.n_events + 1)]
             here = torch.cuda.current_stream()
             for e in events:

@@ -1228,12 +1228,12 @@ __attribute__((visibility("default"))) int64_t kt_bridge_blas_test_frees(void) {
 
 // A new non-blocking stream on device, for compile_step's captures: one no other
 // code is handed (PyTorch's pool streams are shared round-robin), never destroyed.
-__attribute__((visibility("default"))) int kt_bridge_stream_create(int device, uint64_t* out) {
+__attribute__((visibility("default"))) int kt_bridge_stream_create(int device, int priority, uint64_t* out) {
   if (!out || device < 0) return KT_ERR_INVALID;
   try {
     c10::cuda::CUDAGuard g(static_cast<c10::DeviceIndex>(device));
     cudaStream_t s = nullptr;
-    if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) {
+    if (cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, priority) != cudaSuccess) {
       (void)cudaGetLastError();
       return KT_ERR_BACKEND;
     }

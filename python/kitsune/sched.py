@@ -258,7 +258,7 @@ def branch_priority():
     least) contend for SMs the block scheduler starts theirs first (a captured kernel
     keeps its stream's priority: PyTorch instantiates graphs with
     cudaGraphInstantiateFlagUseNodePriority); else 0."""
-    if os.environ.get("KITSUNE_STREAM_PRIORITY", "0") != "1":
+    if os.environ.get("KITSUNE_STREAM_PRIORITY", "1") == "0":
         return 0
     return torch.cuda.Stream.priority_range()[1]
 

@@ -59,6 +59,14 @@ The plan's shapes are noted during the warm-up step when the model is a GraphMod
 without hooks of its own and no autocast is asked (its forward then runs through
 torch.fx's Interpreter once: kitsune.sched.shape_recorder), else taken on fake tensors
 (``stats()["stream_shapes"]``: "recorded" or "fake tensors").
+The capture stream and the branch streams have the device's greatest priority, the
+weight-gradient streams below (CUDA's default, the least), and a graph's kernels keep
+their stream's (PyTorch instantiates with cudaGraphInstantiateFlagUseNodePriority):
+where kernels contend for SMs the block scheduler starts the branches' and the main
+chain's first. The branchy net at batch 8 took 0.425-0.427 ms a step with them
+against 0.434-0.435 without, one stream 0.564-0.566 either way (H100,
+bench/results/models_variants_priority_62ba436.json). KITSUNE_STREAM_PRIORITY=0 turns
+them off (kitsune.sched.branch_priority).
 The plan's costs are the roofline's (``stream_costs=None``) or, with
 ``stream_costs="measured"``, each operation's time measured on the first batch
 (``kitsune.sched.measure_costs``: the forward run operation by operation, a few times,

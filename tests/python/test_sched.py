@@ -288,6 +288,20 @@ def test_streamed_applies_plans_on_measured_or_given_costs():
         torch.testing.assert_close(sm(x), block(x), rtol=0, atol=0)
 
 
+def test_branch_streams_take_the_greatest_priority_unless_turned_off(monkeypatch):
+    """sched.branch_priority: the priority of compile_step's capture stream and of a
+    streamed module's branch streams (the weight-gradient streams keep CUDA's default,
+    the least): the device's greatest (torch.cuda.Stream.priority_range's second value,
+    faked here: no GPU needed), or 0 with KITSUNE_STREAM_PRIORITY=0."""
+    monkeypatch.setattr(torch.cuda.Stream, "priority_range", staticmethod(lambda: (0, -5)))
+    monkeypatch.delenv("KITSUNE_STREAM_PRIORITY", raising=False)
+    assert ks.branch_priority() == -5
+    monkeypatch.setenv("KITSUNE_STREAM_PRIORITY", "1")
+    assert ks.branch_priority() == -5
+    monkeypatch.setenv("KITSUNE_STREAM_PRIORITY", "0")
+    assert ks.branch_priority() == 0
+
+
 def test_compile_step_refuses_unknown_stream_costs():
     m = nn.Linear(2, 2)
     with pytest.raises(ValueError, match="compile_step: stream_costs must be None .the roofline. or 'measured', got 'x'"):

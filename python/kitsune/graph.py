@@ -679,10 +679,9 @@ class CompiledStep:
             del loss   # what is still live when planned is left out of the plan
             try:
                 rec = allocator._take_recording(first, dev)
-                if timer is not None:
-                    self._node_times = timer.note
-                    if timer.times is not None:
-                        rec.set_times(*timer.times)
+                self._node_times = timer.note if timer is not None else None
+                if timer is not None and timer.times is not None:
+                    rec.set_times(*timer.times)
                 return rec
             except RuntimeError as e:   # host memory
                 return self._not_planned(e)

@@ -253,11 +253,11 @@ def measure_costs(model, *example_inputs, reps=5):
 
 def branch_priority():
     """The priority of compile_step's capture stream and of a streamed module's branch
-    streams: with KITSUNE_STREAM_PRIORITY=1 the device's greatest, so that where their
-    kernels and the weight-gradient streams' (_ConvGradsApart's, CUDA's default 0, the
-    least) contend for SMs the block scheduler starts theirs first (a captured kernel
-    keeps its stream's priority: PyTorch instantiates graphs with
-    cudaGraphInstantiateFlagUseNodePriority); else 0."""
+    streams: the device's greatest, so that where their kernels and the weight-gradient
+    streams' (_ConvGradsApart's, CUDA's default 0, the least) contend for SMs the block
+    scheduler starts theirs first (a captured kernel keeps its stream's priority:
+    PyTorch instantiates graphs with cudaGraphInstantiateFlagUseNodePriority). 0 with
+    KITSUNE_STREAM_PRIORITY=0."""
     if os.environ.get("KITSUNE_STREAM_PRIORITY", "1") == "0":
         return 0
     return torch.cuda.Stream.priority_range()[1]

@@ -10,9 +10,6 @@
 // forward and about 7 us in the backward, where a kernel after a kernel starts 0.4 us
 // after it (h100_timeline_gpt_inception8_18b9e89.log); the fill kernel runs 1.1 us
 // (h100_timeline_gpt_memsets_18b9e89.log).
-//
-// kt_graph_capture_nodes / kt_graph_time_nodes: when each node of a captured graph
-// finishes in a replay of it (for capture plans' waits, kitsune/capplan.h).
 // Steps measured with and without it in one process (tools/ab_env.py,
 // ab_memsets_18b9e89.json): GPT 2.281 -> 2.266 ms, ResNet-18 1.354 -> 1.330, MLP
 // 0.0939 -> 0.0925, the 4-stream Inception net at batch 8 0.479 -> 0.478. That tree
@@ -20,6 +17,9 @@
 // edge; against the plain fill kept here that gained nothing measurable (GPT 2.267 ms
 // against 2.263, ResNet-18 1.341 against 1.347; ab_memsets_early_18b9e89.json), so it
 // went.
+//
+// kt_graph_capture_nodes / kt_graph_time_nodes: when each node of a captured graph
+// finishes in a replay of it (for capture plans' waits, kitsune/capplan.h).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -173,10 +173,11 @@ extern "C" kt_status kt_graph_time_nodes(void *graph, const uint64_t *skip, size
   cudaGraph_t clone = nullptr;
   cudaGraphExec_t exec = nullptr;
   kt_status st = cudaGraphClone(&clone, g) == cudaSuccess ? KT_OK : KT_ERR_BACKEND;
-  std::vector<cudaGraphNode_t> mirror(count);
-  for (size_t k = 0; k < count && st == KT_OK; k++)
-    if (cudaGraphNodeFindInClone(&mirror[k], all[k], clone) != cudaSuccess || !add_stamp(clone, mirror[k], at + k))
+  for (size_t k = 0; k < count && st == KT_OK; k++) {
+    cudaGraphNode_t mirror = nullptr;
+    if (cudaGraphNodeFindInClone(&mirror, all[k], clone) != cudaSuccess || !add_stamp(clone, mirror, at + k))
       st = KT_ERR_BACKEND;
+  }
   if (st == KT_OK && !add_stamp(clone, nullptr, at + count)) st = KT_ERR_BACKEND;
   if (st == KT_OK && cudaGraphInstantiate(&exec, clone, 0) != cudaSuccess) st = KT_ERR_BACKEND;
   for (size_t i = 0; i < nskip && st == KT_OK; i++) {
@@ -199,13 +200,8 @@ extern "C" kt_status kt_graph_memsets_to_kernels(void *graph, size_t max_bytes, 
   if (replaced) *replaced = 0;
   if (!graph) return KT_ERR_INVALID;
   auto g = static_cast<cudaGraph_t>(graph);
-  size_t count = 0;
-  if (cudaGraphGetNodes(g, nullptr, &count) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return KT_ERR_BACKEND;
-  }
-  std::vector<cudaGraphNode_t> nodes(count);
-  if (count && cudaGraphGetNodes(g, nodes.data(), &count) != cudaSuccess) {
+  std::vector<cudaGraphNode_t> nodes;
+  if (!all_nodes(g, nodes)) {
     (void)cudaGetLastError();
     return KT_ERR_BACKEND;
   }

@@ -64,7 +64,7 @@ weight-gradient streams below (CUDA's default, the least), and a graph's kernels
 their stream's (PyTorch instantiates with cudaGraphInstantiateFlagUseNodePriority):
 where kernels contend for SMs the block scheduler starts the branches' and the main
 chain's first. The branchy net at batch 8 took 0.425-0.427 ms a step with them
-against 0.434-0.435 without, one stream 0.564-0.566 either way (H100,
+against 0.434-0.435 without, one stream 0.564-0.567 either way (H100,
 bench/results/models_variants_priority_62ba436.json). KITSUNE_STREAM_PRIORITY=0 turns
 them off (kitsune.sched.branch_priority).
 The plan's costs are the roofline's (``stream_costs=None``) or, with

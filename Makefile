@@ -40,10 +40,11 @@ CUDA_LIBS := -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt -lpthread
 ASAN_FLAGS := -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined -DKT_DEBUG
 
 LIB_SRC := $(wildcard allocator/src/*.c) $(wildcard allocator/backends/*.c) $(wildcard scheduler/src/*.c)
-# Fused kernels: SASS for sm_80 and sm_90, PTX for newer GPUs; linked into libkitsune.so
-FUSION_CU := $(wildcard fusion/kernels/*.cu)
-FUSION_OBJ := $(patsubst %.cu,$(BUILD)/obj/%.o,$(FUSION_CU))
-NVCC_FLAGS := -std=c++17 -O3 -Xcompiler -fPIC -Ifusion/include -Iallocator/include \
+# CUDA sources (fused kernels; CUDA-graph edits): SASS for sm_80 and sm_90, PTX for
+# newer GPUs; linked into libkitsune.so
+CU_SRC := $(wildcard fusion/kernels/*.cu) $(wildcard scheduler/src/*.cu)
+CU_OBJ := $(patsubst %.cu,$(BUILD)/obj/%.o,$(CU_SRC))
+NVCC_FLAGS := -std=c++17 -O3 -Xcompiler -fPIC -Ifusion/include -Ischeduler/include -Iallocator/include \
   -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
 LIB_HDR := $(wildcard allocator/include/kitsune/*.h) $(wildcard allocator/src/*.h) $(wildcard scheduler/include/kitsune/*.h)
 OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(LIB_SRC))
@@ -75,13 +76,13 @@ $(BUILD)/asan/%.o: %.c $(LIB_HDR) | $(JE_LIB)
 	@mkdir -p $(dir $@)
 	$(CC) $(CPPFLAGS) -std=c11 -fPIC -Wall -Wextra -Wno-unused-parameter -pthread $(ASAN_FLAGS) -c $< -o $@
 
-$(BUILD)/obj/fusion/kernels/%.o: fusion/kernels/%.cu $(wildcard fusion/kernels/*.cuh) $(wildcard fusion/include/kitsune/*.h)
+$(BUILD)/obj/%.o: %.cu $(wildcard fusion/kernels/*.cuh) $(wildcard fusion/include/kitsune/*.h) $(wildcard scheduler/include/kitsune/*.h)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCC_FLAGS) -c $< -o $@
 
 # Only kt_* is exported; the static CUDA runtime stays private to the library.
-$(BUILD)/libkitsune.so: $(OBJ) $(FUSION_OBJ) allocator/exports.map $(JE_LIB)
-	$(CC) -shared -o $@ $(OBJ) $(FUSION_OBJ) $(JE_LIB) -Wl,--version-script=allocator/exports.map -Wl,--exclude-libs,ALL $(CUDA_LIBS) -lstdc++ -lm
+$(BUILD)/libkitsune.so: $(OBJ) $(CU_OBJ) allocator/exports.map $(JE_LIB)
+	$(CC) -shared -o $@ $(OBJ) $(CU_OBJ) $(JE_LIB) -Wl,--version-script=allocator/exports.map -Wl,--exclude-libs,ALL $(CUDA_LIBS) -lstdc++ -lm
 
 $(BUILD)/libkitsune.a: $(OBJ)
 	@rm -f $@; ar rcs $@ $(OBJ)

@@ -18,7 +18,7 @@ if [ -z "$info" ]; then
 fi
 read -r troot abi tver <<<"$info"
 out="$build/libkitsune_torch.so"
-if [ -f "$out" ] && [ -z "$(find python/kitsune/csrc/bridge.cpp allocator/include fusion/include "$build/libkitsune.so" -newer "$out" 2>/dev/null | head -1)" ]; then
+if [ -f "$out" ] && [ -z "$(find python/kitsune/csrc/bridge.cpp allocator/include scheduler/include fusion/include "$build/libkitsune.so" -newer "$out" 2>/dev/null | head -1)" ]; then
   exit 0   # up to date
 fi
 cuda_home=$(command -v nvcc >/dev/null && dirname "$(dirname "$(command -v nvcc)")" || echo /usr/local/cuda)
@@ -29,7 +29,7 @@ cuda_home=$(command -v nvcc >/dev/null && dirname "$(dirname "$(command -v nvcc)
 cxx=${KITSUNE_CXX:-g++}
 echo "bridge: building against torch $tver ($troot) with $($cxx --version | head -1)"
 $cxx -std=c++17 -O2 -g -fPIC -shared -fvisibility=hidden -Wall -Wno-unused-parameter \
-  -D_GLIBCXX_USE_CXX11_ABI="$abi" -Iallocator/include -Ifusion/include -I"$troot/include" \
+  -D_GLIBCXX_USE_CXX11_ABI="$abi" -Iallocator/include -Ischeduler/include -Ifusion/include -I"$troot/include" \
   -I"$troot/include/torch/csrc/api/include" -I"$cuda_home/include" \
   python/kitsune/csrc/bridge.cpp -o "$out" \
   -L"$build" -lkitsune -L"$troot/lib" -lc10 -lc10_cuda -ltorch_cpu -ltorch_cuda -Wl,-rpath,'$ORIGIN'

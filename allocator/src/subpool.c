@@ -10,9 +10,6 @@
 #include <stdlib.h>
 
 #include "internal.h"
-#include "kitsune/capplan.h"
-
-_Static_assert(KT_CAPPLAN_ALIGN % KT_QUANTUM == 0, "a plan's arena is sized in the units this backend reserves");
 
 static char token;   /* the parent-side stream of every segment */
 

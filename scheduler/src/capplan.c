@@ -1,4 +1,4 @@
-/* allocator/src/capplan.c — recording a capture's allocations, planning their
+/* scheduler/src/capplan.c — recording a capture's allocations, planning their
  * layout, and placing a second capture by the plan (kitsune/capplan.h).
  *
  * Everything here runs while a graph is captured, not in the eager hot path, so the
@@ -10,8 +10,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kitsune/alloc.h"
 #include "kitsune/capplan.h"
 #include "kitsune/memplan.h"
+
+/* A plan's arena is reserved from a device pool's backend (kt_pool_backend_create),
+ * which hands out multiples of KT_QUANTUM. */
+_Static_assert(KT_CAPPLAN_ALIGN % KT_QUANTUM == 0, "a plan's arena is sized in the units a pool backend reserves");
 
 /* ---- pointer -> index map ------------------------------------------------------ */
 typedef struct ptrmap {

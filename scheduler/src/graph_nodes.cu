@@ -1,4 +1,4 @@
-// fusion/kernels/graph_nodes.cu — rewrites of a captured CUDA graph before it is
+// scheduler/src/graph_nodes.cu — rewrites of a captured CUDA graph before it is
 // instantiated.
 //
 // kt_graph_memsets_to_kernels: each memset node of at most max_bytes becomes a kernel
@@ -26,7 +26,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "kitsune/fusion.h"
+#include "kitsune/graph.h"
 
 namespace {
 

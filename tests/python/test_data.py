@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from test_torch_allocator import HAS_GPU, gpu, run
+from support import HAS_GPU, gpu, run
 
 torch = pytest.importorskip("torch")
 

@@ -20,7 +20,7 @@ import weakref
 
 import pytest
 
-from test_torch_allocator import env, gpu
+from support import env, gpu
 
 torch = pytest.importorskip("torch")
 import kitsune  # noqa: E402

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from test_torch_allocator import gpu
+from support import gpu
 
 torch = pytest.importorskip("torch")
 ko = pytest.importorskip("kitsune.ops")

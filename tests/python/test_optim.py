@@ -6,7 +6,7 @@ import copy
 
 import pytest
 
-from test_torch_allocator import gpu
+from support import gpu
 
 torch = pytest.importorskip("torch")
 import kitsune  # noqa: E402

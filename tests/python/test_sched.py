@@ -506,7 +506,7 @@ def test_a_late_weight_gradient_is_only_for_weights_without_hooks_that_would_see
 
 
 # ---- on the GPU -----------------------------------------------------------------------------
-from test_torch_allocator import gpu  # noqa: E402
+from support import gpu  # noqa: E402
 
 
 @pytest.mark.gpu

@@ -12,25 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-HERE = os.path.dirname(os.path.abspath(__file__))
-HAS_GPU = torch.cuda.is_available()
-
-
-def env():
-    e = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python"))
-    e.setdefault("KITSUNE_LIBRARY", os.path.join(REPO, "build", "libkitsune.so"))
-    return e
-
-
-def run(code, timeout=600, **extra_env):
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                       env=dict(env(), **extra_env), timeout=timeout)
-    assert r.returncode == 0, r.stdout + r.stderr
-    return r.stdout
-
-
-gpu = pytest.mark.skipif(not HAS_GPU and os.environ.get("KITSUNE_REQUIRE_GPU") != "1", reason="needs a CUDA GPU")
+from support import HAS_GPU, HERE, REPO, env, gpu, run  # noqa: E402
 
 
 @pytest.mark.skipif(HAS_GPU, reason="checks the no-GPU path")

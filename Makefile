@@ -161,7 +161,7 @@ bench-data: $(BUILD)/libkitsune.so bridge
 gpu-test: $(TEST_BINS) $(BUILD)/libkitsune.so $(BUILD)/libnvtx_record.so $(BUILD)/bench/alloc_replay bridge $(BUILD)/tests/oob_write
 	@KT_TEST_BACKEND=cuda KT_REQUIRE_GPU=1 bash tools/run_c_tests.sh $(BUILD)/tests conformance stress
 	@KT_TEST_VMM=1 KT_TEST_BACKEND=cuda KT_REQUIRE_GPU=1 bash tools/run_c_tests.sh $(BUILD)/tests conformance stress
-	@bash tools/sanitizer_oob.sh $(BUILD)
+	@bash tools/gpu/sanitizer_oob.sh $(BUILD)
 	@bash tools/run_c_tests.sh $(BUILD)/tests $(TIERS)
 	@KITSUNE_REQUIRE_GPU=1 KITSUNE_LIBRARY=$(CURDIR)/$(BUILD)/libkitsune.so PYTHONPATH=$(CURDIR)/python \
 	  $(PYTHON) -m pytest -q -rs --durations=15 tests/python $${KT_PYTEST_ARGS:-}

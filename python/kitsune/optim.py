@@ -88,7 +88,7 @@ class _StepCounts:
     tensor, so that a replay counts every parameter's step with one add. The foreach
     add over them it replaces took 32 us of host time a replay for the MLP's 6
     tensors on the H100's host under cProfile, the most of any item
-    (tools/host_replay.py, bench/results/h100_host_68c627f.log). The values and tensor type stay torch.optim's
+    (tools/gpu/host_replay.py, bench/results/h100_host_68c627f.log). The values and tensor type stay torch.optim's
     (0-dim, float32 or float64, CPU); their in-place updates (torch.optim's own
     step, kitsune.adam_step_) write through the views."""
 

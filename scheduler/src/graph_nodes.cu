@@ -10,7 +10,7 @@
 // forward and about 7 us in the backward, where a kernel after a kernel starts 0.4 us
 // after it (h100_timeline_gpt_inception8_18b9e89.log); the fill kernel runs 1.1 us
 // (h100_timeline_gpt_memsets_18b9e89.log).
-// Steps measured with and without it in one process (tools/ab_env.py,
+// Steps measured with and without it in one process (tools/gpu/ab_env.py,
 // ab_memsets_18b9e89.json): GPT 2.281 -> 2.266 ms, ResNet-18 1.354 -> 1.330, MLP
 // 0.0939 -> 0.0925, the 4-stream Inception net at batch 8 0.479 -> 0.478. That tree
 // also launched the fill early, behind the kernel before it, through a programmatic

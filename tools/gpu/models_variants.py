@@ -1,7 +1,7 @@
 """bench/models.py once per environment setting, each in fresh processes, and a line
 per row with what the planned memory did (waits, plan and budget, late joins):
 
-    python tools/models_variants.py --variants "KITSUNE_CONV_GRADS=together;KITSUNE_PLAN_WAITS=0" \
+    python tools/gpu/models_variants.py --variants "KITSUNE_CONV_GRADS=together;KITSUNE_PLAN_WAITS=0" \
         -- --models inception:8 --recipes kitsune --no-cudnn-benchmark --cudnn-mode-b --kitsune-allocator
 
 A variant is one or more NAME=VALUE separated by spaces; variants are separated by ';'
@@ -16,7 +16,7 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "bench"))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "bench"))
 from benchlib import write_result  # noqa: E402
 
 
@@ -38,7 +38,7 @@ def summary(row):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", required=True)
-    ap.add_argument("--out", default=os.path.join(HERE, "..", "bench", "results"))
+    ap.add_argument("--out", default=os.path.join(HERE, "..", "..", "bench", "results"))
     ap.add_argument("rest", nargs=argparse.REMAINDER)
     args = ap.parse_args()
     rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
@@ -48,7 +48,7 @@ def main():
         env = dict(os.environ)
         env.update(kv.split("=", 1) for kv in v.split())
         with tempfile.TemporaryDirectory() as tmp:
-            cmd = [sys.executable, os.path.join(HERE, "..", "bench", "models.py"), "--out", tmp] + rest
+            cmd = [sys.executable, os.path.join(HERE, "..", "..", "bench", "models.py"), "--out", tmp] + rest
             print(f"== variant: {v or '(as set)'}", flush=True)
             subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, check=False)
             path = os.path.join(tmp, "models.json")

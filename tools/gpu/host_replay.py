@@ -1,13 +1,13 @@
 """Host time of one replayed training step, Kitsune's compile_step against the stock
 whole-step graph (bench/models.py's recipes), and where Kitsune's goes:
 
-    python tools/host_replay.py mlp lenet
+    python tools/gpu/host_replay.py mlp lenet
 
 Per model and recipe: the wall time of 400 calls (us a call; the GPU runs behind, so
 for a small model this is what bounds the step), then cProfile over 400 more calls,
 the 14 entries with the most time of their own. cProfile's per-call cost inflates
 Python functions, not the C calls inside them: read the list as an order, the first
-line as the measurement. tools/gpu_run.sh runs it as part "host" (to $OUT/host.log).
+line as the measurement. tools/gpu/gpu_run.sh runs it as part "host" (to $OUT/host.log).
 """
 import cProfile
 import os

@@ -8,7 +8,7 @@ and the largest host-late gaps are listed with the CPU ops around the late launc
 Synchronising runtime calls (cudaStreamSynchronize, cudaDeviceSynchronize,
 cudaMemcpy, cudaEventSynchronize) are totalled.
 
-    python tools/step_gaps.py [gpt2|llama] [eager|kitsune] [--top N]
+    python tools/gpu/step_gaps.py [gpt2|llama] [eager|kitsune] [--top N]
 """
 import argparse
 import bisect

@@ -1,14 +1,14 @@
 """Top CUDA kernels of one training step of bench/kernels/train_models.py's models
 (eager or kitsune.optimize) and of the GPT-2 loss head, via torch.profiler.
 
-    python tools/profile_train.py [gpt2|llama] [eager|kitsune]
+    python tools/gpu/profile_train.py [gpt2|llama] [eager|kitsune]
 """
 import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench", "kernels"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench", "kernels"))
 import kitsune  # noqa: E402
 import kitsune.ops as ko  # noqa: E402
 import train_models as tm  # noqa: E402

@@ -1,14 +1,14 @@
 """The kernels inside one captured training step: Kitsune's (kitsune.compile_step) and
 the stock whole-step graph (bench/models.py's stock_graph), for the models named.
 
-    python tools/profile_graph.py mlp resnet18
+    python tools/gpu/profile_graph.py mlp resnet18
 
 Per model and recipe: GPU ms a step (CUDA events over 20 replays) and the host's
 (the calls' wall time, not synchronized: when it is the larger, the step waits on the
 host), then the
 profiler's kernels over 10 replays, as us a step, calls a step and name, the largest
 first (PGRAPH_ROWS of them, 18 unless set; PGRAPH_RECIPES names the recipes, default
-"stock_graph kitsune"). tools/gpu_run.sh runs it as part "pgraph" (to $OUT/profile_graph.log).
+"stock_graph kitsune"). tools/gpu/gpu_run.sh runs it as part "pgraph" (to $OUT/profile_graph.log).
 A model may name its batch size (inception:8). PGRAPH_TIMELINE=1 adds one replay's
 timeline: each GPU operation's start (us from the step's first), duration, stream and
 name, then the step's span, the time some stream runs a kernel (the union of the
@@ -26,7 +26,7 @@ from collections import defaultdict
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
 import models  # noqa: E402
 
 

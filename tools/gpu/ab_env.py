@@ -1,8 +1,8 @@
 """A/B of one compile_step setting chosen by an environment variable, interleaved in
 one process so that the machine's drift hits both alike:
 
-    python tools/ab_env.py KITSUNE_GRAPH_MEMSETS=keep --models gpt,resnet18,inception:8 [--recipe kitsune]
-    python tools/ab_env.py KITSUNE_CONV_GRADS=together --b KITSUNE_CONV_GRADS=apart --models inception:8
+    python tools/gpu/ab_env.py KITSUNE_GRAPH_MEMSETS=keep --models gpt,resnet18,inception:8 [--recipe kitsune]
+    python tools/gpu/ab_env.py KITSUNE_CONV_GRADS=together --b KITSUNE_CONV_GRADS=apart --models inception:8
 
 For each model (bench/models.py's, a batch size after a colon), two steps of the recipe
 from the same weights: A captured with the variable set as given, B without it (or
@@ -20,7 +20,7 @@ import sys
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "bench"))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "bench"))
 import models  # noqa: E402
 from benchlib import write_result  # noqa: E402
 

@@ -2,10 +2,10 @@
 # One device call: facts, clean build, then the parts named in GPU_RUN_PARTS
 # (default, when unset, "test bench demo": make gpu-test, make bench, make demo; set but empty, the build alone; "pytest" runs
 # only the pytest part of gpu-test, on KT_PYTEST_ARGS (paths and options; default tests/python); "data" adds
-# make bench-data, "kernels" make bench-kernels, "profile" tools/profile_train.py, "gaps"
-# tools/step_gaps.py, "optim" bench/kernels/optimizer.py, "ew" bench/kernels/elementwise.py, "lact" bench/kernels/linear_act.py, "colsum" bench/kernels/colsum.py, "pool" bench/kernels/pool.py, "losses" bench/loss_match.py (LOSS_ARGS), "copies" tools/copy_sources.py (COPY_MODELS, COPY_ARGS), "train" bench/kernels/train_models.py,
-# "ncu" Nsight Compute on the dropout kernels, "ncu_ln" on the LayerNorm ones, "ncu_optim" on the fused AdamW step, "memsets" tools/graph_memsets.py, "models" bench/models.py, "variants" tools/models_variants.py (VARIANTS, VARIANTS_ARGS or BENCH_MODELS_ARGS), "gmem" bench/graph_memory.py, "ab" tools/ab_env.py (AB_SETTING, AB_MODELS), "pgraph"
-# tools/profile_graph.py, "host" tools/host_replay.py, "alloc" the VMM C suites on CUDA, the allocator pytest,
+# make bench-data, "kernels" make bench-kernels, "profile" tools/gpu/profile_train.py, "gaps"
+# tools/gpu/step_gaps.py, "optim" bench/kernels/optimizer.py, "ew" bench/kernels/elementwise.py, "lact" bench/kernels/linear_act.py, "colsum" bench/kernels/colsum.py, "pool" bench/kernels/pool.py, "losses" bench/loss_match.py (LOSS_ARGS), "copies" tools/gpu/copy_sources.py (COPY_MODELS, COPY_ARGS), "train" bench/kernels/train_models.py,
+# "ncu" Nsight Compute on the dropout kernels, "ncu_ln" on the LayerNorm ones, "ncu_optim" on the fused AdamW step, "memsets" tools/gpu/graph_memsets.py, "models" bench/models.py, "variants" tools/gpu/models_variants.py (VARIANTS, VARIANTS_ARGS or BENCH_MODELS_ARGS), "gmem" bench/graph_memory.py, "ab" tools/gpu/ab_env.py (AB_SETTING, AB_MODELS), "pgraph"
+# tools/gpu/profile_graph.py, "host" tools/gpu/host_replay.py, "alloc" the VMM C suites on CUDA, the allocator pytest,
 # bench/alloc_shapes.py and bench/alloc_torch.py; KT_NO_CLEAN=1 keeps
 # the last call's build). Everything is logged to $OUT/run.log; JSON results and the
 # recorded trace also land in $OUT (the device tool brings back at most 8 files).
@@ -17,7 +17,7 @@
 # device copy named a stale commit (bench/results/h100_pytest_models_gmem_fd66c6b.log).
 set -uo pipefail
 OUT=${OUT:-/tmp/kt_out}; mkdir -p "$OUT"
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 parts=" ${GPU_RUN_PARTS-test bench demo} "   # set but empty: the build alone
 export PYTHONUNBUFFERED=1
 exec > >(tee "$OUT/run.log") 2>&1
@@ -48,13 +48,13 @@ fi
 if [[ $parts == *" profile "* ]]; then   # top kernels of one training step, to $OUT/profile.log
   echo "== profile =="
   for v in "gpt2 kitsune" "gpt2 eager" "llama kitsune" "llama eager"; do
-    KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python python3 tools/profile_train.py $v
+    KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python python3 tools/gpu/profile_train.py $v
   done > "$OUT/profile.log" 2>&1; tail -5 "$OUT/profile.log"
 fi
 if [[ $parts == *" gaps "* ]]; then   # where the training step's GPU waits, to $OUT/gaps.log
   echo "== gaps =="
   for v in "llama kitsune" "llama eager" "gpt2 kitsune" "gpt2 eager"; do
-    KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python python3 tools/step_gaps.py $v
+    KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python python3 tools/gpu/step_gaps.py $v
   done > "$OUT/gaps.log" 2>&1; grep -E "^==|^host|^step|^synchron" "$OUT/gaps.log"
 fi
 if [[ $parts == *" optim "* ]]; then
@@ -77,9 +77,9 @@ if [[ $parts == *" pool "* ]]; then   # bench/kernels/pool.py
   echo "== pool =="; KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \
     python3 bench/kernels/pool.py --out "$OUT" 2>&1 | grep -v -i "warn"
 fi
-if [[ $parts == *" copies "* ]]; then   # tools/copy_sources.py (COPY_MODELS), to $OUT/copies.log
+if [[ $parts == *" copies "* ]]; then   # tools/gpu/copy_sources.py (COPY_MODELS), to $OUT/copies.log
   echo "== copy sources =="; KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \
-    python3 tools/copy_sources.py ${COPY_MODELS:-inception} ${COPY_ARGS:-} 2>&1 | grep -v -i "warn" | tee "$OUT/copies.log" | head -60
+    python3 tools/gpu/copy_sources.py ${COPY_MODELS:-inception} ${COPY_ARGS:-} 2>&1 | grep -v -i "warn" | tee "$OUT/copies.log" | head -60
 fi
 if [[ $parts == *" train "* ]]; then   # bench/kernels/train_models.py alone (GPT-2 and LLaMA, eager / kitsune / compile)
   echo "== train_models =="; time KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \
@@ -90,33 +90,33 @@ if [[ $parts == *" ncu "* ]]; then   # Nsight Compute on the bf16 dropout kernel
   KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python ncu --clock-control none \
     --kernel-name regex:'rng_kernel|ew_kernel' --launch-skip 3 --launch-count 6 \
     --section SpeedOfLight --section ComputeWorkloadAnalysis --section InstructionStats --section WarpStateStats \
-    --section LaunchStats --section Occupancy python3 tools/ncu_dropout.py > "$OUT/ncu.log" 2>&1
+    --section LaunchStats --section Occupancy python3 tools/gpu/ncu_dropout.py > "$OUT/ncu.log" 2>&1
   grep -E "rng_kernel|ew_kernel|Duration|Memory Throughput|Compute \(SM\)|Issue Slots Busy|Executed Ipc A|Registers Per|Achieved Occupancy" "$OUT/ncu.log" | head -80
 fi
-if [[ $parts == *" ncu_ln "* ]]; then   # Nsight Compute on the LayerNorm kernels (tools/ncu_layer_norm.py), to $OUT/ncu_ln.log
+if [[ $parts == *" ncu_ln "* ]]; then   # Nsight Compute on the LayerNorm kernels (tools/gpu/ncu_layer_norm.py), to $OUT/ncu_ln.log
   echo "== ncu layer_norm =="
   KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python ncu --clock-control none \
     --kernel-name regex:'ln_|colsum' --launch-skip 4 --launch-count 4 \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-    --section MemoryWorkloadAnalysis python3 tools/ncu_layer_norm.py > "$OUT/ncu_ln.log" 2>&1
+    --section MemoryWorkloadAnalysis python3 tools/gpu/ncu_layer_norm.py > "$OUT/ncu_ln.log" 2>&1
   grep -E "ln_|colsum|Duration|Memory Throughput|DRAM Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Warp Cycles Per Issued|Stall|Block Limit" "$OUT/ncu_ln.log" | head -80
 fi
-if [[ $parts == *" ncu_optim "* ]]; then   # Nsight Compute on the fused AdamW step (tools/ncu_optim.py), to $OUT/ncu_optim.log
+if [[ $parts == *" ncu_optim "* ]]; then   # Nsight Compute on the fused AdamW step (tools/gpu/ncu_optim.py), to $OUT/ncu_optim.log
   echo "== ncu optimizer =="
   KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python ncu --clock-control none \
     --kernel-name regex:'multi_tensor' --launch-skip 2 --launch-count 1 \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
     --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section InstructionStats \
-    python3 tools/ncu_optim.py > "$OUT/ncu_optim.log" 2>&1
+    python3 tools/gpu/ncu_optim.py > "$OUT/ncu_optim.log" 2>&1
   grep -E "multi_tensor|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Issue Slots Busy|Executed Ipc A|Registers Per|Achieved Occupancy|Theoretical Occupancy|Warp Cycles Per Issued|Stall|Block Limit|Grid Size" "$OUT/ncu_optim.log" | head -60
 fi
 if [[ $parts == *" models "* ]]; then   # bench/models.py (BENCH_MODELS_ARGS)
   echo "== models =="; time KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \
     python3 bench/models.py --out "$OUT" ${BENCH_MODELS_ARGS:-} 2>&1 | grep -v -i "warn"
 fi
-if [[ $parts == *" variants "* ]]; then   # tools/models_variants.py: bench/models.py (BENCH_MODELS_ARGS) once per VARIANTS setting
+if [[ $parts == *" variants "* ]]; then   # tools/gpu/models_variants.py: bench/models.py (BENCH_MODELS_ARGS) once per VARIANTS setting
   echo "== models variants =="; time KT_COMMIT=${KT_COMMIT:-?} KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \
-    python3 tools/models_variants.py --out "$OUT" --variants "${VARIANTS:?set VARIANTS}" -- ${VARIANTS_ARGS:-${BENCH_MODELS_ARGS:-}} 2>&1 | grep -v -i "warn"
+    python3 tools/gpu/models_variants.py --out "$OUT" --variants "${VARIANTS:?set VARIANTS}" -- ${VARIANTS_ARGS:-${BENCH_MODELS_ARGS:-}} 2>&1 | grep -v -i "warn"
 fi
 if [[ $parts == *" losses "* ]]; then   # bench/loss_match.py (LOSS_MODELS): kitsune's loss curves against eager
   echo "== loss match =="; time KT_COMMIT=${KT_COMMIT:-?} KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \
@@ -128,24 +128,24 @@ if [[ $parts == *" gmem "* ]]; then   # bench/graph_memory.py (BENCH_GMEM_ARGS; 
   echo "== graph memory =="; time KT_COMMIT=${KT_COMMIT:-?} KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \
     python3 bench/graph_memory.py --out "$OUT" ${BENCH_GMEM_ARGS:-} 2>&1 | grep -v -i "warn"
 fi
-if [[ $parts == *" ab "* ]]; then   # tools/ab_env.py: AB_SETTING (NAME=VALUE for side A; AB_B for side B) on AB_MODELS
+if [[ $parts == *" ab "* ]]; then   # tools/gpu/ab_env.py: AB_SETTING (NAME=VALUE for side A; AB_B for side B) on AB_MODELS
   echo "== A/B ${AB_SETTING:?set AB_SETTING} ${AB_B:-} =="; KT_COMMIT=${KT_COMMIT:-?} KITSUNE_LIBRARY=$PWD/build/libkitsune.so \
-    PYTHONPATH=$PWD/python python3 tools/ab_env.py "$AB_SETTING" ${AB_B:+--b "$AB_B"} --models ${AB_MODELS:-gpt} \
+    PYTHONPATH=$PWD/python python3 tools/gpu/ab_env.py "$AB_SETTING" ${AB_B:+--b "$AB_B"} --models ${AB_MODELS:-gpt} \
     --out "$OUT" 2>&1 | grep -v -i "warn"
 fi
 if [[ $parts == *" pgraph "* ]]; then   # kernels inside the captured step (PGRAPH_MODELS), to $OUT/profile_graph.log
   echo "== profile graph =="; KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \
-    python3 tools/profile_graph.py ${PGRAPH_MODELS:-mlp resnet18} > "$OUT/profile_graph.log" 2>&1
+    python3 tools/gpu/profile_graph.py ${PGRAPH_MODELS:-mlp resnet18} > "$OUT/profile_graph.log" 2>&1
   grep -v -i warn "$OUT/profile_graph.log" | head -${PGRAPH_HEAD:-120}
 fi
 if [[ $parts == *" memsets "* ]]; then   # the memset nodes of compile_step's graph (GRAPH_MODELS), to $OUT/memsets.log
   echo "== graph memsets =="; KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \
-    python3 tools/graph_memsets.py ${GRAPH_MODELS:-gpt} > "$OUT/memsets.log" 2>&1
+    python3 tools/gpu/graph_memsets.py ${GRAPH_MODELS:-gpt} > "$OUT/memsets.log" 2>&1
   grep -v -i warn "$OUT/memsets.log" | head -60
 fi
 if [[ $parts == *" host "* ]]; then   # host time of a replayed step (HOST_MODELS), to $OUT/host.log
   echo "== host replay =="; KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \
-    python3 tools/host_replay.py ${HOST_MODELS:-mlp lenet} > "$OUT/host.log" 2>&1
+    python3 tools/gpu/host_replay.py ${HOST_MODELS:-mlp lenet} > "$OUT/host.log" 2>&1
   grep -v -i warn "$OUT/host.log" | head -80
 fi
 if [[ $parts == *" alloc "* ]]; then   # allocator under torch: VMM suites, its pytest, alloc_shapes + alloc_torch

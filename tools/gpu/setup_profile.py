@@ -1,6 +1,6 @@
 """Where compile_step's setup goes: cProfile over make('kitsune') and its first 3 steps.
 
-usage: python3 tools/setup_profile.py MODEL [eager|stock|none]   (the warm-up recipe run first, same process)
+usage: python3 tools/gpu/setup_profile.py MODEL [eager|stock|none]   (the warm-up recipe run first, same process)
 cudnn.benchmark on unless KT_CUDNN_BENCHMARK=0 (TORCH_CUDNN_USE_HEURISTIC_MODE_B=1 for mode B).
 Prints the setup seconds and the top functions by cumulative and own time.
 """
@@ -12,7 +12,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
 import models as M  # noqa: E402
 
 name, warm = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "none")

@@ -1,4 +1,4 @@
-"""A workload for Nsight Compute on the fused AdamW step (tools/gpu_run.sh part
+"""A workload for Nsight Compute on the fused AdamW step (tools/gpu/gpu_run.sh part
 "ncu_optim"): KitsuneOptimizer(AdamW) over the parameters of bench/models.py's GPT
 (bf16, 27.4M elements in 77 tensors, one launch a step), four steps. Prints nothing
 itself."""
@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
 import kitsune  # noqa: E402
 from models import build  # noqa: E402
 

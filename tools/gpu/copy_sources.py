@@ -6,10 +6,10 @@ the GPU time of the kernels it launched. (A TorchDispatchMode listing copying op
 their strides was tried at 68d5f38 and dropped: it sees no copy made inside an ATen
 kernel, which is where these are: bench/results/h100_copies_68d5f38.log.)
 
-    python tools/copy_sources.py inception
-    python tools/copy_sources.py resnet18 --kernels 'Fill|Memset|add<long>'   # other kernels, by operator
+    python tools/gpu/copy_sources.py inception
+    python tools/gpu/copy_sources.py resnet18 --kernels 'Fill|Memset|add<long>'   # other kernels, by operator
 
-A diagnostic (tools/gpu_run.sh part "copies", models in COPY_MODELS): the captured step
+A diagnostic (tools/gpu/gpu_run.sh part "copies", models in COPY_MODELS): the captured step
 runs the same operators, but its kernels cannot be attributed to them.
 """
 import argparse
@@ -20,7 +20,7 @@ from collections import defaultdict
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
 import models  # noqa: E402
 
 import kitsune  # noqa: E402

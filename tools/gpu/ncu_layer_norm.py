@@ -1,4 +1,4 @@
-"""A workload for Nsight Compute on the LayerNorm kernels (tools/gpu_run.sh part
+"""A workload for Nsight Compute on the LayerNorm kernels (tools/gpu/gpu_run.sh part
 "ncu_ln"): add_layer_norm forward and backward on GPT's rows (16 x 256 tokens of 512,
 bf16), four times. Prints nothing itself."""
 import torch

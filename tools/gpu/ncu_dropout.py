@@ -1,5 +1,5 @@
 """Launches the bf16 dropout kernels and bias_gelu at 64 MB of input, a few times
-each, for Nsight Compute (tools/gpu_run.sh, part "ncu"): gelu_dropout,
+each, for Nsight Compute (tools/gpu/gpu_run.sh, part "ncu"): gelu_dropout,
 bias_dropout_add, and bias_gelu (the same GELU without Philox)."""
 import torch
 

@@ -2,11 +2,11 @@
 node of the compile_step graph of bench/models.py's model, with its bytes, value and
 the kernels before and after it in the graph (CUDA driver API through ctypes).
 
-    python tools/graph_memsets.py gpt
+    python tools/gpu/graph_memsets.py gpt
 
 compile_step's graphs are captured with keep_graph=True here (torch.cuda.CUDAGraph is
 wrapped for this process) so the cudaGraph_t stays readable. Prints the node types'
-counts, then one line a memset. tools/gpu_run.sh runs it as part "memsets"
+counts, then one line a memset. tools/gpu/gpu_run.sh runs it as part "memsets"
 (GRAPH_MODELS, default gpt).
 """
 import ctypes
@@ -16,7 +16,7 @@ from collections import Counter
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
 import models  # noqa: E402
 
 _Graph = torch.cuda.CUDAGraph

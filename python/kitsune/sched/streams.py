@@ -40,8 +40,8 @@ import torch
 import torch.fx as tfx
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
-from ._native import OK, Schedule, check, native
-from .fx import _attr
+from .._native import OK, Schedule, check, native
+from ..fx import _attr
 
 
 @dataclass

@@ -9,8 +9,7 @@ have_hdr criterion/criterion.h || apt_pkgs+=(libcriterion-dev)
 have_hdr jemalloc/jemalloc.h || apt_pkgs+=(libjemalloc-dev)
 command -v gcc >/dev/null || apt_pkgs+=(gcc)
 command -v make >/dev/null || apt_pkgs+=(make)
-# the private jemalloc of the pinned pool is built from source (tools/jemalloc.sh)
-command -v curl >/dev/null || apt_pkgs+=(curl ca-certificates)
+# the private jemalloc of the pinned pool is built from Debian's source package (tools/jemalloc.sh)
 command -v bzip2 >/dev/null || apt_pkgs+=(bzip2)
 if [ ${#apt_pkgs[@]} -gt 0 ]; then
   sudo=""; [ "$(id -u)" -eq 0 ] || sudo=sudo

@@ -9,6 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import kitsune  # noqa: E402
 import kitsune.sched as ks  # noqa: E402
+from kitsune.sched import conv_grads as kcg, costs as kco, planner as kpl  # noqa: E402
 
 nn = torch.nn
 
@@ -179,10 +180,10 @@ def test_shapes_are_propagated_on_fake_tensors_and_change_nothing_real(optimized
     m = _Stateful().train()
     m = kitsune.optimize(m) if optimized else m
     x = torch.randn(4, 3, 16, 16)
-    gm = ks._traced(m)
+    gm = kco._traced(m)
     state = {k: v.clone() for k, v in m.state_dict().items()}
     rng = torch.get_rng_state()
-    ks._propagate_shapes(gm, (x,))
+    kpl._propagate_shapes(gm, (x,))
     assert torch.get_rng_state().equal(rng)
     after = m.state_dict()
     assert all(torch.equal(v, after[k]) for k, v in state.items()), [k for k in state if not state[k].equal(after[k])]
@@ -191,7 +192,7 @@ def test_shapes_are_propagated_on_fake_tensors_and_change_nothing_real(optimized
     want = {n.name: n.meta.get("tensor_meta") for n in real.graph.nodes}
     got = {n.name: n.meta.get("tensor_meta") for n in gm.graph.nodes}
     assert got == want and sum(v is not None for v in got.values()) >= 8, (got, want)
-    strides = {tuple(t.stride) for n in gm.graph.nodes for t in ks._meta_val(n)}
+    strides = {tuple(t.stride) for n in gm.graph.nodes for t in kco._meta_val(n)}
     assert (8 * 16 * 16, 1, 8 * 16, 8) in strides   # channels-last, as recorded
 
 
@@ -221,22 +222,22 @@ def test_a_recorded_run_gives_the_plan_the_shapes_the_fake_run_gives():
     for (name, a), b in zip(gm.named_buffers(), twin.buffers()):
         assert torch.equal(a, b), name
     recorded = {n.name: n.meta.get("tensor_meta") for n in gm.graph.nodes}
-    ks._propagate_shapes(twin, (x,))
+    kpl._propagate_shapes(twin, (x,))
     fake = {n.name: n.meta.get("tensor_meta") for n in twin.graph.nodes}
     assert recorded == fake and sum(v is not None for v in recorded.values()) >= 8, (recorded, fake)
-    assert (8 * 16 * 16, 1, 8 * 16, 8) in {tuple(t.stride) for n in gm.graph.nodes for t in ks._meta_val(n)}
+    assert (8 * 16 * 16, 1, 8 * 16, 8) in {tuple(t.stride) for n in gm.graph.nodes for t in kco._meta_val(n)}
 
-    block = ks._traced(ks.Inception(8))
+    block = kco._traced(ks.Inception(8))
     xb = torch.randn(2, 8, 8, 8)
     ks.shape_recorder(block)(xb)
-    rec = ks._plan(block, (xb,), 4, None, 1.05, shapes_recorded=True)
+    rec = kpl._plan(block, (xb,), 4, None, 1.05, shapes_recorded=True)
     fresh = ks.plan(copy.deepcopy(block), xb, streams=4)
     assert rec.shapes == "recorded" and fresh.shapes == "fake tensors"
     assert (rec.stream, rec.syncs, rec.order) == (fresh.stream, fresh.syncs, fresh.order) and rec.streams_used > 1
     module, p = ks.streamed(block, xb, streams=4, shapes_recorded=True)
     assert p.shapes == "recorded" and module is not block
     del next(n for n in block.graph.nodes if n.op == "call_module").meta["type"]
-    assert ks._plan(block, (xb,), 4, None, 1.05, shapes_recorded=True).shapes == "fake tensors"
+    assert kpl._plan(block, (xb,), 4, None, 1.05, shapes_recorded=True).shapes == "fake tensors"
 
     assert ks.shape_recorder(ks.Inception(8)) is None   # no GraphModule
     h = block.register_forward_hook(lambda *a: None)
@@ -329,7 +330,7 @@ def test_streamed_splits_each_bias_free_conv2d_s_gradients_and_computes_the_same
     sm, plan = ks.streamed(m, x, streams=4)
     assert plan.streams_used == 4
     convs = [n for n in m.graph.nodes if n.target is nn.functional.conv2d]
-    apart = [n for n in sm.graph.nodes if n.target is ks._conv_grads_apart]
+    apart = [n for n in sm.graph.nodes if n.target is kcg._conv_grads_apart]
     assert len(convs) == 6 and len(apart) == len(convs), (len(convs), len(apart))
     assert not [n for n in sm.graph.nodes if n.target is nn.functional.conv2d]
 
@@ -351,7 +352,7 @@ def test_streamed_splits_each_bias_free_conv2d_s_gradients_and_computes_the_same
         return (F.conv2d(x, w, None, (1, 1), (1, 1), (1, 1), 1), F.conv2d(x, w, b, (1, 1), (1, 1), (1, 1), 1),
                 F.conv2d(x, w, None, (1, 1), "same", (1, 1), 1), F.conv2d(x, w, None, 1, 1, 1, 1), F.conv2d(x, w))
     gm = torch.fx.symbolic_trace(convs_of)
-    assert [ks._splits_conv_grads(n) for n in gm.graph.nodes if n.op == "call_function"
+    assert [kcg._splits_conv_grads(n) for n in gm.graph.nodes if n.op == "call_function"
             and n.target is nn.functional.conv2d] == [True, False, False, False, False]
 
 
@@ -386,9 +387,9 @@ def test_streamed_splits_bias_free_conv2d_modules_too_and_computes_the_same():
     x = torch.randn(2, 8, 8, 8)
     sm, plan = ks.streamed(m, x, streams=4, min_gain=1.0)
     assert plan.streams_used > 1, plan
-    apart = {n.args[1].target: n for n in sm.graph.nodes if n.target is ks._conv_grads_apart}
+    apart = {n.args[1].target: n for n in sm.graph.nodes if n.target is kcg._conv_grads_apart}
     assert set(apart) == {"a.weight", "b.weight", "twice.weight", "c.weight"}, sorted(apart)
-    assert sum(1 for n in sm.graph.nodes if n.target is ks._conv_grads_apart) == 5   # twice: two calls
+    assert sum(1 for n in sm.graph.nodes if n.target is kcg._conv_grads_apart) == 5   # twice: two calls
     assert {k: n.args[-1] for k, n in apart.items()} == {"a.weight": True, "b.weight": True, "twice.weight": False,
                                                          "c.weight": True}
     assert apart["b.weight"].args[3:7] == ((1, 1), (2, 2), (2, 2), 1) and apart["c.weight"].args[6] == 2
@@ -443,7 +444,7 @@ def test_each_split_conv_knows_whether_its_weight_is_used_once():
     the Inception block's weights, False for a weight two convolutions share."""
     m = kitsune.optimize(Inception())
     sm, _ = ks.streamed(m, torch.randn(4, 32, 8, 8), streams=4)
-    flags = [n.args[-1] for n in sm.graph.nodes if n.target is ks._conv_grads_apart]
+    flags = [n.args[-1] for n in sm.graph.nodes if n.target is kcg._conv_grads_apart]
     assert flags == [True] * 6, flags
 
     class Shared(nn.Module):
@@ -459,7 +460,7 @@ def test_each_split_conv_knows_whether_its_weight_is_used_once():
             c = F.conv2d(x, self.v, None, (1, 1), (1, 1), (1, 1), 1)
             return torch.cat([a, b, c], 1)
     sm, plan = ks.streamed(Shared(), torch.randn(2, 8, 8, 8), streams=3, min_gain=1.0)
-    flags = {n.args[1].target: n.args[-1] for n in sm.graph.nodes if n.target is ks._conv_grads_apart}
+    flags = {n.args[1].target: n.args[-1] for n in sm.graph.nodes if n.target is kcg._conv_grads_apart}
     assert flags == {"w": False, "v": True}, (flags, plan)
 
     class Tied(nn.Module):   # one weight under two names, and two Conv2d modules sharing one
@@ -477,7 +478,7 @@ def test_each_split_conv_knows_whether_its_weight_is_used_once():
             c = F.conv2d(x, self.v, None, (1, 1), (1, 1), (1, 1), 1)
             return torch.cat([a, b, c, self.c1(x), self.c2(x)], 1)
     sm, plan = ks.streamed(Tied(), torch.randn(2, 8, 8, 8), streams=4, min_gain=1.0)
-    flags = sorted((n.args[1].target, n.args[-1]) for n in sm.graph.nodes if n.target is ks._conv_grads_apart)
+    flags = sorted((n.args[1].target, n.args[-1]) for n in sm.graph.nodes if n.target is kcg._conv_grads_apart)
     assert len(flags) == 5 and [f for _, f in flags].count(True) == 1 and ("v", True) in flags, (flags, plan)
 
 
@@ -488,7 +489,7 @@ def test_a_late_weight_gradient_is_only_for_weights_without_hooks_that_would_see
     in-backward hook takes such a parameter at its finish instead (a hook that sees no
     gradient leaves it there)."""
     w = nn.Parameter(torch.randn(3))
-    assert ks._late_ok(w)
+    assert kcg._late_ok(w)
 
     class InBackward:
         kitsune_in_backward = True
@@ -496,13 +497,13 @@ def test_a_late_weight_gradient_is_only_for_weights_without_hooks_that_would_see
         def ready(self, p):
             pass
     h = w.register_post_accumulate_grad_hook(InBackward().ready)
-    assert ks._late_ok(w)
+    assert kcg._late_ok(w)
     u = w.register_post_accumulate_grad_hook(lambda p: None)
-    assert not ks._late_ok(w)
+    assert not kcg._late_ok(w)
     u.remove(), h.remove()
-    assert ks._late_ok(w)
+    assert kcg._late_ok(w)
     w.register_hook(lambda g: g)
-    assert not ks._late_ok(w)
+    assert not kcg._late_ok(w)
 
 
 # ---- on the GPU -----------------------------------------------------------------------------

@@ -158,8 +158,8 @@ import weakref
 
 import torch
 
-from .fx import FusedLoss
-from .optim import KitsuneOptimizer
+from ..fx import FusedLoss
+from ..optim import KitsuneOptimizer
 
 __all__ = ["compile_step", "CompiledStep"]
 
@@ -213,7 +213,7 @@ class CompiledStep:
             raise ValueError(f"compile_step: channels_last must be None (auto), True or False, got {channels_last!r}")
         if plan_memory not in (None, True, False):
             raise ValueError(f"compile_step: plan_memory must be None (auto), True or False, got {plan_memory!r}")
-        from . import allocator
+        from .. import allocator
         if plan_memory and not allocator.installed():
             raise ValueError("compile_step: plan_memory=True lays the graph out in Kitsune's allocator; call "
                              "kitsune.allocator.install() first thing in the process, or pass plan_memory=None")
@@ -491,7 +491,7 @@ class CompiledStep:
         batch 8 and 0.33 s instead of 0.13 at batch 64 with two ways (H100,
         models_dd35b59.json against models_cae1b3e.json, in one process after the stock
         recipe, which had already paid the process's first-use costs)."""
-        from . import sched
+        from .. import sched
         n = sched.conv_grad_splits(self._captured)
         if n == 0:
             return
@@ -627,7 +627,7 @@ class CompiledStep:
         empty_cache() when Kitsune's allocator is installed: it makes a capture's memory
         ready itself (beginAllocateToPool), and emptying its cache cost 0.19 s a capture
         on the H100, twice a planned step (bench/results/h100_plan_debug_779a772_805068d.txt)."""
-        from . import allocator
+        from .. import allocator
         if not allocator.installed():
             with torch.cuda.graph(graph, pool=pool, stream=self._side, capture_error_mode="thread_local"):
                 yield
@@ -645,7 +645,7 @@ class CompiledStep:
         allocations, plans their layout from the recorded lifetimes, drops that graph,
         and captures the step again into the step's pool, laid out by the plan
         (kitsune/capplan.h). stats()["memory_plan"] says how it went."""
-        from . import allocator
+        from .. import allocator
         dev = device.index if device.index is not None else torch.cuda.current_device()
         # the recording sees when a late join's side stream last reads what it let go
         ctx = getattr(self._captured, "_kitsune_streams", None)
@@ -670,7 +670,7 @@ class CompiledStep:
     def _recording(self, args, dev):
         """One capture of the step recorded by Kitsune's allocator, the graph dropped: its
         allocator.CaptureRecording, or None when host memory ran out."""
-        from . import allocator
+        from .. import allocator
         with self._phase("record", self._capture_parts):
             first = torch.cuda.graph_pool_handle()
             allocator._record_capture(first, dev)
@@ -775,7 +775,7 @@ class CompiledStep:
         run = self._shape_recorder()
         self._shapes_recorded = run is not None   # a step that raises is warmed up again next call
         if self._cl:
-            from .sched import saved_state
+            from ..sched import saved_state
             restore = saved_state(self.model)
             held = _graphs_elsewhere(self)
             moved = [] if held else _relayout(_conv_weights(self.model), self.optimizer, torch.channels_last)
@@ -799,7 +799,7 @@ class CompiledStep:
         it, and so are the recorded ones); else None."""
         if self._captured is not None or self.streams == 1 or self.autocast_dtype is not None:
             return None
-        from . import sched
+        from .. import sched
         return sched.shape_recorder(self.model)
 
     def _layout(self, batch):
@@ -816,7 +816,7 @@ class CompiledStep:
         if self.streams == 1:
             self._stream_info = {"streams": 1, "streams_reason": "streams=1", "stream_shapes": None}
             return self.model
-        from . import sched
+        from .. import sched
         inputs = batch[:-1] if self.loss_fn is not None else batch
         try:
             # measured costs: the forward's operations timed as the step runs them (under its autocast)
@@ -939,7 +939,7 @@ class _NodeTimer:
     def __call__(self, graph):
         if self.note is not None:
             return
-        from .sched import saved_state
+        from ..sched import saved_state
         restore = saved_state(self.model)
         t0 = time.perf_counter()
         try:
@@ -959,7 +959,7 @@ _TIMED_REPLAYS = 3
 
 def _capture_nodes(stream):
     """The nodes of the graph stream is capturing into (ints), or None."""
-    from . import _native
+    from .. import _native
     lib = _native.native()
     n = ctypes.c_size_t(0)
     if lib.kt_graph_capture_nodes(ctypes.c_void_p(stream.cuda_stream), None, 0, ctypes.byref(n)) != 0:
@@ -976,7 +976,7 @@ def _node_times(graph, skip, stream):
     """(nodes, ns): when each node of a captured graph (not instantiated through it)
     finished in replays of a copy of it on stream, skip's nodes left out
     (kt_graph_time_nodes); RuntimeError when the runtime refuses."""
-    from . import _native
+    from .. import _native
     lib = _native.native()
     raw = ctypes.c_void_p(graph.raw_cuda_graph())
     n = ctypes.c_size_t(0)
@@ -1053,13 +1053,13 @@ def _graphs_elsewhere(step):
 
 
 def _capture_stream(device, here):
-    from . import _native
+    from .. import _native
     idx = device.index if device.index is not None else torch.cuda.current_device()
     got = _CAPTURE_STREAMS.get(idx)
     if got is None:
         ptr = ctypes.c_uint64()
         b = _native.bridge()
-        from .sched import branch_priority
+        from ..sched import branch_priority
         _native.check(b.kt_bridge_stream_create(idx, branch_priority(), ctypes.byref(ptr)),
                       f"creating a capture stream on cuda:{idx}")
         got = _CAPTURE_STREAMS[idx] = (torch.cuda.ExternalStream(ptr.value, device=torch.device("cuda", idx)), here)
@@ -1070,7 +1070,7 @@ def _share_workspaces(partner, side):
     """kt_bridge_blas_share(partner, side): ``shared`` (map, handle) pairs whose side
     workspace is now the partner's, how many of those ``moved`` from side, and how many
     stay ``apart`` (both streams had their own before they were paired)."""
-    from . import _native
+    from .. import _native
     b = _native.bridge()
     out = (ctypes.c_int64 * 3)()
     _native.check(b.kt_bridge_blas_share(partner.cuda_stream, side.cuda_stream, out), "sharing cuBLAS workspaces")
@@ -1138,7 +1138,7 @@ def _memsets_to_kernels(graph):
     many; KITSUNE_GRAPH_MEMSETS=keep leaves them."""
     if os.environ.get("KITSUNE_GRAPH_MEMSETS") == "keep":
         return 0
-    from . import _native
+    from .. import _native
     n = ctypes.c_int(0)
     _native.check(_native.native().kt_graph_memsets_to_kernels(graph.raw_cuda_graph(), _MEMSET_KERNEL_MAX_BYTES,
                                                                  ctypes.byref(n)), "kt_graph_memsets_to_kernels")

@@ -1,9 +1,15 @@
 # Kitsune — one entry point. See README.md.
-#   make deps       install what build and tests need (idempotent)
+#   make demo       deps + the main job (GPU if present, else host backend)
+#   make test       deps + CPU test suites (Criterion + pytest);
+#                   PYTEST_ARGS="tests/python/test_ops.py -k add_relu" narrows pytest
+#   make deps       what build and tests need, idempotent: Debian packages (apt-get,
+#                   said before it runs), the private jemalloc, and a virtual
+#                   environment .venv (VENV=...) with pytest, torch and Kitsune itself
+#                   (editable); nothing is pip-installed into the system Python
 #   make all        build/libkitsune.so (+ static lib, tests, benchmarks, the torch bridge)
-#   make test       deps + CPU test suites (Criterion + pytest)
+#   make lib        build/libkitsune.so alone (the C core and the CUDA kernels)
 #   make test-asan  the C suites under AddressSanitizer + UBSan
-#   make demo       the main job (GPU if present, else host backend)
+#   make results    bench/results/LATEST.md from the current results JSON
 #   make bench      C allocator benchmarks -> bench/results/
 #   make bench-data pinned pool footprint + prefetch training (GPU) -> bench/results/
 #   make bench-kernels fused kernels' bandwidth (GPU) -> bench/results/
@@ -13,7 +19,11 @@
 
 SHELL := /bin/bash
 CC ?= gcc
+# The Python that builds the bridge and runs the GPU targets; make test and make demo
+# use the virtual environment's (VENV) instead.
 PYTHON ?= python3
+VENV ?= .venv
+VENV_PY := $(abspath $(VENV))/bin/python
 NVCC := $(or $(shell command -v nvcc 2>/dev/null),$(wildcard /usr/local/cuda/bin/nvcc))
 CUDA_HOME ?= $(if $(NVCC),$(patsubst %/bin/nvcc,%,$(NVCC)),/usr/local/cuda)
 BUILD ?= build
@@ -58,8 +68,10 @@ TEST_LIBS := $(DEPS_LIB) -lcriterion -lm
 
 .SECONDARY:
 
-.PHONY: bridge all deps test test-c test-python test-asan demo bench bench-data bench-kernels gpu-test gpu-deps clean
+.PHONY: bridge all lib deps test test-c test-python test-asan demo demo-run results bench bench-data bench-kernels gpu-test gpu-deps clean
 all: $(BUILD)/libkitsune.so $(BUILD)/libkitsune.a $(TEST_BINS) $(BENCH_BINS) $(BUILD)/libnvtx_record.so bridge
+
+lib: $(BUILD)/libkitsune.so
 
 # The C++ bridge to PyTorch (needs torch; skipped with a message without it)
 bridge: $(BUILD)/libkitsune.so
@@ -110,14 +122,14 @@ $(BUILD)/libnvtx_record.so: tests/c/nvtx_record.c
 	$(CC) $(CPPFLAGS) $(CFLAGS) -shared -o $@ $<
 
 deps:
-	@bash tools/deps.sh
+	@PYTHON=$(PYTHON) bash tools/deps.sh $(VENV)
 
 # The GPU machine installs nothing: unpack Debian packages here, carry .deps.
 gpu-deps:
 	@bash tools/gpu_deps.sh
 
 test: deps
-	@$(MAKE) --no-print-directory test-c test-python
+	@$(MAKE) --no-print-directory test-c test-python PYTHON=$(VENV_PY)
 
 test-c: $(TEST_BINS) $(BUILD)/libkitsune.so $(BUILD)/libnvtx_record.so
 	@echo "-- conformance on the CUDA backend (skips without a GPU) --"
@@ -128,14 +140,23 @@ test-c: $(TEST_BINS) $(BUILD)/libkitsune.so $(BUILD)/libnvtx_record.so
 	@KT_TEST_VMM=1 bash tools/run_c_tests.sh $(BUILD)/tests conformance stress
 
 test-python: $(BUILD)/libkitsune.so $(BUILD)/bench/alloc_replay bridge
-	@KITSUNE_LIBRARY=$(CURDIR)/$(BUILD)/libkitsune.so PYTHONPATH=$(CURDIR)/python $(PYTHON) -m pytest -q tests/python
+	@KITSUNE_LIBRARY=$(CURDIR)/$(BUILD)/libkitsune.so PYTHONPATH=$(CURDIR)/python $(PYTHON) -m pytest -q \
+	  $${PYTEST_ARGS:-tests/python}
 
 test-asan: $(ASAN_BINS)
 	@ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
 	  KT_STRESS_OPS=200000 bash tools/run_c_tests.sh $(BUILD)/asan-tests $(filter-out hotpath,$(TIERS))
 
-demo: $(BUILD)/libkitsune.so $(BENCH_BINS)
-	@bash tools/demo.sh $(BUILD)
+demo: deps
+	@$(MAKE) --no-print-directory demo-run PYTHON=$(VENV_PY)
+
+# The demo itself, with $(PYTHON) as it is (the GPU machine runs this: it has torch and
+# no package index)
+demo-run: $(BUILD)/libkitsune.so $(BENCH_BINS) bridge
+	@PYTHON=$(PYTHON) bash tools/demo.sh $(BUILD)
+
+results:
+	@$(PYTHON) tools/results.py
 
 bench: $(BENCH_BINS)
 	@bash tools/bench.sh $(BUILD)
@@ -167,4 +188,4 @@ gpu-test: $(TEST_BINS) $(BUILD)/libkitsune.so $(BUILD)/libnvtx_record.so $(BUILD
 	  $(PYTHON) -m pytest -q -rs --durations=15 tests/python $${KT_PYTEST_ARGS:-}
 
 clean:
-	rm -rf $(BUILD)
+	rm -rf $(BUILD) dist

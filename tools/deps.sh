@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
-# make deps: installs what the build and the tests need. Idempotent: a second run
-# installs nothing. Debian packages via apt-get (sudo when not root), Python via pip.
+# make deps: what the build, the tests and the demo need. Idempotent: a second run
+# installs nothing. It says what it installs before it does:
+#   - Debian packages with apt-get (sudo when not root): Criterion, bzip2;
+#   - the pinned pool's private jemalloc, built from Debian's source (tools/jemalloc.sh);
+#   - a virtual environment (default .venv, made with --system-site-packages so that a
+#     torch the system already has is used, not downloaded again) holding pytest, torch,
+#     torchvision and Kitsune itself in editable mode (pip install -e ., whose build
+#     step runs make lib bridge). Nothing is pip-installed into the system Python.
+# usage: tools/deps.sh [VENV]   (PYTHON: the interpreter the venv is made from)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+venv=${1:-.venv}
 apt_pkgs=()
 have_hdr() { [ -f "/usr/include/$1" ] || [ -f ".deps/root/usr/include/$1" ]; }
 have_hdr criterion/criterion.h || apt_pkgs+=(libcriterion-dev)
-have_hdr jemalloc/jemalloc.h || apt_pkgs+=(libjemalloc-dev)
 command -v gcc >/dev/null || apt_pkgs+=(gcc)
+command -v g++ >/dev/null || apt_pkgs+=(g++)
 command -v make >/dev/null || apt_pkgs+=(make)
-# the private jemalloc of the pinned pool is built from Debian's source package (tools/jemalloc.sh)
 command -v bzip2 >/dev/null || apt_pkgs+=(bzip2)
 if [ ${#apt_pkgs[@]} -gt 0 ]; then
   sudo=""; [ "$(id -u)" -eq 0 ] || sudo=sudo
@@ -24,15 +31,33 @@ if [ ! -f "$cuda_home/include/cuda_runtime_api.h" ] || [ ! -f "$cuda_home/lib64/
   exit 1
 fi
 bash tools/jemalloc.sh
-py=${PYTHON:-python3}
-$py -c "import pytest" 2>/dev/null || { echo "deps: pip install pytest"; $py -m pip install -q pytest; }
+
+base=${PYTHON:-python3}
+py=$venv/bin/python
+if [ ! -x "$py" ]; then
+  echo "deps: $base -m venv --system-site-packages $venv (the tests' Python packages go there)"
+  "$base" -m venv --system-site-packages "$venv" || {
+    echo "deps: could not make a virtual environment with $base; on Debian or Ubuntu: apt-get install python3-venv" >&2
+    exit 1; }
+fi
+have() { "$py" -c "import $1" 2>/dev/null; }
+pip_install() { echo "deps: pip install $* (into $venv)"; "$py" -m pip install -q --disable-pip-version-check "$@"; }
+have pytest || pip_install pytest
 # torch: the version the GPU machine runs, so the bridge is built and tested against it
 torch_version=${KITSUNE_TORCH_VERSION:-2.11.0}
-$py -c "import torch, numpy" 2>/dev/null || { echo "deps: pip install torch==$torch_version numpy"; $py -m pip install -q "torch==$torch_version" numpy; }
-# torchvision (the version built for that torch, without letting pip change torch):
-# the FX tests rewrite ResNet-18/50 as torchvision ships them
-$py -c "import torchvision" 2>/dev/null || { echo "deps: pip install torchvision==0.26.0 pillow";
-  $py -m pip install -q --no-deps "torchvision==0.26.0" && $py -m pip install -q pillow; }
-$py -c "import kitsune, os, sys; sys.exit(0 if os.path.realpath(kitsune.__file__).startswith(os.path.realpath('python')) else 1)" 2>/dev/null \
-  || { echo "deps: pip install -e . (the kitsune package)"; $py -m pip install -q --no-deps -e .; }
-echo "deps: ok"
+{ have torch && have numpy; } || pip_install "torch==$torch_version" numpy
+# torchvision (built for that torch; pip may not change torch): the FX tests rewrite
+# torchvision's ResNets
+have torchvision || { pip_install --no-deps "torchvision==0.26.0"; have PIL || pip_install pillow; }
+# Kitsune itself, editable, from this checkout: its torch.compile backend is an entry point
+"$py" - "$PWD" <<'PY' 2>/dev/null || {
+import importlib.metadata as m, json, os, sys
+d = m.distribution("kitsune")
+url = json.loads(d.read_text("direct_url.json") or "{}").get("url", "")
+sys.exit(0 if os.path.realpath(url.removeprefix("file://")) == os.path.realpath(sys.argv[1]) else 1)
+PY
+  "$py" -c "import setuptools, wheel, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 64)" 2>/dev/null ||
+    pip_install "setuptools>=64" wheel
+  echo "deps: pip install -e . (into $venv; its build step runs make lib bridge, a few minutes on a fresh clone)"
+  "$py" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e . ; }
+echo "deps: ok ($py)"

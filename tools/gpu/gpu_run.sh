@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: facts, clean build, then the parts named in GPU_RUN_PARTS
-# (default, when unset, "test bench demo": make gpu-test, make bench, make demo; set but empty, the build alone; "pytest" runs
+# (default, when unset, "test bench demo": make gpu-test, make bench, make demo-run; set but empty, the build alone; "pytest" runs
 # only the pytest part of gpu-test, on KT_PYTEST_ARGS (paths and options; default tests/python); "data" adds
 # make bench-data, "kernels" make bench-kernels, "profile" tools/gpu/profile_train.py, "gaps"
 # tools/gpu/step_gaps.py, "optim" bench/kernels/optimizer.py, "ew" bench/kernels/elementwise.py, "lact" bench/kernels/linear_act.py, "colsum" bench/kernels/colsum.py, "pool" bench/kernels/pool.py, "losses" bench/loss_match.py (LOSS_ARGS), "copies" tools/gpu/copy_sources.py (COPY_MODELS, COPY_ARGS), "train" bench/kernels/train_models.py,
@@ -159,5 +159,5 @@ if [[ $parts == *" alloc "* ]]; then   # allocator under torch: VMM suites, its 
     python3 bench/alloc_torch.py --out "$OUT" ${BENCH_ATORCH_ARGS:-}
 fi
 if [[ $parts == *" demo "* ]]; then
-  echo "== demo =="; make demo
+  echo "== demo =="; make demo-run
 fi

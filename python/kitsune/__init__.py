@@ -1,8 +1,11 @@
 """Kitsune: a faster, leaner PyTorch on NVIDIA GPUs with no change to the model.
 
-``import kitsune`` works anywhere, with or without a GPU or a build: the native
-library loads at first use, and a missing build fails then with a message that
-says what was searched and how to fix it (see :func:`kitsune.native`).
+``import kitsune`` works anywhere, with or without a GPU or a build. Where torch and
+the built libraries are there, it loads them, so ``torch.ops.kitsune.*`` resolve at
+once (no CUDA context is made: kitsune.allocator.install() may still come first);
+without a build, the first use fails with a message that says what was searched and
+how to fix it (see :func:`kitsune.native`). ``torch.compile(model, backend="kitsune")``
+finds its backend through the package's entry point, without importing Dynamo here.
 """
 from ._native import KitsuneError, KitsuneNotBuiltError, KitsuneOutOfMemoryError, native
 
@@ -44,7 +47,23 @@ def compile_step(model, loss_fn, optimizer, **kwargs):
 
 
 def __getattr__(name):
-    if name in ("allocator", "pinned", "data", "ops", "fx", "sched", "optim", "graph"):   # lazily: nothing native loads on `import kitsune`
+    if name in ("allocator", "pinned", "data", "ops", "fx", "sched", "optim", "graph", "options"):
         import importlib
         return importlib.import_module("." + name, __name__)
     raise AttributeError(f"module 'kitsune' has no attribute {name!r}")
+
+
+def _load_ops():
+    """Registers torch.ops.kitsune (the bridge's schemas and kernels, kitsune.ops' fake
+    kernels and autograd) when torch and the build are there; silent otherwise."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return
+    try:
+        from . import ops  # noqa: F401
+    except KitsuneNotBuiltError:
+        pass   # the first use raises it again, with what was searched and the fix
+
+
+_load_ops()

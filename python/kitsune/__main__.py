@@ -1,9 +1,9 @@
-"""python -m kitsune: an environment report."""
+"""python -m kitsune: an environment report; python -m kitsune options: the options table."""
 import os
 import platform
 import sys
 
-from . import __version__, _native
+from . import __version__, _native, options
 
 
 def report():
@@ -26,11 +26,21 @@ def report():
             print(f"  torch bridge: not loaded ({str(e).split('. ')[0]})")
     except ImportError:
         print("  torch: not installed (needed from the PyTorch-allocator issue on)")
-    for var in ("KITSUNE_LIBRARY", "NVTX_INJECTION64_PATH"):
+    for var in [o.name for o in options.OPTIONS] + ["NVTX_INJECTION64_PATH"]:
         if os.environ.get(var):
             print(f"  {var}={os.environ[var]}")
     return 0
 
 
+def main(argv):
+    if argv[1:] == ["options"]:
+        print(options.markdown(), end="")
+        return 0
+    if argv[1:]:
+        print("usage: python -m kitsune [options]", file=sys.stderr)
+        return 2
+    return report()
+
+
 if __name__ == "__main__":
-    sys.exit(report())
+    sys.exit(main(sys.argv))

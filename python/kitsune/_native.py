@@ -3,6 +3,8 @@ import ctypes
 import os
 import threading
 
+from . import options
+
 _lock = threading.Lock()
 _lib = None
 
@@ -27,7 +29,7 @@ class KitsuneOutOfMemoryError(KitsuneError, MemoryError):
 
 
 def _candidates():
-    env = os.environ.get("KITSUNE_LIBRARY")
+    env = options.get("KITSUNE_LIBRARY")
     if env:
         return [env]
     here = os.path.dirname(os.path.abspath(__file__))
@@ -145,8 +147,9 @@ def native():
                 tried.append(f"{path} ({e})")
         raise KitsuneNotBuiltError(
             "libkitsune.so is not built or could not be loaded. Tried: " + "; ".join(tried)
-            + ". Fix: run `make` in the Kitsune repository root (it builds build/libkitsune.so), "
-            "or set KITSUNE_LIBRARY to the library's path.")
+            + ". Fix: install the package with `pip install .` from a Kitsune checkout (it builds and ships the "
+            "library), or run `make` in the checkout (it builds build/libkitsune.so), or set KITSUNE_LIBRARY "
+            "to the library's path.")
 
 
 _bridge = None
@@ -164,7 +167,7 @@ def bridge():
     with _lock:
         if _bridge is not None:
             return _bridge
-        env = os.environ.get("KITSUNE_BRIDGE")
+        env = options.get("KITSUNE_BRIDGE")
         path = env or os.path.join(os.path.dirname(library_path()), "libkitsune_torch.so")
         if not os.path.exists(path):
             raise KitsuneNotBuiltError(

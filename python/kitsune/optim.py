@@ -116,7 +116,7 @@ class _StepCounts:
 class _InBackward:
     """KitsuneOptimizer.capture_in_backward's hooks and buckets (see there)."""
 
-    kitsune_in_backward = True   # kitsune.sched._late_ok: its hook lets a gradient come after the backward
+    kitsune_in_backward = True   # kitsune.sched.conv_grads._late_ok: its hook lets a gradient come after the backward
 
     def __init__(self, owner, want, stream, buckets):
         self.owner, self.stream = owner, stream

@@ -300,7 +300,7 @@ def test_compile_step_bad_arguments():
     with pytest.raises(TypeError, match="takes the model's inputs and then the target; got 1"):
         step(torch.randn(2, 20))
     with pytest.raises(TypeError, match="batch item 2 .list. is neither a tensor nor hashable"):
-        kitsune.graph._signature((torch.ones(1), 3, [1]))
+        kitsune.graph.step._signature((torch.ones(1), 3, [1]))
 
 
 # ---- GPU ---------------------------------------------------------------------------
@@ -783,7 +783,7 @@ def test_relayout_moves_conv_weights_with_their_gradients_and_state():
     """compile_step's channels-last weights: each Conv2d weight (a shared one once) is laid
     out again in place, values unchanged, with its gradient and its optimizer state;
     other parameters and the step count stay as they were; moving back restores NCHW."""
-    from kitsune.graph import _conv_weights, _relayout
+    from kitsune.graph.layout import _conv_weights, _relayout
     torch.manual_seed(3)
     m = _TwoConvs()
     opt = KitsuneOptimizer(torch.optim.AdamW, m.parameters(), lr=1e-2)
@@ -815,7 +815,7 @@ def test_relayout_moves_conv_weights_with_their_gradients_and_state():
 def test_channels_last_is_chosen_where_most_convolutions_have_8_aligned_channels():
     """channels_last=None: channels-last where at least half the Conv2d layers have in and
     out channels (per group) that are multiples of 8; LeNet-5's 1 -> 6 -> 16 stays NCHW."""
-    from kitsune.graph import _nhwc_suits
+    from kitsune.graph.layout import _nhwc_suits
     nn = torch.nn
     lenet = nn.Sequential(nn.Conv2d(1, 6, 5), nn.Conv2d(6, 16, 5))
     resnet_like = nn.Sequential(nn.Conv2d(3, 64, 7), nn.Conv2d(64, 64, 3), nn.Conv2d(64, 128, 3))
@@ -840,7 +840,7 @@ def test_weights_are_not_moved_under_another_compile_steps_graphs():
     """A compile_step whose graphs hold a model's weights keeps a second compile_step of
     that model from moving them (the graphs would write the old storage); a step with
     no graphs left, or the same step, does not count."""
-    from kitsune.graph import _CAPTURED, _graphs_elsewhere
+    from kitsune.graph.layout import _CAPTURED, _graphs_elsewhere
     m = torch.nn.Conv2d(8, 8, 3)
     first, second = (kitsune.compile_step(m, None, torch.optim.SGD(m.parameters(), lr=0.1)) for _ in range(2))
     assert _graphs_elsewhere(second) == 0
@@ -987,7 +987,7 @@ def test_late_joins_over_the_budget_are_cut_to_those_keeping_least(monkeypatch):
     compile_step is told to record again (True); round after round the limit only
     falls; when none would be left, "late" is refused for the fastest other way and
     the limit's record goes. _late_limit alone: ties go together, nothing left is None."""
-    from kitsune.graph import _late_limit
+    from kitsune.graph.memory import _late_limit
     MiB = 2 ** 20
     assert _late_limit([4, 1, 2, 4, 3], 1) == 3   # the two 4s go together
     assert _late_limit([4, 1, 2, 4, 3], 9) == 2 and _late_limit([4, 1, 2, 4, 3], 11) == 2
@@ -1137,8 +1137,9 @@ def test_blas_share_aliases_moves_and_never_frees():
         assert b.kt_bridge_blas_share(F, T, out) == 0 and list(out) == [2, 0, 1]
         assert _blas_rows(b, T) == {(0, h1, A[6], 1), (0, h2, A[3], 1), (0, h3, A[5], 0)}
         assert b.kt_bridge_blas_test_frees() == frees0 + 2
+        stream = type("S", (), {"cuda_stream": F})
         with pytest.raises(ValueError, match="sharing cuBLAS workspaces"):
-            kitsune.graph._share_workspaces(type("S", (), {"cuda_stream": F})(), type("S", (), {"cuda_stream": F})())
+            kitsune.graph.capture._share_workspaces(stream(), stream())
     finally:
         for kind in (0, 1):
             for h in (h1, h2, h3):
@@ -1165,7 +1166,7 @@ def test_gpu_compile_step_shares_the_partner_streams_cublas_workspaces():
     want = _eager_reference(m1, o1, batches, ce)
     step = kitsune.compile_step(m2, ce, o2)
     losses = [step(*batch).float() for batch in batches[:10]]
-    cap, partner = kitsune.graph._CAPTURE_STREAMS[torch.cuda.current_device()]
+    cap, partner = kitsune.graph.capture._CAPTURE_STREAMS[torch.cuda.current_device()]
     assert cap is step._side and partner is step._partner
     rows_cap, rows_partner = _blas_rows(b, cap.cuda_stream), _blas_rows(b, partner.cuda_stream)
     assert rows_cap and all(alias == 1 for *_, alias in rows_cap), rows_cap
@@ -1286,9 +1287,9 @@ def test_graph_node_timing_refuses_bad_input():
 @pytest.mark.gpu
 @gpu
 def test_gpu_graph_node_times_replay_a_copy_with_the_update_left_out():
-    """graph._node_times (kt_graph_time_nodes) on a captured graph of two streams: a
+    """graph.capture._node_times (kt_graph_time_nodes) on a captured graph of two streams: a
     sleep of about 200 us then an add on the first, a short add on the second, joined,
-    then an "update" whose nodes graph._capture_nodes told apart while capturing.
+    then an "update" whose nodes graph.capture._capture_nodes told apart while capturing.
     Every node gets a time; the add after the sleep finished at least 100 us after the
     graph's start and after the other stream's add; the timed replays (one that
     uploads, three counted) ran the rest (their counters moved 4) and left the update
@@ -1296,7 +1297,7 @@ def test_gpu_graph_node_times_replay_a_copy_with_the_update_left_out():
     runs everything once, the update included."""
     import ctypes
     from kitsune import _native
-    from kitsune import graph as kg
+    from kitsune.graph import capture as kg
     side, other = torch.cuda.Stream(), torch.cuda.Stream()
     count, short, upd = (torch.zeros(1, device="cuda") for _ in range(3))
     side.wait_stream(torch.cuda.current_stream())

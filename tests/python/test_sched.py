@@ -410,7 +410,7 @@ def test_streamed_splits_bias_free_conv2d_modules_too_and_computes_the_same():
 def test_the_conv_gradient_way_kept_must_beat_the_best_before_it_by_one_percent():
     """compile_step's choice among the timed ways (and the fallback when planned memory
     refuses late): a later way, with more streams and memory held, only for a 1% gain."""
-    from kitsune.graph import _fastest_way
+    from kitsune.graph.conv_grads import _fastest_way
     assert _fastest_way({"together": 1.0}) == "together"
     assert _fastest_way({"together": 1.0, "apart": 0.995, "late": 0.993}) == "together"
     assert _fastest_way({"together": 1.0, "apart": 0.98, "late": 0.975}) == "apart"

@@ -62,4 +62,3 @@ class Inception(torch.nn.Module):
 
     def forward(self, x):
         return torch.cat([self.b1(x), self.b2(x), self.b3(x), self.b4(x)], 1)
-

@@ -153,10 +153,10 @@ def conv_grads_mode():
     the graph, which has no gradient yet, joins at the end of the backward (_end_late),
     which keeps the convolution's input and output gradient until then. The pending
     joins are one process-wide list, of one backward at a time: compile_step captures
-    one step at a time (graph._CAPTURE_LOCK); two threads capturing backwards of
-    streamed modules by other code at once are not supported (the second would drop
-    the first's pending gradients as a failed backward's). Read through kitsune.options:
-    a value not among these raises ValueError naming the variable."""
+    one step at a time (kitsune.graph.capture._CAPTURE_LOCK); two threads capturing
+    backwards of streamed modules by other code at once are not supported (the second
+    would drop the first's pending gradients as a failed backward's). Read through
+    kitsune.options: a value not among these raises ValueError naming the variable."""
     return options.get("KITSUNE_CONV_GRADS")
 
 

@@ -180,6 +180,7 @@ def saved_state(module):
 def _traced(model):
     return model if isinstance(model, tfx.GraphModule) else tfx.symbolic_trace(model)
 
+
 def _roofline_cost(gm, n, rl):
     """launch + max(FLOPs / peak, bytes / bandwidth) from n's propagated shapes; 0 for free
     operations and those without a tensor output."""

@@ -78,6 +78,7 @@ def plan(model, *example_inputs, streams=4, roofline=None, min_gain=1.05, costs=
     dict of node name -> seconds covering every operation."""
     return _plan(_traced(model), example_inputs, streams, roofline, min_gain, costs)
 
+
 def _fake_view(module, mode, memo):
     """A shallow copy of ``module``'s tree whose parameters and buffers are fake tensors
     (``mode``'s, converted once each): what runs on it writes no real tensor (an in-place
@@ -163,6 +164,7 @@ def shape_recorder(model):
             n.meta.pop("type", None)
         return _RecordShapes(model, garbage_collect_values=True).run(*inputs)
     return run
+
 
 def _plan(gm, example_inputs, streams, roofline, min_gain, costs=None, shapes_recorded=False):
     if isinstance(streams, bool) or not isinstance(streams, int) or not 1 <= streams <= 64:

@@ -1,0 +1,20 @@
+"""global_avg_pool: the mean over H and W (fake and wrapper; csrc/ops/avg_pool.cpp)."""
+import torch
+
+_lib = torch.ops.kitsune
+
+
+# ---- fake kernels: shapes only ------------------------------------------------
+@torch.library.register_fake("kitsune::global_avg_pool")
+def _(x, dim, keepdim=False):
+    return torch.ops.aten.mean.dim(x, dim, keepdim)
+
+
+# ---- the Python API ------------------------------------------------------------
+def global_avg_pool(x, dim=(-2, -1), keepdim=False):
+    """x.mean(dim, keepdim): global average pooling when dim names H and W of an (N, C, H,
+    W) x ((2, 3) or (-2, -1)). On CUDA, for a channels-last x in fp32/fp16/bf16, Kitsune's
+    kernels: a fixed-order fp32 sum a channel, no workspace, and a backward that writes
+    the gradient dense in channels-last. ATen's mean elsewhere (the CPU, NCHW, other dims
+    or ranks), with ATen's errors."""
+    return _lib.global_avg_pool(x, [dim] if isinstance(dim, int) else list(dim), bool(keepdim))

@@ -1,0 +1,26 @@
+"""GEMM ops: linear_act (a GEMM with a bias + activation epilogue) and attention_score
+(fake and wrappers; csrc/ops/linear.cpp)."""
+import torch
+
+_lib = torch.ops.kitsune
+
+
+# ---- fake kernels: shapes only ------------------------------------------------
+@torch.library.register_fake("kitsune::linear_act")
+def _(x, weight, bias, act="relu"):
+    return x.new_empty(tuple(x.shape[:-1]) + (weight.shape[0],))
+
+
+# ---- the Python API ------------------------------------------------------------
+def attention_score(q, k, scale=None):
+    """(q @ k.transpose(-2, -1)) * scale as one batched GEMM (scale as its alpha);
+    scale defaults to 1/sqrt(q.size(-1)). No softmax."""
+    return _lib.attention_score(q, k, scale)
+
+
+def linear_act(x, weight, bias, act="relu"):
+    """act(F.linear(x, weight, bias)), act "relu", "gelu" (erf), "gelu_tanh" or "none". On
+    CUDA, relu and (fp16/bf16) gelu_tanh are one cuBLASLt GEMM with the bias and
+    activation in its epilogue; gelu is the GEMM, then bias_gelu; none is F.linear's GEMM,
+    and its backward sums the bias gradient with Kitsune's column-sum kernel."""
+    return _lib.linear_act(x, weight, bias, act)

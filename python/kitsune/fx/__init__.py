@@ -215,7 +215,7 @@ def _add_layer_norm(a, b, weight, bias, eps):
     sequence's token embeddings) is expanded, which the op copies once: that copy and
     the fused kernels cost less than ATen's add and LayerNorm each way, and autograd
     sums its gradient back to its shape as it would for the add."""
-    from . import ops as ko
+    from .. import ops as ko
     if a.shape != b.shape and a.dim() and b.dim():
         try:
             shape = torch.broadcast_shapes(a.shape, b.shape)
@@ -260,7 +260,7 @@ def _logits_size(x, weight, *dim):
 def _linear_cross_entropy(x, weight, bias, target, view, ignore_index, label_smoothing):
     """F.cross_entropy(linear(x).view(*view), target) through the chunked op when the
     view only flattens the leading dims (view None: no view), else unfused."""
-    from . import ops as ko
+    from .. import ops as ko
     logits_shape = tuple(x.shape[:-1]) + (weight.shape[0],)
     rows = x.numel() // max(x.shape[-1], 1)
     shape = logits_shape if view is None else _view_shape(logits_shape, view)
@@ -283,7 +283,7 @@ def _ce_fits(logits, target):
 
 
 def _cross_entropy(logits, target, ignore_index, label_smoothing):
-    from . import ops as ko
+    from .. import ops as ko
     if _ce_fits(logits, target):
         return ko.cross_entropy(logits, target, ignore_index, label_smoothing)
     return F.cross_entropy(logits, target, ignore_index=ignore_index, label_smoothing=label_smoothing)
@@ -367,7 +367,7 @@ class FusedLoss(torch.overrides.TorchFunctionMode):
             ce = _ce_args(args, kwargs)
             why = self._unfusable(ce) if ce is not None else "cross_entropy with arguments it does not take"
             if why is None:
-                from . import ops as ko
+                from .. import ops as ko
                 self.fused += 1
                 return ko.cross_entropy(ce["input"], ce["target"], ce["ignore_index"], float(ce["label_smoothing"]))
             self.left.append(why)
@@ -403,7 +403,7 @@ def _rewrite_loss(gm, g, node, where, report):
     if why is not None:
         report.left.append((where, why))
         return
-    from . import ops as ko   # noqa: F401 - loads the bridge
+    from .. import ops as ko   # noqa: F401 - loads the bridge
     inp, view = ce["input"], None
     if isinstance(inp, tfx.Node) and inp.op == "call_method" and inp.target in ("view", "reshape") and \
             len(inp.users) == 1:
@@ -483,7 +483,7 @@ def _batch_norm_relu(x, bn, count=True):
     """relu(bn(x)) for an nn.BatchNorm module, through batch_norm_relu when the dtypes
     allow it, deciding statistics and momentum exactly as nn.BatchNorm's forward does.
     count=False: the module's num_batches_tracked is counted by _count_batches instead."""
-    from . import ops as ko
+    from .. import ops as ko
     if not _fused_bn_ok(x, bn):
         return F.relu(bn(x) if count else _batch_norm(x, bn))
     return ko.batch_norm_relu(x, *_bn_state(x, bn, count))
@@ -492,7 +492,7 @@ def _batch_norm_relu(x, bn, count=True):
 def _batch_norm_add_relu(x, residual, bn, count=True):
     """relu(bn(x) + residual), as _batch_norm_relu, through batch_norm_add_relu where the
     residual has x's shape, dtype and device (else the unfused ops)."""
-    from . import ops as ko
+    from .. import ops as ko
     if not (_fused_bn_ok(x, bn) and isinstance(residual, torch.Tensor) and residual.shape == x.shape
             and residual.dtype == x.dtype and residual.device == x.device):
         return F.relu((bn(x) if count else _batch_norm(x, bn)) + residual)
@@ -596,7 +596,7 @@ def _bias_dropout_add(x, weight, bias, residual, p, training):
     """residual + dropout(F.linear(x, weight, bias)) through bias_dropout_add when the
     operands allow it (one shape and dtype, no autocast), else unfused. `training` is
     a bool or the nn.Dropout module (its p and training are read now)."""
-    from . import ops as ko
+    from .. import ops as ko
     if isinstance(training, nn.Module):
         p, training = training.p, training.training
     y = F.linear(x, weight)
@@ -609,7 +609,7 @@ def _bias_dropout_add(x, weight, bias, residual, p, training):
 def _gelu_dropout(x, p, training, approximate):
     """F.dropout(F.gelu(x, approximate), p, training) through gelu_dropout (one pass, no
     mask stored) when x allows it, else unfused; `training` as in _bias_dropout_add."""
-    from . import ops as ko
+    from .. import ops as ko
     if isinstance(training, nn.Module):
         p, training = training.p, training.training
     if x.is_floating_point() and _fused_dropout_ok(x):
@@ -752,7 +752,7 @@ def _swap(g, node, fn, args):
 
 def _rewrite_embedding(gm, g, node, where, report):
     """nn.Embedding / F.embedding -> kitsune.embedding (the weight gradient by its sort)."""
-    from . import ops as ko
+    from .. import ops as ko
     emb = _embedding_of(gm, node)
     if emb is None:
         return False
@@ -782,7 +782,7 @@ def _rewrite_max_pool(gm, g, node, where, report):
     input has other users (an Inception block's branches) none of which writes it in
     place, kitsune.max_pool2d_branches: those users take its views of x, so their
     gradients are added in the pooling's backward pass."""
-    from . import ops as ko
+    from .. import ops as ko
     pool = _max_pool_of(gm, node)
     if pool is None:
         return False
@@ -846,7 +846,7 @@ def _global_avg_pool_of(gm, node):
 def _rewrite_global_avg_pool(gm, g, node, where, report):
     """The mean over H and W -> kitsune.global_avg_pool (ATen's mean wherever its kernels
     do not apply, so any rank and layout stays correct)."""
-    from . import ops as ko
+    from .. import ops as ko
     pool = _global_avg_pool_of(gm, node)
     if pool is None:
         return False
@@ -868,7 +868,7 @@ _ops = None
 def _kitsune_ops():
     global _ops
     if _ops is None:
-        from . import ops
+        from .. import ops
         _ops = ops
     return _ops
 
@@ -931,7 +931,7 @@ def _rewrite_bias_cat(g, node, where, report):
     Inception block's branches, after _rewrite_conv_bias) -> kitsune.bias_cat([y...], [b...],
     d): one kernel for batched parts concatenated over their channels, the unfused ops for
     any other dim or rank (an unbatched part's dim 1 is its height)."""
-    from . import ops as ko
+    from .. import ops as ko
     if node.op != "call_function" or node.target not in (torch.cat, torch.concat, torch.concatenate):
         return False
     names = ("tensors", "dim")
@@ -983,7 +983,7 @@ def _fuse_pair(g, node, inner, where, report, pattern, op, make):
 
 def _attention_score(q, k, scale):
     """(q @ k^T) * scale as one GEMM when q and k share their batch dims, else unfused."""
-    from . import ops as ko
+    from .. import ops as ko
     if q.dim() >= 2 and q.shape[:-2] == k.shape[:-2] and q.shape[-1] == k.shape[-1] and q.dtype == k.dtype:
         return ko.attention_score(q, k, scale)
     return (q @ k.transpose(-2, -1)) * scale
@@ -1050,7 +1050,7 @@ def _gelu_linear(g, ko, where, report, inner, x, w, b, approximate):
 
 def _rewrite_linear_bias(gm, g, prefix, report):
     """Every Linear with a bias left after the other patterns -> linear_act(..., "none")."""
-    from . import ops as ko
+    from .. import ops as ko
     for node in list(g.nodes):
         if getattr(node, "_erased", False):
             continue
@@ -1066,7 +1066,7 @@ def _rewrite_linear_bias(gm, g, prefix, report):
 
 
 def _rewrite(gm, report, prefix, linear_bias=True, optimize_only=True):
-    from . import ops as ko   # loads the bridge (the ops' CPU and CUDA kernels)
+    from .. import ops as ko   # loads the bridge (the ops' CPU and CUDA kernels)
     g = gm.graph
     for node in list(g.nodes):
         if getattr(node, "_erased", False):   # removed by an earlier rewrite

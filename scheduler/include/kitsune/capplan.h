@@ -198,6 +198,13 @@ kt_status kt_capplan_get_block(const kt_capplan *plan, int32_t j, uint64_t *offs
  * block j's start and the recorded order (without one: the stream) lets j reuse i's
  * bytes. n must be the planned blocks (kt_capplan_info.blocks). */
 kt_status kt_caprec_share_matrix(const kt_caprec *rec, int32_t n, uint64_t *bits);
+/* Writes plan, made from rec, to dir/capplan_<pid>_<n>.csv (a row a recorded block:
+ * size, stream, recorded events, flags, planned offset or -1) and the pairs
+ * kt_caprec_share_matrix gives to dir/capplan_<pid>_<n>_share.txt, n counting this
+ * process's calls (scheduler/src/capplan_log.c has the format; tools/capplan_log.py
+ * reads it). Best effort: KT_ERR_IO when the CSV cannot be written (the share file is
+ * skipped silently), KT_ERR_INVALID for a NULL or empty dir. Thread-safe. */
+kt_status kt_capplan_log(const char *dir, const kt_caprec *rec, const kt_capplan *plan);
 
 /* ---- placing ------------------------------------------------------------------- */
 typedef struct kt_placer kt_placer;

@@ -1,7 +1,7 @@
 // fusion/kernels/gelu.cuh — gelu and its derivative in fp32, exact (erf) or tanh
 // approximation; FAST (16-bit storage) takes erf from Abramowitz & Stegun 7.1.26
-// (|error| < 1.5e-7; see bias_gelu.cu for why) with flush-to-zero approximate
-// reciprocal and exp2. Used by bias_gelu.cu and dropout.cu.
+// (|error| < 1.5e-7; see pointwise.cu for why) with flush-to-zero approximate
+// reciprocal and exp2. Used by pointwise.cu and dropout.cu.
 #pragma once
 
 #include "elementwise.cuh"

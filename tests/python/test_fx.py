@@ -293,7 +293,7 @@ def test_add_layer_norm_expands_a_broadcast_operand(monkeypatch):
     the expanded operand; values and every gradient equal the unfused ops', the
     broadcast operand's summed back to its shape. Shapes that only broadcast together
     (neither is the result's) stay unfused."""
-    import kitsune.fx as kfx
+    from kitsune.fx.patterns.norms import _add_layer_norm
     import kitsune.ops as ko
     calls = []
     real = ko.add_layer_norm
@@ -305,7 +305,7 @@ def test_add_layer_norm_expands_a_broadcast_operand(monkeypatch):
         b = torch.randn(sb, generator=g, dtype=torch.float64, requires_grad=True)
         wp, bp = w.clone().requires_grad_(), bias.clone().requires_grad_()
         calls.clear()
-        h, y = kfx._add_layer_norm(a, b, wp, bp, 1e-5)
+        h, y = _add_layer_norm(a, b, wp, bp, 1e-5)
         assert len(calls) == int(fused), (sa, sb, calls)
         h0 = a + b
         y0 = F.layer_norm(h0, (8,), wp, bp, 1e-5)
@@ -411,7 +411,7 @@ def test_batch_norms_count_their_batches_in_one_add():
     rep = kitsune.fx.Report()
     opt = kitsune.optimize(m, report=rep)
     assert _kinds(rep) == ["batch_norm_relu", "foreach_add"] and "(2 modules)" in rep.fused[1][1], rep
-    counters = [n for n in opt.graph.nodes if n.target is kitsune.fx._count_batches]
+    counters = [n for n in opt.graph.nodes if n.target is kitsune.fx.patterns.batch_norm._count_batches]
     assert len(counters) == 1 and [a.target for a in counters[0].args] == ["a", "b"]
     assert sorted(n.target for n in opt.graph.nodes if n.op == "call_module") == ["c", "d", "d"]
 
@@ -793,7 +793,7 @@ def test_residual_dropout_fuses_and_follows_train_and_eval():
     opt.train()
     h = opt.proj(y)   # the first block alone: dropped positions leave exactly the residual
     torch.manual_seed(8)
-    out = kitsune.fx._bias_dropout_add(y, opt.proj.weight, opt.proj.bias, x, 0.25, opt.drop)
+    out = kitsune.fx.patterns.dropout._bias_dropout_add(y, opt.proj.weight, opt.proj.bias, x, 0.25, opt.drop)
     dropped = (out == x)
     frac = dropped.double().mean().item()
     assert abs(frac - 0.25) < 5 * (0.25 * 0.75 / dropped.numel()) ** 0.5, frac
@@ -839,7 +839,7 @@ def test_gelu_dropout_fuses_both_spellings_before_bias_gelu():
     frac = (got == 0).double().mean().item()
     assert 0.2 < frac < 0.4, frac
     opt.drop.p = 0.0   # nn.Dropout's p is read at run time (the traced 0.5 is not used)
-    h = kitsune.fx._gelu_dropout(opt.fc(x), 0.5, opt.drop, "none")
+    h = kitsune.fx.patterns.dropout._gelu_dropout(opt.fc(x), 0.5, opt.drop, "none")
     torch.testing.assert_close(h, F.gelu(opt.fc(x)))
     got.sum().backward()
     assert opt.fc.weight.grad is not None and opt.fc2.bias.grad is not None

@@ -1,0 +1,187 @@
+"""The loss head: cross_entropy(linear(x)) -> linear_cross_entropy (the logits never
+exist), cross_entropy(logits) -> kitsune.cross_entropy, and FusedLoss, the mode in which
+F.cross_entropy calls run as kitsune.cross_entropy (compile_step's loss)."""
+import torch
+import torch.fx as tfx
+import torch.nn.functional as F
+
+from ..match import _attr_or_node, _bound, _linear_of, _swap
+
+
+def _view_shape(shape, args):
+    """The shape .view(*args) gives a tensor of `shape`, or None where it cannot."""
+    if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)):
+        args = tuple(args[0])
+    total = 1
+    for d in shape:
+        total *= d
+    known, free = 1, [i for i, d in enumerate(args) if d == -1]
+    for d in args:
+        if d != -1:
+            known *= d
+    if len(free) > 1 or known == 0 or (free and total % known) or (not free and known != total):
+        return None
+    return tuple(total // known if d == -1 else d for d in args)
+
+
+def _logits_size(x, weight, *dim):
+    """logits.size(*dim) for logits = linear(x, weight), without the logits."""
+    shape = torch.Size(tuple(x.shape[:-1]) + (weight.shape[0],))
+    return shape[dim[0]] if dim else shape
+
+
+def _linear_cross_entropy(x, weight, bias, target, view, ignore_index, label_smoothing):
+    """F.cross_entropy(linear(x).view(*view), target) through the chunked op when the
+    view only flattens the leading dims (view None: no view), else unfused."""
+    from ... import ops as ko
+    logits_shape = tuple(x.shape[:-1]) + (weight.shape[0],)
+    rows = x.numel() // max(x.shape[-1], 1)
+    shape = logits_shape if view is None else _view_shape(logits_shape, view)
+    ok = (shape is not None and len(shape) == 2 and shape[1] == weight.shape[0] and target.numel() == rows and
+          target.dtype == torch.long and (torch.is_autocast_enabled(x.device.type) or (
+              x.dtype == weight.dtype and (bias is None or bias.dtype == x.dtype))))
+    if ok:
+        return ko.linear_cross_entropy(x.reshape(rows, x.shape[-1]), weight, target.reshape(rows), bias,
+                                       ignore_index, label_smoothing)
+    logits = F.linear(x, weight, bias)
+    logits = logits if view is None else logits.view(*view)
+    return F.cross_entropy(logits, target, ignore_index=ignore_index, label_smoothing=label_smoothing)
+
+
+def _ce_fits(logits, target):
+    """Whether kitsune.cross_entropy takes these run-time operands."""
+    return isinstance(logits, torch.Tensor) and isinstance(target, torch.Tensor) and logits.dim() == 2 and \
+        target.dtype == torch.long and (logits.device.type == "cpu" or
+                                        logits.dtype in (torch.float32, torch.float16, torch.bfloat16))
+
+
+def _cross_entropy(logits, target, ignore_index, label_smoothing):
+    from ... import ops as ko
+    if _ce_fits(logits, target):
+        return ko.cross_entropy(logits, target, ignore_index, label_smoothing)
+    return F.cross_entropy(logits, target, ignore_index=ignore_index, label_smoothing=label_smoothing)
+
+
+_CE_ARGS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
+
+
+def _ce_args(args, kwargs):
+    """{argument: value} of a call F.cross_entropy(*args, **kwargs), or None (arguments it
+    does not take)."""
+    return _bound(_CE_ARGS, {"weight": None, "size_average": None, "ignore_index": -100, "reduce": None,
+                             "reduction": "mean", "label_smoothing": 0.0}, args, kwargs)
+
+
+def _ce_call(node):
+    """{argument: value} of an F.cross_entropy node, or None."""
+    if not (isinstance(node, tfx.Node) and node.op == "call_function" and node.target is F.cross_entropy):
+        return None
+    return _ce_args(node.args, node.kwargs)
+
+
+def _ce_unfusable(ce):
+    """Why kitsune.cross_entropy cannot stand for the F.cross_entropy call ce (its
+    _ce_args), whatever its operands, or None."""
+    if ce["weight"] is not None or ce["reduction"] != "mean" or ce["size_average"] is not None or \
+            ce["reduce"] is not None:
+        return "cross_entropy with class weights or a reduction other than 'mean'"
+    if not isinstance(ce["ignore_index"], int) or not isinstance(ce["label_smoothing"], (int, float)):
+        return "cross_entropy with ignore_index or label_smoothing computed in the graph"
+    return None
+
+
+class FusedLoss(torch.overrides.TorchFunctionMode):
+    """Inside it, F.cross_entropy runs as kitsune.cross_entropy wherever that op covers
+    the call: 2-D logits (float32, float16 or bfloat16) and int64 targets on one of
+    ``devices`` (default CUDA only: on the CPU kitsune.cross_entropy is a reference
+    implementation, no faster), reduction "mean", no class weights; under autocast too
+    (the loss float32 as F.cross_entropy's, bf16 logits read as they are rather than
+    copied to float32), but not on float16 logits there: fp16 autocast comes with loss
+    scaling, and a gradient formed in float16 before the scale would lose small values
+    that F.cross_entropy's float32 gradient keeps. Other calls run as they are.
+    compile_step runs its loss function in one (fuse_loss=True), since the loss is
+    outside the model that kitsune.optimize rewrites.
+
+    fused counts the calls taken; left lists why the others were not (one entry each)."""
+
+    def __init__(self, devices=("cuda",)):
+        super().__init__()
+        self.devices = tuple(devices)
+        self.fused, self.left = 0, []
+
+    def _unfusable(self, ce):
+        why = _ce_unfusable(ce)
+        if why is not None:
+            return why
+        if not _ce_fits(ce["input"], ce["target"]):
+            return "cross_entropy on other than 2-D float logits and int64 targets"
+        dev = ce["input"].device.type
+        if dev not in self.devices:
+            return f"cross_entropy on {dev} (fused on {', '.join(self.devices)})"
+        if ce["input"].dtype == torch.float16 and torch.is_autocast_enabled(dev):
+            return ("cross_entropy on float16 logits under autocast (their gradient, formed in float16 before a "
+                    "loss scale multiplies it, would lose the small values the scale is there to keep)")
+        return None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.cross_entropy:
+            ce = _ce_args(args, kwargs)
+            why = self._unfusable(ce) if ce is not None else "cross_entropy with arguments it does not take"
+            if why is None:
+                from ... import ops as ko
+                self.fused += 1
+                return ko.cross_entropy(ce["input"], ce["target"], ce["ignore_index"], float(ce["label_smoothing"]))
+            self.left.append(why)
+        return func(*args, **kwargs)
+
+
+def _is_size_of(node, of):
+    return node.op == "call_method" and node.target == "size" and node.args[0] is of
+
+
+def _rewrite_loss(gm, g, node, where, report):
+    """cross_entropy(linear(x)[.view(...)], target) and cross_entropy(logits, target); True
+    for every F.cross_entropy node."""
+    ce = _ce_call(node)
+    if ce is None:
+        return False
+    why = _ce_unfusable(ce)
+    if why is not None:
+        report.left.append((where, why))
+        return True
+    from ... import ops as ko   # noqa: F401 - loads the bridge
+    inp, view = ce["input"], None
+    if isinstance(inp, tfx.Node) and inp.op == "call_method" and inp.target in ("view", "reshape") and \
+            len(inp.users) == 1:
+        view, logits = tuple(inp.args[1:]), inp.args[0]
+    else:
+        logits = inp
+    lin = _linear_of(gm, logits) if isinstance(logits, tfx.Node) else None
+    others = [u for u in logits.users if u is not (inp if view is not None else node)] if lin else []
+    if lin and all(_is_size_of(u, logits) for u in others):
+        report.fused.append((where, f"cross_entropy(linear) -> linear_cross_entropy ({logits.name})"))
+        x, w, b = lin
+        with g.inserting_before(logits):
+            w, b = _attr_or_node(g, w), _attr_or_node(g, b)
+            for u in others:   # logits.size(d) from x and the weight's shapes
+                new = g.call_function(_logits_size, (x, w) + tuple(u.args[1:]))
+                u.replace_all_uses_with(new)
+                g.erase_node(u)
+        if view is not None:
+            view = tuple(inp.args[1:])   # now with the size calls replaced
+        with g.inserting_before(node):
+            new = g.call_function(_linear_cross_entropy, (x, w, b, ce["target"], view, ce["ignore_index"],
+                                                          float(ce["label_smoothing"])))
+        node.replace_all_uses_with(new)
+        g.erase_node(node)
+        if view is not None:
+            g.erase_node(inp)
+        g.erase_node(logits)
+        return True
+    if lin:
+        report.left.append((where, f"cross_entropy(linear): the logits {logits.name} are also used elsewhere "
+                                   "(fused as cross_entropy only)"))
+    report.fused.append((where, "cross_entropy -> kitsune.cross_entropy"))
+    _swap(g, node, _cross_entropy, (inp, ce["target"], ce["ignore_index"], float(ce["label_smoothing"])))
+    return True

@@ -2,7 +2,6 @@
 rewritten, outputs stay equal, and what is left comes with a reason. (The rewritten
 graph runs the ops' CPU reference kernels here; the GPU kernels are checked
 against the same references in test_ops.py.)"""
-import os
 import sys
 
 import pytest
@@ -12,6 +11,7 @@ from support import gpu
 torch = pytest.importorskip("torch")
 import kitsune  # noqa: E402
 import kitsune.ops as ko  # noqa: E402
+from models import GPT2Block, LlamaBlock  # noqa: E402
 
 nn, F = torch.nn, torch.nn.functional
 
@@ -118,22 +118,6 @@ def test_untraceable_modules_fall_back_to_their_children():
     x = torch.randn(2, 8)
     torch.testing.assert_close(opt(x), m(x))
     torch.testing.assert_close(opt(-x), m(-x))
-
-
-# The GPT-2 and LLaMA blocks are bench/kernels/train_models.py's (what the end-to-end
-# benchmark trains), at small default sizes.
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench", "kernels"))
-import train_models as _tm  # noqa: E402
-
-
-class GPT2Block(_tm.GPT2Block):
-    def __init__(self, d=32, h=4):
-        super().__init__(d, h)
-
-
-class LlamaBlock(_tm.LlamaBlock):
-    def __init__(self, d=32, h=4, f=64):
-        super().__init__(d, h, f)
 
 
 class BasicBlock(nn.Module):   # torchvision's ResNet BasicBlock, as written there

@@ -858,6 +858,27 @@ def test_optimize_registers_the_backend_without_importing_dynamos_backends():
     assert r.returncode == 0, r.stderr[-2000:]
 
 
+def test_backend_entry_point_loads_where_dynamo_found_it_first():
+    """The "kitsune" torch_dynamo_backends entry point names kitsune.fx.backend:kitsune_backend.
+    Where Dynamo found it before kitsune.fx was imported, resolving the name loads it,
+    importing kitsune.fx on the way: that import must leave the registration to Dynamo (a
+    name registered twice fails Dynamo's duplicate-name assert), and the backend resolves
+    to kitsune.fx.kitsune_backend."""
+    import subprocess
+    code = (
+        "import sys\n"
+        "from importlib.metadata import EntryPoint\n"
+        "from torch._dynamo.backends import registry\n"
+        "registry._BACKENDS['kitsune'] = EntryPoint('kitsune', 'kitsune.fx.backend:kitsune_backend', "
+        "'torch_dynamo_backends')\n"
+        "assert 'kitsune.fx' not in sys.modules\n"
+        "fn = registry.lookup_backend('kitsune')\n"
+        "import kitsune.fx\n"
+        "assert fn is kitsune.fx.kitsune_backend\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
 def test_torch_compile_backend_rewrites_and_matches():
     """torch.compile(model, backend="kitsune"): the Dynamo graph is rewritten (modules
     arrive there as F.linear / F.gelu / torch.relu calls) and Inductor compiles the

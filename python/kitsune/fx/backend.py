@@ -1,6 +1,7 @@
 """torch.compile(model, backend="kitsune"): kitsune_backend rewrites the Dynamo graph with
 kitsune.fx's patterns, then hands it to Inductor. This module only defines; importing
-kitsune.fx registers the backend with Dynamo (_register_backend)."""
+kitsune.fx registers the backend with Dynamo (_register_backend), unless Dynamo has found
+the entry point that names it (kitsune.fx.backend:kitsune_backend) and loads it itself."""
 from .engine import Report, _rewrite
 
 last_compile_report = None   # the Report of the last graph the backend compiled
@@ -26,6 +27,11 @@ def _register_backend():
     # registry's own table answers without them.
     from torch._dynamo import list_backends, register_backend
     from torch._dynamo.backends import registry
+    # Where Dynamo has found an entry point named "kitsune", Dynamo loads and registers it: a
+    # registration here would make that load, when this import is part of it, fail on the
+    # duplicate name.
+    if getattr(registry, "_BACKENDS", {}).get("kitsune") is not None:
+        return
     known = getattr(registry, "_COMPILER_FNS", None)
     if "kitsune" not in (known if known is not None else list_backends(exclude_tags=())):
         register_backend(name="kitsune")(kitsune_backend)

@@ -73,7 +73,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "kernels"))
 from benchlib import write_result  # noqa: E402
 import kitsune  # noqa: E402
-from kitsune.sched import Inception  # noqa: E402
+from sched_demo import Inception  # noqa: E402
 
 RECIPES = ["eager", "eager_fused", "compile", "compile_ro", "stock_graph", "kitsune_eager", "kitsune", "kitsune_1s",
            "kitsune_nchw", "kitsune_mc", "kitsune_ob0"]

@@ -14,7 +14,7 @@ if [ "${ngpu:-0}" -gt 0 ]; then
   KT_COMMIT=${KT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)} "$build/bench/alloc_bench" --backend cuda --quick
   echo
   PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" KITSUNE_LIBRARY="${KITSUNE_LIBRARY:-$PWD/$build/libkitsune.so}" \
-    python3 bench/demo_train.py --device cuda
+    "${PYTHON:-python3}" bench/demo_train.py --device cuda
 else
   echo "No CUDA device is visible on this machine, so nothing runs on a GPU here."
   echo "Replaying a recorded allocation trace on the host fake backend instead"
@@ -32,10 +32,11 @@ echo
 echo "CPU parts (no GPU needed): what kitsune.optimize fuses in a small GPT-2-style LM,"
 echo "and the stream plan of an Inception-style block and of an MLP:"
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" KITSUNE_LIBRARY="${KITSUNE_LIBRARY:-$PWD/$build/libkitsune.so}"
-python3 - <<'PY'
+py=${PYTHON:-python3}
+"$py" - <<'PY'
 import sys
 sys.path.insert(0, "bench/kernels")
 import kitsune, train_models as tm
 print(kitsune.explain(tm.LM("gpt2", layers=2, d=64, h=4, vocab=1000, seq=64)))
 PY
-python3 -m kitsune.sched
+"$py" bench/sched_demo.py

@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 import kitsune  # noqa: E402
 from kitsune import sched  # noqa: E402
+from kitsune.sched import costs  # noqa: E402
 from models import InceptionNet  # noqa: E402
 
 
@@ -81,7 +82,7 @@ def main():
     km = kitsune.optimize(InceptionNet())
     sm, plan = sched.streamed(km, x, streams=4)
     planned = set(plan.order)
-    original = [n.name for n in sched._traced(km).graph.nodes if n.name in planned]
+    original = [n.name for n in costs._traced(km).graph.nodes if n.name in planned]
     moved = sum(a != b for a, b in zip(original, plan.order))
     print(f"torch {torch.__version__}, CPU; Inception net (bench/models.py), batch 64, "
           f"{plan.streams_used} streams planned; {moved} of {len(original)} operations in another place")

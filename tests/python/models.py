@@ -1,6 +1,8 @@
 """Model blocks the tests rewrite: the GPT-2 and LLaMA blocks of
 bench/kernels/train_models.py (what the end-to-end benchmark trains), written as it
-writes them, at small default sizes. A helper module: the tests import it, not bench/."""
+writes them, at small default sizes, and the Inception-style block of bench/sched_demo.py
+(the stream scheduler's example). A helper module: the tests import it, not bench/."""
+import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -39,3 +41,18 @@ class LlamaBlock(nn.Module):
         x = x + self.o(attention(self.qkv(self.n1(x)), self.h))
         hdn = self.n2(x)
         return x + self.w2(F.silu(self.w1(hdn)) * self.w3(hdn))
+
+
+class Inception(nn.Module):
+    """An Inception-style block (four branches joined by a concat): a graph that several
+    streams shorten."""
+
+    def __init__(self, c=64):
+        super().__init__()
+        self.b1 = nn.Conv2d(c, c, 1)
+        self.b2 = nn.Sequential(nn.Conv2d(c, c, 1), nn.ReLU(), nn.Conv2d(c, c, 3, padding=1))
+        self.b3 = nn.Sequential(nn.Conv2d(c, c // 2, 1), nn.ReLU(), nn.Conv2d(c // 2, c, 5, padding=2))
+        self.b4 = nn.Sequential(nn.MaxPool2d(3, 1, 1), nn.Conv2d(c, c, 1))
+
+    def forward(self, x):
+        return torch.cat([self.b1(x), self.b2(x), self.b3(x), self.b4(x)], 1)

@@ -36,6 +36,7 @@ import torch.nn as nn  # noqa: E402
 import kitsune  # noqa: E402
 import kitsune.sched as ks  # noqa: E402
 from kitsune import KitsuneOptimizer  # noqa: E402
+from models import Inception  # noqa: E402
 
 
 class TinyLM(nn.Module):
@@ -53,7 +54,7 @@ class Branchy(nn.Module):
     def __init__(self):
         super().__init__()
         self.stem = nn.Conv2d(3, 32, 3, padding=1)
-        self.block = ks.Inception(32)
+        self.block = Inception(32)
         self.fc = nn.Linear(128, 10)
 
     def forward(self, x):

@@ -611,7 +611,7 @@ def test_an_inception_blocks_pooling_becomes_its_branch_point():
     max_pool2d_branches, the three convolutions take its views, and outputs and gradients
     equal the model's (fp64); an input written in place by another user keeps the plain
     pooling, and a use as a model output keeps x itself."""
-    from kitsune.sched import Inception
+    from models import Inception
     torch.manual_seed(16)
     m = Inception(8).double()
     rep = kitsune.fx.Report()
@@ -670,7 +670,7 @@ class Branches(nn.Module):
     """An Inception block, then a concatenation one of whose parts is used elsewhere."""
     def __init__(self):
         super().__init__()
-        from kitsune.sched import Inception
+        from models import Inception
         self.block, self.p, self.q = Inception(8), nn.Conv2d(32, 4, 1), nn.Conv2d(32, 4, 3, padding=1)
 
     def forward(self, x):

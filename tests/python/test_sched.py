@@ -10,12 +10,13 @@ torch = pytest.importorskip("torch")
 import kitsune  # noqa: E402
 import kitsune.sched as ks  # noqa: E402
 from kitsune.sched import conv_grads as kcg, costs as kco, planner as kpl  # noqa: E402
+from models import Inception as InceptionBlock  # noqa: E402
 
 nn = torch.nn
 
 
 def Inception():
-    return ks.Inception(32)
+    return InceptionBlock(32)
 
 
 def _topological(model, plan):
@@ -227,7 +228,7 @@ def test_a_recorded_run_gives_the_plan_the_shapes_the_fake_run_gives():
     assert recorded == fake and sum(v is not None for v in recorded.values()) >= 8, (recorded, fake)
     assert (8 * 16 * 16, 1, 8 * 16, 8) in {tuple(t.stride) for n in gm.graph.nodes for t in kco._meta_val(n)}
 
-    block = kco._traced(ks.Inception(8))
+    block = kco._traced(InceptionBlock(8))
     xb = torch.randn(2, 8, 8, 8)
     ks.shape_recorder(block)(xb)
     rec = kpl._plan(block, (xb,), 4, None, 1.05, shapes_recorded=True)
@@ -239,7 +240,7 @@ def test_a_recorded_run_gives_the_plan_the_shapes_the_fake_run_gives():
     del next(n for n in block.graph.nodes if n.op == "call_module").meta["type"]
     assert kpl._plan(block, (xb,), 4, None, 1.05, shapes_recorded=True).shapes == "fake tensors"
 
-    assert ks.shape_recorder(ks.Inception(8)) is None   # no GraphModule
+    assert ks.shape_recorder(InceptionBlock(8)) is None   # no GraphModule
     h = block.register_forward_hook(lambda *a: None)
     assert ks.shape_recorder(block) is None
     h.remove()
@@ -257,7 +258,7 @@ def test_plans_take_measured_or_given_costs():
     sum and four the critical path through that branch; a missing node or a negative
     time is refused with its name."""
     torch.manual_seed(6)
-    block, x = ks.Inception(8), torch.randn(2, 8, 8, 8)
+    block, x = InceptionBlock(8), torch.randn(2, 8, 8, 8)
     p = ks.plan(block, x, streams=4, costs="measured")
     assert p.streams_used > 1 and p.makespan_one_stream > p.makespan > 0, p
     names = [n for n in p.order]
@@ -279,7 +280,7 @@ def test_streamed_applies_plans_on_measured_or_given_costs():
     """streamed's rewrite needs the graph's shapes whatever the costs: on measured times
     and on given ones it inserts the stream ops and computes what the block computes."""
     torch.manual_seed(7)
-    block, x = ks.Inception(8), torch.randn(2, 8, 8, 8)
+    block, x = InceptionBlock(8), torch.randn(2, 8, 8, 8)
     given = {n: 1e-3 for n in ks.plan(block, x, streams=4).order}
     for costs in ("measured", given):
         sm, p = ks.streamed(block, x, streams=4, costs=costs)
@@ -704,7 +705,7 @@ def test_gpu_in_backward_update_of_a_streamed_net_equals_the_update_after_the_ba
     torch.manual_seed(0)
     torch.backends.cudnn.deterministic = True
     monkeypatch.setenv("KITSUNE_CONV_GRADS", conv_grads)
-    base = nn.Sequential(nn.Conv2d(8, 256, 1), ks.Inception(256), nn.Flatten(), nn.LazyLinear(10)).cuda()
+    base = nn.Sequential(nn.Conv2d(8, 256, 1), Inception(256), nn.Flatten(), nn.LazyLinear(10)).cuda()
     base(torch.randn(1, 8, 16, 16, device="cuda"))
     batches = [(torch.randn(4, 8, 16, 16, device="cuda"), torch.randint(0, 10, (4,), device="cuda"))
                for _ in range(3)]

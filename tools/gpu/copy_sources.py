@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import models  # noqa: E402
 
 import kitsune  # noqa: E402
-from kitsune.graph import _conv_weights, _nhwc_suits, _relayout  # noqa: E402
+from kitsune.graph.layout import _conv_weights, _nhwc_suits, _relayout  # noqa: E402
 
 
 def chain(e):

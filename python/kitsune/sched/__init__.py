@@ -35,8 +35,6 @@ The modules, by concern: costs (the roofline, measure_costs, saved_state), plann
 (Plan, plan, the shapes: fake tensors or shape_recorder's run), streams (streamed, the
 stream ops, branch_priority), conv_grads (a convolution's two gradients apart or late).
 """
-import torch
-
 from .conv_grads import conv_grad_splits, conv_grads_mode
 from .costs import Roofline, measure_costs, saved_state
 from .planner import Plan, plan, shape_recorder
@@ -45,20 +43,3 @@ from .streams import branch_priority, streamed
 __all__ = ["Roofline", "Plan", "plan", "measure_costs", "saved_state", "shape_recorder", "streamed",
            "branch_priority", "conv_grads_mode", "conv_grad_splits"]
 
-
-# Kept here only while tests/python/test_fx.py, test_sched.py, plan_workloads.py and
-# bench/models.py import it from kitsune.sched: the demo's copy is bench/sched_demo.py's.
-class Inception(torch.nn.Module):
-    """An Inception-style block (four branches joined by a concat): the tests' example of
-    a graph that several streams shorten."""
-
-    def __init__(self, c=64):
-        nn = torch.nn
-        super().__init__()
-        self.b1 = nn.Conv2d(c, c, 1)
-        self.b2 = nn.Sequential(nn.Conv2d(c, c, 1), nn.ReLU(), nn.Conv2d(c, c, 3, padding=1))
-        self.b3 = nn.Sequential(nn.Conv2d(c, c // 2, 1), nn.ReLU(), nn.Conv2d(c // 2, c, 5, padding=2))
-        self.b4 = nn.Sequential(nn.MaxPool2d(3, 1, 1), nn.Conv2d(c, c, 1))
-
-    def forward(self, x):
-        return torch.cat([self.b1(x), self.b2(x), self.b3(x), self.b4(x)], 1)

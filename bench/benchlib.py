@@ -13,7 +13,7 @@ def write_result(out_dir, bench, payload):
     """Writes <out_dir>/<bench>.json: the payload plus bench name, UTC date, device,
     torch version and KT_COMMIT (the caller names the commit, taken on the machine the
     tree came from: on the GPU machine's copy `git rev-parse HEAD` named a stale commit,
-    a09cec9 for fd66c6b's tree in bench/results/h100_pytest_models_gmem_fd66c6b.log).
+    a09cec9 for fd66c6b's tree in bench/results/archive/h100_pytest_models_gmem_fd66c6b.log).
     Returns the path."""
     import torch
     res = {"bench": bench, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),

@@ -79,7 +79,7 @@ static bool place_in_range(const kt_extent *e, size_t size, size_t align, uintpt
  * free. That is the better trade while the pool may trim (the snug hole keeps
  * fragmentation down, and growth past the high mark unmaps idle granules first:
  * on the H100, shape-varying training held 1.017x its live bytes with the mapped
- * search always first, 1.013x without, bench/results/h100_alloc_shapes_f0e05ef.log
+ * search always first, 1.013x without, bench/results/archive/h100_alloc_shapes_f0e05ef.log
  * against alloc_shapes.json), but not while releases are held: nothing can be
  * trimmed then, and a map there is a device allocation inside a CUDA graph
  * capture, whose pool relies on the range kt_pool_prepare_capture made ready. */

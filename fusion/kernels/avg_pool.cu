@@ -6,7 +6,7 @@
 // across blocks and stages partial sums in a global buffer sized outputs x splits x
 // block width: 128 MiB, twice the input, allocated and freed inside the step. In the
 // captured step that buffer was the whole difference between the graph's live peak
-// and the eager step's (376.1 against 313.0 MiB; bench/results/gmem_capplan_d966c27.txt).
+// and the eager step's (376.1 against 313.0 MiB; bench/results/archive/gmem_capplan_d966c27.txt).
 //
 // Forward: a block per (image, 32-channel tile), 256 threads: 32 / V lanes across the
 // tile's channels (V = 4 channels a lane where C is a multiple of 4 and x is aligned),

@@ -5,7 +5,7 @@
 // An Inception block's four branches ended in four bias kernels and a cat forward, and
 // backward in cuDNN's dense copies of the cat gradient's channel slices (two a
 // convolution, its data and its weight gradient each make one) plus four bias sums:
-// bench/results/h100_copies_981bd6f.log, h100_profile_graph_3403d9c.log.
+// bench/results/archive/h100_copies_981bd6f.log, h100_profile_graph_3403d9c.log.
 //
 // Layouts: the parts, out and the part gradients share one, NCHW-contiguous or
 // channels-last; the backward's incoming gradient may have any strides (the mean over

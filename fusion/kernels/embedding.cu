@@ -4,7 +4,7 @@
 //
 // ATen's CUDA backward sorts the int64 indices over all 64 bits (eight radix passes),
 // then counts, scans and splits segments: 18 launches and about 86 us of GPT's step
-// for 4096 tokens (bench/results/h100_profile_graph_gpt_inception_81772ef.log), where
+// for 4096 tokens (bench/results/archive/h100_profile_graph_gpt_inception_81772ef.log), where
 // the sums themselves read 4 MiB. Here: the indices become int32 keys sorted by cub's
 // stable radix sort over only the bits the vocabulary needs (14 for 8192 rows: keys
 // 0..rows, rows standing for an index out of range),

@@ -25,7 +25,7 @@
 // sums them into its stripe's partials (one block a stripe of rows; stripes from
 // kt_layer_norm_backward_splits). (One block of 64 threads per GPT row, with two
 // block-wide sums and a separate column kernel, took 11.8 us a call for 4096 x 512
-// bf16 rows on the H100, bench/results/h100_profile_graph_3403d9c.log.)
+// bf16 rows on the H100, bench/results/archive/h100_profile_graph_3403d9c.log.)
 #include "rows.cuh"
 
 namespace {
@@ -263,10 +263,10 @@ __global__ void __launch_bounds__(LNW_WARPS * 32)
 // lane); otherwise the second pass forms them again, which keeps every kernel within
 // 128 registers, 2 blocks an SM (kept, bf16 C = 2 with ReLU took 150; formed again,
 // 122; C = 4 would not fit beside the loads: ptxas -v, sm_90,
-// bench/results/sass_ln_bwd_warp_48e2aca_e10e5ba_head.txt).
+// bench/results/archive/sass_ln_bwd_warp_48e2aca_e10e5ba_head.txt).
 // (The earlier kernel formed every term twice under run-time ReLU, weight and bias
 // tests: 127 registers and about 52 instructions an element, issue-bound at 3.6 warps
-// a scheduler, bench/results/h100_ncu_ln_bwd_fe19a6d.log. This one: 128 registers,
+// a scheduler, bench/results/archive/h100_ncu_ln_bwd_fe19a6d.log. This one: 128 registers,
 // 1.14 TB/s, 11.4 cycles a warp between issues, h100_ncu_ln_bwd_e10e5ba.log; GPT's 13
 // calls 126.2 us against 133.1, h100_profile_graph_gpt_e10e5ba.log. Issuing the next
 // row's loads first (recomputing xhat and dy to make room) was slower, 8.12 against

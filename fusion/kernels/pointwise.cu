@@ -23,7 +23,7 @@
 // erf comes from Abramowitz & Stegun 7.1.26 (|error| < 1.5e-7, one fast exp): the
 // libm erff is accurate to fp32 ulps that a 16-bit output cannot hold. With erff the
 // bf16 kernel ran at 74% of copy bandwidth, with this 90-92% (H100,
-// bench/results/kernels_elementwise_9194f5a.json and _bc035f6). fp32 storage keeps
+// bench/results/archive/kernels_elementwise_9194f5a.json and _bc035f6). fp32 storage keeps
 // erff.
 //
 // swiglu: out = silu(gate) * up (LLaMA's MLP). silu(g) = g * sigmoid(g);

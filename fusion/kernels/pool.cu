@@ -5,7 +5,7 @@
 // contiguous y. LeNet-style blocks ran these as five ATen kernels forward (the
 // broadcast add, relu, the pooling) and backward (the pooling's scatter, relu's mask,
 // two reductions for the bias): 59 launches a LeNet-5 step against the stock graph's
-// 49, bench/results/h100_profile_graph_9d33764.log.
+// 49, bench/results/archive/h100_profile_graph_9d33764.log.
 //
 // Values compared are relu(y + bias) rounded to the storage type, as the unfused ops
 // compare them: the larger wins, a tie goes to the first in row-major window order,
@@ -19,7 +19,7 @@
 // sums what it wrote (fp32, a fixed order): plane sums that the caller reduces over n
 // for the bias gradient. 2 x 2 windows are compiled as such (their four loads in
 // flight at once); a thread per element and runtime window loops took 10.3 us for
-// LeNet's two backward calls, bench/results/h100_profile_graph_496a15f.log.
+// LeNet's two backward calls, bench/results/archive/h100_profile_graph_496a15f.log.
 #include "rows.cuh"
 
 // kitsune.max_pool2d (the second half of this file): F.max_pool2d with dilation 1 and no
@@ -29,7 +29,7 @@
 // one, channels last) summing the output gradients of the windows it won, in ATen's
 // order (window rows, then columns) and in fp32, so the gradient equals ATen's bit for
 // bit. The Inception net's 3 x 3 stride-1 poolings in channels-last ran 68 us forward and
-// 122 us backward a call in ATen's kernels (bench/results/h100_profile_graph_3403d9c.log).
+// 122 us backward a call in ATen's kernels (bench/results/archive/h100_profile_graph_3403d9c.log).
 
 namespace {
 
@@ -171,7 +171,7 @@ template <int V> using Bytes = Pack<uint8_t, V>;
 // fraction of 64-bit ones), else int64_t. The Inception step's two backward calls took
 // 201.1 us before it and 87.4 after, the forward's 71.8 and 56.9; bias_cat landed in
 // between and the step runs on four streams, so that is not a controlled measurement
-// (bench/results/h100_profile_graph_inception_a71d291.log, _43fab21.log).
+// (bench/results/archive/h100_profile_graph_inception_a71d291.log, _43fab21.log).
 // K > 0: windows of at most K x K (the Inception net's 3 x 3), their loads unrolled and
 // issued before the first compare; K = 0: runtime loops. Both compare in the same order.
 template <typename T, int V, typename I, int K>
@@ -230,7 +230,7 @@ __global__ void max_pool_fwd(const T *x, T *out, uint8_t *where, I total, PoolGe
 // this element. Loading all (up to 9) windows' bytes and gradients unrolled, before any
 // compare, took 129.6 us for the Inception step's two calls against this loop's 80.6:
 // nine 16-byte gradient loads a thread where one or two are used
-// (bench/results/h100_profile_graph_inception_31881b1.log, _5d29be8.log).
+// (bench/results/archive/h100_profile_graph_inception_31881b1.log, _5d29be8.log).
 // adds: gradients of x from its other users, summed after the windows' (kt_addends).
 template <typename T, int V, typename I>
 __global__ void max_pool_bwd(const T *g_out, const uint8_t *where, T *g_in, I total, PoolGeo geo, kt_addends adds) {

@@ -22,7 +22,7 @@
 // tile to arrive at a counter summing its partials, was slower on the H100: GPT's 18
 // bias sums took 8.0 us a call against 3.2 plus a 1.6 us second kernel, its 6 GELU
 // passes 23.2 against 20.0 + 1.6, its 13 LayerNorm parameter sums 3.9 against
-// 1.6 + 1.6, bench/results/h100_profile_graph_gpt_b9e7b82.log against _e10e5ba.log
+// 1.6 + 1.6, bench/results/archive/h100_profile_graph_gpt_b9e7b82.log against _e10e5ba.log
 // and _fe19a6d.log: the fences, the atomic's round trip and a one-block tail over up
 // to 128 slabs cost more than the second launch.) kt_relu_grad_colsum is the same pass over
 // ReLU's output gradient that also masks it with ReLU's output and stores it: a
@@ -229,7 +229,7 @@ __global__ void __launch_bounds__(CS_TX *CS_TY) colsum_partials(const float *par
 // elements a lane), each slab at least 32 rows (4 a phase). Up to 128 rows take one
 // slab: four rounds of loads in one block cost less than the second launch (the
 // MLP's (64, 10) bias gradient ran as two kernels of 1.3 and 1.2 us in its graph,
-// bench/results/h100_profile_graph_9d33764.log).
+// bench/results/archive/h100_profile_graph_9d33764.log).
 int64_t colsum_slabs_for(int64_t rows, int64_t cols, int v) {
   if (rows <= 128) return 1;
   const int64_t tiles = (cols + CS_TX * v - 1) / (CS_TX * v);

@@ -29,7 +29,7 @@ __global__ void rms_norm_fwd(const T *x, const T *w, T *y, int64_t n, float eps)
   const int64_t nv = n / V;
   // fp32 only: for 16-bit rows the re-reading loop below measured faster (94-98% of
   // copy against 62-65% this way; bf16 rows of 4096 on the H100,
-  // bench/results/kernels_elementwise_4a31e2b.json and _d692f4b_run*.json).
+  // bench/results/archive/kernels_elementwise_4a31e2b.json and _d692f4b_run*.json).
   if constexpr (VEC && sizeof(T) == 4) if (nv <= (int64_t)MAXC * blockDim.x) {   // the row is read once
     T v[MAXC][V];
     float ss = 0.f;

@@ -88,7 +88,7 @@ class _StepCounts:
     tensor, so that a replay counts every parameter's step with one add. The foreach
     add over them it replaces took 32 us of host time a replay for the MLP's 6
     tensors on the H100's host under cProfile, the most of any item
-    (tools/gpu/host_replay.py, bench/results/h100_host_68c627f.log). The values and tensor type stay torch.optim's
+    (tools/gpu/host_replay.py, bench/results/archive/h100_host_68c627f.log). The values and tensor type stay torch.optim's
     (0-dim, float32 or float64, CPU); their in-place updates (torch.optim's own
     step, kitsune.adam_step_) write through the views."""
 
@@ -152,7 +152,7 @@ class _InBackward:
         """The pending bucket, updated on the step's stream once each of its gradients is
         ready (on whichever stream autograd made it: waiting only for the stream of the
         hook that filled the bucket raced a streamed model's other branches, H100:
-        bench/results/h100_late_debug2_4d32aeb.log)."""
+        bench/results/archive/h100_late_debug2_4d32aeb.log)."""
         ps, self.pending, self.pending_n = self.pending, [], 0
         ready, self.ready_on = self.ready_on, {}
         live = self._live(ps)

@@ -721,7 +721,7 @@ static void slack_range(const wait_share *w, int32_t n, int64_t *lo, int64_t *hi
  * search probed: a threshold alone on slack bought pairs one event apart on the
  * branchy net at batch 8 (0.467 and 0.481 ms a step against 0.434 by events) and
  * gained on ResNet-18 (1.212 and 1.221 against 1.262; H100, both in
- * bench/results/models_variants_timed_2459f4d.json). The first-order delay is summed
+ * bench/results/archive/models_variants_timed_2459f4d.json). The first-order delay is summed
  * over blocks and does not see which stream is critical: chosen by it, the branchy
  * net took 0.482 ms in one process of three (0.434 and 0.436 in the others;
  * models_variants_timed_17f224d.json), so compile_step times a recording only when
@@ -729,7 +729,7 @@ static void slack_range(const wait_share *w, int32_t n, int64_t *lo, int64_t *hi
  * pair fits, no waits: each orders one stream after another's work, and buying them
  * for bytes that still miss the budget cost ResNet-18's planned step 18% (23 waits
  * for 1.5 MiB of 88.6; 1.391 ms a step against 1.177 without a plan, H100,
- * bench/results/models_planned_mode_b_60f753b.json). off and *total are replaced
+ * bench/results/archive/models_planned_mode_b_60f753b.json). off and *total are replaced
  * only by a smaller plan that fits. Out: the fewest recorded events between a waited
  * pair (-1: no waits), their count, whether node times chose the plan (1), its pairs
  * by slack (then the least slack of one, ns; else INT64_MIN) and its packing_delay. */

@@ -5,7 +5,7 @@
 // node of ours that writes the same bytes, with the same edges in and out. GPT's
 // captured step holds 19 memsets of 4 bytes (value 0), none issued by Kitsune, that
 // sit right before cuDNN's attention kernels and cuBLASLt's cooperative GEMMs (judged
-// by their neighbours, bench/results/h100_memsets_gpt_5f19cf5.log). On the H100 the
+// by their neighbours, bench/results/archive/h100_memsets_gpt_5f19cf5.log). On the H100 the
 // kernel after such a memset node started 3 to 4 us after the memset ended in the
 // forward and about 7 us in the backward, where a kernel after a kernel starts 0.4 us
 // after it (h100_timeline_gpt_inception8_18b9e89.log); the fill kernel runs 1.1 us

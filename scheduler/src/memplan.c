@@ -24,7 +24,7 @@ static int valid(const kt_memplan_block *b, int32_t n, uint64_t align) {
  * BY_SIZE_CONFLICT weigh a block by the bytes of the blocks it must stay apart from
  * (its conflicts): with a share order they found arenas 1.8% (Inception net, 4 streams:
  * 345.4 against 351.7 MiB) and 1.1% (ResNet-18) smaller than the first four on H100
- * captures (tools/capplan_pack.py over bench/results/capplan_2f5a092/). */
+ * captures (tools/capplan_pack.py over bench/results/archive/capplan_2f5a092/). */
 enum { BY_SIZE, BY_AREA, BY_LENGTH, BY_START, BY_CONFLICT, BY_SIZE_CONFLICT, KT_MEMPLAN_ORDERS };
 
 typedef struct { double k0; uint64_t k1; int64_t start; int32_t i; } key;
@@ -68,7 +68,7 @@ static int apart(const kt_memplan_block *b, int32_t i, int32_t j, kt_memplan_sha
  * each block gathered the placed blocks it stays apart from and sorted them, and
  * planning ResNet-18's 269 recorded blocks within a budget took 0.184 s of its
  * capture phase (three plans, one a bisection over the wait gap; H100,
- * bench/results/models_planned_mode_b_2774d17.json).
+ * bench/results/archive/models_planned_mode_b_2774d17.json).
  * Returns the arena's bytes. */
 static uint64_t first_fit(const kt_memplan_block *b, int32_t n, uint64_t align, kt_memplan_share_fn share,
                           void *ctx, const key *order, span *placed, uint64_t *off) {

@@ -743,7 +743,7 @@ def test_gpu_compile_step_channels_last_trains_as_eager(view_head):
     losses, parameters and optimizer state follow the eager NCHW loop. A .view head
     refuses channels-last: the warm-up finds it and the step is captured NCHW. The
     convolutions run in fp32, not TF32 (the NCHW and NHWC algorithms round TF32 apart:
-    0.0006 in a loss with 8 input channels, H100, bench/results/h100_pytest_graph_cd46713.log)."""
+    0.0006 in a loss with 8 input channels, H100, bench/results/archive/h100_pytest_graph_cd46713.log)."""
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1)
     batches = [(torch.randn(8, 8, 8, 8, generator=gen).cuda(), torch.randint(0, 10, (8,), generator=gen).cuda())
@@ -1206,7 +1206,7 @@ def test_gpu_compile_step_with_planned_memory_trains_as_eager(case):
     order does not allow: a smaller plan, every block placed, the same training (the
     waits add edges, not work); its first recording, kept (allocator.CaptureRecording),
     plans within that budget with waits too, and within its own again as it did. (Within a budget of 0, which no plan meets, it now buys
-    none: bench/results/h100_pytest_models_gmem_fd66c6b.log.) With
+    none: bench/results/archive/h100_pytest_models_gmem_fd66c6b.log.) With
     weight gradients joining late and a budget one byte under that plan (late_branchy),
     the largest keepers stop joining late, the others still do, and it trains alike.
     With KITSUNE_PLAN_WAITS=timed (waited_branchy_timed) the recording's graph is

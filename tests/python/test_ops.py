@@ -1495,7 +1495,7 @@ def test_batch_norm_add_relu_cpu_matches_and_gradcheck(training):
 def test_backward_fills_no_gradient_for_outputs_that_have_none(name):
     """Ops with non-differentiable outputs (batch_norm_relu's mean and invstd, the
     dropouts' rng) do not have autograd fill zero gradients for them: a fill launch
-    each (18 a step of ResNet-18 on the H100 before, bench/results/h100_copies_b594a9d.log).
+    each (18 a step of ResNet-18 on the H100 before, bench/results/archive/h100_copies_b594a9d.log).
     The backward creates no zero tensor, and its gradients are the same."""
     from torch.utils._python_dispatch import TorchDispatchMode
     g = torch.Generator().manual_seed(13)
@@ -1574,7 +1574,7 @@ def test_gpu_batch_norm_relu_matches_fp64(dtype, training, residual):
         theirs = _bn_ref(x, w, b, *rt, training, r=res)
         # the bound scales with the outputs' magnitude, as the gradients' below: with the residual
         # they reach about 5, and an fp32 error of 3.3e-6 at (4, 5, 3, 3) channels-last exceeded
-        # the unscaled 2 x torch's + 1e-6 (H100, bench/results/h100_pytest_14f1993.log)
+        # the unscaled 2 x torch's + 1e-6 (H100, bench/results/archive/h100_pytest_14f1993.log)
         _check_close(out, want, theirs, dtype, f"{dtype} {shape} cl={cl} training={training}",
                      max(1.0, want.abs().max().item()))
         assert out.is_contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)

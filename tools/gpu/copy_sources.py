@@ -4,7 +4,7 @@ compile_step's default would choose them) under the profiler,
 every aten::copy_ listed by the chain of operators that called it, with its shapes and
 the GPU time of the kernels it launched. (A TorchDispatchMode listing copying ops with
 their strides was tried at 68d5f38 and dropped: it sees no copy made inside an ATen
-kernel, which is where these are: bench/results/h100_copies_68d5f38.log.)
+kernel, which is where these are: bench/results/archive/h100_copies_68d5f38.log.)
 
     python tools/gpu/copy_sources.py inception
     python tools/gpu/copy_sources.py resnet18 --kernels 'Fill|Memset|add<long>'   # other kernels, by operator

@@ -14,7 +14,7 @@
 # KT_PYTEST_ARGS="--ignore=tests/python/test_fx.py --ignore=...test_ops.py ...", then part
 # "pytest" with KT_NO_CLEAN=1 on the ignored files (bench/results/h100_gputest_a2f459b_part*.log).
 # KT_COMMIT: write the local short HEAD into the command as a literal; git run on the
-# device copy named a stale commit (bench/results/h100_pytest_models_gmem_fd66c6b.log).
+# device copy named a stale commit (bench/results/archive/h100_pytest_models_gmem_fd66c6b.log).
 set -uo pipefail
 OUT=${OUT:-/tmp/kt_out}; mkdir -p "$OUT"
 cd "$(dirname "$0")/../.."

@@ -86,7 +86,7 @@ def warmed(name, recipe):
     model, loss_fn, data = models.build_spec(name, gen)
     # as bench/models.py's child and run, so that compile_step plans within the bench's
     # budget (without the eager steps the branchy net at batch 8 planned within 104.9 MiB,
-    # not 41.0: bench/results/h100_profile_graph_inception8_fresh_1142736.log)
+    # not 41.0: bench/results/archive/h100_profile_graph_inception8_fresh_1142736.log)
     models.warm_up(model, loss_fn, data)
     models.fresh_peak()
     step, _ = models.make(recipe, model, loss_fn)

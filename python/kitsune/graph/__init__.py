@@ -65,7 +65,7 @@ their stream's (PyTorch instantiates with cudaGraphInstantiateFlagUseNodePriorit
 where kernels contend for SMs the block scheduler starts the branches' and the main
 chain's first. The branchy net at batch 8 took 0.425-0.427 ms a step with them
 against 0.434-0.435 without, one stream 0.564-0.567 either way (H100,
-bench/results/models_variants_priority_62ba436.json). KITSUNE_STREAM_PRIORITY=0 turns
+bench/results/archive/models_variants_priority_62ba436.json). KITSUNE_STREAM_PRIORITY=0 turns
 them off (kitsune.sched.branch_priority).
 The plan's costs are the roofline's (``stream_costs=None``) or, with
 ``stream_costs="measured"``, each operation's time measured on the first batch
@@ -84,7 +84,7 @@ faster. ``stats()["conv_grads"]`` gives the times and the choice;
 ResNet-18 (CIFAR-sized, batch 128: its last layers' maps are 2x2 and 1x1) took 1.29
 ms a forward and backward together, 1.15 apart and 1.05 with the weight gradients
 joined late; its step (cuDNN's heuristics mode B) 1.17 ms against 1.41 before its
-bias-free Conv2d modules were split (bench/results/models_heuristic_mode_b_b4c5928.json,
+bias-free Conv2d modules were split (bench/results/archive/models_heuristic_mode_b_b4c5928.json,
 models_heuristic_mode_b_893c0f7.json).
 
 Layout: a model at least half of whose Conv2d layers have channel counts (in and out,

@@ -39,7 +39,7 @@ class _Capture:
         (PyTorch's beginAllocateToPool asserts its use count, in the CUDA host allocator
         too), and _capturing skips torch.cuda.graph's empty_cache under Kitsune's
         allocator: reusing the handle failed the capture of a batch shape after an arena
-        grew (H100, bench/results/h100_graph_gmem_08d37d5.log)."""
+        grew (H100, bench/results/archive/h100_graph_gmem_08d37d5.log)."""
         if self._pool is None or not self._graphs:
             self._pool = torch.cuda.graph_pool_handle()
         return self._pool
@@ -103,7 +103,7 @@ class _Capture:
         """torch.cuda.graph(graph, pool=pool, stream=side), less its gc.collect() and
         empty_cache() when Kitsune's allocator is installed: it makes a capture's memory
         ready itself (beginAllocateToPool), and emptying its cache cost 0.19 s a capture
-        on the H100, twice a planned step (bench/results/h100_plan_debug_779a772_805068d.txt)."""
+        on the H100, twice a planned step (bench/results/archive/h100_plan_debug_779a772_805068d.txt)."""
         from .. import allocator
         if not allocator.installed():
             with torch.cuda.graph(graph, pool=pool, stream=self._side, capture_error_mode="thread_local"):
@@ -152,7 +152,7 @@ def _memsets_to_kernels(graph):
     """Replaces the small memset nodes of a captured, not yet instantiated graph with
     kernel nodes of Kitsune's (kitsune/fusion.h: kt_graph_memsets_to_kernels): inside
     a graph the kernel after a memset node started 3 to 7 us after it, after a kernel
-    0.4 us (H100, bench/results/h100_timeline_gpt_inception8_18b9e89.log). Returns how
+    0.4 us (H100, bench/results/archive/h100_timeline_gpt_inception8_18b9e89.log). Returns how
     many; KITSUNE_GRAPH_MEMSETS=keep leaves them."""
     if options.get("KITSUNE_GRAPH_MEMSETS") == "keep":
         return 0

@@ -66,7 +66,7 @@ def _nhwc_suits(model):
     layers have channel counts (in and out, per group) that are multiples of 8, the
     vector width of cuDNN's NHWC kernels. LeNet-5 (1 -> 6 -> 16 channels) ran 0.225 ms
     a step channels-last against 0.206 NCHW; ResNet-18 1.456 against 1.853 (H100,
-    bench/results/models_cd1ab81.json)."""
+    bench/results/archive/models_cd1ab81.json)."""
     convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
     if not convs:
         return False, "no Conv2d layer"

@@ -30,7 +30,7 @@ class _MemoryPlanning:
         bytes: in bench/models.py's fresh process ResNet-18's budget was 43.8 MiB (its
         eager step rises 103.4 MiB in graph_memory_resnet18_split_a09cec9.json), its
         plan bought 23 waits, and its step took 1.391 ms against 1.177 unplanned (H100,
-        bench/results/models_planned_mode_b_60f753b.json)."""
+        bench/results/archive/models_planned_mode_b_60f753b.json)."""
         if self._eager_rise is None:
             return None
         return max(self._eager_rise - self._inputs_bytes, 0)

@@ -135,7 +135,7 @@ class CompiledStep(_Capture, _MemoryPlanning, _ConvGradTrials, _ChannelsLast):
         # the graph's cuBLAS kernels use the partner stream's workspaces: a replay
         # launched on another stream is ordered with it both ways (the raw handle
         # compared: torch.cuda.current_stream() took 20 us of host time a call under
-        # cProfile on the H100's host, bench/results/h100_host_68c627f.log)
+        # cProfile on the H100's host, bench/results/archive/h100_host_68c627f.log)
         partner = self._partner
         fence = torch._C._cuda_getCurrentRawStream(partner.device_index) != partner.cuda_stream
         if fence:

@@ -23,7 +23,7 @@ class _ConvGradsApart(torch.autograd.Function):
     stream, then joins: the node takes about max(dgrad, wgrad) instead of their sum (the
     branchy net's 3x3 and 5x5 convolutions at batch 8: input gradients 18 to 30 us,
     weight gradients 32 to 46 us, one after the other on one stream; H100,
-    bench/results/h100_timeline_gpt_inception8_18b9e89.log). Where the plan's streams
+    bench/results/archive/h100_timeline_gpt_inception8_18b9e89.log). Where the plan's streams
     already fill the GPU the two slow each other down (the branchy net's step at batch
     64: 1.947 ms apart, 1.907 together; ab_conv_grads_6d3534f.json), so the split is
     switched per module (_Streams.grads_apart), and compile_step measures which way

@@ -1,0 +1,341 @@
+// python/kitsune/csrc/ops/pointwise.cpp — the pointwise family (fusion/kernels/pointwise.cu,
+// kitsune/ops/pointwise.py): add_relu, mul_tanh, bias_gelu, swiglu and their backwards;
+// channel_bias, a convolution's bias and ReLU (kt_bias_act).
+#include "../common.h"
+
+namespace bridge {
+namespace {
+
+// Operands broadcast to one shape, dense. The common case (same shapes, contiguous)
+// returns the inputs as they are: no view, no copy on the launch path. So do operands
+// that share one dense layout (channels-last activations, say): an elementwise op
+// runs over their memory in order, and empty_like gives the output that layout.
+std::vector<Tensor> broadcast_dense(std::initializer_list<Tensor> ts) {
+  std::vector<Tensor> v(ts);
+  bool same = true, one_layout = true;
+  for (const auto& t : v) {
+    same = same && t.sizes() == v[0].sizes();
+    one_layout = one_layout && t.strides() == v[0].strides() && t.is_non_overlapping_and_dense();
+  }
+  if (same) {
+    if (one_layout) return v;
+    for (auto& t : v) t = t.contiguous();   // a no-op for contiguous tensors
+    return v;
+  }
+  c10::DimVector shape(v[0].sizes().begin(), v[0].sizes().end());
+  for (size_t i = 1; i < v.size(); i++) shape = at::infer_size_dimvector(shape, v[i].sizes());
+  for (auto& t : v) t = t.expand(shape).contiguous();
+  return v;
+}
+
+// The launcher shapes every binary op shares.
+using BinaryLauncher = kt_status (*)(kt_dtype, const void*, const void*, void*, int64_t, void*);
+using BinaryBackwardLauncher = kt_status (*)(kt_dtype, const void*, const void*, const void*, void*, void*, int64_t,
+                                             void*);
+
+// out = op(a, b) on the broadcast shape.
+Tensor binary_cuda(const Tensor& a, const Tensor& b, const char* op, BinaryLauncher launch) {
+  check_same(a, b, op, "a", "b");
+  auto v = broadcast_dense({a, b});
+  c10::cuda::CUDAGuard g(a.device());
+  Tensor out = at::empty_like(v[0]);
+  check_launch(launch(dtype_of(a, op), v[0].data_ptr(), v[1].data_ptr(), out.data_ptr(), out.numel(), stream_of(out)),
+               op);
+  return out;
+}
+
+// (grad_a, grad_b) of a binary op, at the broadcast shape; autograd (BinaryFn) sums
+// them to each input's shape.
+std::tuple<Tensor, Tensor> binary_backward_cuda(const Tensor& grad, const Tensor& a, const Tensor& b, const char* op,
+                                                BinaryBackwardLauncher launch) {
+  check_same(a, b, op, "a", "b");
+  check_same(grad, a, op, "grad", "a");
+  auto v = broadcast_dense({grad, a, b});
+  c10::cuda::CUDAGuard g(a.device());
+  Tensor ga = at::empty_like(v[0]), gb = at::empty_like(v[0]);
+  check_launch(launch(dtype_of(a, op), v[0].data_ptr(), v[1].data_ptr(), v[2].data_ptr(), ga.data_ptr(),
+                      gb.data_ptr(), ga.numel(), stream_of(ga)),
+               op);
+  return {ga, gb};
+}
+
+
+Tensor add_relu_cuda(const Tensor& a, const Tensor& b) { return binary_cuda(a, b, "add_relu", kt_add_relu); }
+Tensor add_relu_cpu(const Tensor& a, const Tensor& b) {
+  check_same(a, b, "add_relu", "a", "b");
+  return at::relu(a + b);
+}
+// Takes (grad, out): binary_cuda's checks and broadcast fit it as they are.
+Tensor add_relu_backward_cuda(const Tensor& grad, const Tensor& out) {
+  return binary_cuda(grad, out, "add_relu_backward", kt_add_relu_backward);
+}
+Tensor add_relu_backward_cpu(const Tensor& grad, const Tensor& out) {
+  return at::where(out > 0, grad, at::zeros_like(grad));
+}
+
+Tensor mul_tanh_cuda(const Tensor& a, const Tensor& b) { return binary_cuda(a, b, "mul_tanh", kt_mul_tanh); }
+Tensor mul_tanh_cpu(const Tensor& a, const Tensor& b) {
+  check_same(a, b, "mul_tanh", "a", "b");
+  return at::tanh(a * b);
+}
+std::tuple<Tensor, Tensor> mul_tanh_backward_cuda(const Tensor& grad, const Tensor& a, const Tensor& b) {
+  return binary_backward_cuda(grad, a, b, "mul_tanh_backward", kt_mul_tanh_backward);
+}
+std::tuple<Tensor, Tensor> mul_tanh_backward_cpu(const Tensor& grad, const Tensor& a, const Tensor& b) {
+  Tensor t = at::tanh(a.to(opmath(a)) * b.to(opmath(a)));
+  Tensor d = grad.to(opmath(grad)) * (1 - t * t);
+  return {(d * b).to(a.scalar_type()), (d * a).to(a.scalar_type())};
+}
+
+}  // namespace
+
+int approx_code(c10::string_view approximate, const char* op) {
+  TORCH_CHECK(approximate == "none" || approximate == "tanh", "kitsune.", op, ": approximate must be 'none' or 'tanh', got '",
+              approximate, "'");
+  return approximate == "tanh" ? 1 : 0;
+}
+void check_bias(const Tensor& x, const Tensor& bias, const char* op) {
+  check_same(x, bias, op, "x", "bias");
+  TORCH_CHECK(x.dim() >= 1 && bias.dim() == 1 && bias.size(0) == x.size(-1), "kitsune.", op,
+              ": bias must be 1-D with x.size(-1) = ", (x.dim() ? x.size(-1) : 0), " elements; got bias of shape ",
+              bias.sizes(), " for x of shape ", x.sizes());
+}
+
+namespace {
+
+Tensor bias_gelu_cuda(const Tensor& x, const Tensor& bias, c10::string_view approximate) {
+  check_bias(x, bias, "bias_gelu");
+  int ap = approx_code(approximate, "bias_gelu");
+  Tensor xc = x.contiguous(), bc = bias.contiguous();
+  c10::cuda::CUDAGuard g(x.device());
+  Tensor out = at::empty_like(xc);
+  if (out.numel() == 0) return out;
+  check_launch(kt_bias_gelu(dtype_of(x, "bias_gelu"), xc.data_ptr(), bc.data_ptr(), out.data_ptr(), out.numel(),
+                            bc.numel(), ap, stream_of(out)), "bias_gelu");
+  return out;
+}
+Tensor bias_gelu_cpu(const Tensor& x, const Tensor& bias, c10::string_view approximate) {
+  check_bias(x, bias, "bias_gelu");
+  approx_code(approximate, "bias_gelu");
+  return at::gelu(x + bias, approximate);
+}
+std::tuple<Tensor, Tensor> bias_gelu_backward_cuda(const Tensor& grad, const Tensor& x, const Tensor& bias,
+                                                   c10::string_view approximate) {
+  check_bias(x, bias, "bias_gelu_backward");
+  check_same(grad, x, "bias_gelu_backward", "grad", "x");
+  int ap = approx_code(approximate, "bias_gelu_backward");
+  Tensor gc = grad.expand(x.sizes()).contiguous(), xc = x.contiguous(), bc = bias.contiguous();
+  c10::cuda::CUDAGuard g(x.device());
+  if (xc.numel() == 0) return {at::empty_like(xc), at::zeros_like(bias)};
+  const int64_t n = bias.size(0);
+  auto [gx, gb] = gelu_grad_colsum(gc.view({-1, n}), xc.view({-1, n}), bc, ap, bias.scalar_type());
+  return {gx.view(x.sizes()), gb};
+}
+std::tuple<Tensor, Tensor> bias_gelu_backward_cpu(const Tensor& grad, const Tensor& x, const Tensor& bias,
+                                                  c10::string_view approximate) {
+  check_bias(x, bias, "bias_gelu_backward");
+  int ap = approx_code(approximate, "bias_gelu_backward");
+  Tensor v = x.to(opmath(x)) + bias.to(opmath(x));
+  Tensor d;
+  if (ap) {
+    const double k0 = 0.7978845608028654, k1 = 0.044715;
+    Tensor t = at::tanh(k0 * (v + k1 * v * v * v));
+    d = 0.5 * (1 + t) + 0.5 * v * (1 - t * t) * k0 * (1 + 3 * k1 * v * v);
+  } else {
+    d = 0.5 * (1 + at::erf(v * 0.7071067811865476)) + v * 0.3989422804014327 * at::exp(-0.5 * v * v);
+  }
+  Tensor gx = grad.to(opmath(grad)) * d;
+  Tensor gb = gx.reshape({-1, bias.size(0)}).sum(0);
+  return {gx.to(x.scalar_type()), gb.to(bias.scalar_type())};
+}
+
+Tensor swiglu_cuda(const Tensor& gate, const Tensor& up) { return binary_cuda(gate, up, "swiglu", kt_swiglu); }
+Tensor swiglu_cpu(const Tensor& gate, const Tensor& up) {
+  check_same(gate, up, "swiglu", "gate", "up");
+  return at::silu(gate) * up;
+}
+std::tuple<Tensor, Tensor> swiglu_backward_cuda(const Tensor& grad, const Tensor& gate, const Tensor& up) {
+  return binary_backward_cuda(grad, gate, up, "swiglu_backward", kt_swiglu_backward);
+}
+std::tuple<Tensor, Tensor> swiglu_backward_cpu(const Tensor& grad, const Tensor& gate, const Tensor& up) {
+  Tensor g = gate.to(opmath(gate)), s = at::sigmoid(g), gr = grad.to(opmath(grad));
+  return {(gr * up.to(opmath(up)) * s * (1 + g * (1 - s))).to(gate.scalar_type()), (gr * g * s).to(up.scalar_type())};
+}
+
+using BinaryBwdSig = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&);
+
+// add_relu: backward from the output; both gradients are grad where out > 0.
+struct AddReluFn : torch::autograd::Function<AddReluFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& a, const Tensor& b) {
+    static auto op = op_handle<BinarySig>("kitsune::add_relu");
+    Tensor out;
+    {
+      at::AutoDispatchBelowADInplaceOrView g;
+      out = op.call(a, b);
+    }
+    ctx->saved_data["sa"] = a.sizes().vec();
+    ctx->saved_data["sb"] = b.sizes().vec();
+    ctx->save_for_backward({out});
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list go) {
+    static auto bwd = op_handle<BinarySig>("kitsune::add_relu_backward");
+    Tensor g = bwd.call(go[0], ctx->get_saved_variables()[0]);
+    auto to = [&](const char* k) {
+      auto s = ctx->saved_data[k].toIntVector();
+      return g.sizes() == c10::IntArrayRef(s) ? g : at::sum_to(g, s);
+    };
+    return {to("sa"), to("sb")};
+  }
+};
+
+// mul_tanh (which 0), swiglu (which 1): backward op (grad, a, b) -> both gradients.
+struct BinaryFn : torch::autograd::Function<BinaryFn> {
+  static const char* name(int64_t which, bool backward) {
+    static const char* n[2][2] = {{"kitsune::mul_tanh", "kitsune::mul_tanh_backward"},
+                                  {"kitsune::swiglu", "kitsune::swiglu_backward"}};
+    return n[which][backward];
+  }
+  static Tensor forward(AutogradContext* ctx, const Tensor& a, const Tensor& b, int64_t which) {
+    static auto ops = std::array{op_handle<BinarySig>(name(0, false)), op_handle<BinarySig>(name(1, false))};
+    ctx->saved_data["which"] = which;
+    ctx->save_for_backward({a, b});
+    at::AutoDispatchBelowADInplaceOrView g;
+    return ops[which].call(a, b);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list go) {
+    static auto ops = std::array{op_handle<BinaryBwdSig>(name(0, true)), op_handle<BinaryBwdSig>(name(1, true))};
+    auto s = ctx->get_saved_variables();
+    auto [ga, gb] = ops[ctx->saved_data["which"].toInt()].call(go[0], s[0], s[1]);
+    return {sum_to_shape(ga, s[0]), sum_to_shape(gb, s[1]), Tensor()};
+  }
+};
+
+struct BiasGeluFn : torch::autograd::Function<BiasGeluFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& bias, std::string approximate) {
+    static auto op = op_handle<Tensor(const Tensor&, const Tensor&, c10::string_view)>("kitsune::bias_gelu");
+    ctx->saved_data["approximate"] = approximate;
+    ctx->save_for_backward({x, bias});
+    at::AutoDispatchBelowADInplaceOrView g;
+    return op.call(x, bias, approximate);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list go) {
+    static auto op = op_handle<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
+                                                           c10::string_view)>("kitsune::bias_gelu_backward");
+    auto s = ctx->get_saved_variables();
+    auto [gx, gb] = op.call(go[0], s[0], s[1], ctx->saved_data["approximate"].toStringRef());
+    return {gx, gb, Tensor()};
+  }
+};
+
+Tensor add_relu_autograd(const Tensor& a, const Tensor& b) { return AddReluFn::apply(a, b); }
+Tensor mul_tanh_autograd(const Tensor& a, const Tensor& b) { return BinaryFn::apply(a, b, 0); }
+Tensor swiglu_autograd(const Tensor& a, const Tensor& b) { return BinaryFn::apply(a, b, 1); }
+Tensor bias_gelu_autograd(const Tensor& x, const Tensor& bias, c10::string_view approximate) {
+  return BiasGeluFn::apply(x, bias, std::string(approximate));
+}
+
+// ---- channel_bias: act(y + bias over dim 1) ----
+// A convolution's bias, split from it by kitsune.optimize (F.conv2d(x, W) then this
+// op, with the ReLU that follows when there is one). The bias gradient is
+// channel_sum's (ops/reduce.cpp: why it takes two stages), or, after a ReLU with
+// channels last in memory, kt_relu_grad_colsum's. The forward: kt_bias_act where the
+// channels are last in memory, else ATen's y + bias and relu in place. y and bias
+// share a dtype; under autocast the bias is cast to y's (as a convolution does with
+// its bias).
+void check_channel_bias(const Tensor& y, const Tensor& b, c10::string_view act) {
+  TORCH_CHECK(act == "none" || act == "relu", "kitsune.channel_bias: act must be 'none' or 'relu', got '", act, "'");
+  check_same(y, b, "channel_bias", "y", "bias");
+  TORCH_CHECK(y.dim() >= 2 && b.dim() == 1 && b.size(0) == y.size(1),
+              "kitsune.channel_bias: need y (N, C, ...) and bias (C,); got ", y.sizes(), " and ", b.sizes());
+  TORCH_CHECK(at::isFloatingType(y.scalar_type()) && at::isFloatingType(b.scalar_type()),
+              "kitsune.channel_bias: y and bias must be floating point, got ", y.scalar_type(), " and ",
+              b.scalar_type());
+}
+
+}  // namespace
+
+Tensor channel_bias_fwd(const Tensor& y, const Tensor& b, c10::string_view act) {
+  check_channel_bias(y, b, act);
+  const int64_t C = b.size(0);
+  // channels last in memory (a channels-last convolution's output, or (rows, C)): one
+  // kernel, bias[i % C] (ATen's broadcast add ran as its generic, unvectorized kernel
+  // there: bench/results/h100_channel_bias_fb40403.log, CUDAFunctor_add)
+  // (checked only for real CUDA tensors: a fake one's sizes may be symbolic)
+  auto channels_last = [&] {
+    return (y.dim() == 4 && y.is_contiguous(at::MemoryFormat::ChannelsLast)) ||
+           (y.is_contiguous() && y.numel() == y.size(0) * C);
+  };
+  if (lt_dtype_ok(y) && y.numel() > 0 && channels_last()) {
+    c10::cuda::CUDAGuard g(y.device());
+    Tensor out = at::empty_like(y), bc = b.contiguous();
+    check_launch(kt_bias_act(dtype_of(y, "channel_bias"), y.data_ptr(), bc.data_ptr(), out.data_ptr(), y.numel(), C,
+                             act == "relu", stream_of(out)), "channel_bias");
+    return out;
+  }
+  c10::DimVector shape(y.dim(), 1);
+  shape[1] = b.size(0);
+  Tensor out = at::add(y, b.view(shape));
+  return act == "relu" ? out.clamp_min_(0) : out;
+}
+
+namespace {
+
+struct ChannelBiasFn : torch::autograd::Function<ChannelBiasFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& y, const Tensor& b, std::string act) {
+    Tensor out;
+    {
+      at::AutoDispatchBelowADInplaceOrView g;
+      out = channel_bias_fwd(y, b, act);
+    }
+    ctx->saved_data["relu"] = act == "relu";
+    if (act == "relu") ctx->save_for_backward({out});
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list go) {
+    Tensor g = go[0];
+    if (ctx->saved_data["relu"].toBool()) {
+      const Tensor y = ctx->get_saved_variables()[0];
+      // g and y dense with channels last (a channels-last convolution's output and its
+      // gradient, or (rows, C)): ReLU's mask and the bias gradient in one pass over
+      // their (N H W, C) rows (kt_relu_grad_colsum), where threshold_backward and the
+      // column sum read the gradient twice (the Inception net's 6 ReLU'd convolutions)
+      const Tensor g2 = dense_channel_rows(g), y2 = dense_channel_rows(y);
+      if (g2.defined() && y2.defined() && lt_dtype_ok(g) && g.scalar_type() == y.scalar_type()) {
+        auto [gx, sums] = relu_grad_colsum(g2, y2, g.scalar_type());
+        return {g.dim() == 2 ? gx : gx.view({g.size(0), g.size(2), g.size(3), g.size(1)}).permute({0, 3, 1, 2}),
+                sums, Tensor()};
+      }
+      g = at::threshold_backward(g, y, 0);
+    }
+    return {g, channel_sum(g, g.scalar_type()), Tensor()};
+  }
+};
+Tensor channel_bias_autograd(const Tensor& y, const Tensor& b, c10::string_view act) {
+  return ChannelBiasFn::apply(y, b, std::string(act));
+}
+
+}  // namespace
+
+#define POINTWISE_DEVICE_OPS(X) \
+  X(add_relu)                   \
+  X(add_relu_backward)          \
+  X(mul_tanh)                   \
+  X(mul_tanh_backward)          \
+  X(bias_gelu)                  \
+  X(bias_gelu_backward)         \
+  X(swiglu)                     \
+  X(swiglu_backward)
+KT_DEVICE_IMPLS(POINTWISE_DEVICE_OPS)
+
+TORCH_LIBRARY_IMPL(kitsune, CompositeExplicitAutograd, m) { m.impl("channel_bias", &channel_bias_fwd); }
+
+TORCH_LIBRARY_IMPL(kitsune, Autograd, m) {
+  m.impl("add_relu", &add_relu_autograd);
+  m.impl("mul_tanh", &mul_tanh_autograd);
+  m.impl("swiglu", &swiglu_autograd);
+  m.impl("bias_gelu", &bias_gelu_autograd);
+  m.impl("channel_bias", &channel_bias_autograd);
+}
+
+}  // namespace bridge

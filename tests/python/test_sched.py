@@ -705,7 +705,7 @@ def test_gpu_in_backward_update_of_a_streamed_net_equals_the_update_after_the_ba
     torch.manual_seed(0)
     torch.backends.cudnn.deterministic = True
     monkeypatch.setenv("KITSUNE_CONV_GRADS", conv_grads)
-    base = nn.Sequential(nn.Conv2d(8, 256, 1), Inception(256), nn.Flatten(), nn.LazyLinear(10)).cuda()
+    base = nn.Sequential(nn.Conv2d(8, 256, 1), InceptionBlock(256), nn.Flatten(), nn.LazyLinear(10)).cuda()
     base(torch.randn(1, 8, 16, 16, device="cuda"))
     batches = [(torch.randn(4, 8, 16, 16, device="cuda"), torch.randint(0, 10, (4,), device="cuda"))
                for _ in range(3)]

@@ -1,7 +1,7 @@
 // python/kitsune/csrc/library.cpp — torch.ops.kitsune: every op's schema, one row an op.
 // The kernels are registered beside their code: ops/<family>.cpp (CUDA, CPU, Autograd,
 // composite kernels), autocast.cpp (Autocast), pinned.cpp (pinned_empty); fake kernels
-// in kitsune/ops/<family>.py. (kitsune/sched.py defines the stream_* ops in Python.)
+// in kitsune/ops/<family>.py; the stream_* ops' kernels in kitsune/sched/streams.py.
 #include <torch/library.h>
 
 TORCH_LIBRARY(kitsune, m) {
@@ -55,6 +55,12 @@ TORCH_LIBRARY(kitsune, m) {
   m.def("global_avg_pool(Tensor x, int[] dim, bool keepdim=False) -> Tensor");
   m.def("bias_cat(Tensor[] xs, Tensor[] biases, int dim=1) -> Tensor");
   m.def("channel_sum(Tensor g) -> Tensor");
+  // A streamed module's stream changes, kept in order by the graph (kitsune.sched.streamed);
+  // ctx names its stream context. Their kernels switch torch's current stream (Python).
+  m.def("stream_fork(Tensor x, int ctx) -> ()");
+  m.def("stream_switch(Tensor[] cross, int ctx, int stream, int[] waits) -> ()");
+  m.def("stream_record(int ctx, int event) -> ()");
+  m.def("stream_join(int ctx) -> ()");
 }
 
 // Ops with a CUDA kernel (NAME_cuda) and a CPU reference (NAME_cpu), one list so the

@@ -6,7 +6,7 @@ _Streams holds one streamed module's streams and events.
 import torch
 import torch.fx as tfx
 
-from .. import options
+from .. import _native, options
 from .conv_grads import (_CONTEXTS, _LATE, _conv_grads_apart, _conv_module, _end_late, _reaches,
                          _splits_conv_grads, _take_late, _used_once, conv_grads_mode)
 from .costs import _traced
@@ -106,7 +106,8 @@ class _Streams:
         return None
 
 
-# the stream ops' library fragment (their schemas take a context's id: _CONTEXTS)
+# the stream ops' kernels, in Python: they switch torch's current stream (their schemas,
+# in csrc/library.cpp with every other op's, take a context's id: _CONTEXTS)
 _LIB = None
 
 
@@ -114,11 +115,8 @@ def _register_ops():
     global _LIB
     if _LIB is not None:
         return
-    _LIB = torch.library.Library("kitsune", "FRAGMENT")
-    _LIB.define("stream_fork(Tensor x, int ctx) -> ()")
-    _LIB.define("stream_switch(Tensor[] cross, int ctx, int stream, int[] waits) -> ()")
-    _LIB.define("stream_record(int ctx, int event) -> ()")
-    _LIB.define("stream_join(int ctx) -> ()")
+    _native.bridge()   # defines the schemas
+    _LIB = torch.library.Library("kitsune", "IMPL")
 
     def fork(x, ctx):
         _CONTEXTS[ctx].begin(x.device)

@@ -48,7 +48,11 @@ class BuildPy(build_py):
         dst = os.path.join(self.build_lib, "kitsune", "lib")
         os.makedirs(dst, exist_ok=True)
         for path in _make(os.path.join("build", "pip")):
-            shutil.copy2(path, dst)
+            out = shutil.copy2(path, dst)
+            # debug info is most of the bridge's size (each op file repeats torch's); a
+            # debugger can use the build tree's copy
+            if shutil.which("strip"):
+                subprocess.check_call(["strip", "--strip-debug", out])
 
 
 class BinaryDistribution(Distribution):

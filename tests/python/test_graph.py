@@ -1284,6 +1284,51 @@ def test_graph_node_timing_refuses_bad_input():
     assert n.value == 7, "nothing written"
 
 
+def test_capture_graph_order_outside_a_capture_answers_unavailable():
+    """kt_capture_graph (C, through ctypes): the order a private pool hands to capture
+    plans. Outside a capture its frontier is unknown (KT_ERR_UNAVAILABLE, nothing
+    written), it has no graph for edges or waits, and it counts no programmatic edges."""
+    import ctypes
+    from kitsune import _native
+    lib = ctypes.CDLL(_native.library_path() or _native.native()._name)
+    frontier_t = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64),
+                                  ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t))
+    edges_t = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64),
+                               ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t))
+    wait_t = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64),
+                              ctypes.c_size_t)
+
+    class Order(ctypes.Structure):
+        _fields_ = [("ctx", ctypes.c_void_p), ("frontier", frontier_t), ("edges", edges_t), ("wait", wait_t)]
+
+    lib.kt_capture_graph_create.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+    lib.kt_capture_graph_begin.restype = ctypes.POINTER(Order)
+    lib.kt_capture_graph_begin.argtypes = [ctypes.c_void_p]
+    lib.kt_capture_graph_destroy.argtypes = [ctypes.c_void_p]
+    lib.kt_capture_graph_programmatic.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64),
+                                                  ctypes.POINTER(ctypes.c_int64)]
+    assert lib.kt_capture_graph_create(None) == _native.ERR_INVALID
+    g = ctypes.c_void_p()
+    assert lib.kt_capture_graph_create(ctypes.byref(g)) == _native.OK and g.value
+    try:
+        order = lib.kt_capture_graph_begin(g).contents
+        assert order.ctx == g.value
+        n = ctypes.c_size_t(7)
+        for stream in (None, 2):   # the default streams are never asked
+            assert order.frontier(order.ctx, stream, None, 0, ctypes.byref(n)) == _native.ERR_UNAVAILABLE
+        assert n.value == 7, "nothing written"
+        assert order.edges(order.ctx, None, None, 0, ctypes.byref(n)) == _native.ERR_UNAVAILABLE
+        node = (ctypes.c_uint64 * 1)(1)
+        assert order.wait(order.ctx, 8, node, 1) == _native.ERR_UNAVAILABLE
+        edges, ordered = ctypes.c_int64(-1), ctypes.c_int64(-1)
+        lib.kt_capture_graph_programmatic(g, ctypes.byref(edges), ctypes.byref(ordered))
+        assert (edges.value, ordered.value) == (0, 0)
+        lib.kt_capture_graph_programmatic(None, ctypes.byref(edges), None)
+        assert edges.value == 0
+    finally:
+        lib.kt_capture_graph_destroy(g)
+
+
 @pytest.mark.gpu
 @gpu
 def test_gpu_graph_node_times_replay_a_copy_with_the_update_left_out():

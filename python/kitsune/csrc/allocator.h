@@ -183,7 +183,7 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
     kt_caprec* rec = nullptr;
     kt_placer* placer = nullptr;
     kt_status placer_status = KT_OK;   // of the last kt_placer_begin
-    std::unique_ptr<CaptureOrder> order;   // the capture's graph (heap: Private moves)
+    CaptureOrder order;   // the capture's graph (kt_capture_graph; heap: Private moves)
   };
   // What the next capture into a pool does, asked before the pool may exist.
   struct Pending {

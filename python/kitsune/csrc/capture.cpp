@@ -3,9 +3,7 @@
 // work, asked of the CUDA graph being captured (capture.h), the plans made from taken
 // recordings (and their log, kt_capplan_log), and the streams compile_step captures on.
 // The recording and placing themselves are the private pools' (private_pools.cpp).
-// The order callbacks are logic that needs only the CUDA runtime, no PyTorch: they
-// could live in scheduler/ beside kt_graph_node_waits_first (a kt_capture_order over
-// the graph a stream is capturing); they stayed here when bridge.cpp was split.
+// The order callbacks themselves are C (scheduler/src/capture_order.cu).
 #include "capture.h"
 
 #include <c10/cuda/CUDAGuard.h>
@@ -14,92 +12,10 @@
 #include <exception>
 #include <vector>
 
-#include "kitsune/fusion.h"   // kt_graph_node_waits_first
 #include "options.h"
 
 namespace bridge {
 namespace {
-
-bool plain_edges(const cudaGraphEdgeData* e, size_t n) {
-  for (size_t i = 0; e && i < n; i++)
-    if (e[i].type != cudaGraphDependencyTypeDefault) return false;
-  return true;
-}
-
-kt_status capture_frontier(void* ctx, kt_stream_t stream, uint64_t* nodes, size_t cap, size_t* n) {
-  auto* c = static_cast<CaptureOrder*>(ctx);
-  auto s = static_cast<cudaStream_t>(stream);
-  // the legacy and per-thread default streams: asking about them during a capture
-  // could invalidate it, and a capture never runs on them
-  if (reinterpret_cast<uintptr_t>(s) <= 2) return KT_ERR_UNAVAILABLE;
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  cudaGraph_t g = nullptr;
-  const cudaGraphNode_t* deps = nullptr;
-  const cudaGraphEdgeData* data = nullptr;
-  size_t nd = 0;
-  if (cudaStreamGetCaptureInfo(s, &status, nullptr, &g, &deps, &data, &nd) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return KT_ERR_UNAVAILABLE;
-  }
-  if (status != cudaStreamCaptureStatusActive || !g || !plain_edges(data, nd)) return KT_ERR_UNAVAILABLE;
-  if (!c->graph) c->graph = g;
-  else if (c->graph != g) return KT_ERR_UNAVAILABLE;   // a stream of another capture
-  *n = nd;
-  for (size_t i = 0; i < nd && i < cap; i++) nodes[i] = reinterpret_cast<uint64_t>(deps[i]);
-  return KT_OK;
-}
-
-kt_status capture_edges(void* ctx, uint64_t* from, uint64_t* to, size_t cap, size_t* n) {
-  auto* c = static_cast<CaptureOrder*>(ctx);
-  if (!c->graph) return KT_ERR_UNAVAILABLE;
-  size_t m = 0;
-  if (cudaGraphGetEdges(c->graph, nullptr, nullptr, nullptr, &m) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return KT_ERR_UNAVAILABLE;
-  }
-  if (!from || !to || m > cap) {   // the count only (programmatic edges not yet left out)
-    *n = m;
-    return KT_OK;
-  }
-  std::vector<cudaGraphNode_t> f(m), t(m);
-  std::vector<cudaGraphEdgeData> e(m);
-  if (m && cudaGraphGetEdges(c->graph, f.data(), t.data(), e.data(), &m) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return KT_ERR_UNAVAILABLE;
-  }
-  size_t k = 0;
-  c->programmatic = c->programmatic_ordered = 0;
-  for (size_t i = 0; i < m && i < cap; i++) {
-    if (e[i].type != cudaGraphDependencyTypeDefault) {
-      c->programmatic++;
-      if (e[i].type != cudaGraphDependencyTypeProgrammatic) continue;
-      auto w = c->waits.find(t[i]);
-      if (w == c->waits.end()) w = c->waits.emplace(t[i], kt_graph_node_waits_first(t[i]) != 0).first;
-      if (!w->second) continue;
-      c->programmatic_ordered++;
-    }
-    from[k] = reinterpret_cast<uint64_t>(f[i]);
-    to[k++] = reinterpret_cast<uint64_t>(t[i]);
-  }
-  *n = k;
-  return KT_OK;
-}
-
-// A plan within a budget (kt_capplan_create_within) orders a block's work after an
-// earlier block's by adding that block's last nodes to the stream's dependencies.
-kt_status capture_wait(void* ctx, kt_stream_t stream, const uint64_t* nodes, size_t n) {
-  auto* c = static_cast<CaptureOrder*>(ctx);
-  auto s = static_cast<cudaStream_t>(stream);
-  if (!c->graph || reinterpret_cast<uintptr_t>(s) <= 2 || !n) return KT_ERR_UNAVAILABLE;
-  std::vector<cudaGraphNode_t> deps(n);
-  for (size_t i = 0; i < n; i++) deps[i] = reinterpret_cast<cudaGraphNode_t>(nodes[i]);
-  if (cudaStreamUpdateCaptureDependencies(s, deps.data(), nullptr, n, cudaStreamAddCaptureDependencies) !=
-      cudaSuccess) {
-    (void)cudaGetLastError();
-    return KT_ERR_UNAVAILABLE;
-  }
-  return KT_OK;
-}
 
 // KITSUNE_CAPPLAN_LOG=DIR (read once): each plan compile_step takes also goes to DIR,
 // as kt_capplan_log writes it (a CSV a plan, and the pairs it let share bytes), for
@@ -112,17 +28,15 @@ void log_plan(const kt_caprec* rec, const kt_capplan* plan) {
 
 }  // namespace
 
-const kt_capture_order* capture_order_begin(std::unique_ptr<CaptureOrder>* o) {
+const kt_capture_order* capture_order_begin(CaptureOrder* o) {
   static const bool ordered = option_int(Opt::kCaptureOrder, 1) != 0;
   if (!ordered) return nullptr;
   if (!*o) {
-    *o = std::make_unique<CaptureOrder>();
-    (*o)->ops = kt_capture_order{o->get(), capture_frontier, capture_edges, capture_wait};
+    kt_capture_graph* g = nullptr;
+    if (kt_capture_graph_create(&g) != KT_OK) return nullptr;   // no order: streams kept apart
+    o->reset(g);
   }
-  (*o)->graph = nullptr;   // this capture's is taken from its first frontier
-  (*o)->programmatic = (*o)->programmatic_ordered = 0;
-  (*o)->waits.clear();     // another graph's nodes
-  return &(*o)->ops;
+  return kt_capture_graph_begin(o->get());
 }
 
 }  // namespace bridge

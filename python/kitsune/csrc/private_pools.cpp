@@ -202,8 +202,9 @@ kt_status KitsuneAllocator::take_recording(c10::DeviceIndex dev, c10::cuda::Memp
   std::lock_guard<std::mutex> g(mu_);
   Private* p = find_private(dev, id);
   if (!p || !p->rec || p->filter) return KT_ERR_INVALID;
-  auto* t = new (std::nothrow) TakenRecording{p->rec, p->order ? p->order->programmatic : 0,
-                                              p->order ? p->order->programmatic_ordered : 0};
+  int64_t programmatic = 0, ordered = 0;
+  kt_capture_graph_programmatic(p->order.get(), &programmatic, &ordered);
+  auto* t = new (std::nothrow) TakenRecording{p->rec, programmatic, ordered};
   if (!t) return KT_ERR_HOST_OOM;
   p->rec = nullptr;
   *out = t;

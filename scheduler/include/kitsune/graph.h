@@ -11,6 +11,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kitsune/capplan.h"
 #include "kitsune/status.h"
 
 #ifdef __cplusplus
@@ -46,6 +47,22 @@ kt_status kt_graph_capture_nodes(void *stream, uint64_t *nodes, size_t cap, size
  * refused a call. */
 kt_status kt_graph_time_nodes(void *graph, const uint64_t *skip, size_t nskip, void *stamps, int replays,
                               void *stream, uint64_t *nodes, int64_t *finish_ns, size_t cap, size_t *n);
+
+/* The order of a capture's work, for capture plans (kitsune/capplan.h): a
+ * kt_capture_order whose callbacks ask the CUDA graph being captured (a stream's
+ * frontier by cudaStreamGetCaptureInfo, the graph's edges, waits by
+ * cudaStreamUpdateCaptureDependencies). Plain edges order work; a programmatic edge only
+ * into one of Kitsune's dependent launches (kt_graph_node_waits_first). One object
+ * serves one capture at a time: kt_capture_graph_begin resets it for the next capture
+ * (its graph is taken from the first frontier asked) and returns the order to hand to
+ * kt_caprec_set_order / kt_placer_set_order; it stays valid until the object is
+ * destroyed. kt_capture_graph_programmatic: at the last edges taken, the graph's
+ * programmatic edges and, of them, those counted as order. Not thread-safe. */
+typedef struct kt_capture_graph kt_capture_graph;
+kt_status kt_capture_graph_create(kt_capture_graph **out);
+void kt_capture_graph_destroy(kt_capture_graph *g);
+const kt_capture_order *kt_capture_graph_begin(kt_capture_graph *g);
+void kt_capture_graph_programmatic(const kt_capture_graph *g, int64_t *edges, int64_t *ordered);
 
 #ifdef __cplusplus
 }

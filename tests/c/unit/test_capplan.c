@@ -2,6 +2,8 @@
  * on the fake backend. The placement checks are what make any plan safe, so most
  * tests here replay a sequence that differs from the recorded one and check that
  * nothing could share bytes with a block still in use. */
+#include <stdio.h>
+
 #include "common.h"
 #include "kitsune/capplan.h"
 
@@ -1274,6 +1276,56 @@ Test(capplan, a_block_freed_after_the_capture_is_never_reused_even_with_an_order
   for (int32_t j = 0; j < 3; j++) cr_assert_eq(kt_capplan_get_block(p, j, &off[j], &size), KT_OK);
   cr_assert_eq(off[2], off[1]);
   cr_assert_neq(off[2], off[0]);
+  kt_capplan_destroy(p);
+  kt_caprec_destroy(r);
+}
+
+/* kt_capplan_log: the CSV tools/capplan_log.py reads (a header line, the column names,
+ * a row a recorded block with its planned offset) and the share file beside it. */
+Test(capplan, a_plan_is_logged_as_the_tools_read_it) {
+  char dir[] = "/tmp/kt_capplan_log_XXXXXX";
+  cr_assert_not_null(mkdtemp(dir));
+  kt_caprec *r = chain();
+  kt_capplan *p = plan_of(r);
+  cr_assert_eq(kt_capplan_log(NULL, r, p), KT_ERR_INVALID);
+  cr_assert_eq(kt_capplan_log("", r, p), KT_ERR_INVALID);
+  cr_assert_eq(kt_capplan_log(dir, NULL, p), KT_ERR_INVALID);
+  cr_assert_eq(kt_capplan_log("/nonexistent/kt_dir", r, p), KT_ERR_IO);
+  cr_assert_eq(kt_capplan_log(dir, r, p), KT_OK);
+  char cmd[256], line[512];
+  snprintf(cmd, sizeof cmd, "cat %s/capplan_*.csv", dir);
+  FILE *f = popen(cmd, "r");
+  cr_assert_not_null(f);
+  cr_assert_not_null(fgets(line, sizeof line, f));
+  kt_capplan_info pi = info_of(p);
+  char head[64];
+  snprintf(head, sizeof head, "# plan_bytes %zu peak_bytes ", pi.plan_bytes);
+  cr_assert_eq(strncmp(line, head, strlen(head)), 0, "header: %s", line);
+  cr_assert_not_null(fgets(line, sizeof line, f));
+  cr_assert_str_eq(line, "block,size,stream,start,end,after,uses,unordered,offset\n");
+  const unsigned long long sizes[] = {4 * MiB, 2 * MiB, 4 * MiB};
+  int rows = 0;
+  while (fgets(line, sizeof line, f)) {
+    int block, stream;
+    unsigned long long size;
+    long long offset;
+    cr_assert_eq(sscanf(line, "%d,%llu,%d,%*d,%*d,%*d,%*d,%*d,%lld", &block, &size, &stream, &offset), 4, "%s", line);
+    cr_assert_eq(block, rows);
+    cr_assert_eq(stream, 0, "one stream, the first seen");
+    cr_assert_geq(offset, 0, "every block of the chain is planned: %s", line);
+    cr_assert_leq((unsigned long long)offset + size, pi.plan_bytes, "block %d lies outside the plan", block);
+    if (rows < 3) cr_assert_eq(size, sizes[rows], "%s", line);
+    rows++;
+  }
+  cr_assert_eq(rows, 4);
+  pclose(f);
+  snprintf(cmd, sizeof cmd, "cat %s/capplan_*_share.txt | wc -l", dir);
+  f = popen(cmd, "r");
+  cr_assert_not_null(fgets(line, sizeof line, f));
+  cr_assert_eq(atoi(line), 4, "a share line a planned block");
+  pclose(f);
+  snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+  cr_assert_eq(system(cmd), 0);
   kt_capplan_destroy(p);
   kt_caprec_destroy(r);
 }

@@ -87,7 +87,7 @@ def _fake_view(module, mode, memo):
     The code and the graph are shared, nothing is recompiled: ShapeProp's deep copy to
     fake tensors (a GraphModule's __deepcopy__ recompiles it) was 0.19 of the 0.43 s
     that _plan took on ResNet-18 under cProfile on the CPU machine; unprofiled first
-    calls showed no clear gain there (docs/issue5.md)."""
+    calls showed no clear gain there."""
     if id(module) in memo:
         return memo[id(module)]
     view = object.__new__(type(module))

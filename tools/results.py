@@ -662,15 +662,24 @@ def readme_block(results):
            f"torch {doc.get('torch', '?')}, {when(doc)}; "
            + ("each recipe in a fresh process; " if doc.get("process") else "all recipes in one process; ") +
            f"setup in seconds (compilation, capture, warm-up) in brackets. Command: `{models_command(doc)}`.", ""]
+    has_eager = any(ms(m, EAGER) is not None for m in models)
     body = []
     for m in models:
         e, c, k = ms(m, EAGER), ms(m, STOCK), ms(m, KITSUNE)
-        body.append([MODEL_NAMES.get(m, m), num(e), f"{num(c)} ({num(ms(m, STOCK, 'setup_s'), 2)} s)",
-                     f"{num(k)} ({num(ms(m, KITSUNE, 'setup_s'), 2)} s)", ratio(k, c), ratio(k, e)])
-    out += table(["model", "eager", "torch.compile + CUDA graph", "Kitsune", "Kitsune / torch.compile",
-                  "Kitsune / eager"], body)
-    out += ["", "eager: the model as written with `torch.optim.AdamW`; torch.compile + CUDA graph: "
-            "`torch.compile(model)` and a capturable fused AdamW with the whole step captured by hand in one "
+        base, _, batch = str(m).partition(":")
+        name = MODEL_NAMES.get(base, base)
+        if batch:   # a model run at another batch size ("inception:8")
+            name = name.rsplit(", batch ", 1)[0] + f", batch {batch}"
+        row = [name] + ([num(e)] if has_eager else [])
+        row += [f"{num(c)} ({num(ms(m, STOCK, 'setup_s'), 2)} s)", f"{num(k)} ({num(ms(m, KITSUNE, 'setup_s'), 2)} s)",
+                ratio(k, c)] + ([ratio(k, e)] if has_eager else [])
+        body.append(row)
+    out += table(["model"] + (["eager"] if has_eager else []) + ["torch.compile + CUDA graph", "Kitsune",
+                  "Kitsune / torch.compile"] + (["Kitsune / eager"] if has_eager else []), body)
+    if not has_eager:
+        out += ["", "This run timed no eager recipe."]
+    out += ["", ("eager: the model as written with `torch.optim.AdamW`; " if has_eager else "") +
+            "torch.compile + CUDA graph: `torch.compile(model)` and a capturable fused AdamW with the whole step captured by hand in one "
             "`torch.cuda.graph`; Kitsune: `kitsune.optimize`, `KitsuneOptimizer(AdamW)` and "
             "`kitsune.compile_step`. More in [bench/results/LATEST.md](bench/results/LATEST.md).", "", README_END]
     return "\n".join(out)

@@ -4,11 +4,12 @@ fused multi-tensor kernel.
     opt = kitsune.KitsuneOptimizer(torch.optim.AdamW, model.parameters(), lr=1e-3)
     opt = kitsune.KitsuneOptimizer(existing_optimizer)      # wraps an instance
 
-It keeps the torch.optim optimizer it was given or built, so ``param_groups``,
-``state``, ``state_dict`` / ``load_state_dict``, ``zero_grad`` and LR schedulers work
-as with torch.optim, and a checkpoint moves freely between the two. ``step`` runs
+It is a torch.optim.Optimizer and keeps the torch.optim optimizer it was given or
+built, so ``param_groups``, ``state``, ``state_dict`` / ``load_state_dict``,
+``zero_grad``, step hooks, LR schedulers and ``torch.optim.swa_utils`` work as with
+torch.optim, and a checkpoint moves freely between the two. ``step`` runs
 ``torch.ops.kitsune.adam_step_`` (which counts the steps and calls ``adam_``) / ``sgd_``
-(one kernel launch per device, dtype and step count, or per 64 tensors, on CUDA; the
+(one kernel launch per device, dtype and step count, or per 128 tensors, on CUDA; the
 same per-element code on the CPU) for torch.optim.Adam, AdamW and
 SGD, and the wrapped optimizer's own step for anything else (another optimizer,
 amsgrad, maximize, capturable, differentiable, a tensor lr, sparse or non-dense
@@ -18,6 +19,7 @@ states share their strides. ``get_stats()`` says which path ran and why, with me
 times.
 """
 import time
+from collections import OrderedDict
 
 import torch
 
@@ -25,6 +27,9 @@ from . import ops as _ops  # noqa: F401 - loads the bridge (torch.ops.kitsune.ad
 
 _lib = torch.ops.kitsune
 _AMP_UNSCALED = torch.amp.grad_scaler.OptState.UNSCALED   # GradScaler: unscale_ done since update()
+_OPTIMIZER_HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+                    "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+                    "_optimizer_load_state_dict_post_hooks")
 
 
 def _no_state_yet(sgd, group, state):
@@ -206,7 +211,7 @@ class _AmpView:
         self._owner._update()
 
 
-class KitsuneOptimizer:
+class KitsuneOptimizer(torch.optim.Optimizer):
     """See the module docstring. ``enable_fusion=False`` always runs the wrapped
     optimizer's step; ``profile=True`` times each step with CUDA events (a sync a
     step) instead of host time. ``num_streams`` is accepted for the seed API; the
@@ -227,6 +232,8 @@ class KitsuneOptimizer:
 
     def __init__(self, optimizer, params=None, *, enable_amp=False, enable_fusion=True, num_streams=4,
                  profile=False, amp_options=None, **options):
+        if isinstance(optimizer, KitsuneOptimizer):
+            raise TypeError("KitsuneOptimizer: the optimizer is already a KitsuneOptimizer; use it as it is")
         if isinstance(optimizer, torch.optim.Optimizer):
             if params is not None or options:
                 raise TypeError("KitsuneOptimizer: pass either an optimizer instance, or an optimizer class with "
@@ -256,6 +263,11 @@ class KitsuneOptimizer:
         # captured loss-scaled steps (capture_amp_step): the device's count of skipped
         # replays, how many of them the host has seen, and the plans replayed since (_settle)
         self._amp_skips, self._amp_skips_seen, self._unsettled = None, 0, {}
+        # torch.optim.Optimizer's hook registries, as its __init__ makes them. That __init__
+        # is not called: it would copy the parameter groups, and these must stay the wrapped
+        # optimizer's own (param_groups, state and defaults are properties).
+        for hooks in _OPTIMIZER_HOOKS:
+            setattr(self, hooks, OrderedDict())
 
     # ---- torch.optim's interface, from the wrapped optimizer ----
     @property
@@ -288,6 +300,17 @@ class KitsuneOptimizer:
     def __repr__(self):
         return f"KitsuneOptimizer({self.optimizer!r})"
 
+    # torch.optim.Optimizer pickles only defaults, state and param_groups: a KitsuneOptimizer
+    # keeps its whole self (the wrapped optimizer holds those three) but, as torch.optim,
+    # not its hooks or an LR scheduler's wrapper of its step
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k not in _OPTIMIZER_HOOKS and k != "step"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        for hooks in _OPTIMIZER_HOOKS:
+            setattr(self, hooks, OrderedDict())
+
     # ---- loss scaling (enable_amp=True) ----
     def _need_amp(self, what):
         if not self.enable_amp:
@@ -306,6 +329,7 @@ class KitsuneOptimizer:
         self._need_amp("unscale_").unscale_(self._amp_view)
 
     # ---- the step ----
+    @torch.optim.Optimizer.profile_hook_step   # step pre/post hooks, as torch.optim runs them
     def step(self, closure=None):
         loss = None
         if closure is not None:

@@ -92,6 +92,53 @@ def test_interface_and_state_dict_interchange():
     assert k.param_groups[0]["lr"] == 5e-3 and k.get_stats()["path"] == "fused"
 
 
+def test_is_a_torch_optimizer_for_schedulers_hooks_and_copies():
+    """KitsuneOptimizer is a torch.optim.Optimizer: LR schedulers (StepLR, LambdaLR as HF's
+    get_scheduler makes, SWALR) take it, step hooks run, and copies keep it whole."""
+    import pickle
+    import warnings
+    g = torch.Generator().manual_seed(2)
+    a = _params(torch.float32, "cpu", g)
+    k = KitsuneOptimizer(torch.optim.AdamW, a, lr=1e-2)
+    assert isinstance(k, torch.optim.Optimizer)
+    with pytest.raises(TypeError, match="already a KitsuneOptimizer"):
+        KitsuneOptimizer(k)
+    seen = []
+    pre = k.register_step_pre_hook(lambda opt, args, kwargs: seen.append(("pre", opt is k)))
+    k.register_step_post_hook(lambda opt, args, kwargs: seen.append(("post", opt is k)))
+    step_lr = torch.optim.lr_scheduler.StepLR(k, step_size=1, gamma=0.5)
+    b = [p.detach().clone() for p in a]
+    t = torch.optim.AdamW(b, lr=1e-2)
+    t_lr = torch.optim.lr_scheduler.StepLR(t, step_size=1, gamma=0.5)
+    for _ in range(3):
+        for x, y in zip(a, b):
+            gr = torch.randn(x.shape, generator=g)
+            x.grad, y.grad = gr.clone(), gr.clone()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")   # no "lr_scheduler.step() before optimizer.step()"
+            k.step()
+            step_lr.step()
+        t.step()
+        t_lr.step()
+    assert k.param_groups[0]["lr"] == t.param_groups[0]["lr"] == 1e-2 * 0.5 ** 3
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y)
+    assert seen == [("pre", True), ("post", True)] * 3 and k.get_stats()["path"] == "fused"
+    pre.remove()
+    lam = torch.optim.lr_scheduler.LambdaLR(k, lambda s: 1.0 / (s + 1))   # as HF's get_scheduler makes one
+    k.step()
+    lam.step()
+    assert k.param_groups[0]["lr"] == pytest.approx(1e-2 / 2)   # from the groups' initial_lr
+    swa = torch.optim.swa_utils.SWALR(k, swa_lr=1e-3, anneal_epochs=2)
+    swa.step()
+    assert k.param_groups[0]["lr"] != pytest.approx(1e-2 / 2)
+    for clone in (copy.deepcopy(k), pickle.loads(pickle.dumps(k))):
+        assert isinstance(clone, KitsuneOptimizer) and clone.enable_fusion and clone.param_groups[0]["lr"] == \
+            k.param_groups[0]["lr"]
+        clone.step()   # the clone's own parameters (copies), fused as the original's
+        assert clone.get_stats()["path"] == "fused"
+
+
 def test_unsupported_options_fall_back_with_the_reason():
     a, b, ka, _ = _run(torch.optim.Adam, dict(lr=1e-2, amsgrad=True), torch.float32, "cpu", steps=3)
     assert ka.get_stats()["path"] == "torch.optim (amsgrad=True is not fused)" and ka.get_stats()["fused_steps"] == 0

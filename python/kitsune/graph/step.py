@@ -39,7 +39,7 @@ class CompiledStep(_Capture, _MemoryPlanning, _ConvGradTrials, _ChannelsLast):
             raise TypeError(f"compile_step: model must be a torch.nn.Module, got {type(model).__name__}")
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"compile_step: loss_fn must be callable or None, got {loss_fn!r}")
-        if isinstance(optimizer, torch.optim.Optimizer):
+        if isinstance(optimizer, torch.optim.Optimizer) and not isinstance(optimizer, KitsuneOptimizer):
             optimizer = KitsuneOptimizer(optimizer)
         if not isinstance(optimizer, KitsuneOptimizer):
             raise TypeError(f"compile_step: optimizer must be a torch.optim.Optimizer or KitsuneOptimizer, got "

@@ -2,6 +2,7 @@
 rewritten, outputs stay equal, and what is left comes with a reason. (The rewritten
 graph runs the ops' CPU reference kernels here; the GPU kernels are checked
 against the same references in test_ops.py.)"""
+import copy
 import sys
 
 import pytest
@@ -118,6 +119,264 @@ def test_untraceable_modules_fall_back_to_their_children():
     x = torch.randn(2, 8)
     torch.testing.assert_close(opt(x), m(x))
     torch.testing.assert_close(opt(-x), m(-x))
+
+
+class _Mlp(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.fc, self.proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d, bias=False)
+        self.width = 4 * d   # a plain attribute
+
+    def forward(self, x):
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class _Gpt2Like(nn.Module):
+    """As Hugging Face's GPT-2 block: untraceable (it reads its children's attributes and
+    branches on the data), with children the rest of the model reads: a Dropout's p, a
+    LayerNorm's eps, a rewritable MLP's plain attribute and methods."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.ln = nn.LayerNorm(d, eps=1e-6)
+        self.attn_dropout = nn.Dropout(0.0)
+        self.mlp = _Mlp(d)
+        self.head = nn.Linear(d, d, bias=False)
+        self.register_buffer("scale", torch.ones(d))
+
+    def forward(self, x):
+        assert self.ln.eps == 1e-6 and self.mlp.width == 4 * x.shape[-1]
+        p = self.attn_dropout.p if self.training else 0.0
+        h = F.dropout(self.ln(x), p, self.training) * self.scale
+        if h.sum() > 1e9:   # data-dependent: torch.fx cannot trace it
+            h = -h
+        return self.head(h + self.mlp(h))
+
+
+def test_a_rewritten_child_keeps_the_models_attributes_order_and_class():
+    """Only the child that fuses is rewritten (the MLP; the Dropout and LayerNorm the parent
+    reads are untouched), and it stays the same object with its class (a subclass),
+    attributes and parameters; named_parameters, named_buffers and state_dict keep the
+    original's names and order; deepcopy and torch.save/load keep it all, rewritten."""
+    import io
+    torch.manual_seed(3)
+    m = _Gpt2Like()
+    rep = kitsune.fx.Report()
+    opt = kitsune.optimize(m, report=rep)
+    assert rep.rewritten == ["mlp"] and _kinds(rep) == ["bias_gelu"], rep
+    assert type(opt) is _Gpt2Like and type(opt.ln) is nn.LayerNorm and type(opt.attn_dropout) is nn.Dropout
+    assert isinstance(opt.mlp, _Mlp) and isinstance(opt.mlp, torch.fx.GraphModule) and "bias_gelu" in opt.mlp.code
+    assert {k: v for k, v in vars(opt.mlp).items() if k in vars(m.mlp)}.keys() == vars(m.mlp).keys()
+    assert opt.mlp.width == 32 and list(opt.mlp._modules) == ["fc", "proj"]
+    for a, b in ((opt, m), (copy.deepcopy(opt), m)):
+        assert [n for n, _ in a.named_parameters()] == [n for n, _ in b.named_parameters()]
+        assert [n for n, _ in a.named_buffers()] == [n for n, _ in b.named_buffers()]
+        assert list(a.state_dict()) == list(b.state_dict())
+    x = torch.randn(3, 8)
+    for train in (True, False):
+        m.train(train), opt.train(train)
+        _same_outputs_and_grads(opt, m, x)
+    buf = io.BytesIO()
+    torch.save(opt, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=False)
+    assert isinstance(back.mlp, torch.fx.GraphModule) and "bias_gelu" in back.mlp.code
+    torch.testing.assert_close(back(x), m(x))
+    for c in (copy.deepcopy(opt.mlp), copy.copy(opt.mlp)):
+        assert type(c) is not type(opt.mlp) and c.width == 32   # a class of its own, as GraphModule's
+        torch.testing.assert_close(c(x), m.mlp(x))
+
+
+class _Optional(nn.Module):
+    """Optional arguments: `bias` decides a branch on `is None` (a trace with it given
+    would freeze that branch), `scale` is only read."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.default = nn.Parameter(torch.randn(d))
+
+    def forward(self, x, bias=None):
+        if bias is None:
+            bias = self.default
+        return F.gelu(self.fc(x) + bias)
+
+
+class _ReadsOptional(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x, scale=None):
+        return F.relu(self.fc(x) + 1.0) * scale
+
+
+class _TakesOptional(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.opt, self.reads = _Optional(), _ReadsOptional()
+
+    def forward(self, x):
+        if x.sum() > 1e9:   # untraceable: its children are tried
+            return x
+        return self.opt(x) + self.opt(x, -x) + self.reads(x, 2.0)
+
+
+def test_an_optional_argument_is_never_frozen():
+    """A module whose graph differs when an optional argument is None is not rewritten (its
+    children are: the Linear alone), and explain says why; one that only reads the
+    argument is rewritten. Calls with and without the argument equal eager."""
+    torch.manual_seed(4)
+    m = _TakesOptional()
+    rep = kitsune.fx.Report()
+    opt = kitsune.optimize(m, report=rep)
+    assert ("opt", "the graph differs when bias is None") in rep.untraced, rep
+    assert rep.rewritten == ["opt.fc", "reads"], rep
+    assert str(kitsune.explain(m)) == str(rep)
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(opt(x), m(x))
+    torch.testing.assert_close(opt.opt(x), m.opt(x))
+    torch.testing.assert_close(opt.opt(x, x), m.opt(x, x))
+
+
+def _twice_when(x, training):
+    return x * 2 if training else x
+
+
+torch.fx.wrap("_twice_when")
+
+
+class _Modes(nn.Module):
+    """Mode-dependent: a Python branch on self.training (frozen by a trace: not rewritten),
+    and a wrapped function given self.training (a run-time read of the mode)."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.branchy, self.fc = _Branchy(d), nn.Linear(d, d)
+
+    def forward(self, x):
+        return _twice_when(F.relu(self.fc(x)), self.training) + self.branchy(x)
+
+
+class _Branchy(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        h = F.relu(self.fc(x))
+        return h * 3 if self.training else h
+
+
+def test_a_mode_branch_is_never_frozen():
+    torch.manual_seed(5)
+    m = _Modes()
+    rep = kitsune.fx.Report()
+    opt = kitsune.optimize(m, report=rep)   # in train mode
+    why = "its forward branches on self.training (the graphs of train and eval mode differ)"
+    assert rep.untraced == [("_Modes", why), ("branchy", why)], rep
+    assert rep.rewritten == ["branchy.fc", "fc"], rep   # each Linear taken alone
+    x = torch.randn(3, 8)
+    for train in (True, False, True):
+        m.train(train), opt.train(train)
+        torch.testing.assert_close(opt(x), m(x))
+    flat = nn.Sequential()
+    flat.fc, flat.relu = m.fc, nn.ReLU()
+    gm = kitsune.optimize(_OnlyWrapped(flat))
+    assert "getattr(self, 'training')" in gm.code or "self.training" in gm.code, gm.code
+    for train in (True, False):
+        gm.train(train)
+        torch.testing.assert_close(gm(x), _twice_when(F.relu(m.fc(x)), train))
+
+
+class _OnlyWrapped(nn.Module):
+    def __init__(self, body):
+        super().__init__()
+        self.body = body
+
+    def forward(self, x):
+        return _twice_when(self.body(x), self.training)
+
+
+def test_mha_out_proj_is_not_listed():
+    """nn.MultiheadAttention reads out_proj's weight and bias and never calls it: explain
+    and optimize leave it (it would never run), with why; nn.TransformerEncoderLayer
+    (batch_first) keeps its fast path's attributes in eval mode."""
+    torch.manual_seed(6)
+    m = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+    rep = kitsune.explain(m)
+    assert not any("out_proj" in w for w, _ in rep.fused), rep
+    assert ("self_attn.out_proj", "not rewritten: MultiheadAttention never calls it (its code only builds, aliases "
+                                  "or reads it)") in rep.left, rep
+    assert rep.rewritten == ["linear1", "linear2"], rep
+    opt = kitsune.optimize(m)
+    x = torch.randn(2, 5, 16)
+    for train in (True, False):
+        m.train(train), opt.train(train)
+        torch.testing.assert_close(opt(x), m(x))
+        with torch.no_grad():
+            torch.testing.assert_close(opt(x), m(x))
+
+
+class _Counts(nn.Module):
+    """Changes a buffer in place in its forward, outside any torch.fx proxy."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return F.relu(self.fc(x))
+
+
+class _BatchNormRelu(nn.BatchNorm1d):   # as timm's BatchNormAct: a BatchNorm subclass from elsewhere
+    def forward(self, x):
+        return F.relu(super().forward(x))
+
+
+def _hit(mod, args, out):
+    mod.hits += 1
+
+
+class _Hooked(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.counts, self.hooked, self.norm = _Counts(d), nn.Sequential(nn.Linear(d, d), nn.ReLU()), _BatchNormRelu(d)
+        self.hooked[0].hits = 0
+        self.hooked[0].register_forward_hook(_hit)
+
+    def forward(self, x):
+        return self.norm(self.counts(x) + self.hooked(x))
+
+
+def test_state_changes_hooks_and_batch_norm_subclasses_are_kept():
+    """A forward that changes a buffer in place (torch.fx would run it once, at trace time)
+    is not rewritten, and tracing leaves the buffer as it was; a hook on a submodule the
+    rewrite would inline keeps it from being rewritten (the hooked Linear alone is: its
+    own hook runs); a BatchNorm subclass stays a module call, its statistics its own."""
+    torch.manual_seed(7)
+    m = _Hooked()
+    rep = kitsune.explain(m)
+    assert int(m.counts.calls) == 0 and m.norm.num_batches_tracked == 0
+    opt = kitsune.optimize(m)
+    why = dict(rep.untraced)
+    assert "changes counts.calls in place" in why["_Hooked"] and "changes calls in place" in why["counts"], rep
+    assert why["hooked"] == "its submodule 0 has hooks, which a rewritten forward would skip", rep
+    assert rep.rewritten == ["counts.fc", "hooked.0"], rep
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(opt(x), m(x))
+    assert int(opt.counts.calls) == int(m.counts.calls) == 1 and opt.hooked[0].hits == m.hooked[0].hits == 1
+    assert opt.norm.num_batches_tracked == m.norm.num_batches_tracked == 1
+    torch.testing.assert_close(opt.norm.running_mean, m.norm.running_mean)
+    free = nn.Sequential(nn.Linear(8, 8), _BatchNormRelu(8))
+    rep = kitsune.fx.Report()
+    gm = kitsune.optimize(free, report=rep)
+    assert rep.rewritten == [""] and "norm" not in str(rep), rep   # the subclass: a call, not inlined
+    for train in (True, False):
+        free.train(train), gm.train(train)
+        torch.testing.assert_close(gm(x), free(x))
 
 
 class BasicBlock(nn.Module):   # torchvision's ResNet BasicBlock, as written there
@@ -322,7 +581,8 @@ def test_under_autocast_fp32_parameters_meet_bf16_activations(make):
         got, want = opt(*args), m(*args)
         got, want = (got[0] if isinstance(got, tuple) else got), (want[0] if isinstance(want, tuple) else want)
         torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=3e-2)
-        names = [n for n, _ in m.named_parameters()]   # a GraphModule keeps the names, not the order
+        names = [n for n, _ in m.named_parameters()]
+        assert [n for n, _ in opt.named_parameters()] == names   # names and order kept
         po, pm = dict(opt.named_parameters()), dict(m.named_parameters())
         ga = torch.autograd.grad(got.float().sum(), [po[n] for n in names], allow_unused=True)
         gb = torch.autograd.grad(want.float().sum(), [pm[n] for n in names], allow_unused=True)

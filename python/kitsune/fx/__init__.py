@@ -1,12 +1,17 @@
 """kitsune.optimize / kitsune.explain: rewrite a model's FX graph to Kitsune's fused ops.
 
 The eager path, and ``torch.compile(model, backend="kitsune")`` (importing
-kitsune.fx registers the backend; see :func:`kitsune_backend`). ``optimize(model)`` traces the model with torch.fx (a submodule
-that cannot be traced is left as it is and its children are tried one by one),
-rewrites every pattern below whatever its spelling, and returns a module with the
-same outputs (within the ops' tolerance). ``explain(model)`` runs the same
-matching without changing anything and reports what would be fused and what was
-left, with the reason.
+kitsune.fx registers the backend; see :func:`kitsune_backend`). ``optimize(model)`` traces the
+model with torch.fx, rewrites every pattern below whatever its spelling, and makes each
+module it rewrote run the rewritten graph with the same outputs (within the ops'
+tolerance). It never breaks a model: a module that does not trace, or whose traced graph
+would freeze what its forward decides at run time (a branch on self.training, on an
+optional argument being None, an in-place change of a buffer, a hooked submodule), is
+left as it is and its children are tried one by one; a module where nothing fused is not
+touched; a rewritten one stays the same object with its attributes, methods, parameters
+and buffers in their order (its class swapped for a subclass of its own and of
+GraphModule). ``explain(model)`` runs the same matching without changing anything and
+reports what would be fused and what was left, with the reason.
 
 Patterns (each intermediate must have no other user, so nothing observable is lost):
   relu(a + b)              -> kitsune.add_relu(a, b)
@@ -87,9 +92,11 @@ Spellings: modules (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.LayerNorm, in-place t
 x.relu_(), ...), and + / torch.add / x.add(...) / += (an in-place add only when
 nothing else reads the operand it overwrites).
 
-Layout: engine.py traces (module by module where tracing fails), tries each node against
-the rewrites of patterns/<family>.py in the order of its tables and returns the Report;
-match.py holds the matchers every pattern shares; backend.py the torch.compile backend.
+Layout: engine.py walks the model (module by module where a module is not rewritten as a
+whole), tries each node against the rewrites of patterns/<family>.py in the order of its
+tables and returns the Report; trace.py traces and decides whether a graph may stand for
+its module; adopt.py makes a rewritten module run its graph; match.py holds the matchers
+every pattern shares; backend.py the torch.compile backend.
 """
 from .backend import _register_backend, kitsune_backend
 from .engine import Report, explain, optimize

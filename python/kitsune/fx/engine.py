@@ -1,13 +1,13 @@
-"""The rewrite engine: trace a module (a submodule that cannot be traced is left as it is
-and its children are tried), rewrite its graph node by node through the pattern modules'
-rewrites in the order of the tables below, then the passes over the whole graph; Report
-says what was fused and left. optimize and explain are its two entry points."""
+"""The rewrite engine: trace a module (one that cannot be traced, or whose traced graph may
+not stand for its forward, is left as it is and its children are tried: trace.py), rewrite
+its graph node by node through the pattern modules' rewrites in the order of the tables
+below, then the passes over the whole graph, and where something fused make the module
+run that graph (adopt.py); Report says what was fused and left. optimize and explain are
+its two entry points."""
 import copy
 from dataclasses import dataclass, field
 
-import torch.fx as tfx
-import torch.nn.functional as F
-
+from .adopt import Rewritten, adopt, clash
 from .match import _act
 from .patterns.batch_norm import _rewrite_batch_counts, _rewrite_relu_batch_norm
 from .patterns.conv import _rewrite_bias_cat, _rewrite_conv
@@ -18,21 +18,28 @@ from .patterns.loss import _rewrite_loss
 from .patterns.norms import _rewrite_add_layer_norm, _rewrite_relu_layer_norm, _rewrite_rms_norm
 from .patterns.pointwise import _rewrite_pointwise_act, _rewrite_swiglu
 from .patterns.pool import _rewrite_global_avg_pool, _rewrite_max_pool
+from .trace import frozen_optional, hooked_inside, not_called_by, other_mode, trace
 
 
 @dataclass
 class Report:
     """What optimize did (or explain would do): ``fused`` and ``left`` are lists of
-    (where, what) pairs; ``untraced`` names submodules torch.fx could not trace."""
+    (where, what) pairs; ``untraced`` names the modules not rewritten as a whole, with why
+    (torch.fx could not trace them, or their graph may not stand for their forward: see
+    trace.py), whose children were tried instead; ``rewritten`` the paths of the modules
+    optimize makes run a rewritten graph ("" the model itself). A fusion's ``where`` is
+    the path of its module, then the node's name; it runs each time that module is
+    called."""
     fused: list = field(default_factory=list)
     left: list = field(default_factory=list)
     untraced: list = field(default_factory=list)
+    rewritten: list = field(default_factory=list)
 
     def __str__(self):
         lines = [f"kitsune: {len(self.fused)} fused, {len(self.left)} left"]
         lines += [f"  fused  {w}: {what}" for w, what in self.fused]
         lines += [f"  left   {w}: {why}" for w, why in self.left]
-        lines += [f"  not traced {w}: {why}" for w, why in self.untraced]
+        lines += [f"  not rewritten whole {w}: {why}" for w, why in self.untraced]
         return "\n".join(lines)
 
 
@@ -94,82 +101,67 @@ def _rewrite(gm, report, prefix, linear_bias=True, optimize_only=True):
     gm.recompile()
 
 
-_DROPOUTS = (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout)
-
-
-def _training_arg(node):
-    if "training" in node.kwargs:
-        return node.kwargs["training"]
-    return node.args[2] if len(node.args) > 2 else True
-
-
-def _dropouts(gm):
-    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _DROPOUTS]
-
-
-def _live_training_flags(module, gm):
-    """torch.fx bakes `F.dropout(x, p, self.training)` into a constant (and fills in
-    defaults, so `F.dropout(x, p)` reads the same). The module is traced again in the
-    other mode: a dropout whose training argument changes with the mode follows
-    self.training and becomes a run-time read of the GraphModule's `training`, so
-    .train()/.eval() keep working after optimize; one that does not is a constant and
-    stays. (If the second trace fails or differs in shape, nothing is changed. Dynamo
-    graphs are guarded on the mode and are not touched.)"""
-    import warnings
-    nodes = _dropouts(gm)
-    if not nodes:
-        return
-    modes = {m: m.training for m in module.modules()}
-    try:
-        module.train(not module.training)
-        other = _dropouts(tfx.symbolic_trace(module))
-    except Exception:   # noqa: BLE001 - the second trace is best effort
-        return
-    finally:
-        for m, t in modes.items():
-            m.training = t
-    if len(other) != len(nodes):
-        return
-    g = gm.graph
-    with warnings.catch_warnings():   # get_attr of a plain attribute: fine, the code reads self.training
-        warnings.filterwarnings("ignore", message="Attempted to insert a get_attr Node")
-        for node, twin in zip(nodes, other):
-            if _training_arg(node) == _training_arg(twin):
-                continue   # the same in both modes: a constant
-            with g.inserting_before(node):
-                flag = g.get_attr("training")
-            if "training" in node.kwargs or len(node.args) <= 2:
-                node.kwargs = {**node.kwargs, "training": flag}
-            else:
-                node.args = node.args[:2] + (flag,) + node.args[3:]
-
-
-def _walk(module, report, prefix, apply):
-    """Returns the module to use in place of `module` (`module` itself when not
-    apply). The rewrite always runs, on the traced copy: what explain reports is what
-    optimize does, pattern for pattern."""
-    try:
-        gm = tfx.symbolic_trace(module)
-        if apply:
-            _live_training_flags(module, gm)
-    except Exception as e:   # noqa: BLE001 - any tracing failure means: try the children
-        report.untraced.append((prefix.rstrip(".") or type(module).__name__,
-                                f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"))
-        for name, child in list(module.named_children()):
-            new = _walk(child, report, f"{prefix}{name}.", apply)
-            if apply and new is not child:
-                setattr(module, name, new)
+def _walk(module, report, prefix, apply, children=True, seen=None):
+    """Rewrites module where that is safe (see trace.py): traced, checked, rewritten on the
+    traced copy, and where some pattern fused (and apply) `module` is made to run the
+    rewritten graph (adopt.py: the same object, its class swapped). A module that does not
+    trace or whose graph may not stand for it is left as it is and its children are tried
+    (children=True). What explain reports is what optimize does, pattern for pattern.
+    A module met twice (shared) is rewritten once."""
+    seen = set() if seen is None else seen
+    if id(module) in seen:
         return module
+    seen.add(id(module))
+    where = prefix.rstrip(".") or type(module).__name__
+    if isinstance(module, Rewritten):   # its graph inlines its children: none is called on its own
+        report.untraced.append((where, "rewritten already (by an earlier optimize): left as it is"))
+        return module
+    gm, constants, why = None, {}, None
+    try:
+        gm, constants = trace(module)
+    except Exception as e:   # noqa: BLE001 - any tracing failure means: try the children
+        why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}"
+    if why is None:
+        why = _why_not(module, gm)
+    if why is not None:
+        report.untraced.append((where, why))
+        if children:
+            for child_name, child in list(module.named_children()):
+                if not_called_by(module, child_name, child):
+                    report.left.append((f"{prefix}{child_name}", f"not rewritten: {type(module).__name__} never calls "
+                                                                 "it (its code only builds, aliases or reads it)"))
+                    continue
+                _walk(child, report, f"{prefix}{child_name}.", apply, True, seen)
+        return module
+    fused = len(report.fused)
     _rewrite(gm, report, prefix)
-    return gm if apply else module
+    if len(report.fused) > fused:
+        report.rewritten.append(prefix.rstrip("."))
+        if apply:
+            adopt(module, gm, constants)
+    return module
+
+
+def _why_not(module, gm):
+    """Why the traced gm may not stand for module's forward, or None (the checks of trace.py;
+    other_mode also makes gm's dropouts follow the module's mode)."""
+    hooked = hooked_inside(module)
+    if hooked is not None:
+        return f"its submodule {hooked} has hooks, which a rewritten forward would skip"
+    name = clash(module)
+    if name is not None:
+        return f"it has its own {name!r}, which the rewritten module's (a GraphModule's) would hide"
+    return other_mode(module, gm) or frozen_optional(module, gm)
 
 
 def optimize(model, inplace=False, report=None):
-    """Returns ``model`` with every matched pattern replaced by Kitsune's fused ops
-    (a torch.fx GraphModule, or the model itself with rewritten submodules where
-    tracing failed). Parameters are shared with ``model`` unless it is copied
-    (``inplace=False``, the default, deep-copies first). Pass a :class:`Report` to
-    get what was fused and left."""
+    """Returns ``model`` with every matched pattern replaced by Kitsune's fused ops: each
+    module rewritten (the model itself where it traces, else the submodules that do)
+    stays the same object with the same attributes, parameters, buffers and children in
+    the same order, its class swapped for a subclass of its own and of
+    torch.fx.GraphModule whose forward is the rewritten graph (adopt.py); a module where
+    nothing fused is not touched. ``inplace=False`` (the default) deep-copies ``model``
+    first. Pass a :class:`Report` to get what was fused and left."""
     report = report if report is not None else Report()
     m = model if inplace else copy.deepcopy(model)
     return _walk(m, report, "", apply=True)

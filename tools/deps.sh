@@ -5,8 +5,8 @@
 #   - the pinned pool's private jemalloc, built from Debian's source (tools/jemalloc.sh);
 #   - a virtual environment (default .venv, made with --system-site-packages so that a
 #     torch the system already has is used, not downloaded again) holding pytest, torch,
-#     torchvision and Kitsune itself in editable mode (pip install -e ., whose build
-#     step runs make lib bridge). Nothing is pip-installed into the system Python.
+#     torchvision, transformers, timm and Kitsune itself in editable mode (pip install -e .,
+#     whose build step runs make lib bridge). Nothing is pip-installed into the system Python.
 # usage: tools/deps.sh [VENV]   (PYTHON: the interpreter the venv is made from)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -49,6 +49,11 @@ torch_version=${KITSUNE_TORCH_VERSION:-2.11.0}
 # torchvision (built for that torch; pip may not change torch): the FX tests rewrite
 # torchvision's ResNets
 have torchvision || { pip_install --no-deps "torchvision==0.26.0"; have PIL || pip_install pillow; }
+# transformers and timm, pinned (tests/python/test_zoo.py builds their models from configs, offline):
+# transformers needs no torch of its own; timm requires torch and torchvision, which pip may not
+# change, so it goes in with --no-deps and its other needs by name
+have transformers || pip_install "transformers==5.17.0"
+have timm || { pip_install --no-deps "timm==1.0.31"; pip_install pyyaml "huggingface_hub>=1.5,<2" safetensors; }
 # Kitsune itself, editable, from this checkout: its torch.compile backend is an entry point
 "$py" - "$PWD" <<'PY' 2>/dev/null || {
 import importlib.metadata as m, json, os, sys

@@ -566,7 +566,7 @@ def test_more_bad_inputs_name_the_problem():
         ko.bias_relu_pool(torch.randn(2, 3, 4), torch.randn(3), 2)
     with pytest.raises(RuntimeError, match="y is Float but bias is Double"):
         ko.bias_relu_pool(y, torch.randn(3, dtype=torch.float64), 2)
-    with pytest.raises(RuntimeError, match="must share a floating point dtype, got Long and Long"):
+    with pytest.raises(RuntimeError, match="bias_relu_pool: y must be floating point .*; got Long"):
         ko.bias_relu_pool(torch.ones(2, 3, 4, 4, dtype=torch.long), torch.ones(3, dtype=torch.long), 2)
     with pytest.raises(RuntimeError, match=r"kernel_size must be in 1..64, got \[0, 2\]"):
         ko.bias_relu_pool(y, torch.randn(3), (0, 2))
@@ -575,7 +575,7 @@ def test_more_bad_inputs_name_the_problem():
     x = torch.randn(2, 3, 4, 4)
     with pytest.raises(RuntimeError, match=r"max_pool2d: need x \(N, C, H, W\) or \(C, H, W\), got \[3, 4\]"):
         ko.max_pool2d(torch.randn(3, 4), 2)
-    with pytest.raises(RuntimeError, match="max_pool2d: x must be floating point, got Long"):
+    with pytest.raises(RuntimeError, match="max_pool2d: x must be floating point .*; got Long"):
         ko.max_pool2d(torch.ones(2, 3, 4, 4, dtype=torch.long), 2)
     with pytest.raises(RuntimeError, match=r"kernel_size must be positive, got \[0, 2\]"):
         ko.max_pool2d(x, (0, 2))
@@ -588,9 +588,9 @@ def test_more_bad_inputs_name_the_problem():
     with pytest.raises(RuntimeError, match="C, H and W must be non-zero"):
         ko.max_pool2d(torch.randn(2, 0, 4, 4), 2)
     assert ko.max_pool2d(torch.randn(0, 3, 4, 4), 2).shape == (0, 3, 2, 2)   # an empty batch, as F.max_pool2d
-    with pytest.raises(IndexError, match="Dimension out of range"):   # ATen's own errors, through the op
+    with pytest.raises(RuntimeError, match="global_avg_pool: dim 4 is out of range for a tensor of 4 dimensions"):
         ko.global_avg_pool(torch.randn(2, 3, 4, 4), (2, 4))
-    with pytest.raises(RuntimeError, match="mean"):
+    with pytest.raises(RuntimeError, match="global_avg_pool: x must be floating point .*; got Long"):
         ko.global_avg_pool(torch.ones(2, 3, 4, 4, dtype=torch.long))
     assert torch.isnan(ko.global_avg_pool(torch.randn(2, 3, 0, 4))).all()   # no pixels: NaN, as x.mean
     with pytest.raises(RuntimeError, match="need as many biases as parts .at least one., got 2 parts and 1 biases"):
@@ -600,7 +600,7 @@ def test_more_bad_inputs_name_the_problem():
         ko.bias_cat([x, x], [torch.randn(3), torch.randn(2)])
     with pytest.raises(RuntimeError, match=r"part 1: need .*; got \[3, 4, 4\] and \[3\]"):
         ko.bias_cat([x, x[0]], [torch.randn(3), torch.randn(3)])
-    with pytest.raises(RuntimeError, match="Sizes of tensors must match except in dimension 1"):   # torch.cat's
+    with pytest.raises(RuntimeError, match=r"bias_cat: part 1 of shape \[2, 3, 4, 5\] does not match part 0's"):
         ko.bias_cat([x, torch.randn(2, 3, 4, 5)], [torch.randn(3), torch.randn(3)])
     with pytest.raises(RuntimeError, match="part 0 is Float but part 1 is Double"):
         ko.bias_cat([x, x.double()], [torch.randn(3), torch.randn(3, dtype=torch.float64)])

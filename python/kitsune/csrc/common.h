@@ -37,6 +37,87 @@ inline kt_dtype dtype_of(const Tensor& t, const char* op) {
   }
 }
 
+inline const Tensor* opt(const OptTensor& t) { return t && t->defined() ? &*t : nullptr; }
+
+// t (..., n) as (rows, n): reshape({-1, n}) cannot tell the rows when n is 0.
+inline Tensor as_rows(const Tensor& t) {
+  return t.reshape({c10::multiply_integers(t.sizes().slice(0, t.dim() - 1)), t.size(-1)});
+}
+
+// What every op refuses, in one place (the fake kernels say the same:
+// kitsune/ops/_check.py), each error naming the op, the argument and the value:
+//   a tensor that is not floating point: the CPU references computed in fp32 and cast
+//     back, so an integer tensor came back truncated, and the kernels read it as floats;
+//   float64 where a Kitsune CUDA kernel would read it (kernel = true): the kernels take
+//     fp32, fp16 and bf16; the CPU references and the ATen paths also take fp64, which
+//     gradcheck uses;
+//   tensors on more than one device: the CUDA kernels would read a CPU pointer, and a
+//     CPU tensor beside a meta one reaches the fake kernel, which made an empty result.
+// An argument: its name and the tensor; an undefined one (an optional not given) is
+// skipped.
+struct Arg {
+  const char* name;
+  const Tensor* t;
+  Arg(const char* n, const Tensor& x) : name(n), t(x.defined() ? &x : nullptr) {}
+  Arg(const char* n, const OptTensor& x) : name(n), t(opt(x)) {}
+};
+inline bool float_ok(at::ScalarType s, bool kernel) {
+  return s == at::kFloat || s == at::kHalf || s == at::kBFloat16 || (s == at::kDouble && !kernel);
+}
+inline void check_float(const Tensor& t, const char* op, const char* name, bool kernel = false) {
+  TORCH_CHECK(float_ok(t.scalar_type(), kernel), "kitsune.", op, ": ", name, " must be ",
+              kernel ? "float32, float16 or bfloat16 (the CUDA kernel's dtypes)"
+                     : "floating point (float32, float16, bfloat16 or float64)",
+              "; got ", t.scalar_type());
+}
+// Every argument given on the first one's device.
+inline void check_devices(const char* op, std::initializer_list<Arg> args) {
+  const Arg* first = nullptr;
+  for (const Arg& a : args) {
+    if (!a.t) continue;
+    if (!first) first = &a;
+    TORCH_CHECK(a.t->device() == first->t->device(), "kitsune.", op, ": ", first->name, " is on ", first->t->device(),
+                " but ", a.name, " is on ", a.t->device());
+  }
+}
+// One device, floating point, and one dtype: an op's activations and parameters (its
+// Autocast kernel casts the parameters to the activation's dtype first).
+inline void check_floats(const char* op, std::initializer_list<Arg> args, bool kernel = false) {
+  check_devices(op, args);
+  const Arg* first = nullptr;
+  for (const Arg& a : args) {
+    if (!a.t) continue;
+    check_float(*a.t, op, a.name, kernel);
+    if (!first) first = &a;
+    TORCH_CHECK(a.t->scalar_type() == first->t->scalar_type(), "kitsune.", op, ": ", first->name, " is ",
+                first->t->scalar_type(), " but ", a.name, " is ", a.t->scalar_type(), " (cast one of them)");
+  }
+}
+
+// The shape the arguments broadcast to (as a + b does), or an error naming them.
+inline c10::DimVector broadcast_sizes(const char* op, std::initializer_list<Arg> args) {
+  c10::DimVector shape;
+  const Arg* first = nullptr;
+  for (const Arg& a : args) {
+    if (!a.t) continue;
+    const auto s = a.t->sizes();
+    if (!first) {
+      first = &a, shape.assign(s.begin(), s.end());
+      continue;
+    }
+    const size_t n = std::max(shape.size(), s.size()), ps = n - shape.size(), ss = n - s.size();
+    c10::DimVector out(n);
+    for (size_t i = 0; i < n; i++) {
+      const int64_t x = i < ps ? 1 : shape[i - ps], y = i < ss ? 1 : s[i - ss];
+      TORCH_CHECK(x == y || x == 1 || y == 1, "kitsune.", op, ": ", a.name, " of shape ", s,
+                  " does not broadcast with ", first->name, "'s shape ", c10::IntArrayRef(shape));
+      out[i] = x == 1 ? y : x;
+    }
+    shape = out;
+  }
+  return shape;
+}
+
 inline void check_same(const Tensor& a, const Tensor& b, const char* op, const char* na, const char* nb) {
   TORCH_CHECK(a.device() == b.device(), "kitsune.", op, ": ", na, " is on ", a.device(), " but ", nb, " is on ",
               b.device());
@@ -52,8 +133,6 @@ inline void* stream_of(const Tensor& t) { return at::cuda::getCurrentCUDAStream(
 
 // The CPU references compute in fp32, or fp64 for fp64 inputs (which gradcheck uses).
 inline at::ScalarType opmath(const Tensor& t) { return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
-
-inline const Tensor* opt(const OptTensor& t) { return t && t->defined() ? &*t : nullptr; }
 
 // Kitsune's kernels and cuBLASLt take real CUDA memory in fp32, fp16 or bf16: a tensor
 // subclass (a FakeTensor under ShapeProp or torch.compile's tracing, which reaches
@@ -106,7 +185,8 @@ Tensor dense_channel_rows(const Tensor& t);
 Tensor channel_sum(const Tensor& g, at::ScalarType out_t);
 // ops/pointwise.cpp
 int approx_code(c10::string_view approximate, const char* op);
-void check_bias(const Tensor& x, const Tensor& bias, const char* op);
+// x (..., n) and bias (n,): floating, one dtype and device (kernel: the CUDA kernel's dtypes)
+void check_bias(const Tensor& x, const Tensor& bias, const char* op, bool kernel);
 Tensor channel_bias_fwd(const Tensor& y, const Tensor& b, c10::string_view act);
 
 }  // namespace bridge

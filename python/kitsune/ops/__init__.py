@@ -71,7 +71,8 @@ channel_bias), rms_norm, layer_norm (layer_norm_relu, add_layer_norm), cross_ent
 (cross_entropy, linear_cross_entropy), reduce (sum_squared, mean_abs, channel_sum),
 dropout (gelu_dropout, bias_dropout_add, dropout_mask), batch_norm, pool (max_pool2d,
 max_pool2d_branches, bias_relu_pool), avg_pool (global_avg_pool), cat (bias_cat),
-embedding, linear (linear_act, attention_score). This package loads the bridge, then
+embedding, linear (linear_act, attention_score), optim (the fake kernels of adam_, sgd_
+and their capturable forms; kitsune.optim calls them). This package loads the bridge, then
 every family (each registers its fake kernels and Python autograd on import), and
 exports every op's wrapper as kitsune.ops.<op>.
 """
@@ -93,6 +94,7 @@ from .dropout import bias_dropout_add, dropout_mask, gelu_dropout  # noqa: E402
 from .embedding import embedding  # noqa: E402
 from .layer_norm import add_layer_norm, layer_norm_relu  # noqa: E402
 from .linear import attention_score, linear_act  # noqa: E402
+from . import optim as _optim  # noqa: E402,F401  (the fused optimizer ops' fake kernels)
 from .pointwise import add_relu, bias_gelu, channel_bias, mul_tanh, swiglu  # noqa: E402
 from .pool import bias_relu_pool, max_pool2d, max_pool2d_branches  # noqa: E402
 from .reduce import mean_abs, sum_squared  # noqa: E402

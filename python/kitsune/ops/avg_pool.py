@@ -1,13 +1,26 @@
 """global_avg_pool: the mean over H and W (fake and wrapper; csrc/ops/avg_pool.cpp)."""
 import torch
 
+from ._check import check_float, fail
+
 _lib = torch.ops.kitsune
 
 
-# ---- fake kernels: shapes only ------------------------------------------------
+# ---- fake kernels: what the real ones check, then the outputs' shapes and layouts ----
 @torch.library.register_fake("kitsune::global_avg_pool")
 def _(x, dim, keepdim=False):
+    check_dims("global_avg_pool", x, dim)
     return torch.ops.aten.mean.dim(x, dim, keepdim)
+
+
+def check_dims(op, x, dim):
+    """The bridge's checks: x floating, each dim in range (ATen's mean would raise an
+    IndexError that does not name the op)."""
+    check_float(op, "x", x)
+    nd = max(x.dim(), 1)
+    for d in dim:
+        if not -nd <= d < nd:
+            fail(op, f"dim {d} is out of range for a tensor of {x.dim()} dimensions")
 
 
 # ---- the Python API ------------------------------------------------------------

@@ -3,7 +3,55 @@ direct linear_cross_entropy op's autograd, and the wrappers (kernels in the brid
 csrc/ops/cross_entropy.cpp)."""
 import torch
 
+from ._check import check, check_devices, check_float, check_floats, contiguous_empty, fail
+
 _lib = torch.ops.kitsune
+
+
+def _ce_views(op, logits, target, label_smoothing):
+    """The bridge's ce_views: logits (N, C) or (C,), target (N,) or () of int64 class indices."""
+    check_float(op, "logits", logits, kernel=True)
+    check(op, logits.dim() in (1, 2),
+          lambda: f"logits must be (N, C) or (C,); got shape {list(logits.shape)} (flatten the leading dims)")
+    if target.dtype != torch.int64:
+        fail(op, f"target must be int64 class indices; got {target.dtype}")
+    check_devices(op, {"logits": logits, "target": target})
+    check(op, target.dim() == logits.dim() - 1 and (logits.dim() == 1 or target.shape[0] == logits.shape[0]),
+          lambda: f"target of shape {list(target.shape)} does not match logits of shape {list(logits.shape)}")
+    _smoothing(op, label_smoothing)
+    check(op, logits.shape[-1] > 0, "logits have no classes")
+
+
+def _smoothing(op, label_smoothing):
+    if not 0 <= label_smoothing <= 1:
+        fail(op, f"label_smoothing must be in [0, 1], got {label_smoothing}")
+
+
+def _ce_grad(grad, logits):
+    op = "cross_entropy_backward"
+    check_float(op, "grad", grad)
+    check_devices(op, {"logits": logits, "grad": grad})
+    check(op, grad.numel() == 1, lambda: f"grad must have one element (the loss is a mean); got {list(grad.shape)}")
+
+
+def _lce_views(op, x, weight, target, bias, label_smoothing, chunk_size):
+    """The bridge's lce_views: x (..., H), weight (C, H), bias (C,) or None, target (...)."""
+    check_floats(op, {"x": x, "weight": weight, "bias": bias}, kernel=True)
+    check_devices(op, {"x": x, "target": target})
+    if chunk_size < 0:
+        fail(op, f"chunk_size must be >= 0 (0 chooses), got {chunk_size}")
+    check(op, weight.dim() == 2 and x.dim() >= 1 and x.shape[-1] == weight.shape[1],
+          lambda: f"weight must be (num_classes, x.size(-1)); got {list(weight.shape)} for x of shape "
+                  f"{list(x.shape)}")
+    if bias is not None:
+        check(op, bias.dim() == 1 and bias.shape[0] == weight.shape[0],
+              lambda: f"bias must have {weight.shape[0]} elements (weight.size(0)); got shape {list(bias.shape)}")
+    check(op, target.shape == x.shape[:-1],
+          lambda: f"target of shape {list(target.shape)} does not match x of shape {list(x.shape)} (one class "
+                  f"index per row of x)")
+    if target.dtype != torch.int64:
+        fail(op, f"target must be int64 class indices; got {target.dtype}")
+    _smoothing(op, label_smoothing)
 
 
 def _ce_loss_dtype(logits, float_loss):
@@ -11,38 +59,48 @@ def _ce_loss_dtype(logits, float_loss):
     return torch.float32 if float_loss and logits.dtype in (torch.float16, torch.bfloat16) else logits.dtype
 
 
-# ---- fake kernels: shapes only ------------------------------------------------
+# ---- fake kernels: what the real ones check, then the outputs' shapes and layouts ----
 @torch.library.register_fake("kitsune::cross_entropy")
 def _(logits, target, ignore_index=-100, label_smoothing=0.0, float_loss=False):
+    _ce_views("cross_entropy", logits, target, label_smoothing)
     return logits.new_empty((), dtype=_ce_loss_dtype(logits, float_loss))
 
 
 @torch.library.register_fake("kitsune::cross_entropy_backward")
 def _(grad, logits, target, ignore_index=-100, label_smoothing=0.0):
-    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+    _ce_views("cross_entropy_backward", logits, target, label_smoothing)
+    _ce_grad(grad, logits)
+    return contiguous_empty(logits)
 
 
 @torch.library.register_fake("kitsune::cross_entropy_with_grad")
 def _(logits, target, ignore_index=-100, label_smoothing=0.0, float_loss=False):
-    return (logits.new_empty((), dtype=_ce_loss_dtype(logits, float_loss)),
-            torch.empty_like(logits, memory_format=torch.contiguous_format))
+    _ce_views("cross_entropy_with_grad", logits, target, label_smoothing)
+    return logits.new_empty((), dtype=_ce_loss_dtype(logits, float_loss)), contiguous_empty(logits)
 
 
 @torch.library.register_fake("kitsune::cross_entropy_rescale_")
 def _(grad, by):
+    op = "cross_entropy_rescale_"
+    check_devices(op, {"grad": grad, "by": by})
+    check_float(op, "grad", grad, kernel=True)
+    check_float(op, "by", by)
+    check(op, by.numel() == 1, lambda: f"by must have one element; got shape {list(by.shape)}")
+    check(op, grad.is_contiguous(), "grad must be contiguous")
     return None
 
 
 @torch.library.register_fake("kitsune::linear_cross_entropy")
 def _(x, weight, target, bias=None, ignore_index=-100, label_smoothing=0.0, chunk_size=0, float_loss=False):
+    _lce_views("linear_cross_entropy", x, weight, target, bias, label_smoothing, chunk_size)
     return x.new_empty((), dtype=_ce_loss_dtype(x, float_loss))
 
 
 @torch.library.register_fake("kitsune::linear_cross_entropy_grads")
 def _(x, weight, target, bias=None, ignore_index=-100, label_smoothing=0.0, chunk_size=0, float_loss=False):
-    return (x.new_empty((), dtype=_ce_loss_dtype(x, float_loss)),
-            torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight),
-            torch.empty_like(bias) if bias is not None else x.new_empty((0,)))
+    _lce_views("linear_cross_entropy_grads", x, weight, target, bias, label_smoothing, chunk_size)
+    return (x.new_empty((), dtype=_ce_loss_dtype(x, float_loss)), contiguous_empty(x), contiguous_empty(weight),
+            contiguous_empty(bias) if bias is not None else x.new_empty((0,)))
 
 
 # ---- autograd ----

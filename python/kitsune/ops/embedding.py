@@ -2,12 +2,22 @@
 csrc/ops/embedding.cpp)."""
 import torch
 
+from ._check import check, check_devices, check_float, fail
+
 _lib = torch.ops.kitsune
 
 
-# ---- fake kernels: shapes only ------------------------------------------------
+# ---- fake kernels: what the real ones check, then the outputs' shapes and layouts ----
 @torch.library.register_fake("kitsune::embedding")
 def _(weight, indices, padding_idx=-1):
+    op = "embedding"
+    check_devices(op, {"weight": weight, "indices": indices})
+    check_float(op, "weight", weight)
+    check(op, weight.dim() == 2, lambda: f"weight must be (num_embeddings, embedding_dim), got {list(weight.shape)}")
+    check(op, padding_idx == -1 or 0 <= padding_idx < weight.shape[0],
+          lambda: f"padding_idx must be -1 (none) or in [0, {weight.shape[0]}), got {padding_idx}")
+    if indices.dtype not in (torch.int64, torch.int32):
+        fail(op, f"indices must be int64 or int32, got {indices.dtype}")
     return torch.ops.aten.embedding.default(weight, indices, padding_idx)
 
 

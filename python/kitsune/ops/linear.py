@@ -2,12 +2,22 @@
 (fake and wrappers; csrc/ops/linear.cpp)."""
 import torch
 
+from ._check import check, check_floats, fail
+
 _lib = torch.ops.kitsune
 
 
-# ---- fake kernels: shapes only ------------------------------------------------
+# ---- fake kernels: what the real ones check, then the outputs' shapes and layouts ----
 @torch.library.register_fake("kitsune::linear_act")
 def _(x, weight, bias, act="relu"):
+    op = "linear_act"
+    if act not in ("relu", "gelu", "gelu_tanh", "none"):
+        fail(op, f"act must be 'relu', 'gelu', 'gelu_tanh' or 'none', got '{act}'")
+    check_floats(op, {"x": x, "weight": weight, "bias": bias})
+    check(op, x.dim() >= 1 and weight.dim() == 2 and weight.shape[1] == x.shape[-1] and bias.dim() == 1 and
+          bias.shape[0] == weight.shape[0],
+          lambda: f"need x (..., in), weight (out, in), bias (out,); got {list(x.shape)}, {list(weight.shape)}, "
+                  f"{list(bias.shape)}")
     return x.new_empty(tuple(x.shape[:-1]) + (weight.shape[0],))
 
 

@@ -11,6 +11,15 @@ namespace {
 // no workspace where ATen's strided reduction stages partial sums in a buffer twice the
 // input's size. Otherwise (the CPU, NCHW, other ranks or dims, fake tensors) ATen's mean
 // with its own autograd: the same values to rounding, and ATen's errors.
+// Both paths' checks (mean's own range error would not name the op).
+void check_gap(const Tensor& x, c10::IntArrayRef dim) {
+  check_float(x, "global_avg_pool", "x");
+  const int64_t nd = std::max<int64_t>(x.dim(), 1);
+  for (int64_t d : dim)
+    TORCH_CHECK(d >= -nd && d < nd, "kitsune.global_avg_pool: dim ", d, " is out of range for a tensor of ", x.dim(),
+                " dimensions");
+}
+
 bool gap_kernel_ok(const Tensor& x, c10::IntArrayRef dim) {
   if (!lt_dtype_ok(x) || x.dim() != 4 || dim.size() != 2) return false;
   for (int64_t d : dim)
@@ -31,6 +40,7 @@ Tensor gap_kernel_fwd(const Tensor& x, bool keepdim) {
 }
 
 Tensor global_avg_pool_fwd(const Tensor& x, c10::IntArrayRef dim, bool keepdim) {
+  check_gap(x, dim);
   return gap_kernel_ok(x, dim) ? gap_kernel_fwd(x, keepdim) : at::mean(x, dim, keepdim);
 }
 
@@ -52,6 +62,7 @@ struct GlobalAvgPoolFn : torch::autograd::Function<GlobalAvgPoolFn> {
   }
 };
 Tensor global_avg_pool_autograd(const Tensor& x, c10::IntArrayRef dim, bool keepdim) {
+  check_gap(x, dim);
   return gap_kernel_ok(x, dim) ? GlobalAvgPoolFn::apply(x, keepdim) : at::mean(x, dim, keepdim);
 }
 

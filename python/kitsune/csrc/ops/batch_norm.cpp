@@ -32,23 +32,30 @@ std::vector<int64_t> bn_dims(const Tensor& x) {
   for (int64_t i = 2; i < x.dim(); i++) d.push_back(i);
   return d;
 }
-// The forward's checks, on both devices; returns the (N, C, S) view.
+// The forward's checks, on both devices (kernel: the CUDA kernel's dtypes for x, weight
+// and bias; the running stats are read and written as fp32 there, any floating dtype);
+// returns the (N, C, S) view.
 BnShape bn_forward_checks(const Tensor& x, const OptTensor& w, const OptTensor& b, const OptTensor& rm,
-                          const OptTensor& rv, bool training, double eps, const char* op) {
+                          const OptTensor& rv, bool training, double eps, const char* op, bool kernel) {
+  check_devices(op, {{"x", x}, {"weight", w}, {"bias", b}, {"running_mean", rm}, {"running_var", rv}});
+  check_floats(op, {{"x", x}, {"weight", w}, {"bias", b}}, kernel);
+  for (const Arg& a : {Arg("running_mean", rm), Arg("running_var", rv)})
+    if (a.t) check_float(*a.t, op, a.name);
   auto s = bn_shape(x, {{"weight", &w}, {"bias", &b}, {"running_mean", &rm}, {"running_var", &rv}}, op);
   TORCH_CHECK(!training || s.N * s.S > 1, "kitsune.", op, ": expected more than 1 value per channel when training, got ",
               s.N * s.S);
   TORCH_CHECK(training || (rm && rm->defined() && rv && rv->defined()), "kitsune.", op,
               ": eval mode needs running_mean and running_var");
   TORCH_CHECK(eps >= 0, "kitsune.", op, ": eps must be >= 0, got ", eps);
-  for (const OptTensor* p : {&w, &b})
-    if (*p && (*p)->defined()) check_same(x, **p, op, "x", p == &w ? "weight" : "bias");
   return s;
 }
 // A channels-last (NHWC) batch is run as it lies, as (N * H * W, C, 1) rows: no copy,
 // and the output is channels-last too (convolutions then need no transposes).
 bool bn_channels_last(const Tensor& x) {
   return x.dim() == 4 && !x.is_contiguous() && x.is_contiguous(at::MemoryFormat::ChannelsLast);
+}
+at::MemoryFormat bn_format(const Tensor& x) {   // the outputs' layout (the fake kernels': kitsune/ops/batch_norm.py)
+  return bn_channels_last(x) ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
 }
 BnShape bn_kernel_shape(const Tensor& x, BnShape s) {
   return bn_channels_last(x) ? BnShape{s.N * s.S, s.C, 1} : s;
@@ -63,7 +70,7 @@ void bn_residual_checks(const Tensor& x, const Tensor& r, const char* op) {
 std::tuple<Tensor, Tensor, Tensor> bn_relu_cuda(const Tensor& x, const Tensor* res, const OptTensor& w,
                                                 const OptTensor& b, const OptTensor& rm, const OptTensor& rv,
                                                 bool training, double momentum, double eps, const char* op) {
-  auto s = bn_kernel_shape(x, bn_forward_checks(x, w, b, rm, rv, training, eps, op));
+  auto s = bn_kernel_shape(x, bn_forward_checks(x, w, b, rm, rv, training, eps, op, true));
   if (res) bn_residual_checks(x, *res, op);
   kt_dtype dt = dtype_of(x, op);
   c10::cuda::CUDAGuard g(x.device());
@@ -78,8 +85,8 @@ std::tuple<Tensor, Tensor, Tensor> bn_relu_cuda(const Tensor& x, const Tensor* r
     ws = at::empty({kt_batch_norm_workspace(s.N, s.C, s.S)}, fopt);
     if (rm && rm->defined()) rmf = rm->scalar_type() == at::kFloat && rm->is_contiguous() ? *rm : rm->to(at::kFloat).contiguous();
     if (rv && rv->defined()) rvf = rv->scalar_type() == at::kFloat && rv->is_contiguous() ? *rv : rv->to(at::kFloat).contiguous();
-  } else {
-    mean = rm->to(at::kFloat).contiguous();
+  } else {   // a copy: an output may not alias running_mean
+    mean = rm->to(at::kFloat, /*non_blocking=*/false, /*copy=*/true).contiguous();
     invstd = (rv->to(at::kFloat) + eps).rsqrt().contiguous();
   }
   if (s.N * s.C * s.S > 0)
@@ -109,7 +116,7 @@ std::tuple<Tensor, Tensor, Tensor> batch_norm_add_relu_cuda(const Tensor& x, con
 std::tuple<Tensor, Tensor, Tensor> bn_relu_cpu(const Tensor& x, const Tensor* res, const OptTensor& w,
                                                const OptTensor& b, const OptTensor& rm, const OptTensor& rv,
                                                bool training, double momentum, double eps, const char* op) {
-  auto s = bn_forward_checks(x, w, b, rm, rv, training, eps, op);
+  auto s = bn_forward_checks(x, w, b, rm, rv, training, eps, op, false);
   if (res) bn_residual_checks(x, *res, op);
   auto om = opmath(x);
   Tensor xf = x.to(om), mean, invstd;
@@ -124,13 +131,13 @@ std::tuple<Tensor, Tensor, Tensor> bn_relu_cpu(const Tensor& x, const Tensor* re
     if (rm && rm->defined()) rm->copy_(*rm * (1 - momentum) + mean * momentum);
     if (rv && rv->defined()) rv->copy_(*rv * (1 - momentum) + var * (M / (M - 1)) * momentum);
   } else {
-    mean = rm->to(om), invstd = (rv->to(om) + eps).rsqrt();
+    mean = rm->to(om, /*non_blocking=*/false, /*copy=*/true), invstd = (rv->to(om) + eps).rsqrt();
   }
   Tensor y = (xf - mean.view(bc)) * invstd.view(bc);
   if (w && w->defined()) y = y * w->to(om).view(bc);
   if (b && b->defined()) y = y + b->to(om).view(bc);
   if (res) y = y + res->to(om);
-  return {at::relu(y).to(x.scalar_type()), mean, invstd};
+  return {at::relu(y).to(x.scalar_type()).contiguous(bn_format(x)), mean, invstd};
 }
 std::tuple<Tensor, Tensor, Tensor> batch_norm_relu_cpu(const Tensor& x, const OptTensor& w, const OptTensor& b,
                                                        const OptTensor& rm, const OptTensor& rv, bool training,
@@ -142,12 +149,28 @@ std::tuple<Tensor, Tensor, Tensor> batch_norm_add_relu_cpu(const Tensor& x, cons
                                                            bool training, double momentum, double eps) {
   return bn_relu_cpu(x, &res, w, b, rm, rv, training, momentum, eps, "batch_norm_add_relu");
 }
+// The backward's checks, on both devices: grad and out as x (the kernel reads them in
+// x's dtype), the saved statistics (C,) of any floating dtype (read as fp32).
+BnShape bn_backward_checks(const Tensor& grad, const Tensor& x, const Tensor& out, const OptTensor& w,
+                           const Tensor& mean, const Tensor& invstd, const char* op, bool kernel) {
+  check_devices(op, {{"x", x}, {"grad", grad}, {"out", out}, {"weight", w}, {"save_mean", mean},
+                     {"save_invstd", invstd}});
+  check_floats(op, {{"x", x}, {"grad", grad}, {"out", out}, {"weight", w}}, kernel);
+  check_float(mean, op, "save_mean");
+  check_float(invstd, op, "save_invstd");
+  auto s = bn_shape(x, {{"weight", &w}}, op);
+  TORCH_CHECK(grad.sizes() == x.sizes() && out.sizes() == x.sizes(), "kitsune.", op,
+              ": grad and out must have x's shape ", x.sizes(), "; got ", grad.sizes(), " and ", out.sizes());
+  TORCH_CHECK(mean.dim() == 1 && mean.size(0) == s.C && invstd.dim() == 1 && invstd.size(0) == s.C, "kitsune.", op,
+              ": save_mean and save_invstd must have C = ", s.C, " elements; got ", mean.sizes(), " and ",
+              invstd.sizes());
+  return s;
+}
 // (gx, gres (undefined unless asked for), gw, gb)
 using BnBwd = std::tuple<Tensor, Tensor, Tensor, Tensor>;
 BnBwd bn_relu_backward_cuda(const Tensor& grad, const Tensor& x, const Tensor& out, const OptTensor& w,
                             const Tensor& mean, const Tensor& invstd, bool training, bool residual, const char* op) {
-  auto s = bn_kernel_shape(x, bn_shape(x, {{"weight", &w}}, op));
-  check_same(grad, x, op, "grad", "x");
+  auto s = bn_kernel_shape(x, bn_backward_checks(grad, x, out, w, mean, invstd, op, true));
   c10::cuda::CUDAGuard g(x.device());
   const auto fmt = bn_channels_last(x) ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
   Tensor gc = grad.contiguous(fmt), xc = x.contiguous(fmt), oc = out.contiguous(fmt), gx = at::empty_like(xc);
@@ -170,7 +193,7 @@ BnBwd bn_relu_backward_cuda(const Tensor& grad, const Tensor& x, const Tensor& o
 }
 BnBwd bn_relu_backward_cpu(const Tensor& grad, const Tensor& x, const Tensor& out, const OptTensor& w,
                            const Tensor& mean, const Tensor& invstd, bool training, bool residual, const char* op) {
-  auto s = bn_shape(x, {{"weight", &w}}, op);
+  auto s = bn_backward_checks(grad, x, out, w, mean, invstd, op, false);
   auto om = opmath(x);
   auto bc = bn_bcast(x);
   auto dims = bn_dims(x);
@@ -182,7 +205,9 @@ BnBwd bn_relu_backward_cpu(const Tensor& grad, const Tensor& x, const Tensor& ou
   const double M = (double)(s.N * s.S);
   Tensor gx = training ? scale * (gp - sum_g.view(bc) / M - xh * sum_gx.view(bc) / M) : scale * gp;
   Tensor gw = w && w->defined() ? sum_gx.to(w->scalar_type()) : at::empty({0}, x.options());
-  return {gx.to(x.scalar_type()), residual ? gp.to(x.scalar_type()) : Tensor(), gw, sum_g.to(x.scalar_type())};
+  const auto f = bn_format(x);
+  return {gx.to(x.scalar_type()).contiguous(f), residual ? gp.to(x.scalar_type()).contiguous(f) : Tensor(), gw,
+          sum_g.to(x.scalar_type())};
 }
 std::tuple<Tensor, Tensor, Tensor> batch_norm_relu_backward_cuda(const Tensor& grad, const Tensor& x,
                                                                  const Tensor& out, const OptTensor& w,

@@ -16,7 +16,7 @@ namespace {
 // fp32/fp16/bf16 sharing one layout (NCHW- or channels-last-contiguous); otherwise (the
 // CPU, 3-D parts, another dim, mixed layouts, fake tensors) the bias adds and ATen's cat,
 // whose results these equal.
-void check_bias_cat(at::TensorList xs, at::TensorList bs) {
+void check_bias_cat(at::TensorList xs, at::TensorList bs, int64_t dim) {
   TORCH_CHECK(!xs.empty() && xs.size() == bs.size(), "kitsune.bias_cat: need as many biases as parts (at least one), got ",
               xs.size(), " parts and ", bs.size(), " biases");
   for (size_t i = 0; i < xs.size(); i++) {
@@ -24,11 +24,18 @@ void check_bias_cat(at::TensorList xs, at::TensorList bs) {
     TORCH_CHECK((x.dim() == 3 || x.dim() == 4) && x.dim() == xs[0].dim() && b.dim() == 1 && b.size(0) == x.size(-3),
                 "kitsune.bias_cat: part ", i, ": need x (N, C, H, W) or (C, H, W), as part 0, and bias (C,); got ",
                 x.sizes(), " and ", b.sizes());
-    TORCH_CHECK(at::isFloatingType(x.scalar_type()), "kitsune.bias_cat: part ", i, " must be floating point, got ",
-                x.scalar_type());
+    check_float(x, "bias_cat", ("part " + std::to_string(i)).c_str());
     check_same(x, b, "bias_cat", "a part", "its bias");
     check_same(xs[0], x, "bias_cat", "part 0", ("part " + std::to_string(i)).c_str());
   }
+  const int64_t nd = xs[0].dim();
+  TORCH_CHECK(dim >= -nd && dim < nd, "kitsune.bias_cat: dim ", dim, " is out of range for parts of ", nd,
+              " dimensions");
+  const int64_t d = dim < 0 ? dim + nd : dim;
+  for (size_t i = 1; i < xs.size(); i++)
+    for (int64_t j = 0; j < nd; j++)
+      TORCH_CHECK(j == d || xs[i].size(j) == xs[0].size(j), "kitsune.bias_cat: part ", i, " of shape ", xs[i].sizes(),
+                  " does not match part 0's ", xs[0].sizes(), " but in dim ", dim);
 }
 
 // Whether dim (torch.cat's, wrapped) is the parts' channel dim -3.
@@ -81,13 +88,13 @@ BiasCatOut bias_cat_impl(at::TensorList xs, at::TensorList bs, int64_t dim) {
   return {out, f};
 }
 Tensor bias_cat_fwd(at::TensorList xs, at::TensorList bs, int64_t dim) {
-  check_bias_cat(xs, bs);
+  check_bias_cat(xs, bs, dim);
   return bias_cat_impl(xs, bs, dim).out;
 }
 
 struct BiasCatFn : torch::autograd::Function<BiasCatFn> {
   static Tensor forward(AutogradContext* ctx, at::TensorList xs, at::TensorList bs, int64_t dim) {
-    check_bias_cat(xs, bs);
+    check_bias_cat(xs, bs, dim);
     BiasCatOut r;
     {
       at::AutoDispatchBelowADInplaceOrView g;

@@ -11,8 +11,11 @@ namespace bridge {
 namespace {
 
 // ---- cross_entropy and linear_cross_entropy (fusion/kernels/cross_entropy.cu) ----
-// logits (N, C) or (C,), target (N,) or () of int64 class indices.
-std::pair<Tensor, Tensor> ce_views(const Tensor& logits, const Tensor& target, double smoothing, const char* op) {
+// logits (N, C) or (C,), target (N,) or () of int64 class indices; both devices' checks
+// (kernel: the CUDA kernel's dtypes).
+std::pair<Tensor, Tensor> ce_views(const Tensor& logits, const Tensor& target, double smoothing, const char* op,
+                                   bool kernel) {
+  check_float(logits, op, "logits", kernel);
   TORCH_CHECK(logits.dim() == 1 || logits.dim() == 2, "kitsune.", op,
               ": logits must be (N, C) or (C,); got shape ", logits.sizes(), " (flatten the leading dims)");
   TORCH_CHECK(target.scalar_type() == at::kLong, "kitsune.", op, ": target must be int64 class indices; got ",
@@ -54,11 +57,19 @@ Tensor ce_mean(const Tensor& losses, const Tensor& target, int64_t ignore, at::S
   return out;
 }
 
+// cross_entropy_backward's grad: the loss's gradient, one element of any floating dtype
+// (ce_scale reads it as fp32) on the logits' device.
+void check_ce_grad(const Tensor& grad, const Tensor& logits) {
+  check_float(grad, "cross_entropy_backward", "grad");
+  check_devices("cross_entropy_backward", {{"logits", logits}, {"grad", grad}});
+  TORCH_CHECK(grad.numel() == 1, "kitsune.cross_entropy_backward: grad must have one element (the loss is a mean); got ",
+              grad.sizes());
+}
 // The mean loss and, with_grad, in the same pass over the logits, its gradient for an
 // incoming gradient of 1 (what backward() passes; undefined without with_grad).
 std::tuple<Tensor, Tensor> ce_forward_cuda(const Tensor& logits, const Tensor& target, int64_t ignore,
                                            double smoothing, bool with_grad, bool float_loss, const char* op) {
-  auto [l, t] = ce_views(logits, target, smoothing, op);
+  auto [l, t] = ce_views(logits, target, smoothing, op, true);
   c10::cuda::CUDAGuard g(l.device());
   Tensor scale = with_grad ? ce_scale(t, ignore, Tensor(), op) : Tensor();
   Tensor losses = at::empty({l.size(0)}, l.options().dtype(at::kFloat));
@@ -73,6 +84,12 @@ Tensor cross_entropy_cuda(const Tensor& logits, const Tensor& target, int64_t ig
                           bool float_loss) {
   return std::get<0>(ce_forward_cuda(logits, target, ignore, smoothing, false, float_loss, "cross_entropy"));
 }
+// The CPU references' check of the targets (the CUDA kernels give a NaN loss instead).
+void check_targets(const Tensor& t, int64_t classes, int64_t ignore, const char* op) {
+  Tensor bad = (t != ignore) & ((t < 0) | (t >= classes));
+  TORCH_CHECK(!bad.any().item<bool>(), "kitsune.", op, ": a target is outside [0, ", classes,
+              ") and is not ignore_index ", ignore);
+}
 Tensor ce_reference(const Tensor& l, const Tensor& t, int64_t ignore, double smoothing) {   // per row, opmath
   Tensor lf = l.to(opmath(l));
   Tensor lsm = at::log_softmax(lf, 1);
@@ -83,20 +100,15 @@ Tensor ce_reference(const Tensor& l, const Tensor& t, int64_t ignore, double smo
 }
 Tensor cross_entropy_cpu(const Tensor& logits, const Tensor& target, int64_t ignore, double smoothing,
                          bool float_loss) {
-  auto [l, t] = ce_views(logits, target, smoothing, "cross_entropy");
-  Tensor bad = (t != ignore) & ((t < 0) | (t >= l.size(1)));
-  TORCH_CHECK(!bad.any().item<bool>(), "kitsune.cross_entropy: a target is outside [0, ", l.size(1),
-              ") and is not ignore_index ", ignore);
+  auto [l, t] = ce_views(logits, target, smoothing, "cross_entropy", false);
+  check_targets(t, l.size(1), ignore, "cross_entropy");
   return (ce_reference(l, t, ignore, smoothing).sum() / (t != ignore).sum()).to(ce_loss_dtype(l, float_loss));
 }
 Tensor cross_entropy_backward_cuda(const Tensor& grad, const Tensor& logits, const Tensor& target, int64_t ignore,
                                    double smoothing) {
-  auto [l, t] = ce_views(logits, target, smoothing, "cross_entropy_backward");
+  auto [l, t] = ce_views(logits, target, smoothing, "cross_entropy_backward", true);
+  check_ce_grad(grad, logits);
   c10::cuda::CUDAGuard g(l.device());
-  TORCH_CHECK(grad.numel() == 1, "kitsune.cross_entropy_backward: grad must have one element (the loss is a mean); got ",
-              grad.sizes());
-  TORCH_CHECK(grad.device() == logits.device(), "kitsune.cross_entropy_backward: grad is on ", grad.device(),
-              " but logits are on ", logits.device());
   Tensor scale = ce_scale(t, ignore, grad, "cross_entropy_backward");
   Tensor gl = at::empty_like(l);
   check_launch(kt_cross_entropy(dtype_of(l, "cross_entropy_backward"), l.data_ptr(), t.data_ptr<int64_t>(), nullptr,
@@ -115,14 +127,16 @@ std::tuple<Tensor, Tensor> cross_entropy_with_grad_cuda(const Tensor& logits, co
 }
 // grad *= by, unless by is 1 (a one-element tensor on grad's device, read there: no
 // host sync), in place.
-void check_rescale(const Tensor& grad, const Tensor& by) {
+void check_rescale(const Tensor& grad, const Tensor& by, bool kernel) {
+  const char* op = "cross_entropy_rescale_";
+  check_devices(op, {{"grad", grad}, {"by", by}});
+  check_float(grad, op, "grad", kernel);
+  check_float(by, op, "by");   // read as fp32
   TORCH_CHECK(by.numel() == 1, "kitsune.cross_entropy_rescale_: by must have one element; got shape ", by.sizes());
-  TORCH_CHECK(by.device() == grad.device(), "kitsune.cross_entropy_rescale_: grad is on ", grad.device(),
-              " but by is on ", by.device());
   TORCH_CHECK(grad.is_contiguous(), "kitsune.cross_entropy_rescale_: grad must be contiguous");
 }
 void cross_entropy_rescale__cuda(const Tensor& grad, const Tensor& by) {
-  check_rescale(grad, by);
+  check_rescale(grad, by, true);
   c10::cuda::CUDAGuard g(grad.device());
   Tensor b = by.reshape({1}).to(at::kFloat);
   check_launch(kt_cross_entropy_rescale(dtype_of(grad, "cross_entropy_rescale_"), grad.data_ptr(), grad.numel(),
@@ -130,7 +144,7 @@ void cross_entropy_rescale__cuda(const Tensor& grad, const Tensor& by) {
                "cross_entropy_rescale_");
 }
 void cross_entropy_rescale__cpu(const Tensor& grad, const Tensor& by) {
-  check_rescale(grad, by);
+  check_rescale(grad, by, false);
   Tensor(grad).mul_(by.reshape({}));   // times 1 leaves every value as it is
 }
 // (softmax - q) / count per row, zero on ignored rows, in opmath.
@@ -142,25 +156,29 @@ Tensor ce_grad_reference(const Tensor& l, const Tensor& t, int64_t ignore, doubl
 }
 Tensor cross_entropy_backward_cpu(const Tensor& grad, const Tensor& logits, const Tensor& target, int64_t ignore,
                                   double smoothing) {
-  auto [l, t] = ce_views(logits, target, smoothing, "cross_entropy_backward");
+  auto [l, t] = ce_views(logits, target, smoothing, "cross_entropy_backward", false);
+  check_ce_grad(grad, logits);
+  check_targets(t, l.size(1), ignore, "cross_entropy_backward");
   return (ce_grad_reference(l, t, ignore, smoothing) * grad.to(opmath(l))).to(l.scalar_type()).view(logits.sizes());
 }
 std::tuple<Tensor, Tensor> cross_entropy_with_grad_cpu(const Tensor& logits, const Tensor& target, int64_t ignore,
                                                        double smoothing, bool float_loss) {
-  Tensor loss = cross_entropy_cpu(logits, target, ignore, smoothing, float_loss);   // checks the targets
-  auto [l, t] = ce_views(logits, target, smoothing, "cross_entropy_with_grad");
+  auto [l, t] = ce_views(logits, target, smoothing, "cross_entropy_with_grad", false);
+  check_targets(t, l.size(1), ignore, "cross_entropy_with_grad");
+  Tensor loss = (ce_reference(l, t, ignore, smoothing).sum() / (t != ignore).sum()).to(ce_loss_dtype(l, float_loss));
   return {loss, ce_grad_reference(l, t, ignore, smoothing).to(l.scalar_type()).view(logits.sizes())};
 }
 
 // linear_cross_entropy: x (..., H), weight (V, H), bias (V,) or None, target (...).
 std::tuple<Tensor, Tensor> lce_views(const Tensor& x, const Tensor& w, const Tensor& target, const Tensor* bias,
-                                     double smoothing, const char* op) {
-  check_same(x, w, op, "x", "weight");
+                                     double smoothing, int64_t chunk, const char* op, bool kernel) {
+  check_floats(op, {{"x", x}, {"weight", w}, {"bias", bias ? *bias : Tensor()}}, kernel);
+  check_devices(op, {{"x", x}, {"target", target}});
+  TORCH_CHECK(chunk >= 0, "kitsune.", op, ": chunk_size must be >= 0 (0 chooses), got ", chunk);
   TORCH_CHECK(w.dim() == 2 && x.dim() >= 1 && x.size(-1) == w.size(1), "kitsune.", op,
               ": weight must be (num_classes, x.size(-1) = ", x.dim() ? x.size(-1) : 0, "); got ", w.sizes(),
               " for x of shape ", x.sizes());
   if (bias) {
-    check_same(x, *bias, op, "x", "bias");
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == w.size(0), "kitsune.", op, ": bias must have ", w.size(0),
                 " elements (weight.size(0)); got shape ", bias->sizes());
   }
@@ -170,7 +188,7 @@ std::tuple<Tensor, Tensor> lce_views(const Tensor& x, const Tensor& w, const Ten
               target.scalar_type());
   TORCH_CHECK(smoothing >= 0 && smoothing <= 1, "kitsune.", op, ": label_smoothing must be in [0, 1], got ",
               smoothing);
-  return {x.reshape({-1, x.size(-1)}).contiguous(), target.reshape({-1}).contiguous()};
+  return {as_rows(x).contiguous(), target.reshape({-1}).contiguous()};
 }
 // Rows per chunk: an eighth of the rows, at least 1024 (GEMMs with fewer rows run
 // well below peak, and every chunk re-reads and re-writes the grad_weight
@@ -188,8 +206,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> lce_cuda(const Tensor& x, const Tenso
                                                     const OptTensor& bias_, int64_t ignore, double smoothing,
                                                     int64_t chunk, bool grads, bool float_loss, const char* op) {
   const Tensor* bias = opt(bias_);
-  auto [x2, t] = lce_views(x, w, target, bias, smoothing, op);
-  TORCH_CHECK(chunk >= 0, "kitsune.", op, ": chunk_size must be >= 0 (0 chooses), got ", chunk);
+  auto [x2, t] = lce_views(x, w, target, bias, smoothing, chunk, op, true);
   kt_dtype dt = dtype_of(x, op);
   c10::cuda::CUDAGuard g(x.device());
   const int64_t rows = x2.size(0), H = x2.size(1), V = w.size(0);
@@ -248,9 +265,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> lce_cuda(const Tensor& x, const Tenso
 }
 std::tuple<Tensor, Tensor, Tensor, Tensor> lce_cpu(const Tensor& x, const Tensor& w, const Tensor& target,
                                                    const OptTensor& bias_, int64_t ignore, double smoothing,
-                                                   bool grads, bool float_loss, const char* op) {
+                                                   int64_t chunk, bool grads, bool float_loss, const char* op) {
   const Tensor* bias = opt(bias_);
-  auto [x2, t] = lce_views(x, w, target, bias, smoothing, op);
+  auto [x2, t] = lce_views(x, w, target, bias, smoothing, chunk, op, false);
+  check_targets(t, w.size(0), ignore, op);
   auto om = opmath(x);
   Tensor xf = x2.to(om), wf = w.to(om);
   Tensor logits = at::mm(xf, wf.t());
@@ -269,7 +287,7 @@ Tensor linear_cross_entropy_cuda(const Tensor& x, const Tensor& w, const Tensor&
 }
 Tensor linear_cross_entropy_cpu(const Tensor& x, const Tensor& w, const Tensor& target, const OptTensor& bias,
                                 int64_t ignore, double smoothing, int64_t chunk, bool float_loss) {
-  return std::get<0>(lce_cpu(x, w, target, bias, ignore, smoothing, false, float_loss, "linear_cross_entropy"));
+  return std::get<0>(lce_cpu(x, w, target, bias, ignore, smoothing, chunk, false, float_loss, "linear_cross_entropy"));
 }
 std::tuple<Tensor, Tensor, Tensor, Tensor> linear_cross_entropy_grads_cuda(const Tensor& x, const Tensor& w,
                                                                            const Tensor& target, const OptTensor& bias,
@@ -281,7 +299,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> linear_cross_entropy_grads_cpu(const 
                                                                           const Tensor& target, const OptTensor& bias,
                                                                           int64_t ignore, double smoothing,
                                                                           int64_t chunk, bool float_loss) {
-  return lce_cpu(x, w, target, bias, ignore, smoothing, true, float_loss, "linear_cross_entropy_grads");
+  return lce_cpu(x, w, target, bias, ignore, smoothing, chunk, true, float_loss, "linear_cross_entropy_grads");
 }
 
 // cross_entropy. When the logits need a gradient, the forward forms it

@@ -78,7 +78,7 @@ int dropout_bits(at::ScalarType dt) { return c10::elementSize(dt) == 2 ? 16 : 32
 Tensor dropout_mask(const Tensor& rng, int64_t n, double p, at::ScalarType dtype) {
   check_p(p, "dropout_mask");
   TORCH_CHECK(n >= 0, "kitsune.dropout_mask: n must be >= 0, got ", n);
-  TORCH_CHECK(at::isFloatingType(dtype), "kitsune.dropout_mask: dtype must be the dropped tensor's floating dtype, got ",
+  TORCH_CHECK(float_ok(dtype, false), "kitsune.dropout_mask: dtype must be the dropped tensor's floating dtype, got ",
               dtype);
   return keep_mask(rng_values(rng, "dropout_mask"), n, p, dropout_bits(dtype));
 }
@@ -87,7 +87,16 @@ Tensor scaled_mask(std::pair<uint64_t, uint64_t> s, const Tensor& x, double p) {
   return keep_mask(s, x.numel(), p, dropout_bits(x.scalar_type())).view(x.sizes()).to(opmath(x)) * keep_scale(p);
 }
 
+// A backward's grad against the forward's x: one device and floating dtype, a shape
+// that broadcasts to x's.
+void check_grad(const Tensor& grad, const Tensor& x, const char* op, bool kernel) {
+  check_floats(op, {{"x", x}, {"grad", grad}}, kernel);
+  TORCH_CHECK(at::is_expandable_to(grad.sizes(), x.sizes()), "kitsune.", op, ": grad of shape ", grad.sizes(),
+              " does not broadcast to x's shape ", x.sizes());
+}
+
 std::tuple<Tensor, Tensor> gelu_dropout_cuda(const Tensor& x, double p, bool training, c10::string_view approximate) {
+  check_float(x, "gelu_dropout", "x", true);
   int ap = approx_code(approximate, "gelu_dropout");
   auto [pe, s] = dropout_draw(x, p, training, "gelu_dropout");
   Tensor xc = x.contiguous();
@@ -99,15 +108,16 @@ std::tuple<Tensor, Tensor> gelu_dropout_cuda(const Tensor& x, double p, bool tra
   return {out, rng_tensor(s)};
 }
 std::tuple<Tensor, Tensor> gelu_dropout_cpu(const Tensor& x, double p, bool training, c10::string_view approximate) {
+  check_float(x, "gelu_dropout", "x");
   approx_code(approximate, "gelu_dropout");
   auto [pe, s] = dropout_draw(x, p, training, "gelu_dropout");
   Tensor out = at::gelu(x.to(opmath(x)), approximate) * scaled_mask(s, x, pe);
-  return {out.to(x.scalar_type()), rng_tensor(s)};
+  return {out.to(x.scalar_type()).contiguous(), rng_tensor(s)};   // the kernel's layout
 }
 Tensor gelu_dropout_backward_cuda(const Tensor& grad, const Tensor& x, const Tensor& rng, double p,
                                   c10::string_view approximate) {
   check_p(p, "gelu_dropout_backward");
-  check_same(grad, x, "gelu_dropout_backward", "grad", "x");
+  check_grad(grad, x, "gelu_dropout_backward", true);
   int ap = approx_code(approximate, "gelu_dropout_backward");
   auto s = rng_values(rng, "gelu_dropout_backward");
   Tensor gc = grad.expand(x.sizes()).contiguous(), xc = x.contiguous();
@@ -121,21 +131,22 @@ Tensor gelu_dropout_backward_cuda(const Tensor& grad, const Tensor& x, const Ten
 Tensor gelu_dropout_backward_cpu(const Tensor& grad, const Tensor& x, const Tensor& rng, double p,
                                  c10::string_view approximate) {
   check_p(p, "gelu_dropout_backward");
+  check_grad(grad, x, "gelu_dropout_backward", false);
   approx_code(approximate, "gelu_dropout_backward");
   auto s = rng_values(rng, "gelu_dropout_backward");
   Tensor g = grad.to(opmath(x)).expand(x.sizes()) * scaled_mask(s, x, p);
-  return at::gelu_backward(g, x.to(opmath(x)), approximate).to(x.scalar_type());
+  return at::gelu_backward(g, x.to(opmath(x)), approximate).to(x.scalar_type()).contiguous();
 }
 
-void check_bias_residual(const Tensor& x, const Tensor& bias, const Tensor& residual, const char* op) {
-  check_bias(x, bias, op);
-  check_same(x, residual, op, "x", "residual");
+void check_bias_residual(const Tensor& x, const Tensor& bias, const Tensor& residual, const char* op, bool kernel) {
+  check_bias(x, bias, op, kernel);
+  check_floats(op, {{"x", x}, {"residual", residual}}, kernel);
   TORCH_CHECK(residual.sizes() == x.sizes(), "kitsune.", op, ": residual must have x's shape ", x.sizes(), "; got ",
               residual.sizes());
 }
 std::tuple<Tensor, Tensor> bias_dropout_add_cuda(const Tensor& x, const Tensor& bias, const Tensor& residual, double p,
                                                  bool training) {
-  check_bias_residual(x, bias, residual, "bias_dropout_add");
+  check_bias_residual(x, bias, residual, "bias_dropout_add", true);
   auto [pe, s] = dropout_draw(x, p, training, "bias_dropout_add");
   Tensor xc = x.contiguous(), bc = bias.contiguous(), rc = residual.contiguous();
   c10::cuda::CUDAGuard g(x.device());
@@ -147,14 +158,15 @@ std::tuple<Tensor, Tensor> bias_dropout_add_cuda(const Tensor& x, const Tensor& 
 }
 std::tuple<Tensor, Tensor> bias_dropout_add_cpu(const Tensor& x, const Tensor& bias, const Tensor& residual, double p,
                                                 bool training) {
-  check_bias_residual(x, bias, residual, "bias_dropout_add");
+  check_bias_residual(x, bias, residual, "bias_dropout_add", false);
   auto [pe, s] = dropout_draw(x, p, training, "bias_dropout_add");
   auto om = opmath(x);
   Tensor out = residual.to(om) + (x.to(om) + bias.to(om)) * scaled_mask(s, x, pe);
-  return {out.to(x.scalar_type()), rng_tensor(s)};
+  return {out.to(x.scalar_type()).contiguous(), rng_tensor(s)};   // the kernel's layout
 }
 Tensor dropout_backward_cuda(const Tensor& grad, const Tensor& rng, double p) {
   check_p(p, "dropout_backward");
+  check_float(grad, "dropout_backward", "grad", true);
   auto s = rng_values(rng, "dropout_backward");
   Tensor gc = grad.contiguous();
   c10::cuda::CUDAGuard g(grad.device());
@@ -166,8 +178,9 @@ Tensor dropout_backward_cuda(const Tensor& grad, const Tensor& rng, double p) {
 }
 Tensor dropout_backward_cpu(const Tensor& grad, const Tensor& rng, double p) {
   check_p(p, "dropout_backward");
+  check_float(grad, "dropout_backward", "grad");
   auto s = rng_values(rng, "dropout_backward");
-  return (grad.to(opmath(grad)) * scaled_mask(s, grad, p)).to(grad.scalar_type());
+  return (grad.to(opmath(grad)) * scaled_mask(s, grad, p)).to(grad.scalar_type()).contiguous();
 }
 
 // gelu_dropout: (out, rng); the mask is rebuilt from rng in the backward.
@@ -209,7 +222,6 @@ struct BiasDropoutAddFn : torch::autograd::Function<BiasDropoutAddFn> {
       std::tie(out, rng) = op.call(x, bias, residual, p, training);
     }
     ctx->saved_data["p"] = training ? p : 0.0;
-    ctx->saved_data["nbias"] = bias.size(0);
     ctx->saved_data["bias_dtype"] = (int64_t)bias.scalar_type();
     ctx->save_for_backward({rng});
     ctx->mark_non_differentiable({rng});
@@ -221,7 +233,7 @@ struct BiasDropoutAddFn : torch::autograd::Function<BiasDropoutAddFn> {
     if (!go[0].defined()) return {Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
     Tensor gx = op.call(go[0], ctx->get_saved_variables()[0], ctx->saved_data["p"].toDouble());
     auto bdt = (at::ScalarType)ctx->saved_data["bias_dtype"].toInt();
-    Tensor gb = gx.reshape({-1, ctx->saved_data["nbias"].toInt()})
+    Tensor gb = as_rows(gx)
                     .sum(0, false, at::promote_types(gx.scalar_type(), at::kFloat))
                     .to(bdt);
     return {gx, gb, go[0], Tensor(), Tensor()};

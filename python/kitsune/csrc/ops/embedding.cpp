@@ -14,6 +14,8 @@ namespace {
 // padding_idx -1: none (kitsune.ops.embedding counts a negative one from the end first, as
 // F.embedding does).
 Tensor embedding_fwd(const Tensor& w, const Tensor& indices, int64_t padding_idx) {
+  check_devices("embedding", {{"weight", w}, {"indices", indices}});
+  check_float(w, "embedding", "weight");
   TORCH_CHECK(w.dim() == 2, "kitsune.embedding: weight must be (num_embeddings, embedding_dim), got ", w.sym_sizes());
   const c10::SymInt& rows = w.sym_size(0);
   TORCH_CHECK(padding_idx == -1 || (padding_idx >= 0 && rows > padding_idx),

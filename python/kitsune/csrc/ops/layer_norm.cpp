@@ -5,15 +5,16 @@
 namespace bridge {
 namespace {
 
-// rows x n view for a LayerNorm over the trailing dims `shape`; checks weight/bias.
+// rows x n view for a LayerNorm over the trailing dims `shape`; checks x (named xn),
+// weight and bias on both devices (kernel: the CUDA kernel's dtypes).
 std::pair<int64_t, int64_t> norm_rows(const Tensor& x, c10::IntArrayRef shape, const Tensor* w, const Tensor* b,
-                                      const char* op) {
+                                      const char* op, bool kernel, const char* xn = "x") {
+  check_floats(op, {{xn, x}, {"weight", w ? *w : Tensor()}, {"bias", b ? *b : Tensor()}}, kernel);
   const int64_t k = (int64_t)shape.size();
   TORCH_CHECK(k >= 1 && x.dim() >= k && x.sizes().slice(x.dim() - k) == shape, "kitsune.", op,
-              ": normalized_shape ", shape, " must match the trailing dimensions of x, of shape ", x.sizes());
+              ": normalized_shape ", shape, " must match the trailing dimensions of ", xn, ", of shape ", x.sizes());
   for (const Tensor* p : {w, b})
     if (p) {
-      check_same(x, *p, op, "x", p == w ? "weight" : "bias");
       TORCH_CHECK(p->sizes() == shape, "kitsune.", op, ": ", p == w ? "weight" : "bias", " must have shape ",
                   shape, " (normalized_shape); got ", p->sizes());
     }
@@ -22,6 +23,16 @@ std::pair<int64_t, int64_t> norm_rows(const Tensor& x, c10::IntArrayRef shape, c
   return {x.numel() / n, n};
 }
 void check_eps(double eps, const char* op) { TORCH_CHECK(eps >= 0, "kitsune.", op, ": eps must be >= 0, got ", eps); }
+// A backward's incoming gradients (grad_sum: add_layer_norm's, for the sum; may be
+// null) against the normalized tensor h, named hn.
+void check_grads(const Tensor& grad, const Tensor* grad_sum, const Tensor& h, const char* op, bool kernel,
+                 const char* hn) {
+  check_floats(op, {{hn, h}, {"grad", grad}, {"grad_sum", grad_sum ? *grad_sum : Tensor()}}, kernel);
+  for (const Tensor* g : {&grad, grad_sum})
+    if (g)
+      TORCH_CHECK(at::is_expandable_to(g->sizes(), h.sizes()), "kitsune.", op, ": ", g == &grad ? "grad" : "grad_sum",
+                  " of shape ", g->sizes(), " does not broadcast to ", hn, "'s shape ", h.sizes());
+}
 
 // y = [relu](layer_norm(x [+ residual])); h_out receives x + residual when given.
 Tensor ln_forward_cuda(const Tensor& x, const Tensor* res, const Tensor* w, const Tensor* b, Tensor* h_out,
@@ -44,7 +55,6 @@ Tensor ln_forward_cuda(const Tensor& x, const Tensor* res, const Tensor* w, cons
 std::tuple<Tensor, Tensor, Tensor> ln_backward_cuda(const Tensor& grad, const Tensor* grad_h_in, const Tensor& h,
                                                     const Tensor* w, const Tensor* b, int64_t rows, int64_t n,
                                                     double eps, bool relu, const char* op) {
-  check_same(grad, h, op, "grad", "x");
   Tensor gc = grad.expand(h.sizes()).contiguous(), hc = h.contiguous();
   Tensor gic = grad_h_in ? grad_h_in->expand(h.sizes()).contiguous() : Tensor();
   Tensor wc = w ? w->contiguous() : Tensor(), bc = b ? b->contiguous() : Tensor();
@@ -91,7 +101,7 @@ Tensor ln_forward_cpu(const Tensor& h, const Tensor* w, const Tensor* b, int64_t
   if (w) y = y * w->to(opmath(h)).reshape({n});
   if (b) y = y + b->to(opmath(h)).reshape({n});
   if (relu) y = at::relu(y);
-  return y.view(h.sizes()).to(h.scalar_type());
+  return y.view(h.sizes()).to(h.scalar_type()).contiguous();   // the kernel's layout, whatever h's
 }
 std::tuple<Tensor, Tensor, Tensor> ln_backward_cpu(const Tensor& grad, const Tensor* grad_h_in, const Tensor& h,
                                                    const Tensor* w, const Tensor* b, int64_t n, double eps,
@@ -108,47 +118,51 @@ std::tuple<Tensor, Tensor, Tensor> ln_backward_cpu(const Tensor& grad, const Ten
   auto param = [&](const Tensor* p, const Tensor& v) {
     return p ? v.sum(0).view(p->sizes()).to(p->scalar_type()) : at::empty({0}, h.options());
   };
-  return {gh.view(h.sizes()).to(h.scalar_type()), param(w, gf * xh), param(b, gf)};
+  return {gh.view(h.sizes()).to(h.scalar_type()).contiguous(), param(w, gf * xh), param(b, gf)};
 }
 
 Tensor layer_norm_relu_cuda(const Tensor& x, c10::IntArrayRef shape, const OptTensor& w, const OptTensor& b,
                             double eps) {
   check_eps(eps, "layer_norm_relu");
-  auto [rows, n] = norm_rows(x, shape, opt(w), opt(b), "layer_norm_relu");
+  auto [rows, n] = norm_rows(x, shape, opt(w), opt(b), "layer_norm_relu", true);
   return ln_forward_cuda(x, nullptr, opt(w), opt(b), nullptr, rows, n, eps, true, "layer_norm_relu");
 }
 Tensor layer_norm_relu_cpu(const Tensor& x, c10::IntArrayRef shape, const OptTensor& w, const OptTensor& b,
                            double eps) {
   check_eps(eps, "layer_norm_relu");
-  auto [rows, n] = norm_rows(x, shape, opt(w), opt(b), "layer_norm_relu");
+  auto [rows, n] = norm_rows(x, shape, opt(w), opt(b), "layer_norm_relu", false);
   return ln_forward_cpu(x, opt(w), opt(b), n, eps, true);
 }
 std::tuple<Tensor, Tensor, Tensor> layer_norm_relu_backward_cuda(const Tensor& grad, const Tensor& x,
                                                                  c10::IntArrayRef shape, const OptTensor& w,
                                                                  const OptTensor& b, double eps) {
-  auto [rows, n] = norm_rows(x, shape, opt(w), opt(b), "layer_norm_relu_backward");
+  auto [rows, n] = norm_rows(x, shape, opt(w), opt(b), "layer_norm_relu_backward", true);
+  check_grads(grad, nullptr, x, "layer_norm_relu_backward", true, "x");
   return ln_backward_cuda(grad, nullptr, x, opt(w), opt(b), rows, n, eps, true, "layer_norm_relu_backward");
 }
 std::tuple<Tensor, Tensor, Tensor> layer_norm_relu_backward_cpu(const Tensor& grad, const Tensor& x,
                                                                 c10::IntArrayRef shape, const OptTensor& w,
                                                                 const OptTensor& b, double eps) {
-  auto [rows, n] = norm_rows(x, shape, opt(w), opt(b), "layer_norm_relu_backward");
+  auto [rows, n] = norm_rows(x, shape, opt(w), opt(b), "layer_norm_relu_backward", false);
+  check_grads(grad, nullptr, x, "layer_norm_relu_backward", false, "x");
   return ln_backward_cpu(grad, nullptr, x, opt(w), opt(b), n, eps, true);
 }
 
 // add_layer_norm normalizes over the last dimension; x and residual have one shape.
-std::pair<int64_t, int64_t> add_ln_rows(const Tensor& x, const Tensor& res, const OptTensor& w, const OptTensor& b,
-                                        const char* op) {
-  check_same(x, res, op, "x", "residual");
-  TORCH_CHECK(x.sizes() == res.sizes(), "kitsune.", op, ": x and residual must have one shape; got ", x.sizes(),
-              " and ", res.sizes());
-  TORCH_CHECK(x.dim() >= 1, "kitsune.", op, ": x must have at least one dimension");
-  return norm_rows(x, x.sizes().slice(x.dim() - 1), opt(w), opt(b), op);
+// The backward passes the sum for x and no residual.
+std::pair<int64_t, int64_t> add_ln_rows(const Tensor& x, const Tensor* res, const OptTensor& w, const OptTensor& b,
+                                        const char* op, bool kernel) {
+  const char* xn = res ? "x" : "sum";
+  check_floats(op, {{xn, x}, {"residual", res ? *res : Tensor()}, {"weight", w}, {"bias", b}}, kernel);
+  TORCH_CHECK(!res || x.sizes() == res->sizes(), "kitsune.", op, ": x and residual must have one shape; got ",
+              x.sizes(), " and ", res->sizes());
+  TORCH_CHECK(x.dim() >= 1, "kitsune.", op, ": ", xn, " must have at least one dimension; got a 0-dim tensor");
+  return norm_rows(x, x.sizes().slice(x.dim() - 1), opt(w), opt(b), op, kernel, xn);
 }
 std::tuple<Tensor, Tensor> add_layer_norm_cuda(const Tensor& x, const Tensor& res, const OptTensor& w,
                                                const OptTensor& b, double eps) {
   check_eps(eps, "add_layer_norm");
-  auto [rows, n] = add_ln_rows(x, res, w, b, "add_layer_norm");
+  auto [rows, n] = add_ln_rows(x, &res, w, b, "add_layer_norm", true);
   Tensor h;
   Tensor y = ln_forward_cuda(x, &res, opt(w), opt(b), &h, rows, n, eps, false, "add_layer_norm");
   return {h, y};
@@ -156,8 +170,8 @@ std::tuple<Tensor, Tensor> add_layer_norm_cuda(const Tensor& x, const Tensor& re
 std::tuple<Tensor, Tensor> add_layer_norm_cpu(const Tensor& x, const Tensor& res, const OptTensor& w,
                                               const OptTensor& b, double eps) {
   check_eps(eps, "add_layer_norm");
-  auto [rows, n] = add_ln_rows(x, res, w, b, "add_layer_norm");
-  Tensor h = x + res;
+  auto [rows, n] = add_ln_rows(x, &res, w, b, "add_layer_norm", false);
+  Tensor h = (x + res).contiguous();   // the kernel's layout, not x's (Inductor checks it against the fake's)
   return {h, ln_forward_cpu(h, opt(w), opt(b), n, eps, false)};
 }
 // Takes the sum h = x + residual (the forward's first output); grad_sum is the
@@ -165,13 +179,15 @@ std::tuple<Tensor, Tensor> add_layer_norm_cpu(const Tensor& x, const Tensor& res
 std::tuple<Tensor, Tensor, Tensor> add_layer_norm_backward_cuda(const Tensor& grad, const OptTensor& grad_sum,
                                                                 const Tensor& h, const OptTensor& w,
                                                                 const OptTensor& b, double eps) {
-  auto [rows, n] = add_ln_rows(h, h, w, b, "add_layer_norm_backward");
+  auto [rows, n] = add_ln_rows(h, nullptr, w, b, "add_layer_norm_backward", true);
+  check_grads(grad, opt(grad_sum), h, "add_layer_norm_backward", true, "sum");
   return ln_backward_cuda(grad, opt(grad_sum), h, opt(w), opt(b), rows, n, eps, false, "add_layer_norm_backward");
 }
 std::tuple<Tensor, Tensor, Tensor> add_layer_norm_backward_cpu(const Tensor& grad, const OptTensor& grad_sum,
                                                                const Tensor& h, const OptTensor& w,
                                                                const OptTensor& b, double eps) {
-  auto [rows, n] = add_ln_rows(h, h, w, b, "add_layer_norm_backward");
+  auto [rows, n] = add_ln_rows(h, nullptr, w, b, "add_layer_norm_backward", false);
+  check_grads(grad, opt(grad_sum), h, "add_layer_norm_backward", false, "sum");
   return ln_backward_cpu(grad, opt(grad_sum), h, opt(w), opt(b), n, eps, false);
 }
 

@@ -20,11 +20,11 @@ Tensor attention_score(const Tensor& q, const Tensor& k, std::optional<double> s
                   && q.size(-1) == k.size(-1),
               "kitsune.attention_score: q (..., Lq, d) and k (..., Lk, d) must share batch dims and d; got ",
               q.sizes(), " and ", k.sizes());
-  TORCH_CHECK(at::isFloatingType(q.scalar_type()), "kitsune.attention_score: q must be floating point; got ",
-              q.scalar_type());
+  check_float(q, "attention_score", "q");
   const int64_t d = q.size(-1), lq = q.size(-2), lk = k.size(-2);
   const double s = scale ? *scale : 1.0 / std::sqrt((double)std::max<int64_t>(d, 1));
-  Tensor qb = q.reshape({-1, lq, d}), kb = k.reshape({-1, lk, d});
+  const int64_t batch = c10::multiply_integers(q.sizes().slice(0, q.dim() - 2));   // not -1: lq or d may be 0
+  Tensor qb = q.reshape({batch, lq, d}), kb = k.reshape({batch, lk, d});
   Tensor out = at::baddbmm(at::empty({qb.size(0), lq, lk}, q.options()), qb, kb.transpose(1, 2), /*beta=*/0, s);
   c10::DimVector shape(q.sizes().begin(), q.sizes().end() - 1);
   shape.push_back(lk);
@@ -53,8 +53,7 @@ Tensor attention_score(const Tensor& q, const Tensor& k, std::optional<double> s
 void check_linear_act(const Tensor& x, const Tensor& w, const Tensor& b, c10::string_view act) {
   TORCH_CHECK(act == "relu" || act == "gelu" || act == "gelu_tanh" || act == "none",
               "kitsune.linear_act: act must be 'relu', 'gelu', 'gelu_tanh' or 'none', got '", act, "'");
-  check_same(x, w, "linear_act", "x", "weight");
-  check_same(x, b, "linear_act", "x", "bias");
+  check_floats("linear_act", {{"x", x}, {"weight", w}, {"bias", b}});
   TORCH_CHECK(x.dim() >= 1 && w.dim() == 2 && w.size(1) == x.size(-1) && b.dim() == 1 && b.size(0) == w.size(0),
               "kitsune.linear_act: need x (..., in), weight (out, in), bias (out,); got ", x.sizes(), ", ", w.sizes(),
               ", ", b.sizes());
@@ -137,7 +136,7 @@ struct LinearActOut {
 };
 LinearActOut linear_act_impl(const Tensor& x, const Tensor& w, const Tensor& b, c10::string_view act) {
   check_linear_act(x, w, b, act);
-  Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
+  Tensor x2 = as_rows(x).contiguous();
   c10::DimVector shape(x.sizes().begin(), x.sizes().end());
   shape.back() = w.size(0);
   const int64_t N = w.size(0);
@@ -181,16 +180,15 @@ struct LinearActFn : torch::autograd::Function<LinearActFn> {
     auto s = ctx->get_saved_variables();
     const Tensor &x = s[0], &w = s[1], &b = s[2];
     const std::string act = ctx->saved_data["act"].toStringRef();
-    const int64_t N = w.size(0);
     // only the gradients autograd asks for: the first layer's input (a batch) needs
     // none, and its (M, K) GEMM was a fifth of the MLP's backward GEMM work
     const bool need_x = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1), need_b = ctx->needs_input_grad(2);
-    Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous(), g2 = go[0].reshape({-1, N}).contiguous(), gpre, gw, gb;
+    Tensor x2 = as_rows(x).contiguous(), g2 = as_rows(go[0]).contiguous(), gpre, gw, gb;
     if (act == "gelu_tanh" && ctx->saved_data["pre_has_bias"].toBool()) {
       // GELU's backward at the epilogue's pre-activation and the bias gradient in one
       // pass (kt_bias_gelu_grad_colsum with no bias to add), then plain GEMMs: it was
       // ATen's gelu_backward and cuBLASLt's BGRADB, a kernel of its own after the GEMM
-      std::tie(gpre, gb) = gelu_grad_colsum(g2, s[3].reshape({-1, N}).contiguous(), Tensor(), 1, b.scalar_type());
+      std::tie(gpre, gb) = gelu_grad_colsum(g2, as_rows(s[3]).contiguous(), Tensor(), 1, b.scalar_type());
     } else if (act == "gelu" || act == "gelu_tanh") {
       std::tie(gpre, gb) = gelu_bwd.call(g2, s[3], b, act == "gelu" ? "none" : "tanh");
     } else if (act == "none") {
@@ -201,10 +199,10 @@ struct LinearActFn : torch::autograd::Function<LinearActFn> {
       // elementwise kernel and cuBLASLt's BGRADB epilogue kernel were two launches
       // (MLP: 2.7 + 3.0 us a step for its two layers, h100_profile_graph_9d33764.log)
       Tensor sums;
-      std::tie(gpre, sums) = relu_grad_colsum(g2, s[3].reshape({-1, N}).contiguous(), b.scalar_type());
+      std::tie(gpre, sums) = relu_grad_colsum(g2, as_rows(s[3]).contiguous(), b.scalar_type());
       if (need_b) gb = sums;
     } else {   // relu where the fused pass does not run (the CPU, fake tensors, no rows)
-      gpre = relu_bwd.call(g2, s[3].reshape({-1, N})).contiguous();
+      gpre = relu_bwd.call(g2, as_rows(s[3])).contiguous();
       if (need_b) gb = colsum(gpre, b.scalar_type());
     }
     if (need_w && !gw.defined()) gw = at::mm(gpre.t(), x2);

@@ -19,11 +19,12 @@ namespace {
 // the same per-element code (kitsune/optim_math.h), in double for fp64.
 // A parameter the flat kernels can take: contiguous, or dense in another layout.
 bool dense(const Tensor& p) { return p.is_non_overlapping_and_dense(); }
-// t lies in memory as p does: both contiguous (any shapes of one numel), or one shape
-// and one set of strides, dense.
+// t lies in memory as p does: p's shape, and both contiguous or both in one set of
+// strides, dense. (Another shape of p's size was taken once: a (3, 4) gradient then
+// updated a (4, 3) parameter element by element in memory, where torch.optim refuses.)
 bool laid_out_as(const Tensor& t, const Tensor& p) {
-  if (t.is_contiguous() && p.is_contiguous()) return t.numel() == p.numel();
-  return t.sizes() == p.sizes() && t.strides() == p.strides() && dense(p);
+  if (t.sizes() != p.sizes()) return false;
+  return (t.is_contiguous() && p.is_contiguous()) || (t.strides() == p.strides() && dense(p));
 }
 // list[i] of an optimizer's lists must match params[i]: device, dtype, size, layout.
 void check_entry(const char* op, const char* name, size_t i, const Tensor& t, const Tensor& p) {
@@ -37,10 +38,15 @@ void check_sizes(const char* op, at::TensorList params, std::initializer_list<st
     TORCH_CHECK(list.size() == params.size(), "kitsune.", op, ": ", name, " has ", list.size(), " tensors but params has ",
                 params.size());
 }
+// A parameter's dtype: the kernels' on CUDA, and float64 too on the CPU.
+void check_param(const char* op, size_t i, const Tensor& p) {
+  check_float(p, op, ("params[" + std::to_string(i) + "]").c_str(), p.is_cuda());
+}
 void check_lists(const char* op, at::TensorList params, std::initializer_list<std::pair<const char*, at::TensorList>> rest) {
   check_sizes(op, params, rest);
   for (size_t i = 0; i < params.size(); i++) {
     const Tensor& p = params[i];
+    check_param(op, i, p);
     TORCH_CHECK(dense(p), "kitsune.", op, ": params[", i, "] is not dense in memory (strides ", p.strides(), ")");
     TORCH_CHECK(p.device() == params[0].device() && p.scalar_type() == params[0].scalar_type(), "kitsune.", op,
                 ": params[", i, "] is ", p.scalar_type(), " on ", p.device(), " but params[0] is ",
@@ -126,14 +132,17 @@ void adam_cuda(at::TensorList params, at::TensorList grads, at::TensorList m, at
   auto a = adam_args(lr, beta1, beta2, eps, wd, decoupled, step, "adam_");
   if (!params.empty()) launch_adam(params, grads, m, v, a);
 }
-// Whether every parameter is dense and its gradient laid out as it is (what adam_ /
-// sgd_ take); KitsuneOptimizer asks before it changes anything, else it falls back to
+// Whether every parameter is dense, of a dtype the step takes (fp64 on the CPU only),
+// and its gradient of its dtype and device and laid out as it is (what adam_ / sgd_
+// take); KitsuneOptimizer asks before it changes anything, else it falls back to
 // torch.optim.
 bool optim_fusable(at::TensorList params, at::TensorList grads) {
   TORCH_CHECK(params.size() == grads.size(), "kitsune.optim_fusable: ", params.size(), " params but ", grads.size(),
               " grads");
   for (size_t i = 0; i < params.size(); i++)
-    if (params[i].is_sparse() || grads[i].is_sparse() || !dense(params[i]) || !laid_out_as(grads[i], params[i]))
+    if (params[i].is_sparse() || grads[i].is_sparse() || !dense(params[i]) || !laid_out_as(grads[i], params[i]) ||
+        !float_ok(params[i].scalar_type(), params[i].is_cuda()) || grads[i].scalar_type() != params[i].scalar_type() ||
+        grads[i].device() != params[i].device())
       return false;
   return true;
 }
@@ -161,6 +170,10 @@ void adam_step(at::TensorList params, at::TensorList grads, at::TensorList m, at
   for (size_t i = 0; i < params.size(); i++) {
     TORCH_CHECK(steps[i].numel() == 1, "kitsune.adam_step_: state_steps[", i, "] must have one element; got ",
                 steps[i].sizes());
+    check_float(steps[i], op, ("state_steps[" + std::to_string(i) + "]").c_str());
+    TORCH_CHECK(steps[i].device().is_cpu() || steps[i].device() == params[i].device(), "kitsune.adam_step_: state_steps[",
+                i, "] is on ", steps[i].device(), "; it must be on the CPU or on params[", i, "]'s ", params[i].device());
+    check_param(op, i, params[i]);
     TORCH_CHECK(dense(params[i]), "kitsune.adam_step_: params[", i, "] is not dense in memory (strides ",
                 params[i].strides(), ")");
     check_entry(op, "grads", i, grads[i], params[i]);
@@ -187,15 +200,17 @@ void adam_step(at::TensorList params, at::TensorList grads, at::TensorList m, at
   }
   for (const Bucket& b : buckets) adam.call(b.p, b.g, b.m, b.v, lr, beta1, beta2, eps, wd, decoupled, b.step);
 }
-kt::SgdArgs sgd_args(double lr, double momentum, double dampening, double wd, bool nesterov, bool first) {
-  TORCH_CHECK(lr >= 0 && momentum >= 0, "kitsune.sgd_: need lr >= 0 and momentum >= 0; got lr ", lr, " momentum ",
+kt::SgdArgs sgd_args(double lr, double momentum, double dampening, double wd, bool nesterov, bool first,
+                     const char* op) {
+  TORCH_CHECK(lr >= 0 && momentum >= 0, "kitsune.", op, ": need lr >= 0 and momentum >= 0; got lr ", lr, " momentum ",
               momentum);
-  TORCH_CHECK(!nesterov || (momentum > 0 && dampening == 0), "kitsune.sgd_: nesterov needs momentum > 0 and dampening 0");
+  TORCH_CHECK(!nesterov || (momentum > 0 && dampening == 0), "kitsune.", op,
+              ": nesterov needs momentum > 0 and dampening 0");
   return {lr, momentum, dampening, wd, nesterov ? 1 : 0, first ? 1 : 0, nullptr, nullptr};
 }
 void sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList bufs, double lr, double momentum,
              double dampening, double wd, bool nesterov, bool first) {
-  auto a = sgd_args(lr, momentum, dampening, wd, nesterov, first);
+  auto a = sgd_args(lr, momentum, dampening, wd, nesterov, first, "sgd_");
   if (momentum != 0) check_lists("sgd_", params, {{"grads", grads}, {"momentum_buffers", bufs}});
   else check_lists("sgd_", params, {{"grads", grads}});
   for (size_t i = 0; i < params.size(); i++) {
@@ -205,7 +220,7 @@ void sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList bufs, d
 }
 void sgd_cuda(at::TensorList params, at::TensorList grads, at::TensorList bufs, double lr, double momentum,
               double dampening, double wd, bool nesterov, bool first) {
-  auto a = sgd_args(lr, momentum, dampening, wd, nesterov, first);
+  auto a = sgd_args(lr, momentum, dampening, wd, nesterov, first, "sgd_");
   if (momentum != 0) check_lists("sgd_", params, {{"grads", grads}, {"momentum_buffers", bufs}});
   else check_lists("sgd_", params, {{"grads", grads}});
   if (!params.empty()) launch_sgd(params, grads, bufs, a);
@@ -275,7 +290,7 @@ kt::SgdArgs sgd_capturable_args(at::TensorList params, at::TensorList grads, at:
                                 double momentum, double dampening, double wd, bool nesterov,
                                 const std::optional<Tensor>& found_inf) {
   const char* op = "sgd_capturable_";
-  kt::SgdArgs a = sgd_args(0.0, momentum, dampening, wd, nesterov, false);
+  kt::SgdArgs a = sgd_args(0.0, momentum, dampening, wd, nesterov, false, op);
   if (momentum != 0) check_lists(op, params, {{"grads", grads}, {"momentum_buffers", bufs}});
   else check_lists(op, params, {{"grads", grads}});
   if (!params.empty()) {
@@ -301,6 +316,26 @@ void sgd_capturable_cuda(at::TensorList params, at::TensorList grads, at::Tensor
   if (!params.empty()) launch_sgd(params, grads, bufs, a);
 }
 
+// adam_ / sgd_ with every list empty have no tensor to dispatch on: the dispatcher takes
+// their CompositeExplicitAutograd kernels, which check the arguments and update nothing
+// (a tensor on a device other than the CPU and CUDA reaches them too, and is refused).
+void no_backend(const char* op, at::TensorList params) {
+  TORCH_CHECK(params.empty(), "kitsune.", op, ": params[0] is on ", params[0].device(),
+              "; the fused step runs on the CPU and CUDA");
+}
+void adam_no_backend(at::TensorList params, at::TensorList grads, at::TensorList m, at::TensorList v, double lr,
+                     double beta1, double beta2, double eps, double wd, bool decoupled, double step) {
+  check_sizes("adam_", params, {{"grads", grads}, {"exp_avgs", m}, {"exp_avg_sqs", v}});
+  adam_args(lr, beta1, beta2, eps, wd, decoupled, step, "adam_");
+  no_backend("adam_", params);
+}
+void sgd_no_backend(at::TensorList params, at::TensorList grads, at::TensorList bufs, double lr, double momentum,
+                    double dampening, double wd, bool nesterov, bool first) {
+  sgd_args(lr, momentum, dampening, wd, nesterov, first, "sgd_");
+  check_sizes("sgd_", params, {{"grads", grads}});
+  no_backend("sgd_", params);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(kitsune, CUDA, m) {
@@ -318,6 +353,8 @@ TORCH_LIBRARY_IMPL(kitsune, CPU, m) {
 }
 
 TORCH_LIBRARY_IMPL(kitsune, CompositeExplicitAutograd, m) {
+  m.impl("adam_", &adam_no_backend);
+  m.impl("sgd_", &sgd_no_backend);
   m.impl("adam_step_", &adam_step);
   m.impl("optim_fusable", &optim_fusable);
 }

@@ -28,14 +28,32 @@ std::vector<Tensor> broadcast_dense(std::initializer_list<Tensor> ts) {
   return v;
 }
 
+// The checks of the binary ops and their backwards, on both devices: floating point,
+// one dtype and device, shapes that broadcast.
+void check_binary(const char* op, std::initializer_list<Arg> args, bool kernel) {
+  check_floats(op, args, kernel);
+  broadcast_sizes(op, args);
+}
+// The CPU references' results laid out as broadcast_dense + empty_like lay out the
+// kernels': the operands' layout where they share one shape and one dense layout,
+// else contiguous (what the fake kernels promise, kitsune/ops/pointwise.py).
+Tensor binary_layout(const Tensor& r, std::initializer_list<Tensor> ts) {
+  const Tensor& t0 = *ts.begin();
+  bool one_layout = t0.is_non_overlapping_and_dense();
+  for (const Tensor& t : ts) one_layout = one_layout && t.sizes() == t0.sizes() && t.strides() == t0.strides();
+  if (!one_layout) return r.contiguous();
+  return r.strides() == t0.strides() ? r : at::empty_like(t0, r.options()).copy_(r);
+}
+
 // The launcher shapes every binary op shares.
 using BinaryLauncher = kt_status (*)(kt_dtype, const void*, const void*, void*, int64_t, void*);
 using BinaryBackwardLauncher = kt_status (*)(kt_dtype, const void*, const void*, const void*, void*, void*, int64_t,
                                              void*);
 
 // out = op(a, b) on the broadcast shape.
-Tensor binary_cuda(const Tensor& a, const Tensor& b, const char* op, BinaryLauncher launch) {
-  check_same(a, b, op, "a", "b");
+Tensor binary_cuda(const Tensor& a, const Tensor& b, const char* op, const char* na, const char* nb,
+                   BinaryLauncher launch) {
+  check_binary(op, {{na, a}, {nb, b}}, true);
   auto v = broadcast_dense({a, b});
   c10::cuda::CUDAGuard g(a.device());
   Tensor out = at::empty_like(v[0]);
@@ -47,9 +65,8 @@ Tensor binary_cuda(const Tensor& a, const Tensor& b, const char* op, BinaryLaunc
 // (grad_a, grad_b) of a binary op, at the broadcast shape; autograd (BinaryFn) sums
 // them to each input's shape.
 std::tuple<Tensor, Tensor> binary_backward_cuda(const Tensor& grad, const Tensor& a, const Tensor& b, const char* op,
-                                                BinaryBackwardLauncher launch) {
-  check_same(a, b, op, "a", "b");
-  check_same(grad, a, op, "grad", "a");
+                                                const char* na, const char* nb, BinaryBackwardLauncher launch) {
+  check_binary(op, {{"grad", grad}, {na, a}, {nb, b}}, true);
   auto v = broadcast_dense({grad, a, b});
   c10::cuda::CUDAGuard g(a.device());
   Tensor ga = at::empty_like(v[0]), gb = at::empty_like(v[0]);
@@ -60,31 +77,38 @@ std::tuple<Tensor, Tensor> binary_backward_cuda(const Tensor& grad, const Tensor
 }
 
 
-Tensor add_relu_cuda(const Tensor& a, const Tensor& b) { return binary_cuda(a, b, "add_relu", kt_add_relu); }
+Tensor add_relu_cuda(const Tensor& a, const Tensor& b) {
+  return binary_cuda(a, b, "add_relu", "a", "b", kt_add_relu);
+}
 Tensor add_relu_cpu(const Tensor& a, const Tensor& b) {
-  check_same(a, b, "add_relu", "a", "b");
-  return at::relu(a + b);
+  check_binary("add_relu", {{"a", a}, {"b", b}}, false);
+  return binary_layout(at::relu(a + b), {a, b});
 }
 // Takes (grad, out): binary_cuda's checks and broadcast fit it as they are.
 Tensor add_relu_backward_cuda(const Tensor& grad, const Tensor& out) {
-  return binary_cuda(grad, out, "add_relu_backward", kt_add_relu_backward);
+  return binary_cuda(grad, out, "add_relu_backward", "grad", "out", kt_add_relu_backward);
 }
 Tensor add_relu_backward_cpu(const Tensor& grad, const Tensor& out) {
-  return at::where(out > 0, grad, at::zeros_like(grad));
+  check_binary("add_relu_backward", {{"grad", grad}, {"out", out}}, false);
+  return binary_layout(at::where(out > 0, grad, at::zeros_like(grad)), {grad, out});
 }
 
-Tensor mul_tanh_cuda(const Tensor& a, const Tensor& b) { return binary_cuda(a, b, "mul_tanh", kt_mul_tanh); }
+Tensor mul_tanh_cuda(const Tensor& a, const Tensor& b) {
+  return binary_cuda(a, b, "mul_tanh", "a", "b", kt_mul_tanh);
+}
 Tensor mul_tanh_cpu(const Tensor& a, const Tensor& b) {
-  check_same(a, b, "mul_tanh", "a", "b");
-  return at::tanh(a * b);
+  check_binary("mul_tanh", {{"a", a}, {"b", b}}, false);
+  return binary_layout(at::tanh(a * b), {a, b});
 }
 std::tuple<Tensor, Tensor> mul_tanh_backward_cuda(const Tensor& grad, const Tensor& a, const Tensor& b) {
-  return binary_backward_cuda(grad, a, b, "mul_tanh_backward", kt_mul_tanh_backward);
+  return binary_backward_cuda(grad, a, b, "mul_tanh_backward", "a", "b", kt_mul_tanh_backward);
 }
 std::tuple<Tensor, Tensor> mul_tanh_backward_cpu(const Tensor& grad, const Tensor& a, const Tensor& b) {
+  check_binary("mul_tanh_backward", {{"grad", grad}, {"a", a}, {"b", b}}, false);
   Tensor t = at::tanh(a.to(opmath(a)) * b.to(opmath(a)));
   Tensor d = grad.to(opmath(grad)) * (1 - t * t);
-  return {(d * b).to(a.scalar_type()), (d * a).to(a.scalar_type())};
+  return {binary_layout((d * b).to(a.scalar_type()), {grad, a, b}),
+          binary_layout((d * a).to(a.scalar_type()), {grad, a, b})};
 }
 
 }  // namespace
@@ -94,8 +118,8 @@ int approx_code(c10::string_view approximate, const char* op) {
               approximate, "'");
   return approximate == "tanh" ? 1 : 0;
 }
-void check_bias(const Tensor& x, const Tensor& bias, const char* op) {
-  check_same(x, bias, op, "x", "bias");
+void check_bias(const Tensor& x, const Tensor& bias, const char* op, bool kernel) {
+  check_floats(op, {{"x", x}, {"bias", bias}}, kernel);
   TORCH_CHECK(x.dim() >= 1 && bias.dim() == 1 && bias.size(0) == x.size(-1), "kitsune.", op,
               ": bias must be 1-D with x.size(-1) = ", (x.dim() ? x.size(-1) : 0), " elements; got bias of shape ",
               bias.sizes(), " for x of shape ", x.sizes());
@@ -103,8 +127,15 @@ void check_bias(const Tensor& x, const Tensor& bias, const char* op) {
 
 namespace {
 
+void check_bias_grad(const Tensor& grad, const Tensor& x, const Tensor& bias, const char* op, bool kernel) {
+  check_bias(x, bias, op, kernel);
+  check_floats(op, {{"x", x}, {"grad", grad}}, kernel);
+  TORCH_CHECK(at::is_expandable_to(grad.sizes(), x.sizes()), "kitsune.", op, ": grad of shape ", grad.sizes(),
+              " does not broadcast to x's shape ", x.sizes());
+}
+
 Tensor bias_gelu_cuda(const Tensor& x, const Tensor& bias, c10::string_view approximate) {
-  check_bias(x, bias, "bias_gelu");
+  check_bias(x, bias, "bias_gelu", true);
   int ap = approx_code(approximate, "bias_gelu");
   Tensor xc = x.contiguous(), bc = bias.contiguous();
   c10::cuda::CUDAGuard g(x.device());
@@ -115,14 +146,13 @@ Tensor bias_gelu_cuda(const Tensor& x, const Tensor& bias, c10::string_view appr
   return out;
 }
 Tensor bias_gelu_cpu(const Tensor& x, const Tensor& bias, c10::string_view approximate) {
-  check_bias(x, bias, "bias_gelu");
+  check_bias(x, bias, "bias_gelu", false);
   approx_code(approximate, "bias_gelu");
-  return at::gelu(x + bias, approximate);
+  return at::gelu(x + bias, approximate).contiguous();   // the kernel's layout
 }
 std::tuple<Tensor, Tensor> bias_gelu_backward_cuda(const Tensor& grad, const Tensor& x, const Tensor& bias,
                                                    c10::string_view approximate) {
-  check_bias(x, bias, "bias_gelu_backward");
-  check_same(grad, x, "bias_gelu_backward", "grad", "x");
+  check_bias_grad(grad, x, bias, "bias_gelu_backward", true);
   int ap = approx_code(approximate, "bias_gelu_backward");
   Tensor gc = grad.expand(x.sizes()).contiguous(), xc = x.contiguous(), bc = bias.contiguous();
   c10::cuda::CUDAGuard g(x.device());
@@ -133,7 +163,7 @@ std::tuple<Tensor, Tensor> bias_gelu_backward_cuda(const Tensor& grad, const Ten
 }
 std::tuple<Tensor, Tensor> bias_gelu_backward_cpu(const Tensor& grad, const Tensor& x, const Tensor& bias,
                                                   c10::string_view approximate) {
-  check_bias(x, bias, "bias_gelu_backward");
+  check_bias_grad(grad, x, bias, "bias_gelu_backward", false);
   int ap = approx_code(approximate, "bias_gelu_backward");
   Tensor v = x.to(opmath(x)) + bias.to(opmath(x));
   Tensor d;
@@ -144,22 +174,26 @@ std::tuple<Tensor, Tensor> bias_gelu_backward_cpu(const Tensor& grad, const Tens
   } else {
     d = 0.5 * (1 + at::erf(v * 0.7071067811865476)) + v * 0.3989422804014327 * at::exp(-0.5 * v * v);
   }
-  Tensor gx = grad.to(opmath(grad)) * d;
-  Tensor gb = gx.reshape({-1, bias.size(0)}).sum(0);
+  Tensor gx = (grad.to(opmath(grad)).expand(x.sizes()) * d).contiguous();
+  Tensor gb = as_rows(gx).sum(0);
   return {gx.to(x.scalar_type()), gb.to(bias.scalar_type())};
 }
 
-Tensor swiglu_cuda(const Tensor& gate, const Tensor& up) { return binary_cuda(gate, up, "swiglu", kt_swiglu); }
+Tensor swiglu_cuda(const Tensor& gate, const Tensor& up) {
+  return binary_cuda(gate, up, "swiglu", "gate", "up", kt_swiglu);
+}
 Tensor swiglu_cpu(const Tensor& gate, const Tensor& up) {
-  check_same(gate, up, "swiglu", "gate", "up");
-  return at::silu(gate) * up;
+  check_binary("swiglu", {{"gate", gate}, {"up", up}}, false);
+  return binary_layout(at::silu(gate) * up, {gate, up});
 }
 std::tuple<Tensor, Tensor> swiglu_backward_cuda(const Tensor& grad, const Tensor& gate, const Tensor& up) {
-  return binary_backward_cuda(grad, gate, up, "swiglu_backward", kt_swiglu_backward);
+  return binary_backward_cuda(grad, gate, up, "swiglu_backward", "gate", "up", kt_swiglu_backward);
 }
 std::tuple<Tensor, Tensor> swiglu_backward_cpu(const Tensor& grad, const Tensor& gate, const Tensor& up) {
+  check_binary("swiglu_backward", {{"grad", grad}, {"gate", gate}, {"up", up}}, false);
   Tensor g = gate.to(opmath(gate)), s = at::sigmoid(g), gr = grad.to(opmath(grad));
-  return {(gr * up.to(opmath(up)) * s * (1 + g * (1 - s))).to(gate.scalar_type()), (gr * g * s).to(up.scalar_type())};
+  return {binary_layout((gr * up.to(opmath(up)) * s * (1 + g * (1 - s))).to(gate.scalar_type()), {grad, gate, up}),
+          binary_layout((gr * g * s).to(up.scalar_type()), {grad, gate, up})};
 }
 
 using BinaryBwdSig = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&);
@@ -245,12 +279,9 @@ Tensor bias_gelu_autograd(const Tensor& x, const Tensor& bias, c10::string_view 
 // its bias).
 void check_channel_bias(const Tensor& y, const Tensor& b, c10::string_view act) {
   TORCH_CHECK(act == "none" || act == "relu", "kitsune.channel_bias: act must be 'none' or 'relu', got '", act, "'");
-  check_same(y, b, "channel_bias", "y", "bias");
+  check_floats("channel_bias", {{"y", y}, {"bias", b}});
   TORCH_CHECK(y.dim() >= 2 && b.dim() == 1 && b.size(0) == y.size(1),
               "kitsune.channel_bias: need y (N, C, ...) and bias (C,); got ", y.sizes(), " and ", b.sizes());
-  TORCH_CHECK(at::isFloatingType(y.scalar_type()) && at::isFloatingType(b.scalar_type()),
-              "kitsune.channel_bias: y and bias must be floating point, got ", y.scalar_type(), " and ",
-              b.scalar_type());
 }
 
 }  // namespace
@@ -273,9 +304,11 @@ Tensor channel_bias_fwd(const Tensor& y, const Tensor& b, c10::string_view act) 
                              act == "relu", stream_of(out)), "channel_bias");
     return out;
   }
+  // in empty_like(y)'s layout, as the kernel's (and the fake kernel's) output
   c10::DimVector shape(y.dim(), 1);
   shape[1] = b.size(0);
-  Tensor out = at::add(y, b.view(shape));
+  Tensor out = at::empty_like(y);
+  at::add_out(out, y, b.view(shape));
   return act == "relu" ? out.clamp_min_(0) : out;
 }
 

@@ -22,12 +22,9 @@ struct PoolGeom {
   int64_t kh, kw;
 };
 PoolGeom check_bias_relu_pool(const Tensor& y, const Tensor& b, c10::IntArrayRef k) {
-  check_same(y, b, "bias_relu_pool", "y", "bias");
+  check_floats("bias_relu_pool", {{"y", y}, {"bias", b}});
   TORCH_CHECK(y.dim() == 4 && b.dim() == 1 && b.size(0) == y.size(1),
               "kitsune.bias_relu_pool: need y (N, C, H, W) and bias (C,); got ", y.sizes(), " and ", b.sizes());
-  TORCH_CHECK(at::isFloatingType(y.scalar_type()) && b.scalar_type() == y.scalar_type(),
-              "kitsune.bias_relu_pool: y and bias must share a floating point dtype, got ", y.scalar_type(), " and ",
-              b.scalar_type());
   TORCH_CHECK(k.size() == 1 || k.size() == 2, "kitsune.bias_relu_pool: kernel_size must be one or two ints, got ", k);
   const int64_t kh = k[0], kw = k.size() == 2 ? k[1] : k[0];
   TORCH_CHECK(kh >= 1 && kw >= 1 && kh <= 64 && kw <= 64, "kitsune.bias_relu_pool: kernel_size must be in 1..64, got ",
@@ -119,23 +116,24 @@ int64_t pooled_size(int64_t in, int64_t k, int64_t s, int64_t p, bool ceil) {
   return at::native::pooling_output_shape_pad_lr<int64_t>(in, k, p, p, s, 1, ceil);
 }
 
-MaxPoolArgs check_max_pool2d(const Tensor& x, c10::IntArrayRef k, c10::IntArrayRef s, c10::IntArrayRef p, bool ceil) {
-  TORCH_CHECK(x.dim() == 3 || x.dim() == 4, "kitsune.max_pool2d: need x (N, C, H, W) or (C, H, W), got ", x.sizes());
-  TORCH_CHECK(at::isFloatingType(x.scalar_type()), "kitsune.max_pool2d: x must be floating point, got ",
-              x.scalar_type());
+// (op: the op whose arguments these are, for the errors)
+MaxPoolArgs check_max_pool2d(const Tensor& x, c10::IntArrayRef k, c10::IntArrayRef s, c10::IntArrayRef p, bool ceil,
+                             const char* op = "max_pool2d") {
+  TORCH_CHECK(x.dim() == 3 || x.dim() == 4, "kitsune.", op, ": need x (N, C, H, W) or (C, H, W), got ", x.sizes());
+  check_float(x, op, "x");
   TORCH_CHECK(x.size(-1) > 0 && x.size(-2) > 0 && x.size(-3) > 0,
-              "kitsune.max_pool2d: x's C, H and W must be non-zero, got ", x.sizes());
-  TORCH_CHECK(k.size() == 1 || k.size() == 2, "kitsune.max_pool2d: kernel_size must be one or two ints, got ", k);
-  TORCH_CHECK(s.size() <= 2, "kitsune.max_pool2d: stride must be empty (= kernel_size), one or two ints, got ", s);
-  TORCH_CHECK(p.size() == 1 || p.size() == 2, "kitsune.max_pool2d: padding must be one or two ints, got ", p);
+              "kitsune.", op, ": x's C, H and W must be non-zero, got ", x.sizes());
+  TORCH_CHECK(k.size() == 1 || k.size() == 2, "kitsune.", op, ": kernel_size must be one or two ints, got ", k);
+  TORCH_CHECK(s.size() <= 2, "kitsune.", op, ": stride must be empty (= kernel_size), one or two ints, got ", s);
+  TORCH_CHECK(p.size() == 1 || p.size() == 2, "kitsune.", op, ": padding must be one or two ints, got ", p);
   MaxPoolArgs a{k[0], k.back(), s.empty() ? k[0] : s[0], s.empty() ? k.back() : s.back(), p[0], p.back(), ceil};
-  TORCH_CHECK(a.kh >= 1 && a.kw >= 1, "kitsune.max_pool2d: kernel_size must be positive, got ", k);
-  TORCH_CHECK(a.sh >= 1 && a.sw >= 1, "kitsune.max_pool2d: stride must be positive, got ", s);
+  TORCH_CHECK(a.kh >= 1 && a.kw >= 1, "kitsune.", op, ": kernel_size must be positive, got ", k);
+  TORCH_CHECK(a.sh >= 1 && a.sw >= 1, "kitsune.", op, ": stride must be positive, got ", s);
   TORCH_CHECK(a.ph >= 0 && a.pw >= 0 && 2 * a.ph <= a.kh && 2 * a.pw <= a.kw,
-              "kitsune.max_pool2d: padding must be in 0..kernel_size / 2, got padding ", p, " for kernel_size ", k);
+              "kitsune.", op, ": padding must be in 0..kernel_size / 2, got padding ", p, " for kernel_size ", k);
   const int64_t oh = pooled_size(x.size(-2), a.kh, a.sh, a.ph, ceil),
                 ow = pooled_size(x.size(-1), a.kw, a.sw, a.pw, ceil);
-  TORCH_CHECK(oh >= 1 && ow >= 1, "kitsune.max_pool2d: the input's ", x.size(-2), " x ", x.size(-1), " (padding ", p,
+  TORCH_CHECK(oh >= 1 && ow >= 1, "kitsune.", op, ": the input's ", x.size(-2), " x ", x.size(-1), " (padding ", p,
               ") is smaller than the ", a.kh, " x ", a.kw, " window");
   return a;
 }
@@ -245,7 +243,7 @@ std::pair<Tensor, Tensor> window_corners(const MaxPoolArgs& a, int64_t oh, int64
 }
 std::tuple<Tensor, Tensor> max_pool2d_where_cpu(const Tensor& x, c10::IntArrayRef k, c10::IntArrayRef s,
                                                 c10::IntArrayRef p, bool ceil) {
-  const MaxPoolArgs a = check_max_pool2d(x, k, s, p, ceil);
+  const MaxPoolArgs a = check_max_pool2d(x, k, s, p, ceil, "max_pool2d_where");
   TORCH_CHECK(x.dim() == 4, "kitsune.max_pool2d_where: need x (N, C, H, W), got ", x.sizes());
   TORCH_CHECK(a.kh * a.kw <= 256, "kitsune.max_pool2d_where: a window of at most 256 elements, got ", a.kh, " x ",
               a.kw);
@@ -258,7 +256,7 @@ std::tuple<Tensor, Tensor> max_pool2d_where_cpu(const Tensor& x, c10::IntArrayRe
 }
 std::tuple<Tensor, Tensor> max_pool2d_where_cuda(const Tensor& x, c10::IntArrayRef k, c10::IntArrayRef s,
                                                  c10::IntArrayRef p, bool ceil) {
-  const MaxPoolArgs a = check_max_pool2d(x, k, s, p, ceil);
+  const MaxPoolArgs a = check_max_pool2d(x, k, s, p, ceil, "max_pool2d_where");
   if (!max_pool_format(x, a)) return max_pool2d_where_cpu(x, k, s, p, ceil);   // ATen's, on the device
   MaxPoolOut r = max_pool2d_impl(x, a);
   return {r.out, r.where};
@@ -281,11 +279,23 @@ MaxPoolArgs check_backward_add(const OptTensor& grad, const Tensor& where, const
                 " does not match the pooled output's ", where.sizes(), " on ", where.device());
   }
   const Tensor& ref = grad ? *grad : adds[0];
+  check_float(ref, "max_pool2d_backward_add", grad ? "grad" : "adds[0]");
   for (const Tensor& t : adds)
     TORCH_CHECK(t.sizes() == size && t.scalar_type() == ref.scalar_type() && t.device() == where.device(),
                 "kitsune.max_pool2d_backward_add: every addend must be ", ref.scalar_type(), " of the input's shape ",
                 size, " on ", where.device(), "; got ", t.scalar_type(), " ", t.sizes(), " on ", t.device());
-  return check_max_pool2d(at::empty(size, ref.options().device(at::kMeta)), k, s, p, ceil);
+  const MaxPoolArgs a = check_max_pool2d(at::empty(size, ref.options().device(at::kMeta)), k, s, p, ceil,
+                                         "max_pool2d_backward_add");
+  const int64_t oh = pooled_size(size[2], a.kh, a.sh, a.ph, ceil), ow = pooled_size(size[3], a.kw, a.sw, a.pw, ceil);
+  TORCH_CHECK(where.size(2) == oh && where.size(3) == ow, "kitsune.max_pool2d_backward_add: where's ", where.sizes(),
+              " is not the pooled size (", oh, ", ", ow, ") of input_size ", size);
+  return a;
+}
+// The result's layout, where's: channels-last where it is that and not NCHW-contiguous
+// too (the fake kernel's rule, kitsune/ops/pool.py).
+at::MemoryFormat where_format(const Tensor& where) {
+  return where.is_contiguous(at::MemoryFormat::ChannelsLast) && !where.is_contiguous() ? at::MemoryFormat::ChannelsLast
+                                                                                       : at::MemoryFormat::Contiguous;
 }
 Tensor max_pool2d_backward_add_cpu(const OptTensor& grad, const Tensor& where, at::TensorList adds_in,
                                    c10::IntArrayRef size, c10::IntArrayRef k, c10::IntArrayRef s, c10::IntArrayRef p,
@@ -293,7 +303,7 @@ Tensor max_pool2d_backward_add_cpu(const OptTensor& grad, const Tensor& where, a
   std::vector<Tensor> adds(adds_in.begin(), adds_in.end());
   const MaxPoolArgs a = check_backward_add(grad, where, adds, size, k, s, p, ceil);
   const Tensor& ref = grad ? *grad : adds[0];
-  const auto f = where.suggest_memory_format();
+  const auto f = where_format(where);
   Tensor acc;
   if (grad) {
     auto [h0, w0] = window_corners(a, where.size(2), where.size(3), where.device());
@@ -314,8 +324,7 @@ Tensor max_pool2d_backward_add_cuda(const OptTensor& grad, const Tensor& where, 
   const Tensor& ref = grad ? *grad : adds[0];
   if (!lt_dtype_ok(ref))   // the dtypes the kernels do not take: ATen's, on the device
     return max_pool2d_backward_add_cpu(grad, where, adds_in, size, k, s, p, ceil);
-  const auto f = where.is_contiguous(at::MemoryFormat::ChannelsLast) && !where.is_contiguous()
-                     ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+  const auto f = where_format(where);
   TORCH_CHECK(where.is_contiguous(f), "kitsune.max_pool2d_backward_add: where must be dense (NCHW or channels-last)");
   c10::cuda::CUDAGuard guard(where.device());
   Tensor gx = at::empty(size, ref.options().memory_format(f));

@@ -31,6 +31,7 @@ ReduceView reduce_view(const Tensor& x, at::OptionalIntArrayRef dim, bool keepdi
   return {nd ? x.permute(perm).contiguous() : x.contiguous(), rows, n, out};
 }
 Tensor reduce_cuda(const Tensor& x, at::OptionalIntArrayRef dim, bool keepdim, int op, const char* name) {
+  check_float(x, name, "x", true);
   auto v = reduce_view(x, dim, keepdim, name);
   kt_dtype dt = dtype_of(x, name);
   c10::cuda::CUDAGuard g(x.device());
@@ -46,9 +47,8 @@ Tensor reduce_cuda(const Tensor& x, at::OptionalIntArrayRef dim, bool keepdim, i
   return out.view(v.out_shape);
 }
 Tensor reduce_cpu(const Tensor& x, at::OptionalIntArrayRef dim, bool keepdim, int op, const char* name) {
+  check_float(x, name, "x");
   auto v = reduce_view(x, dim, keepdim, name);
-  TORCH_CHECK(at::isFloatingType(x.scalar_type()), "kitsune.", name, ": x must be floating point; got ",
-              x.scalar_type());
   Tensor xf = v.x.to(opmath(x)).reshape({v.rows, v.n});
   Tensor r = op == KT_REDUCE_SUM_SQUARED ? xf.pow(2).sum(1) : xf.abs().mean(1);
   return r.view(v.out_shape).to(x.scalar_type());
@@ -248,6 +248,7 @@ namespace {
 // kitsune.channel_sum (tests and benches): the bias gradient's sum over every dim but 1,
 // in fp32 (fp64 for fp64 input).
 Tensor channel_sum_op(const Tensor& g) {
+  check_float(g, "channel_sum", "g");
   TORCH_CHECK(g.dim() >= 2, "kitsune.channel_sum: need (N, C, ...), got ", g.sizes());
   return channel_sum(g, g.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
 }

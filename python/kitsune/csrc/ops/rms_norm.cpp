@@ -6,14 +6,18 @@
 namespace bridge {
 namespace {
 
-void check_weight(const Tensor& x, const Tensor& w, const char* op) {
-  check_same(x, w, op, "x", "weight");
+// Both devices' checks (kernel: the CUDA kernel's dtypes); the backward's also grad,
+// which broadcasts to x's shape.
+void check_weight(const Tensor& x, const Tensor& w, const char* op, bool kernel, const Tensor& grad = Tensor()) {
+  check_floats(op, {{"x", x}, {"weight", w}, {"grad", grad}}, kernel);
+  TORCH_CHECK(!grad.defined() || at::is_expandable_to(grad.sizes(), x.sizes()), "kitsune.", op, ": grad of shape ",
+              grad.sizes(), " does not broadcast to x's shape ", x.sizes());
   TORCH_CHECK(x.dim() >= 1 && w.dim() == 1 && w.size(0) == x.size(-1), "kitsune.", op,
               ": weight must be 1-D with x.size(-1) = ", (x.dim() ? x.size(-1) : 0), " elements; got weight of shape ",
               w.sizes(), " for x of shape ", x.sizes());
 }
 Tensor rms_norm_cuda(const Tensor& x, const Tensor& w, double eps) {
-  check_weight(x, w, "rms_norm");
+  check_weight(x, w, "rms_norm", true);
   TORCH_CHECK(eps >= 0, "kitsune.rms_norm: eps must be >= 0, got ", eps);
   Tensor xc = x.contiguous(), wc = w.contiguous();
   c10::cuda::CUDAGuard g(x.device());
@@ -25,14 +29,14 @@ Tensor rms_norm_cuda(const Tensor& x, const Tensor& w, double eps) {
   return y;
 }
 Tensor rms_norm_cpu(const Tensor& x, const Tensor& w, double eps) {
-  check_weight(x, w, "rms_norm");
+  check_weight(x, w, "rms_norm", false);
   TORCH_CHECK(eps >= 0, "kitsune.rms_norm: eps must be >= 0, got ", eps);
   Tensor xf = x.to(opmath(x));
-  return (xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps) * w.to(opmath(x))).to(x.scalar_type());
+  Tensor y = xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps) * w.to(opmath(x));
+  return y.to(x.scalar_type()).contiguous();   // the kernel's layout
 }
 std::tuple<Tensor, Tensor> rms_norm_backward_cuda(const Tensor& grad, const Tensor& x, const Tensor& w, double eps) {
-  check_weight(x, w, "rms_norm_backward");
-  check_same(grad, x, "rms_norm_backward", "grad", "x");
+  check_weight(x, w, "rms_norm_backward", true, grad);
   Tensor gc = grad.expand(x.sizes()).contiguous(), xc = x.contiguous(), wc = w.contiguous();
   c10::cuda::CUDAGuard g(x.device());
   Tensor gx = at::empty_like(xc);
@@ -52,14 +56,14 @@ std::tuple<Tensor, Tensor> rms_norm_backward_cuda(const Tensor& grad, const Tens
   return {gx, colsum(part, at::kFloat).to(w.scalar_type())};
 }
 std::tuple<Tensor, Tensor> rms_norm_backward_cpu(const Tensor& grad, const Tensor& x, const Tensor& w, double eps) {
-  check_weight(x, w, "rms_norm_backward");
+  check_weight(x, w, "rms_norm_backward", false, grad);
   Tensor xf = x.to(opmath(x)), gf = grad.to(opmath(x)).expand(x.sizes()), wf = w.to(opmath(x));
   int64_t n = x.size(-1);
   Tensor r = at::rsqrt(xf.pow(2).mean(-1, true) + eps);
   Tensor dot = (gf * wf * xf).sum(-1, true);
   Tensor gx = r * wf * gf - xf * r.pow(3) / n * dot;
-  Tensor gw = (gf * xf * r).reshape({-1, n}).sum(0);
-  return {gx.to(x.scalar_type()), gw.to(w.scalar_type())};
+  Tensor gw = as_rows(gf * xf * r).sum(0);
+  return {gx.to(x.scalar_type()).contiguous(), gw.to(w.scalar_type())};
 }
 
 struct RmsNormFn : torch::autograd::Function<RmsNormFn> {

@@ -331,6 +331,19 @@ class _Counts(nn.Module):
         return F.relu(self.fc(x))
 
 
+class _Caches(nn.Module):
+    """Fills a cache on its first call (timm's LeViT keeps attention biases so)."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.fc, self.cache = nn.Linear(d, d), {}
+
+    def forward(self, x):
+        if "b" not in self.cache:
+            self.cache["b"] = self.fc.bias.detach() * 2
+        return F.relu(self.fc(x) + self.cache["b"])
+
+
 class _BatchNormRelu(nn.BatchNorm1d):   # as timm's BatchNormAct: a BatchNorm subclass from elsewhere
     def forward(self, x):
         return F.relu(super().forward(x))
@@ -352,8 +365,8 @@ class _Hooked(nn.Module):
 
 
 def test_state_changes_hooks_and_batch_norm_subclasses_are_kept():
-    """A forward that changes a buffer in place (torch.fx would run it once, at trace time)
-    is not rewritten, and tracing leaves the buffer as it was; a hook on a submodule the
+    """A forward that changes a buffer or a cache in place (torch.fx would run it once, at
+    trace time) is not rewritten, and tracing leaves both as they were; a hook on a submodule the
     rewrite would inline keeps it from being rewritten (the hooked Linear alone is: its
     own hook runs); a BatchNorm subclass stays a module call, its statistics its own."""
     torch.manual_seed(7)
@@ -370,6 +383,10 @@ def test_state_changes_hooks_and_batch_norm_subclasses_are_kept():
     assert int(opt.counts.calls) == int(m.counts.calls) == 1 and opt.hooked[0].hits == m.hooked[0].hits == 1
     assert opt.norm.num_batches_tracked == m.norm.num_batches_tracked == 1
     torch.testing.assert_close(opt.norm.running_mean, m.norm.running_mean)
+    cached = _Caches()
+    rep = kitsune.explain(cached)
+    assert "changes cache in place" in dict(rep.untraced)["_Caches"] and cached.cache == {}, rep   # no proxy kept
+    torch.testing.assert_close(kitsune.optimize(cached)(x), cached(x))
     free = nn.Sequential(nn.Linear(8, 8), _BatchNormRelu(8))
     rep = kitsune.fx.Report()
     gm = kitsune.optimize(free, report=rep)

@@ -111,8 +111,8 @@ def _mobilenet_v3():
 
 def _tv_vit():
     tvm = _tv("ViT")
-    return _vision(lambda: tvm.VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=4, hidden_dim=32,
-                                                 mlp_dim=64, num_classes=10), (2, 3, 32, 32))
+    return _vision(lambda: tvm.VisionTransformer(image_size=48, patch_size=16, num_layers=2, num_heads=4, hidden_dim=32,
+                                                 mlp_dim=64, num_classes=10), (2, 3, 48, 48))   # ViT-B/16, tiny
 
 
 def _convnext():
@@ -132,7 +132,7 @@ def _efficientnet():
 
 
 def _deit():
-    return _timm("deit_tiny_patch16_224", (2, 3, 32, 32), img_size=32, patch_size=8, depth=2)
+    return _timm("deit_tiny_patch16_224", (2, 3, 48, 48), img_size=48, depth=2)
 
 
 def _encoder_layer():

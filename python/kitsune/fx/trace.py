@@ -39,17 +39,64 @@ class MutatesWhileTracing(Exception):
     """The forward changed a buffer or parameter in place while torch.fx traced it."""
 
 
+_CONSTANT = re.compile(r"_tensor_constant\d+|_torchbind_obj\d+")
+
+
+def _snapshot(module):
+    """What a forward may change of the modules' Python state: each module's __dict__ (its
+    values by identity) and the items of the dicts, lists and sets in it."""
+    snap = []
+    for path, m in module.named_modules(remove_duplicate=True):
+        d = m.__dict__
+        items = {k: (dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else set(v))
+                 for k, v in d.items() if isinstance(v, (dict, list, set))}
+        snap.append((path, m, dict(d), items))
+    return snap
+
+
+def _same(v, old):
+    if isinstance(v, dict):
+        return list(v) == list(old) and all(dict.__getitem__(v, k) is x for k, x in old.items())
+    if isinstance(v, list):
+        return len(v) == len(old) and all(a is b for a, b in zip(v, old))
+    return v == old
+
+
+def _put_back(snap, skip_root):
+    """Puts back what changed since _snapshot; the attribute paths that had changed."""
+    changed = []
+    for path, m, old, items in snap:
+        d = m.__dict__
+        for k in list(d):
+            if k not in old and not (m is skip_root and _CONSTANT.fullmatch(k)):
+                changed.append(f"{path}.{k}".lstrip("."))
+                del d[k]
+        for k, v in old.items():
+            if d.get(k, v) is not v or k not in d:
+                changed.append(f"{path}.{k}".lstrip("."))
+                d[k] = v
+            if k in items and not _same(v, items[k]):
+                changed.append(f"{path}.{k}".lstrip("."))
+                if isinstance(v, list):
+                    v[:] = items[k]
+                else:
+                    v.clear()
+                    v.update(items[k])
+    return changed
+
+
 def trace(module, concrete_args=None):
     """(GraphModule, constants): module traced with torch.fx, the GraphModule a scratch
     one over module's attributes (rewrites look targets up in it), constants the tensors
     the trace stored on module as attributes, removed from module again.
 
-    torch.fx runs forward's Python for real on the module's buffers (it proxies the
-    inputs and the parameters, not buffers): `self.num_batches_tracked.add_(1)` in a
-    forward (timm's BatchNormAct2d) happens once at trace time and never in the graph.
-    So buffers are put back as they were, and a forward that changed any buffer or
-    parameter in place raises MutatesWhileTracing: its graph would not make that change."""
-    before = set(module.__dict__)
+    torch.fx runs forward's Python for real, on proxies for the inputs and parameters
+    only: `self.num_batches_tracked.add_(1)` (timm's BatchNormAct2d) happens once at
+    trace time and never in the graph, and a cache the forward fills (timm's LeViT keeps
+    attention biases in a dict) would keep proxies. So every buffer and every module's
+    Python state is put back as it was, and a forward that changed any raises
+    MutatesWhileTracing: its graph would not make that change."""
+    snap = _snapshot(module)
     params, buffers = dict(module.named_parameters()), dict(module.named_buffers())
     versions = {n: t._version for n, t in (*params.items(), *buffers.items())}
     saved = {n: t.detach().clone() for n, t in buffers.items()}
@@ -57,8 +104,9 @@ def trace(module, concrete_args=None):
         graph = _Tracer().trace(module, concrete_args)
         gm = tfx.GraphModule(module, graph, type(module).__name__)
     finally:
-        constants = {k: module.__dict__.pop(k) for k in list(module.__dict__) if k not in before}
-        changed = [n for n, t in (*params.items(), *buffers.items()) if t._version != versions[n]]
+        constants = {k: v for k, v in module.__dict__.items() if _CONSTANT.fullmatch(k) and k not in snap[0][2]}
+        changed = _put_back(snap, module)
+        changed += [n for n, t in (*params.items(), *buffers.items()) if t._version != versions[n]]
         with torch.no_grad():
             for n in changed:
                 if n in saved:

@@ -12,6 +12,8 @@ from support import gpu
 torch = pytest.importorskip("torch")
 ko = pytest.importorskip("kitsune.ops")
 
+import test_bad_input as bad  # noqa: E402  (its table: every op's valid arguments and reference)
+
 F = torch.nn.functional
 
 # name -> (kitsune op, reference in torch ops, input makers)
@@ -47,15 +49,49 @@ def test_cpu_reference_and_gradients_float64(name):
         assert torch.autograd.gradcheck(op, (a, b)), (name, sa, sb)
 
 
-@pytest.mark.parametrize("name", list(OPS))
-def test_opcheck(name):
-    op, _ = OPS[name]
-    g = torch.Generator().manual_seed(1)
-    a, b = _inputs(name, (4, 8), (4, 8), torch.float32, "cpu", g)
-    a.requires_grad_(), b.requires_grad_()
-    opname = {"bias_gelu_tanh": "bias_gelu"}.get(name, name)
-    args = (a, b, "tanh") if name == "bias_gelu_tanh" else (a, b)
-    torch.library.opcheck(getattr(torch.ops.kitsune, opname).default, args)
+# The layouts opcheck runs every op in: each floating input as built, as a strided view
+# with gaps (not dense), and dense with its last two dims' strides swapped (transposed).
+OPCHECK_LAYOUTS = {"as_built": lambda t: t, "strided": lambda t: bad._strided(t) if t.dim() >= 1 else t,
+                   "transposed": lambda t: bad._transposed(t) if t.dim() >= 2 else t}
+
+
+def _real_and_fake(op, args):
+    """op's results on copies of args and under FakeTensorMode (the fake kernel)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils import _pytree as pytree
+    real = op(*pytree.tree_map_only(torch.Tensor, lambda t: bad._copy(t.detach()), args))
+    with FakeTensorMode() as mode:
+        fake = op(*pytree.tree_map_only(torch.Tensor, mode.from_tensor, args))
+    return bad._leaves(real), bad._leaves(fake)
+
+
+@pytest.mark.parametrize("layout", list(OPCHECK_LAYOUTS))
+@pytest.mark.parametrize("name", sorted(bad.OPS))
+def test_opcheck(name, layout):
+    """torch.library.opcheck on every op (but the stream_* ops and pinned_empty) with the
+    valid arguments of test_bad_input's table, their floating tensors in each layout and
+    requiring grad where the op has autograd. A layout the op does not take (the
+    optimizer steps take dense parameters, cross_entropy_rescale_ a contiguous gradient)
+    must be refused by name instead. opcheck compares strides on CUDA only
+    (check_significant_strides), so the fake kernel's strides are compared with the CPU
+    kernel's here too."""
+    from torch.utils import _pytree as pytree
+    op = getattr(torch.ops.kitsune, name).default
+    f = OPCHECK_LAYOUTS[layout]
+    args = pytree.tree_map_only(torch.Tensor, lambda t: f(t) if t.is_floating_point() and t.numel() > 1 else t,
+                                bad.OPS[name].make())
+    try:
+        op(*pytree.tree_map_only(torch.Tensor, bad._copy, args))
+    except RuntimeError as e:
+        assert f"kitsune.{name}:" in str(e), e
+        assert layout != "as_built", e
+        return
+    if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Autograd"):
+        args = pytree.tree_map_only(torch.Tensor, lambda t: t.requires_grad_() if t.is_floating_point() else t, args)
+    torch.library.opcheck(op, args)
+    real, fake = _real_and_fake(op, args)
+    why = bad._same_layout(real, fake)
+    assert why is None, why
 
 
 def test_fake_tensors_give_shapes():

@@ -64,7 +64,12 @@ Ops (reference semantics):
 The dropout ops draw (seed, offset) from PyTorch's default generator of the device
 (torch.manual_seed repeats a mask) and never store the mask: the backward rebuilds it
 with the same Philox code (kitsune/philox.h); ``dropout_mask(rng, n, p, dtype)`` gives it.
-Binary ops broadcast like ``a + b``. dtypes: float32, float16, bfloat16.
+Binary ops broadcast like ``a + b``. dtypes: float32, float16, bfloat16, and float64 on
+the CPU (gradcheck) and on the ATen paths. Every op refuses an integer, bool or complex
+tensor, float64 where a CUDA kernel would read it, and tensors on two devices, with an
+error naming the op, the argument and the value: the bridge's checks (csrc/common.h),
+which each fake kernel repeats (ops/_check.py) before it promises the real kernel's
+shapes, dtypes and strides.
 
 Families (ops/<family>.py): pointwise (add_relu, mul_tanh, bias_gelu, swiglu,
 channel_bias), rms_norm, layer_norm (layer_norm_relu, add_layer_norm), cross_entropy

@@ -1,6 +1,6 @@
 """Tracing a module for the rewrite, and what makes a traced graph unsafe to stand for the
-module's forward. torch.fx.symbolic_trace runs forward once on proxies, so whatever the
-Python code decided on the way is frozen into the graph:
+module's forward. torch.fx runs forward's Python once, on proxies for the inputs and
+parameters, so whatever that code decided on the way is frozen into the graph:
 
 - `self.training`: traced again in the other mode; a graph that differs in more than
   arguments that are the mode itself (F.dropout's `training`, which become run-time
@@ -9,11 +9,15 @@ Python code decided on the way is frozen into the graph:
   takes the "given" branch forever, and a call without it then fails or computes the
   other thing. Traced again with that argument None: where the two graphs differ other
   than by the None itself, the rewrite is refused.
+- state: a buffer changed in place, a cache filled, an attribute set happen once, at
+  trace time, and never in the graph; trace() puts them back and refuses the graph.
+  BatchNorms (subclasses too) stay module calls, so their running statistics are theirs.
 - hooks on a submodule the graph inlines or fuses away never run from the graph.
+- a child its parent never calls (not_called_by) would be rewritten for nothing.
 
 A refused module is left as it is and its children are tried one by one (engine._walk).
-Tracing has side effects that _trace undoes: torch.fx stores tensors the forward makes
-as attributes `_tensor_constant<i>` of the module."""
+torch.fx also stores tensors the forward makes as attributes `_tensor_constant<i>` of
+the module: trace() takes them off and hands them to the caller."""
 import inspect
 import re
 

@@ -10,21 +10,27 @@ A case passes when the op either
   rounding allowed), an in-place op's updated tensors included.
 A wrong dtype (int64, int32, bool or complex64 where a floating tensor goes) and a mixed
 device (one tensor on meta beside CPU ones, which dispatches to the fake kernel) must
-raise; so must any input the ATen reference itself refuses. Every case without a meta
-tensor runs again with its tensors on the meta device, through the fake kernel: that must
-raise where the CPU kernel raised, and otherwise promise the CPU result's shapes, dtypes
-and strides (the significant ones: dims longer than 1).
+raise; so must any input the ATen reference itself refuses. float64 may run (the CPU
+references take it) or be refused by name. Every case without a meta tensor runs again
+under FakeTensorMode, as torch.compile traces, on fake tensors of the same device and on
+fake CUDA ones (no GPU needed): the fake kernel must raise where the real kernel raised,
+and otherwise promise its shapes, dtypes, devices and strides (the significant ones: dims
+longer than 1); a fake CUDA kernel may refuse by name only what a CUDA kernel would
+(float64 where a Kitsune kernel reads it).
 
 Derived from each op's valid arguments: the wrong dtypes (each tensor in turn, and every
 floating one at once), the mixed devices (each tensor in turn on meta), the
 non-contiguous layouts (each floating tensor in turn, and all at once, as a strided view
 with gaps and, from 2-D, as a dense transposed one). Written per op: the wrong shapes,
-the empty inputs and the 0-dim ones. CPU only; a few seconds."""
+the empty inputs and the 0-dim ones. The CPU run takes about ten seconds; on a GPU
+(marked gpu) the same cases run on CUDA tensors against the CUDA kernels."""
 import math
 from dataclasses import dataclass, field
 from typing import Callable
 
 import pytest
+
+from support import gpu
 
 torch = pytest.importorskip("torch")
 ko = pytest.importorskip("kitsune.ops")
@@ -167,7 +173,9 @@ def _fusable(params, grads):
     def laid_out(g, p):   # torch.optim takes a gradient of its parameter's shape only
         return g.shape == p.shape and ((g.is_contiguous() and p.is_contiguous()) or
                                        (g.stride() == p.stride() and _dense(p)))
-    return all(_dense(p) and laid_out(g, p) and p.dtype in FLOATS and g.dtype == p.dtype and g.device == p.device
+    def dtype_ok(p):   # the step's dtypes: the kernels' on CUDA, float64 too on the CPU
+        return p.dtype in (FLOATS[:3] if p.device.type == "cuda" else FLOATS)
+    return all(_dense(p) and laid_out(g, p) and dtype_ok(p) and g.dtype == p.dtype and g.device == p.device
                for p, g in zip(params, grads))
 
 
@@ -546,6 +554,8 @@ NOT_ENUMERATED = {"pinned_empty", "stream_fork", "stream_switch", "stream_record
 # ---- the cases --------------------------------------------------------------------------
 def _convert(t, dtype):
     """t's values as dtype: integers rounded from 3 t, bools t > 0, complex with t's real part."""
+    if dtype.is_floating_point:
+        return t.to(dtype)
     if dtype == torch.bool:
         return t > 0 if t.is_floating_point() else t != 0
     if dtype.is_complex:
@@ -612,6 +622,9 @@ def cases(name):
         if len(floats) > 1:
             out.append(Case("dtype", f"every floating tensor as {dt}",
                             _variant(op, _set_all(floats, lambda t, dt=dt: _convert(t, dt))), must_raise=not op.answers))
+    if floats:   # float64: the CPU references take it (gradcheck); on CUDA, a kernel refuses it by name
+        out.append(Case("dtype", "every floating tensor as torch.float64",
+                        _variant(op, _set_all(floats, lambda t: t.to(torch.float64)))))
     # one tensor on meta beside CPU ones (but not every device tensor on meta beside the
     # host ones: the rng of the dropout ops is a CPU tensor on every device)
     host = {i for i in slots if position[i] in op.host}
@@ -641,19 +654,29 @@ def _has_meta(args):
     return any(t.device.type == "meta" for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor))
 
 
-def _to_meta(args, host):
-    """args with every tensor on the meta device in its own strides (but the host ones)."""
-    def meta(t):
-        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-    return tuple(a if i in host else _map(a, meta) for i, a in enumerate(args))
+def _on(args, device, host, mode=None):
+    """args with their tensors on device in their own strides, but the host ones (the
+    dropout ops' rng, a CPU tensor on every device) and a mixed-device case's meta one;
+    under mode (a FakeTensorMode), every tensor fake."""
+    def move(t):
+        if t.device.type == "meta":
+            return t
+        if mode is not None:
+            with mode:
+                return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+        return _copy(t, device=device)
+    def keep(t):
+        return mode.from_tensor(t) if mode is not None else t
+    return tuple(_map(a, keep) if i in host else _map(a, move) for i, a in enumerate(args))
 
 
-def _copy(t, dtype=None):
+def _copy(t, dtype=None, device=None):
     """A copy of t in t's own strides (clone() makes a strided view contiguous: the
     references of layout-sensitive ops, optim_fusable's, must see the layout as given)."""
+    dtype, device = dtype or t.dtype, device or t.device
     if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):   # an expanded tensor: no such copy
-        return t.to(dtype or t.dtype, copy=True)
-    return torch.empty_strided(t.shape, t.stride(), dtype=dtype or t.dtype, device=t.device).copy_(t)
+        return t.to(device=device, dtype=dtype, copy=True)
+    return torch.empty_strided(t.shape, t.stride(), dtype=dtype, device=device).copy_(t)
 
 
 def _upcast(args):
@@ -695,9 +718,9 @@ def _compare(got, want, want64):
             continue
         if not isinstance(g, torch.Tensor):
             return f"result {k}: {type(g).__name__}, the reference gives a tensor"
-        if g.shape != w.shape or g.dtype != w.dtype or g.device != w.device:
-            return (f"result {k}: {g.dtype} {list(g.shape)} on {g.device}, the reference gives {w.dtype} "
-                    f"{list(w.shape)} on {w.device}")
+        if g.shape != w.shape or g.dtype != w.dtype:
+            return f"result {k}: {g.dtype} {list(g.shape)}, the reference gives {w.dtype} {list(w.shape)}"
+        g = g.detach().cpu()
         try:
             if g.is_floating_point():
                 torch.testing.assert_close(g.double(), w64.double(), rtol=RTOL, atol=ATOL, equal_nan=True)
@@ -708,27 +731,61 @@ def _compare(got, want, want64):
     return None
 
 
-def _same_layout(cpu, meta):
-    """None when the meta run's results (the fake kernel's) promise the CPU run's."""
-    if len(cpu) != len(meta):
-        return f"the fake kernel gives {len(meta)} results, the CPU kernel {len(cpu)}"
-    for k, (c, m) in enumerate(zip(cpu, meta)):
+def _same_layout(real, fake, devices=True):
+    """None when the fake kernel's results promise the real kernel's: shapes, dtypes,
+    significant strides (dims longer than 1) and, where both ran on one device, devices."""
+    if len(real) != len(fake):
+        return f"the fake kernel gives {len(fake)} results, the real kernel {len(real)}"
+    for k, (c, m) in enumerate(zip(real, fake)):
         if not isinstance(c, torch.Tensor):
             continue
-        if not isinstance(m, torch.Tensor) or m.shape != c.shape or m.dtype != c.dtype:
-            return f"result {k}: fake {getattr(m, 'dtype', m)} {list(getattr(m, 'shape', []))}, real {c.dtype} {list(c.shape)}"
+        if not isinstance(m, torch.Tensor) or m.shape != c.shape or m.dtype != c.dtype or (devices and
+                                                                                           m.device != c.device):
+            return (f"result {k}: fake {getattr(m, 'dtype', m)} {list(getattr(m, 'shape', []))} on "
+                    f"{getattr(m, 'device', '?')}, real {c.dtype} {list(c.shape)} on {c.device}")
         same, dim = torch._prims_common.check_significant_strides(c, m, only_cuda=False)
         if not same:
             return f"result {k}: fake strides {m.stride()}, real {c.stride()} (dim {dim}) for shape {list(c.shape)}"
     return None
 
 
-def run_case(name, case):
-    """'raised' or 'matched' when the case passes, else raises AssertionError saying why."""
+def _fake_run(name, args, device, ok, got, real_device):
+    """The fake kernel (FakeTensorMode, as torch.compile traces) on the case's arguments,
+    as fake tensors on device, against the real run (ok, got) on the arguments' own device:
+    it refuses what the real kernel refused, else it promises the real result. A fake CUDA
+    kernel may also refuse, by name, a dtype the CPU takes and a CUDA kernel does not
+    (float64)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    mode = FakeTensorMode()
+    fargs = _on(args, device, OPS[name].host, mode)
+    with mode:   # as under torch.compile (the C++ autograd kernels make tensors of their own)
+        fok, fgot = _attempt(getattr(K, name), *fargs)
+    what = f"the fake kernel on {device}"
+    if not ok:
+        assert not fok, f"the real kernel raised ({str(got).splitlines()[0][:160]}) but {what} answered"
+        why = _named_error(name, fgot)
+        assert why is None, f"{what} {why}"
+    elif not fok:
+        why = _named_error(name, fgot)
+        assert why is None, f"{what} {why}"
+        assert "the CUDA kernel's dtypes" in str(fgot), f"the real kernel answered but {what} raised: {fgot}"
+    else:
+        why = _same_layout(_leaves(got), _leaves(fgot), devices=device == real_device)
+        assert why is None, f"{what}: {why}"
+
+
+def run_case(name, case, device="cpu"):
+    """'raised' or 'matched' when the case passes, else raises AssertionError saying why.
+    device: where the tensors go (but the rng of the dropout ops); the references run on
+    the CPU."""
     op = OPS[name]
     args = case.build()
-    margs = None if _has_meta(args) else _to_meta(args, op.host)
-    before = _map(args, _copy)   # an in-place op's arguments before it changes them
+    if device != "cpu":
+        args = _on(args, device, op.host)
+    plain = not _has_meta(args)
+    # an in-place op's arguments before it changes them, for the reference: on the CPU
+    # (the predicate optim_fusable's on their device: it reads devices)
+    before = _map(args, lambda t: _copy(t, device="cpu" if t.device.type == device and not op.answers else None))
     ok, got = _attempt(getattr(K, name), *args)
     if not ok:
         why = _named_error(name, got)
@@ -737,7 +794,7 @@ def run_case(name, case):
     else:
         got_leaves = _leaves(got) + _mutated(op, args)
         assert not case.must_raise, f"answered bad input instead of raising: {got_leaves}"
-        ref = (lambda *a: op.ref(got, *a)) if op.with_out else op.ref
+        ref = (lambda *a: op.ref(_map(got, lambda t: t.cpu()), *a)) if op.with_out else op.ref
         # the reference on the arguments as given (shapes, dtypes), then on float64 copies (values)
         wok, want = _attempt(ref, *_map(before, _copy))
         assert wok, f"answered where the ATen reference raises ({type(want).__name__}: {want})"
@@ -746,37 +803,45 @@ def run_case(name, case):
         why = _compare(got_leaves, _leaves(want), _leaves(want64))
         assert why is None, why
         verdict = "matched"
-    if margs is not None:   # the fake kernel on the same case
-        mok, mgot = _attempt(getattr(K, name), *margs)
-        if not ok:
-            assert not mok, f"the CPU kernel raised ({str(got).splitlines()[0][:160]}) but the fake kernel answered"
-            why = _named_error(name, mgot)
-            assert why is None, f"the fake kernel {why}"
-        else:
-            assert mok, f"the CPU kernel answered but the fake kernel raised {type(mgot).__name__}: {mgot}"
-            why = _same_layout(_leaves(got), _leaves(mgot))
-            assert why is None, why
+    if plain:
+        _fake_run(name, args, device, ok, got, device)
+        if device == "cpu":   # fake CUDA tensors need no GPU: the fake kernels' CUDA rules
+            _fake_run(name, args, "cuda", ok, got, device)
     return verdict
 
 
 RESULTS = {}
 
 
-@pytest.mark.parametrize("name", sorted(OPS))
-def test_bad_input_raises_or_matches_aten(name):
-    """Every case of the op raises by name or matches its ATen reference; the fake kernel
-    agrees with the CPU kernel on each. All the op's failures are listed at once."""
+def _run_all(name, device):
     failures, counts = [], {}
     for case in cases(name):
         try:
-            verdict = run_case(name, case)
+            verdict = run_case(name, case, device)
         except AssertionError as e:
             failures.append(f"{case.category} ({case.label}): {e}")
             verdict = "wrong"
         counts.setdefault(case.category, {}).setdefault(verdict, 0)
         counts[case.category][verdict] += 1
-    RESULTS[name] = counts
-    assert not failures, f"kitsune.{name}: {len(failures)} wrong:\n" + "\n".join(failures)
+    assert not failures, f"kitsune.{name} on {device}: {len(failures)} wrong:\n" + "\n".join(failures)
+    return counts
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_bad_input_raises_or_matches_aten(name):
+    """Every case of the op on the CPU raises by name or matches its ATen reference; the
+    fake kernel agrees with the CPU kernel on each, on CPU and on (fake) CUDA tensors.
+    All the op's failures are listed at once."""
+    RESULTS[name] = _run_all(name, "cpu")
+
+
+@gpu
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_gpu_bad_input_raises_or_matches_aten(name):
+    """The same cases on CUDA tensors: the CUDA kernels refuse by name (float64 too, where
+    a Kitsune kernel would read it) or match the ATen reference, and their fake kernels
+    agree with them."""
+    _run_all(name, "cuda")
 
 
 def test_every_op_is_enumerated():

@@ -13,7 +13,7 @@ def _(x, weight, bias, act="relu"):
     op = "linear_act"
     if act not in ("relu", "gelu", "gelu_tanh", "none"):
         fail(op, f"act must be 'relu', 'gelu', 'gelu_tanh' or 'none', got '{act}'")
-    check_floats(op, {"x": x, "weight": weight, "bias": bias})
+    check_floats(op, {"x": x, "weight": weight, "bias": bias}, kernel=act in ("gelu", "gelu_tanh"))
     check(op, x.dim() >= 1 and weight.dim() == 2 and weight.shape[1] == x.shape[-1] and bias.dim() == 1 and
           bias.shape[0] == weight.shape[0],
           lambda: f"need x (..., in), weight (out, in), bias (out,); got {list(x.shape)}, {list(weight.shape)}, "

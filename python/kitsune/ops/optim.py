@@ -2,11 +2,11 @@
 sgd_capturable_ (kernels in the bridge, csrc/ops/optim.cpp; kitsune.optim's
 KitsuneOptimizer calls them). They update their lists in place and return nothing, so a
 fake kernel only checks what the real one checks: a CPU tensor beside a meta one
-reaches it, and under torch.compile it stands for the step. optim_fusable needs none:
-its composite kernel reads sizes and strides only."""
+reaches it, and under torch.compile it stands for the step. optim_fusable's answers
+from sizes, strides, dtypes and devices alone, as its composite kernel's does."""
 import torch
 
-from ._check import check_float, dense, fail
+from ._check import FLOATS, KERNEL_FLOATS, check_float, dense, fail
 
 
 def _laid_out_as(t, p):
@@ -130,3 +130,12 @@ def _(params, grads, momentum_buffers, hyper, momentum, dampening, weight_decay,
     if params:
         _check_hyper(op, hyper, params[0], 1)
         _check_found_inf(op, found_inf, params[0])
+
+
+@torch.library.register_fake("kitsune::optim_fusable")
+def _(params, grads):
+    if len(params) != len(grads):
+        fail("optim_fusable", f"{len(params)} params but {len(grads)} grads")
+    return all(not p.is_sparse and not g.is_sparse and dense(p) and _laid_out_as(g, p) and
+               p.dtype in (KERNEL_FLOATS if p.device.type == "cuda" else FLOATS) and g.dtype == p.dtype and
+               g.device == p.device for p, g in zip(params, grads))

@@ -53,7 +53,9 @@ Tensor attention_score(const Tensor& q, const Tensor& k, std::optional<double> s
 void check_linear_act(const Tensor& x, const Tensor& w, const Tensor& b, c10::string_view act) {
   TORCH_CHECK(act == "relu" || act == "gelu" || act == "gelu_tanh" || act == "none",
               "kitsune.linear_act: act must be 'relu', 'gelu', 'gelu_tanh' or 'none', got '", act, "'");
-  check_floats("linear_act", {{"x", x}, {"weight", w}, {"bias", b}});
+  // gelu and gelu_tanh go through kitsune.bias_gelu's kernel on CUDA (below), which takes
+  // the kernel's dtypes: refused here by this op's name; relu and none take float64 (ATen)
+  check_floats("linear_act", {{"x", x}, {"weight", w}, {"bias", b}}, act == "gelu" || act == "gelu_tanh");
   TORCH_CHECK(x.dim() >= 1 && w.dim() == 2 && w.size(1) == x.size(-1) && b.dim() == 1 && b.size(0) == w.size(0),
               "kitsune.linear_act: need x (..., in), weight (out, in), bias (out,); got ", x.sizes(), ", ", w.sizes(),
               ", ", b.sizes());

@@ -319,18 +319,11 @@ def test_optimize_follows_train_and_eval(arch):
                 _close(a, b, f"{'train' if training else 'eval'} output {i}")
 
 
-# Failures that are the ops' (python/kitsune/ops, csrc), not the rewrite's: expected until fixed there.
-_COMPILE_XFAIL = {
-    "tv_vit": "kitsune.add_layer_norm's CPU kernel returns the sum in its input's layout (torchvision's ViT adds "
-              "a strided view), while its fake kernel promises a contiguous one: Inductor's assert_size_stride fires",
-}
-
-
 @pytest.mark.parametrize("arch", sorted(ZOO))
-def test_compile_backend(arch, request):
-    """torch.compile(model, backend="kitsune") in eval mode: eager's outputs."""
-    if arch in _COMPILE_XFAIL:
-        request.applymarker(pytest.mark.xfail(reason=_COMPILE_XFAIL[arch], strict=False))
+def test_compile_backend(arch):
+    """torch.compile(model, backend="kitsune") in eval mode: eager's outputs (torchvision's
+    ViT adds a strided view: add_layer_norm's fake kernel must promise the real kernel's
+    layout, or Inductor's assert_size_stride fires)."""
     model, inputs, outputs = _build(arch, False)
     t0 = time.perf_counter()
     with torch.no_grad():

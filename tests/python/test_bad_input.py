@@ -74,7 +74,8 @@ class Op:
     wrong shapes, no elements and 0-dim tensors. host: argument positions that stay on
     the CPU in the meta run (rng: the CPU tensor the dropout ops take on every device).
     answers: a predicate (optim_fusable), which answers for bad dtypes and devices
-    instead of raising."""
+    instead of raising. fixed: argument positions whose dtype is the op's contract
+    (found_inf: float32), left out of the every-floating-tensor conversions."""
     make: Callable
     ref: Callable
     shapes: list = field(default_factory=list)
@@ -84,6 +85,7 @@ class Op:
     host: tuple = ()
     with_out: bool = False
     answers: bool = False
+    fixed: tuple = ()
 
 
 # ---- references: ATen compositions -----------------------------------------------------
@@ -450,7 +452,7 @@ OPS = {
                                *_adam(p, g, m, v, float(h[0]), b1, b2, eps, wd, dec,
                                       [float(h[1]) + count] * len(p)),
                                h + torch.tensor([0.0, float(count)], dtype=h.dtype)),
-                           mutates=(0, 2, 3, 4),
+                           mutates=(0, 2, 3, 4), fixed=(11,),
                            shapes=[lambda: ([r(4, 3)], [r(4, 3)], [r(4, 3)], [pos(4, 3)],
                                             torch.tensor([1e-2], dtype=torch.float64), 0.9, 0.99, 1e-8, 0.0, False,
                                             True, None),
@@ -470,7 +472,7 @@ OPS = {
     "sgd_capturable_": Op(lambda: (_lists([(4, 3), (5,)]), _lists([(4, 3), (5,)]), _lists([(4, 3), (5,)]),
                                    torch.tensor([0.1], dtype=torch.float64), 0.9, 0.1, 1e-2, False, torch.zeros(1)),
                           lambda p, g, b, h, mo, da, wd, ne, fi: _sgd(p, g, b, float(h[0]), mo, da, wd, ne, False),
-                          mutates=(0, 2),
+                          mutates=(0, 2), fixed=(8,),
                           shapes=[lambda: ([r(4, 3)], [r(4, 3)], [r(4, 3)], torch.tensor([0.1, 0.2], dtype=torch.float64),
                                            0.9, 0.0, 0.0, False, None)],
                           empty=[lambda: ([r(0)], [r(0)], [r(0)], torch.tensor([0.1], dtype=torch.float64), 0.9, 0.0,
@@ -581,6 +583,7 @@ class Case:
     label: str
     build: Callable
     must_raise: bool = False
+    cpu_must_answer: bool = False   # float64: the CPU references take it
 
 
 def _variant(op, fn):
@@ -613,18 +616,19 @@ def cases(name):
     position = [i for i, a in enumerate(args) for _ in pytree.tree_leaves(a)]   # each leaf's argument
     slots = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
     floats = [i for i in slots if leaves[i].is_floating_point()]
+    every = [i for i in floats if position[i] not in op.fixed]   # the every-floating-tensor conversions
     out = []
     for dt in BAD_DTYPES:
         for i in slots:
             if leaves[i].dtype != dt:
                 out.append(Case("dtype", f"tensor {i} as {dt}", _variant(op, _set(i, lambda t, dt=dt: _convert(t, dt))),
                                 must_raise=leaves[i].is_floating_point() and not op.answers))
-        if len(floats) > 1:
+        if len(every) > 1:
             out.append(Case("dtype", f"every floating tensor as {dt}",
-                            _variant(op, _set_all(floats, lambda t, dt=dt: _convert(t, dt))), must_raise=not op.answers))
-    if floats:   # float64: the CPU references take it (gradcheck); on CUDA, a kernel refuses it by name
+                            _variant(op, _set_all(every, lambda t, dt=dt: _convert(t, dt))), must_raise=not op.answers))
+    if every:   # float64: the CPU references take it (gradcheck); on CUDA, a kernel refuses it by name
         out.append(Case("dtype", "every floating tensor as torch.float64",
-                        _variant(op, _set_all(floats, lambda t: t.to(torch.float64)))))
+                        _variant(op, _set_all(every, lambda t: t.to(torch.float64))), cpu_must_answer=True))
     # one tensor on meta beside CPU ones (but not every device tensor on meta beside the
     # host ones: the rng of the dropout ops is a CPU tensor on every device)
     host = {i for i in slots if position[i] in op.host}
@@ -790,6 +794,7 @@ def run_case(name, case, device="cpu"):
     if not ok:
         why = _named_error(name, got)
         assert why is None, why
+        assert not (case.cpu_must_answer and device == "cpu"), f"refused what the CPU reference takes: {got}"
         verdict = "raised"
     else:
         got_leaves = _leaves(got) + _mutated(op, args)

@@ -48,9 +48,9 @@ inline Tensor as_rows(const Tensor& t) {
 // kitsune/ops/_check.py), each error naming the op, the argument and the value:
 //   a tensor that is not floating point: the CPU references computed in fp32 and cast
 //     back, so an integer tensor came back truncated, and the kernels read it as floats;
-//   float64 where a Kitsune CUDA kernel would read it (kernel = true): the kernels take
-//     fp32, fp16 and bf16; the CPU references and the ATen paths also take fp64, which
-//     gradcheck uses;
+//   float64 where a Kitsune CUDA kernel would read it (kernel = true, for a CUDA tensor):
+//     the kernels take fp32, fp16 and bf16; the CPU references and the ATen paths also
+//     take fp64, which gradcheck uses;
 //   tensors on more than one device: the CUDA kernels would read a CPU pointer, and a
 //     CPU tensor beside a meta one reaches the fake kernel, which made an empty result.
 // An argument: its name and the tensor; an undefined one (an optional not given) is
@@ -65,6 +65,7 @@ inline bool float_ok(at::ScalarType s, bool kernel) {
   return s == at::kFloat || s == at::kHalf || s == at::kBFloat16 || (s == at::kDouble && !kernel);
 }
 inline void check_float(const Tensor& t, const char* op, const char* name, bool kernel = false) {
+  kernel = kernel && t.is_cuda();
   TORCH_CHECK(float_ok(t.scalar_type(), kernel), "kitsune.", op, ": ", name, " must be ",
               kernel ? "float32, float16 or bfloat16 (the CUDA kernel's dtypes)"
                      : "floating point (float32, float16, bfloat16 or float64)",

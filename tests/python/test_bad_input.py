@@ -778,6 +778,20 @@ def _fake_run(name, args, device, ok, got, real_device):
         assert why is None, f"{what}: {why}"
 
 
+def _fake_cuda():
+    """Whether fake CUDA tensors can be made here (a torch built without CUDA cannot)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    try:
+        with FakeTensorMode():
+            torch.empty(1, device="cuda")
+        return True
+    except (RuntimeError, AssertionError):
+        return False
+
+
+FAKE_CUDA = _fake_cuda()
+
+
 def run_case(name, case, device="cpu"):
     """'raised' or 'matched' when the case passes, else raises AssertionError saying why.
     device: where the tensors go (but the rng of the dropout ops); the references run on
@@ -810,7 +824,7 @@ def run_case(name, case, device="cpu"):
         verdict = "matched"
     if plain:
         _fake_run(name, args, device, ok, got, device)
-        if device == "cpu":   # fake CUDA tensors need no GPU: the fake kernels' CUDA rules
+        if device == "cpu" and FAKE_CUDA:   # fake CUDA tensors need no GPU: the fake kernels' CUDA rules
             _fake_run(name, args, "cuda", ok, got, device)
     return verdict
 

@@ -62,7 +62,37 @@ def _decoupled(opt, group):
     return isinstance(opt, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
 
 
-_NOT_DENSE = "a sparse or non-dense parameter, or a gradient laid out otherwise than its parameter"
+def _not_fusable(params, grads):
+    """Why optim_fusable refused params/grads: the first offending parameter, named by
+    its index, and what is wrong with it (the cold path, after the C++ check said no)."""
+    kernel_dtypes = (torch.float32, torch.float16, torch.bfloat16)
+    for i, (p, g) in enumerate(zip(params, grads)):
+        what = None
+        if p.is_sparse or g.is_sparse:
+            what = "is sparse" if p.is_sparse else "has a sparse gradient"
+        elif not _dense(p):
+            what = f"is not dense (shape {tuple(p.shape)}, strides {p.stride()})"
+        elif p.dtype not in kernel_dtypes and not (p.dtype == torch.float64 and not p.is_cuda):
+            what = f"is {p.dtype}; the fused step takes float32, float16 or bfloat16"
+        elif g.dtype != p.dtype or g.device != p.device:
+            what = f"is {p.dtype} on {p.device} but its gradient is {g.dtype} on {g.device}"
+        elif g.shape != p.shape or not ((g.is_contiguous() and p.is_contiguous()) or g.stride() == p.stride()):
+            what = (f"(shape {tuple(p.shape)}, strides {p.stride()}) has a gradient laid out otherwise: "
+                    f"shape {tuple(g.shape)}, strides {g.stride()}")
+        if what is not None:
+            return f"parameter {i} of the step {what}"
+    return "a parameter the fused step cannot take"
+
+
+def _dense(t):
+    """Non-overlapping and dense, as the C++ check (a permutation of a contiguous tensor)."""
+    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1)
+    expect = 1
+    for st, sz in dims:
+        if st != expect:
+            return False
+        expect *= sz
+    return True
 
 
 # The hyperparameters a captured step bakes in as launch constants (lr and the step
@@ -396,8 +426,9 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             work.append((g, live, [p.grad for p in live], states))
         if not work:
             return None
-        if not _lib.optim_fusable([p for w in work for p in w[1]], [p for w in work for p in w[2]]):
-            return _NOT_DENSE
+        flat, flat_grads = [p for w in work for p in w[1]], [p for w in work for p in w[2]]
+        if not _lib.optim_fusable(flat, flat_grads):
+            return _not_fusable(flat, flat_grads)
         for g, live, grads, states in work:
             beta1, beta2 = g["betas"]
             decoupled = _decoupled(opt, g)
@@ -412,7 +443,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         opt = self.optimizer
         live = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
         if live and not _lib.optim_fusable(live, [p.grad for p in live]):
-            return _NOT_DENSE
+            return _not_fusable(live, [p.grad for p in live])
         for g in opt.param_groups:
             momentum = float(g["momentum"])
             buckets = {}
@@ -546,7 +577,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             refuse(why)
         flat = [p for ps in live for p in ps]
         if flat and not _lib.optim_fusable(flat, [p.grad for p in flat]):
-            refuse(_NOT_DENSE)
+            refuse(_not_fusable(flat, [p.grad for p in flat]))
         if any(p.device.type != "cuda" or p.device != flat[0].device for p in flat):
             refuse("the parameters must be on one CUDA device")
         sgd = isinstance(opt, torch.optim.SGD)

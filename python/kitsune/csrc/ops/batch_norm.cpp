@@ -98,6 +98,8 @@ std::tuple<Tensor, Tensor, Tensor> bn_relu_cuda(const Tensor& x, const Tensor* r
                                rvf.defined() ? rvf.data_ptr<float>() : nullptr,
                                ws.defined() ? ws.data_ptr<float>() : nullptr, 1, stream_of(out)),
                  op);
+  else if (training)   // an empty batch: no kernel runs, the saved statistics are defined zeros
+    mean.zero_(), invstd.zero_();
   if (rmf.defined() && !rmf.is_same(*rm)) rm->copy_(rmf);
   if (rvf.defined() && !rvf.is_same(*rv)) rv->copy_(rvf);
   return {out, mean, invstd};
@@ -176,7 +178,7 @@ BnBwd bn_relu_backward_cuda(const Tensor& grad, const Tensor& x, const Tensor& o
   Tensor gc = grad.contiguous(fmt), xc = x.contiguous(fmt), oc = out.contiguous(fmt), gx = at::empty_like(xc);
   Tensor gr = residual ? at::empty_like(xc) : Tensor();
   auto fopt = x.options().dtype(at::kFloat);
-  Tensor sum_g = at::empty({s.C}, fopt), sum_gx = at::empty({s.C}, fopt);   // every channel written
+  Tensor sum_g = at::empty({s.C}, fopt), sum_gx = at::empty({s.C}, fopt);   // every channel written below
   Tensor ws = at::empty({std::max<int64_t>(1, kt_batch_norm_workspace(s.N, s.C, s.S))}, fopt);
   Tensor wc = w && w->defined() ? w->contiguous() : Tensor();
   Tensor mf = mean.to(at::kFloat).contiguous(), isf = invstd.to(at::kFloat).contiguous();
@@ -187,6 +189,8 @@ BnBwd bn_relu_backward_cuda(const Tensor& grad, const Tensor& x, const Tensor& o
                                         mf.data_ptr<float>(), isf.data_ptr<float>(), sum_g.data_ptr<float>(),
                                         sum_gx.data_ptr<float>(), ws.data_ptr<float>(), 1, stream_of(gx)),
                  op);
+  else   // an empty batch: the weight's and bias's gradients are sums over nothing
+    sum_g.zero_(), sum_gx.zero_();
   Tensor gw = w && w->defined() ? sum_gx.to(w->scalar_type()) : at::empty({0}, x.options());
   Tensor gb = sum_g.to(x.scalar_type());
   return {gx, gr, gw, gb};

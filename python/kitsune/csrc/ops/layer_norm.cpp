@@ -76,6 +76,8 @@ std::tuple<Tensor, Tensor, Tensor> ln_backward_cuda(const Tensor& grad, const Te
                                         mean.data_ptr<float>(), rstd.data_ptr<float>(), pw, pb, 2 * n, splits, rows, n,
                                         (float)eps, relu, stream_of(gh)),
                  op);
+  else if (parts.defined())   // no rows: the parameters' gradients are sums over nothing
+    parts.zero_();
   // the written columns: both halves, or the one wanted
   // in the parameters' dtype straight from the fp32 partials where they share one (two
   // cast kernels a LayerNorm were 24 launches, 30 us of GPT's step at 81772ef,

@@ -13,9 +13,9 @@ torch.optim, and a checkpoint moves freely between the two. ``step`` runs
 same per-element code on the CPU) for torch.optim.Adam, AdamW and
 SGD, and the wrapped optimizer's own step for anything else (another optimizer,
 amsgrad, maximize, capturable, differentiable, a tensor lr, sparse or non-dense
-tensors, a gradient laid out otherwise than its parameter). Dense parameters in other
-layouts (a channels-last convolution weight) are fused when their gradients and
-states share their strides. ``get_stats()`` says which path ran and why, with measured
+tensors, a gradient with gaps). Dense parameters in other layouts (a channels-last
+convolution weight) are fused; a dense gradient in other strides than its parameter's
+is first copied into the parameter's strides, as AccumulateGrad makes it. ``get_stats()`` says which path ran and why, with measured
 times.
 """
 import time
@@ -60,6 +60,22 @@ def _why_not(opt):
 def _decoupled(opt, group):
     """Whether a group's weight decay is AdamW's (decoupled)."""
     return isinstance(opt, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
+
+
+def _conform_grads(params):
+    """Gives each parameter whose gradient is dense and of its shape, dtype and device but
+    in other strides (a channels-last weight whose convolution's cuDNN kernel returned an
+    NCHW gradient: torchvision ResNet-18's last 3 x 3 convolutions on 32 x 32 images, 1 x 1
+    activations there) a copy of the gradient in the parameter's own strides, as
+    AccumulateGrad would have made it, so the fused step takes it instead of falling back."""
+    with torch.no_grad():
+        for p in params:
+            g = p.grad
+            if (g is None or g.is_sparse or p.is_sparse or g.shape != p.shape or g.dtype != p.dtype
+                    or g.device != p.device or g.stride() == p.stride() or (g.is_contiguous() and p.is_contiguous())
+                    or not _dense(p) or not _dense(g)):
+                continue
+            p.grad = torch.empty_like(p, memory_format=torch.preserve_format).copy_(g)
 
 
 def _not_fusable(params, grads):
@@ -169,6 +185,7 @@ class _InBackward:
     def _ready(self, p):
         if p.grad is None:   # autograd runs the hook for a None gradient too; a late one is finish's
             return
+        _conform_grads([p])   # before the event below, on the stream that made the gradient
         if p.is_cuda:
             here = torch.cuda.current_stream(p.device)
             self.ready_on[here.cuda_stream] = here.record_event()
@@ -417,6 +434,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             live = [p for p in g["params"] if p.grad is not None]
             if not live:
                 continue
+            _conform_grads(live)
             states = [opt.state[p] for p in live]
             for p, st in zip(live, states):
                 if len(st) == 0:   # as torch.optim.Adam initialises it (non-capturable)
@@ -442,6 +460,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         """Returns the reason when the step cannot be fused (nothing stepped), else None."""
         opt = self.optimizer
         live = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        _conform_grads(live)
         if live and not _lib.optim_fusable(live, [p.grad for p in live]):
             return _not_fusable(live, [p.grad for p in live])
         for g in opt.param_groups:
@@ -576,6 +595,8 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         if why is not None:
             refuse(why)
         flat = [p for ps in live for p in ps]
+        if bind:   # on the stream the update runs on (an in-backward bucket's were conformed by its hook)
+            _conform_grads(flat)
         if flat and not _lib.optim_fusable(flat, [p.grad for p in flat]):
             refuse(_not_fusable(flat, [p.grad for p in flat]))
         if any(p.device.type != "cuda" or p.device != flat[0].device for p in flat):

@@ -151,29 +151,37 @@ def test_unsupported_options_fall_back_with_the_reason():
 
 
 @pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.SGD])
-def test_non_contiguous_gradient_falls_back_whole(cls):
-    """A non-contiguous gradient in the second group: the step falls back to
-    torch.optim for both groups (the first is not fused ahead of the check)."""
+def test_non_dense_gradient_falls_back_whole(cls):
+    """A gradient with gaps (a strided slice) in the second group: the step falls back to
+    torch.optim for both groups (the first is not fused ahead of the check), naming it.
+    A transposed gradient (dense, other strides) is copied into its parameter's strides,
+    as AccumulateGrad would, and fused."""
     g = torch.Generator().manual_seed(3)
     a = [torch.randn(8, 4, generator=g), torch.randn(4, 8, generator=g)]
     b = [t.clone() for t in a]
     kw = dict(lr=0.1, momentum=0.9) if cls is torch.optim.SGD else dict(lr=0.1)
     ka = KitsuneOptimizer(cls, [{"params": [a[0]]}, {"params": [a[1]], "lr": 0.05}], **kw)
     tb = cls([{"params": [b[0]]}, {"params": [b[1]], "lr": 0.05}], **kw)
-    for step in range(3):
-        for x, y in zip(a, b):
-            gr = torch.randn(x.shape[::-1], generator=g).t()   # non-contiguous at step 1
-            x.grad = gr if step == 1 else gr.contiguous()
+    for step in range(4):
+        for i, (x, y) in enumerate(zip(a, b)):
+            gr = torch.randn(x.shape[::-1], generator=g).t()   # transposed: dense, not contiguous
+            if step == 1 and i == 1:   # gaps between elements
+                gr = torch.randn(x.shape[0], 2 * x.shape[1], generator=g)[:, ::2]
+            x.grad = gr if step in (1, 2) else gr.contiguous()
             y.grad = gr.clone()
         ka.step()
         tb.step()
-        want = ("torch.optim (parameter 0 of the step (shape (8, 4), strides (4, 1)) has a gradient laid out "
-                "otherwise: shape (8, 4), strides (1, 8))" if step == 1 else "fused")
+        want = "fused"
+        if step == 1:
+            want = ("torch.optim (parameter 1 of the step (shape (4, 8), strides (8, 1)) has a gradient laid out "
+                    "otherwise: shape (4, 8), strides (16, 2))")
         assert ka.get_stats()["path"] == want, step
+        if step == 2:   # the transposed gradients, conformed
+            assert [x.grad.stride() for x in a] == [x.stride() for x in a]
         for x, y in zip(a, b):
             torch.testing.assert_close(x, y)
     if cls is torch.optim.AdamW:   # the step counts, kept by the fused path and torch.optim alike
-        assert [float(ka.state[p]["step"]) for p in a] == [3.0, 3.0]
+        assert [float(ka.state[p]["step"]) for p in a] == [4.0, 4.0]
 
 
 @pytest.mark.parametrize("device,dtype,tol", [("cpu", torch.float64, 1e-12),
@@ -183,8 +191,8 @@ def test_non_contiguous_gradient_falls_back_whole(cls):
 def test_channels_last_weights_are_fused(cls, kw, device, dtype, tol):
     """Convolution weights in channels-last memory (model.to(memory_format=
     torch.channels_last)) with gradients and states in the same strides take the fused
-    step and equal torch.optim; a gradient in another layout than its weight falls
-    back for the step, naming why; fused states keep the weights' layout."""
+    step and equal torch.optim; a gradient in another layout than its weight
+    is copied into the weight's strides and fused; fused states keep the weights' layout."""
     g = torch.Generator().manual_seed(8)
     conv = lambda: torch.randn(16, 8, 3, 3, generator=g, dtype=dtype).to(device)  # noqa: E731
     a = [conv().contiguous(memory_format=torch.channels_last), torch.randn(5, 7, generator=g, dtype=dtype).to(device)]
@@ -198,10 +206,10 @@ def test_channels_last_weights_are_fused(cls, kw, device, dtype, tol):
             y.grad = gr.clone()
         ka.step()
         tb.step()
-        want = "fused" if step != 2 else \
-            ("torch.optim (parameter 0 of the step (shape (16, 8, 3, 3), strides (72, 1, 24, 8)) has a gradient "
-             "laid out otherwise: shape (16, 8, 3, 3), strides (72, 9, 3, 1))")
-        assert ka.get_stats()["path"] == want, step
+        # step 2's NCHW gradient of the channels-last weight is copied into the weight's
+        # strides (as AccumulateGrad would) and fused
+        assert ka.get_stats()["path"] == "fused", step
+        assert a[0].grad.stride() == a[0].stride()
         for x, y in zip(a, b):
             torch.testing.assert_close(x, y, rtol=tol, atol=tol)
     assert a[0].is_contiguous(memory_format=torch.channels_last)

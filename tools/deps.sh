@@ -54,6 +54,9 @@ have torchvision || { pip_install --no-deps "torchvision==0.26.0"; have PIL || p
 # change, so it goes in with --no-deps and its other needs by name
 have transformers || pip_install "transformers==5.17.0"
 have timm || { pip_install --no-deps "timm==1.0.31"; pip_install pyyaml "huggingface_hub>=1.5,<2" safetensors; }
+# accelerate: Hugging Face's Trainer needs it (tests/python/test_training_loops.py); --no-deps
+# for the same reason as timm
+have accelerate || { pip_install --no-deps "accelerate==1.12.0"; pip_install psutil pyyaml; }
 # Kitsune itself, editable, from this checkout: its torch.compile backend is an entry point
 "$py" - "$PWD" <<'PY' 2>/dev/null || {
 import importlib.metadata as m, json, os, sys

@@ -91,8 +91,10 @@ class _Capture:
     def _in_backward(self):
         """The optimizer's update, inside the capture, overlapping the backward
         (KitsuneOptimizer.capture_in_backward on a stream of this step's), or None:
-        off, or gradient clipping or loss scaling, which need every gradient first."""
-        if not self.optimizer_in_backward or self.max_grad_norm is not None or self.optimizer.enable_amp:
+        off, or gradient clipping, loss scaling or micro-batches, which need every
+        gradient first."""
+        if (not self.optimizer_in_backward or self.max_grad_norm is not None or self.optimizer.enable_amp
+                or self.micro_batches > 1):   # a gradient is final after the last micro-batch only
             return None
         if self._opt_stream is None:
             self._opt_stream = torch.cuda.Stream(self._side.device)

@@ -34,7 +34,7 @@ class CompiledStep(_Capture, _MemoryPlanning, _ConvGradTrials, _ChannelsLast):
 
     def __init__(self, model, loss_fn, optimizer, *, max_shapes=8, autocast_dtype=None, max_grad_norm=None,
                  streams=4, channels_last=None, plan_memory=None, stream_costs=None, fuse_loss=True,
-                 optimizer_in_backward=True):
+                 optimizer_in_backward=True, micro_batches=1):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"compile_step: model must be a torch.nn.Module, got {type(model).__name__}")
         if loss_fn is not None and not callable(loss_fn):
@@ -64,6 +64,9 @@ class CompiledStep(_Capture, _MemoryPlanning, _ConvGradTrials, _ChannelsLast):
             raise ValueError(f"compile_step: optimizer_in_backward must be True or False, got "
                              f"{optimizer_in_backward!r}")
         self.optimizer_in_backward = optimizer_in_backward
+        if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+            raise ValueError(f"compile_step: micro_batches must be an int >= 1, got {micro_batches!r}")
+        self.micro_batches = micro_batches
         self._opt_stream = None   # the stream the update runs on during the backward (capture_in_backward)
         self._ib_launches = 0   # the last capture's optimizer launches during the backward
         self._loss_info = {"fused_loss": 0, "fused_loss_left": []}   # the last step's FusedLoss counts
@@ -116,12 +119,16 @@ class CompiledStep(_Capture, _MemoryPlanning, _ConvGradTrials, _ChannelsLast):
         if self.loss_fn is not None and len(batch) < 2:
             raise TypeError(f"compile_step: a step takes the model's inputs and then the target; got {len(batch)} "
                             f"argument(s)")
+        if self.micro_batches > 1:
+            _check_micro_batches(batch, self.micro_batches)
         if self._reason is not None:
             return self._eager(batch)
         if len(self.optimizer.param_groups) != self._groups:   # their device rows were sized for the old groups
             self._graphs.clear()
             self._groups = len(self.optimizer.param_groups)
-        key = _signature(batch)
+        # the model's mode keys the graph too: a step after model.eval() (BatchNorm's
+        # running statistics, no dropout) is not the train-mode graph's
+        key = (_signature(batch), self.model.training)
         g = self._graphs.get(key)
         if g is None:
             return self._first(key, batch)
@@ -149,7 +156,25 @@ class CompiledStep(_Capture, _MemoryPlanning, _ConvGradTrials, _ChannelsLast):
         return g.loss.clone()
 
     def _forward_backward(self, batch, model=None, clip=True):
+        """The forward, loss and backward of the step (every micro-batch's, gradients
+        accumulating, each loss divided by their number), then clipping; returns the
+        loss (the micro-batches' mean)."""
         model = self.model if model is None else model
+        k = self.micro_batches
+        if k == 1:
+            loss = self._micro_step(batch, model, 1)
+        else:
+            parts = [b.chunk(k) if isinstance(b, torch.Tensor) and b.dim() > 0 else (b,) * k for b in batch]
+            loss = sum(self._micro_step(tuple(p[i] for p in parts), model, k) for i in range(k)) / k
+        if self.max_grad_norm is not None and clip:
+            if self.optimizer.enable_amp:
+                self.optimizer.unscale_()
+            params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm, foreach=True)
+        return loss
+
+    def _micro_step(self, batch, model, k):
+        """One forward, loss and backward of (loss / k); returns the loss, detached."""
         inputs, target = (batch[:-1], batch[-1]) if self.loss_fn is not None else (batch, None)
         amp = (torch.autocast("cuda", dtype=self.autocast_dtype, cache_enabled=False)   # no cache across a capture
                if self.autocast_dtype is not None else contextlib.nullcontext())
@@ -166,13 +191,8 @@ class CompiledStep(_Capture, _MemoryPlanning, _ConvGradTrials, _ChannelsLast):
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError(f"compile_step: the loss must be a one-element tensor, got "
                             f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}")
-        amp = self.optimizer.enable_amp
-        (self.optimizer.scale(loss) if amp else loss).backward()
-        if self.max_grad_norm is not None and clip:
-            if amp:
-                self.optimizer.unscale_()
-            params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
-            torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm, foreach=True)
+        scaled = loss / k if k > 1 else loss
+        (self.optimizer.scale(scaled) if self.optimizer.enable_amp else scaled).backward()
         return loss.detach()
 
     def _eager(self, batch, model=None, rise=False):
@@ -370,6 +390,15 @@ class CompiledStep(_Capture, _MemoryPlanning, _ConvGradTrials, _ChannelsLast):
                     conv_grads=dict(self._conv_grads) if self._conv_grads else None)
 
 
+def _check_micro_batches(batch, k):
+    """Every tensor of the batch with dimensions splits into k equal micro-batches along
+    its first (ValueError naming the item and its size otherwise)."""
+    for i, b in enumerate(batch):
+        if isinstance(b, torch.Tensor) and b.dim() > 0 and b.shape[0] % k:
+            raise ValueError(f"compile_step: batch item {i} has {b.shape[0]} rows along dim 0, which "
+                             f"micro_batches={k} does not divide")
+
+
 def _signature(batch):
     key = []
     for i, b in enumerate(batch):
@@ -386,10 +415,11 @@ def _signature(batch):
 
 
 def compile_step(model, loss_fn, optimizer, *, max_shapes=8, autocast_dtype=None, max_grad_norm=None, streams=4,
-                 channels_last=None, plan_memory=None, stream_costs=None, fuse_loss=True, optimizer_in_backward=True):
+                 channels_last=None, plan_memory=None, stream_costs=None, fuse_loss=True, optimizer_in_backward=True,
+                 micro_batches=1):
     """A callable ``step(*batch) -> loss`` running the whole training step as a CUDA
     graph; see kitsune.graph."""
     return CompiledStep(model, loss_fn, optimizer, max_shapes=max_shapes, autocast_dtype=autocast_dtype,
                         max_grad_norm=max_grad_norm, streams=streams, channels_last=channels_last,
                         plan_memory=plan_memory, stream_costs=stream_costs, fuse_loss=fuse_loss,
-                        optimizer_in_backward=optimizer_in_backward)
+                        optimizer_in_backward=optimizer_in_backward, micro_batches=micro_batches)

@@ -172,3 +172,29 @@ def test_hugging_face_trainer_with_optimize_and_kitsune_optimizer():
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
     st = opt.get_stats()
     assert st["steps"] == steps and st["fused_steps"] == steps and st["path"] == "fused", st
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_new_shapes_after_the_graphs_overflow_are_captured_when_they_come_back():
+    """Batches of changing size with max_shapes=2 (dynamic padding's changing sequence
+    lengths): once a graph was dropped, a signature met for the first time runs one eager
+    step (one warning says so), is captured when it comes back, and the training is the
+    eager loop's throughout."""
+    a = _mlp().cuda()
+    b = copy.deepcopy(a)
+    g = torch.Generator().manual_seed(5)
+    rows = [8, 16, 24, 32, 32, 8, 40, 48, 40, 40]
+    batches = [(torch.randn(r, 12, generator=g).cuda(), torch.randint(0, 5, (r,), generator=g).cuda()) for r in rows]
+    oa = KitsuneOptimizer(torch.optim.AdamW, a.parameters(), lr=1e-2)
+    ob = torch.optim.AdamW(b.parameters(), lr=1e-2)
+    step = kitsune.compile_step(a, F.cross_entropy, oa, max_shapes=2)
+    with pytest.warns(UserWarning, match="more batch signatures than max_shapes=2") as caught:
+        got = torch.stack([step(x, y) for x, y in batches])
+    assert sum("max_shapes" in str(w.message) for w in caught) == 1
+    want = _accumulated_by_hand(b, ob, batches, 1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    st = step.stats()
+    # captured: 8, 16, 24 (8 dropped), 32 on its return, 8 (seen before), 40 on its return;
+    # eager once each: 32, 40, 48 (new after the first drop)
+    assert st["uncaptured_steps"] == 3 and st["captures"] == 6 and st["replays"] == 1, st

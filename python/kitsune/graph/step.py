@@ -88,7 +88,9 @@ class CompiledStep(_Capture, _MemoryPlanning, _ConvGradTrials, _ChannelsLast):
         self._groups = len(optimizer.param_groups)
         self._reason = None
         self._n = {"replays": 0, "eager_steps": 0, "captures": 0, "evictions": 0, "recaptures": 0,
-                   "memsets_replaced": 0}
+                   "memsets_replaced": 0, "uncaptured_steps": 0}
+        # the signatures met lately (after a graph was dropped, a new one is captured when it comes back)
+        self._seen = collections.OrderedDict()
         self._setup_s = 0.0
         # setup_s by phase (host seconds; _phase): the eager warm-up step, the stream plan,
         # the convolution-gradient trials, the captures (recording, planning, the graph)
@@ -131,6 +133,8 @@ class CompiledStep(_Capture, _MemoryPlanning, _ConvGradTrials, _ChannelsLast):
         key = (_signature(batch), self.model.training)
         g = self._graphs.get(key)
         if g is None:
+            if self._n["evictions"] and key not in self._seen:
+                return self._seen_once(key, batch)
             return self._first(key, batch)
         if not self.optimizer.sync_hyper(g.plan):   # betas, weight decay, ... changed: capture again
             del self._graphs[key]
@@ -212,6 +216,23 @@ class CompiledStep(_Capture, _MemoryPlanning, _ConvGradTrials, _ChannelsLast):
         self._n["eager_steps"] += 1
         return loss
 
+    def _seen_once(self, key, batch):
+        """A signature met for the first time after the graphs overflowed max_shapes (the
+        sequence lengths of dynamically padded batches): an eager step, no capture. It is
+        captured if it comes back, so a few recurring shapes end up replayed while a
+        stream of new ones costs an eager step each, not an eager step and a capture
+        that is dropped before its first replay."""
+        self._seen[key] = None
+        while len(self._seen) > 64 * self.max_shapes:
+            self._seen.popitem(last=False)
+        if not self._n["uncaptured_steps"]:
+            warnings.warn(f"kitsune.compile_step: more batch signatures than max_shapes={self.max_shapes}; new "
+                          f"ones now run eagerly and are captured when they come back. Pad batches to a few "
+                          f"shapes (docs/compile-step.md, dynamic shapes) or raise max_shapes to replay every step",
+                          stacklevel=3)
+        self._n["uncaptured_steps"] += 1
+        return self._eager(batch)
+
     # ---- the first step of a signature ----
     def _first(self, key, batch):
         """The first step of a signature: eager on the capture stream, then the capture
@@ -220,6 +241,8 @@ class CompiledStep(_Capture, _MemoryPlanning, _ConvGradTrials, _ChannelsLast):
             return self._first_locked(key, batch)
 
     def _first_locked(self, key, batch):
+        self._seen[key] = None
+        self._seen.move_to_end(key)
         why = self._capture_blocker(batch)
         if why is not None:
             self._fall_back(why)

@@ -4,7 +4,8 @@
 #                   PYTEST_ARGS="tests/python/test_ops.py -k add_relu" narrows pytest
 #   make deps       what build and tests need, idempotent: Debian packages (apt-get,
 #                   said before it runs), the private jemalloc, and a virtual
-#                   environment .venv (VENV=...) with pytest, torch and Kitsune itself
+#                   environment .venv (VENV=...) with pytest, torch, torchvision,
+#                   transformers, timm, accelerate and Kitsune itself
 #                   (editable); nothing is pip-installed into the system Python
 #   make all        build/libkitsune.so (+ static lib, tests, benchmarks, the torch bridge)
 #   make lib        build/libkitsune.so alone (the C core and the CUDA kernels)

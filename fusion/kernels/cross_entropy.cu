@@ -155,10 +155,12 @@ __global__ void ce_finish(const float *loss, const int64_t *target, int64_t rows
   else *scale = (grad ? kt::to_f(*grad) : 1.f) / r.v[1];
 }
 
+// MEAN or SCALE by the output asked for (out), not by loss: with no rows loss is NULL
+// and the mean still has to be written (NaN).
 template <typename T>
 kt_status finish(const float *loss, const int64_t *target, int64_t rows, int64_t ignore, const void *grad, void *out,
                  float *scale, cudaStream_t s) {
-  if (loss) ce_finish<T, true><<<1, 1024, 0, s>>>(loss, target, rows, ignore, nullptr, (T *)out, nullptr);
+  if (out) ce_finish<T, true><<<1, 1024, 0, s>>>(loss, target, rows, ignore, nullptr, (T *)out, nullptr);
   else ce_finish<T, false><<<1, 1024, 0, s>>>(nullptr, target, rows, ignore, (const T *)grad, nullptr, scale);
   return kt::status_of(cudaGetLastError());
 }
@@ -208,7 +210,9 @@ template <typename T> kt_status rescale(void *g, int64_t n, const float *by, cud
 extern "C" kt_status kt_cross_entropy(kt_dtype t, const void *logits, const int64_t *target, float *loss, void *grad,
                                       const float *grad_scale, int64_t rows, int64_t C, int64_t ld,
                                       int64_t ignore_index, float label_smoothing, void *stream) {
-  if (rows < 0 || rows > 0x7fffffff || C <= 0 || ld < C || !logits || !target || (!loss && !grad)) return KT_ERR_INVALID;
+  // no rows: nothing to read or write (the tensors are empty, their pointers NULL)
+  if (rows < 0 || rows > 0x7fffffff || C <= 0 || ld < C || (rows && (!logits || !target || (!loss && !grad))))
+    return KT_ERR_INVALID;
   if (!(label_smoothing >= 0.f && label_smoothing <= 1.f)) return KT_ERR_INVALID;
   if (grad && ((uintptr_t)grad & 15) != ((uintptr_t)logits & 15)) return KT_ERR_INVALID;
   if (rows == 0) return KT_OK;

@@ -161,7 +161,7 @@ bool bad(int64_t n, double p) { return n < 0 || !(p >= 0 && p <= 1); }
 
 extern "C" kt_status kt_gelu_dropout(kt_dtype t, const void *x, void *out, int64_t n, double p, uint64_t seed,
                                      uint64_t offset, int approximate, void *stream) {
-  if (bad(n, p) || !x || !out) return KT_ERR_INVALID;
+  if (bad(n, p) || (n && (!x || !out))) return KT_ERR_INVALID;   // an empty tensor's pointer is NULL
   if (!n) return KT_OK;
   KT_DISPATCH(t, (run<T, 1>({x}, nullptr, 1, out, n, rng_of<T>(seed, offset, p), GeluDropout<T>{approximate},
                             (cudaStream_t)stream)))
@@ -170,7 +170,7 @@ extern "C" kt_status kt_gelu_dropout(kt_dtype t, const void *x, void *out, int64
 extern "C" kt_status kt_gelu_dropout_backward(kt_dtype t, const void *grad, const void *x, void *grad_x, int64_t n,
                                               double p, uint64_t seed, uint64_t offset, int approximate,
                                               void *stream) {
-  if (bad(n, p) || !grad || !x || !grad_x) return KT_ERR_INVALID;
+  if (bad(n, p) || (n && (!grad || !x || !grad_x))) return KT_ERR_INVALID;
   if (!n) return KT_OK;
   KT_DISPATCH(t, (run<T, 2>({grad, x}, nullptr, 1, grad_x, n, rng_of<T>(seed, offset, p),
                             GeluDropoutBackward<T>{approximate}, (cudaStream_t)stream)))
@@ -179,15 +179,16 @@ extern "C" kt_status kt_gelu_dropout_backward(kt_dtype t, const void *grad, cons
 extern "C" kt_status kt_bias_dropout_add(kt_dtype t, const void *x, const void *bias, const void *residual, void *out,
                                          int64_t n, int64_t nbias, double p, uint64_t seed, uint64_t offset,
                                          void *stream) {
-  if (bad(n, p) || !x || !bias || !residual || !out || nbias <= 0 || (n % nbias)) return KT_ERR_INVALID;
-  if (!n) return KT_OK;
+  if (bad(n, p) || nbias < 0) return KT_ERR_INVALID;
+  if (!n) return KT_OK;   // nothing to write (x of no columns has an empty bias: nbias 0)
+  if (!x || !bias || !residual || !out || nbias == 0 || (n % nbias)) return KT_ERR_INVALID;
   KT_DISPATCH(t, (run<T, 2>({x, residual}, bias, nbias, out, n, rng_of<T>(seed, offset, p), BiasDropoutAdd{},
                             (cudaStream_t)stream)))
 }
 
 extern "C" kt_status kt_dropout_backward(kt_dtype t, const void *grad, void *grad_x, int64_t n, double p, uint64_t seed,
                                          uint64_t offset, void *stream) {
-  if (bad(n, p) || !grad || !grad_x) return KT_ERR_INVALID;
+  if (bad(n, p) || (n && (!grad || !grad_x))) return KT_ERR_INVALID;
   if (!n) return KT_OK;
   KT_DISPATCH(t, (run<T, 1>({grad}, nullptr, 1, grad_x, n, rng_of<T>(seed, offset, p), DropoutBackward{},
                             (cudaStream_t)stream)))

@@ -111,10 +111,12 @@ extern "C" kt_status kt_embedding_backward(kt_dtype t, const void *grad, const i
                                            int64_t dim, int64_t rows, int64_t padding_idx, void *grad_weight,
                                            void *workspace, int64_t workspace_bytes, void *stream) {
   const int64_t need = kt_embedding_backward_workspace(n, rows);
-  if (need < 0 || dim <= 0 || dim > 0x7fffffff || !grad_weight || (n > 0 && (!grad || !indices)) ||
+  // dim 0: grad and grad_weight are empty (NULL pointers), nothing to write
+  if (need < 0 || dim < 0 || dim > 0x7fffffff || (dim && !grad_weight) || (n > 0 && (!indices || (dim && !grad))) ||
       workspace_bytes < need || (need > 0 && !workspace) || ((uintptr_t)workspace & 255))
     return KT_ERR_INVALID;
   if ((dim + 127) / 128 > 65535) return KT_ERR_INVALID;   // the column tiles of grid.y
+  if (dim == 0) return KT_OK;
   const int64_t cub_size = n ? workspace_bytes - 4 * align256(n * 4) : 0;
   KT_DISPATCH(t, emb_backward<T>(grad, indices, n, dim, rows, padding_idx, grad_weight, (char *)workspace, cub_size,
                                  (cudaStream_t)stream))

@@ -520,7 +520,7 @@ extern "C" int64_t kt_layer_norm_backward_splits(kt_dtype t, int64_t rows, int64
 extern "C" kt_status kt_layer_norm(kt_dtype t, const void *x, const void *residual, const void *weight,
                                    const void *bias, void *sum_out, void *y, int64_t rows, int64_t n, float eps,
                                    int relu, void *stream) {
-  if (bad(rows, n, eps) || !x || !y || (sum_out && !residual)) return KT_ERR_INVALID;
+  if (bad(rows, n, eps) || (rows && (!x || !y)) || (sum_out && !residual)) return KT_ERR_INVALID;   // no rows: NULLs
   if (rows == 0) return KT_OK;
   cudaStream_t s = (cudaStream_t)stream;
   KT_DISPATCH(t, fwd<T>(x, residual, weight, bias, sum_out, y, rows, n, eps, relu, s))
@@ -531,7 +531,9 @@ extern "C" kt_status kt_layer_norm_backward(kt_dtype t, const void *grad, const 
                                             float *rstd, float *partial_w, float *partial_b, int64_t partial_ld,
                                             int64_t splits, int64_t rows, int64_t n, float eps, int relu,
                                             void *stream) {
-  if (bad(rows, n, eps) || !grad || !h || !grad_h || !mean || !rstd || splits < 1 || splits > 65535 ||
+  // no rows: the row tensors are empty (NULL pointers) and nothing is written, the
+  // partials included (the caller's sums over no rows are zeros)
+  if (bad(rows, n, eps) || (rows && (!grad || !h || !grad_h || !mean || !rstd)) || splits < 1 || splits > 65535 ||
       ((partial_w || partial_b) && partial_ld < n))
     return KT_ERR_INVALID;
   if ((partial_w && !weight) || (partial_b && !bias)) return KT_ERR_INVALID;
@@ -544,8 +546,9 @@ extern "C" kt_status kt_layer_norm_backward(kt_dtype t, const void *grad, const 
 extern "C" kt_status kt_layer_norm_param_grads(kt_dtype t, const void *grad, const void *h, const float *mean,
                                                const float *rstd, float *partial_w, float *partial_b, int64_t splits,
                                                int64_t rows, int64_t n, void *stream) {
-  if (rows < 0 || n <= 0 || !grad || !h || !rstd || (!partial_w && !partial_b) || splits < 1 || splits > 65535)
+  if (rows < 0 || n <= 0 || (rows && (!grad || !h || !rstd)) || (!partial_w && !partial_b) || splits < 1 ||
+      splits > 65535)
     return KT_ERR_INVALID;
-  if (rows == 0) return KT_OK;
+  if (rows == 0) return KT_OK;   // as kt_layer_norm_backward: the partials are not written
   KT_DISPATCH(t, param_grads<T>(grad, h, mean, rstd, partial_w, partial_b, splits, rows, n, (cudaStream_t)stream))
 }

@@ -128,7 +128,9 @@ template <typename T> struct BiasAct {   // x = (x, bias): x + bias, then relu w
 // ---- launchers ----
 extern "C" kt_status kt_bias_act(kt_dtype t, const void *x, const void *bias, void *out, int64_t n, int64_t nbias,
                                  int relu, void *stream) {
-  if (!bias || nbias <= 0 || (n % nbias) != 0 || (relu != 0 && relu != 1)) return KT_ERR_INVALID;
+  if (n < 0 || nbias < 0 || (relu != 0 && relu != 1)) return KT_ERR_INVALID;
+  if (!n) return KT_OK;   // nothing to write (x of no columns has an empty bias: NULL, nbias 0)
+  if (!bias || nbias == 0 || (n % nbias) != 0) return KT_ERR_INVALID;
   const void *in[1] = {x};
   void *o[1] = {out};
   return kt::launch<BiasAct, 1, 1>(t, in, o, n, bias, nbias, stream, relu);
@@ -136,7 +138,9 @@ extern "C" kt_status kt_bias_act(kt_dtype t, const void *x, const void *bias, vo
 
 extern "C" kt_status kt_bias_gelu(kt_dtype t, const void *x, const void *bias, void *out, int64_t n, int64_t nbias,
                                   int approximate, void *stream) {
-  if (!bias || nbias <= 0 || (n % nbias) != 0 || (approximate != 0 && approximate != 1)) return KT_ERR_INVALID;
+  if (n < 0 || nbias < 0 || (approximate != 0 && approximate != 1)) return KT_ERR_INVALID;
+  if (!n) return KT_OK;   // as kt_bias_act
+  if (!bias || nbias == 0 || (n % nbias) != 0) return KT_ERR_INVALID;
   const void *in[1] = {x};
   void *o[1] = {out};
   return kt::launch<BiasGelu, 1, 1>(t, in, o, n, bias, nbias, stream, approximate);

@@ -302,7 +302,10 @@ extern "C" int64_t kt_reduce_workspace(int64_t rows, int64_t n) {
 
 extern "C" kt_status kt_reduce(kt_dtype t, int op, const void *x, void *out, float *workspace, int64_t rows,
                                int64_t n, void *stream) {
-  if (rows < 0 || rows > 0x7fffffff || n <= 0 || !x || !out || (op != KT_REDUCE_SUM_SQUARED && op != KT_REDUCE_MEAN_ABS))
+  // no rows: nothing to write (x and out are empty, their pointers NULL); n = 0 stays
+  // refused: its rows' results (0, or NaN for the mean) are the caller's to write
+  if (rows < 0 || rows > 0x7fffffff || n <= 0 || (rows && (!x || !out)) ||
+      (op != KT_REDUCE_SUM_SQUARED && op != KT_REDUCE_MEAN_ABS))
     return KT_ERR_INVALID;
   if (kt_reduce_workspace(rows, n) && !workspace) return KT_ERR_INVALID;
   if (rows == 0) return KT_OK;
@@ -322,9 +325,10 @@ extern "C" int64_t kt_colsum_workspace(kt_dtype t, int64_t rows, int64_t cols) {
 static kt_status colsum_entry(kt_dtype t, kt_dtype out_t, const void *x, void *out, float *workspace, int64_t rows,
                               int64_t cols, int64_t ld, void *stream, int g, const void *m, void *gx,
                               const void *bias) {
-  if (rows < 0 || cols <= 0 || ld < cols || !x || !out) return KT_ERR_INVALID;
+  // no rows: x, m and gx are empty (NULL pointers); out still gets its zeros
+  if (rows < 0 || cols <= 0 || ld < cols || (rows && !x) || !out) return KT_ERR_INVALID;
   if (t != KT_F32 && t != KT_F16 && t != KT_BF16) return KT_ERR_INVALID;
-  if (g != G_NONE && (!m || !gx)) return KT_ERR_INVALID;
+  if (g != G_NONE && rows && (!m || !gx)) return KT_ERR_INVALID;
   const bool narrow = t == KT_F32 && (out_t == KT_F16 || out_t == KT_BF16);
   if (out_t != t && out_t != KT_F32 && !narrow) return KT_ERR_INVALID;
   if (narrow && g != G_NONE) return KT_ERR_INVALID;

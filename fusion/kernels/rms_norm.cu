@@ -138,7 +138,7 @@ bool bad(int64_t rows, int64_t n, float eps) { return rows < 0 || rows > 0x7ffff
 // ---- launchers ----
 extern "C" kt_status kt_rms_norm(kt_dtype t, const void *x, const void *w, void *y, int64_t rows, int64_t n, float eps,
                                  void *stream) {
-  if (bad(rows, n, eps) || !x || !w || !y) return KT_ERR_INVALID;
+  if (bad(rows, n, eps) || !w || (rows && (!x || !y))) return KT_ERR_INVALID;   // no rows: x, y empty (NULL)
   if (rows == 0) return KT_OK;
   cudaStream_t s = (cudaStream_t)stream;
   KT_DISPATCH(t, fwd<T>(x, w, y, rows, n, eps, s))
@@ -146,7 +146,7 @@ extern "C" kt_status kt_rms_norm(kt_dtype t, const void *x, const void *w, void 
 
 extern "C" kt_status kt_rms_norm_backward(kt_dtype t, const void *grad, const void *x, const void *w, void *grad_x,
                                           float *rstd, int64_t rows, int64_t n, float eps, void *stream) {
-  if (bad(rows, n, eps) || !grad || !x || !w || !grad_x) return KT_ERR_INVALID;
+  if (bad(rows, n, eps) || !w || (rows && (!grad || !x || !grad_x))) return KT_ERR_INVALID;
   if (rows == 0) return KT_OK;
   cudaStream_t s = (cudaStream_t)stream;
   KT_DISPATCH(t, bwd<T>(grad, x, w, grad_x, rstd, rows, n, eps, s))

@@ -4,6 +4,9 @@
  * (a cudaStream_t; NULL is the legacy default stream) and returns a kt_status:
  * KT_ERR_INVALID for a bad argument (NULL pointer, negative size, unknown dtype),
  * KT_ERR_UNAVAILABLE without a CUDA device, KT_ERR_BACKEND when the launch fails.
+ * With no work (zero rows or elements) a tensor's pointer may be NULL (an empty
+ * tensor's is): nothing is launched, and an output that still has values (a mean over
+ * nothing: NaN) is written.
  * Tensors are dense and contiguous; n counts elements. Arithmetic is done in fp32
  * whatever the storage type, and every output element is rounded once.
  * The kernels are compiled for sm_80 and sm_90 with PTX for newer GPUs

@@ -41,13 +41,14 @@ void check_bias_cat(at::TensorList xs, at::TensorList bs, int64_t dim) {
 // Whether dim (torch.cat's, wrapped) is the parts' channel dim -3.
 bool channel_cat(at::TensorList xs, int64_t dim) { return xs[0].dim() == 4 && (dim == 1 || dim == -3); }
 
-// The kernels' layout for the parts, or nullopt for ATen's path.
+// The kernels' layout for the parts, or nullopt for ATen's path (also for a part with no
+// elements: the kernels take C, H and W of at least 1, and an empty part has nothing to add).
 std::optional<at::MemoryFormat> bias_cat_format(at::TensorList xs, int64_t dim) {
   if (xs.size() > KT_CAT_MAX || !channel_cat(xs, dim)) return std::nullopt;
   const auto f = xs[0].suggest_memory_format();
   for (const Tensor& x : xs)
-    if (!lt_dtype_ok(x) || x.suggest_memory_format() != f || !x.is_contiguous(f) || x.size(0) != xs[0].size(0) ||
-        x.size(2) != xs[0].size(2) || x.size(3) != xs[0].size(3))
+    if (!lt_dtype_ok(x) || x.numel() == 0 || x.suggest_memory_format() != f || !x.is_contiguous(f) ||
+        x.size(0) != xs[0].size(0) || x.size(2) != xs[0].size(2) || x.size(3) != xs[0].size(3))
       return std::nullopt;
   return f;
 }

@@ -8,8 +8,10 @@ torch.backends.cuda.matmul.allow_tf32 = False
 g = torch.Generator().manual_seed(1)
 batches = [(torch.randn(16, 3, 32, 32, generator=g).cuda(), torch.randint(0, 10, (16,), generator=g).cuda()) for _ in range(8)]
 for name, kw, ckw, opt_k in [("sgd m.9 wd", dict(lr=5e-4, momentum=0.9, weight_decay=5e-5), {}, True),
-                             ("sgd m.9 wd nchw", dict(lr=5e-4, momentum=0.9, weight_decay=5e-5), dict(channels_last=False), True),
+                             ("sgd m.9 wd nchw-skip", dict(lr=5e-4, momentum=0.9, weight_decay=5e-5), dict(channels_last=False), True),
                              ("sgd plain", dict(lr=5e-4), {}, True),
+                             ("sgd m.9 wd no in-bwd", dict(lr=5e-4, momentum=0.9, weight_decay=5e-5), dict(optimizer_in_backward=False), True),
+                             ("sgd m.9 wd 1 stream", dict(lr=5e-4, momentum=0.9, weight_decay=5e-5), dict(streams=1), True),
                              ("sgd m.9 no optimize", dict(lr=5e-4, momentum=0.9, weight_decay=5e-5), {}, False),
                              ("sgd lr0", dict(lr=0.0, momentum=0.9), {}, True)]:
     torch.manual_seed(0)

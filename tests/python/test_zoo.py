@@ -333,3 +333,50 @@ def test_compile_backend(arch):
     print(f"{arch}: torch.compile(backend='kitsune') {took:.1f} s")
     for i, (a, b) in enumerate(zip(got, want)):
         _close(a, b, f"output {i}")
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("arch", sorted(ZOO))
+def test_dynamo_path(arch, mode):
+    """Kitsune's own Dynamo path, torch.compile(model, backend="kitsune",
+    options={"inductor": False}): Dynamo's graphs rewritten with every pattern, forward
+    and backward by AOTAutograd, run as fused and ATen ops, no Inductor. Outputs,
+    gradients and buffers are eager's, the parameters' names and order the model's own
+    (it is the model itself that is compiled)."""
+    model, inputs, outputs = _build(arch, mode == "train")
+    eager = copy.deepcopy(model)
+    torch._dynamo.reset()
+    t0 = time.perf_counter()
+    got = _forward(torch.compile(model, backend="kitsune", options={"inductor": False}), inputs, outputs)
+    took = time.perf_counter() - t0
+    report = kitsune.fx.backend.last_compile_report
+    want = _forward(eager, inputs, outputs)
+    print(f"{arch} {mode}: Dynamo path {took:.1f} s, last graph: {len(report.fused)} fused")
+    for i, (a, b) in enumerate(zip(got, want)):
+        _close(a, b, f"output {i}")
+    _loss(got).backward()
+    _loss(want).backward()
+    grads = dict(eager.named_parameters())
+    assert [n for n, _ in model.named_parameters()] == list(grads)
+    for name, p in model.named_parameters():
+        q = grads[name]
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            _close(p.grad, q.grad, f"gradient of {name}", rtol=1e-3, atol=1e-4)
+    bufs = dict(eager.named_buffers())
+    for name, b in model.named_buffers():
+        _close(b.float(), bufs[name].float(), f"buffer {name}")
+
+
+def test_dynamo_path_fuses_batch_norms_and_refuses_unknown_options():
+    """Dynamo spells nn.BatchNorm as F.batch_norm: relu(batch_norm) and
+    relu(batch_norm + r) are fused there too; an unknown backend option is refused."""
+    model, inputs, outputs = _build("tv_resnet18", True)
+    torch._dynamo.reset()
+    _forward(torch.compile(model, backend="kitsune", options={"inductor": False}), inputs, outputs)
+    fused = [what for _, what in kitsune.fx.backend.last_compile_report.fused]
+    assert sum("-> batch_norm_relu" in w for w in fused) == 9, fused
+    assert sum("-> batch_norm_add_relu" in w for w in fused) == 8, fused
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="unknown option"):
+        torch.compile(model, backend="kitsune", options={"fast": True})(**inputs)

@@ -1,5 +1,6 @@
 """torch.compile(model, backend="kitsune"): kitsune_backend rewrites the Dynamo graph with
-kitsune.fx's patterns, then hands it to Inductor. This module only defines; importing
+kitsune.fx's patterns, then hands it to Inductor, or with options={"inductor": False}
+runs it through AOTAutograd as ATen ops and fused ops, nothing generated. This module only defines; importing
 kitsune.fx registers the backend with Dynamo (_register_backend), unless Dynamo has found
 the entry point that names it (kitsune.fx.backend:kitsune_backend) and loads it itself."""
 from .engine import Report, _rewrite
@@ -7,17 +8,41 @@ from .engine import Report, _rewrite
 last_compile_report = None   # the Report of the last graph the backend compiled
 
 
-def kitsune_backend(gm, example_inputs):
-    """A torch.compile backend: rewrites the Dynamo graph with kitsune.fx's patterns,
-    then hands it to Inductor, which traces the fused ops through their fake
-    kernels and autograd (forward and backward) and compiles the rest as usual."""
+def kitsune_backend(gm, example_inputs, options=None):
+    """A torch.compile backend: rewrites the Dynamo graph with kitsune.fx's patterns, then
+    compiles it. By default Inductor compiles it: it traces the fused ops through their
+    fake kernels and autograd (forward and backward) and generates kernels for the rest.
+    ``torch.compile(model, backend="kitsune", options={"inductor": False})``: Kitsune's own
+    path, no Inductor and no Triton: every pattern kitsune.optimize knows is rewritten,
+    AOTAutograd traces the forward and backward graphs (through the fused ops' autograd),
+    and they run as they are, the fused ops and one ATen kernel for every other op, so a
+    graph is ready in about the time Dynamo takes to trace it."""
     global last_compile_report
-    from torch._inductor.compile_fx import compile_fx
+    options = dict(options or {})
+    inductor = options.pop("inductor", True)
+    if options:
+        raise ValueError(f"torch.compile(backend='kitsune'): unknown option(s) {sorted(options)}; the option is "
+                         f"'inductor' (True: Inductor compiles the rewritten graph; False: it runs as ATen ops)")
     report = Report()
-    # Inductor sums a bias gradient in its own kernels, and fuses a pooling with its neighbours
-    _rewrite(gm, report, "", linear_bias=False, optimize_only=False)
+    if inductor:
+        from torch._inductor.compile_fx import compile_fx
+        # Inductor sums a bias gradient in its own kernels, and fuses a pooling with its neighbours
+        _rewrite(gm, report, "", linear_bias=False, optimize_only=False)
+        last_compile_report = report
+        return compile_fx(gm, example_inputs)
+    _rewrite(gm, report, "", linear_bias=True, optimize_only=True)
     last_compile_report = report
-    return compile_fx(gm, example_inputs)
+    return _aten_aot(gm, example_inputs)
+
+
+def _aten_aot(gm, example_inputs):
+    """AOTAutograd over gm with graphs that run as traced (boxed, no compiler)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def as_traced(g, _inputs):
+        return make_boxed_func(g.forward)
+    return aot_autograd(fw_compiler=as_traced, bw_compiler=as_traced)(gm, example_inputs)
 
 
 def _register_backend():

@@ -11,9 +11,7 @@ from ..match import _fuse_pair, _module
 
 def _fused_bn_ok(x, bn):
     """Whether Kitsune's BatchNorm ops take x and bn's parameters (else nn.BatchNorm runs)."""
-    params = [t for t in (bn.weight, bn.bias) if t is not None]
-    return not (any(t.dtype != x.dtype for t in params) or torch.is_autocast_enabled(x.device.type) or
-                (x.device.type == "cuda" and x.dtype not in (torch.float32, torch.float16, torch.bfloat16)))
+    return _params_ok(x, [t for t in (bn.weight, bn.bias) if t is not None])
 
 
 def _batch_norm_relu(x, bn, count=True):
@@ -34,6 +32,40 @@ def _batch_norm_add_relu(x, residual, bn, count=True):
             and residual.dtype == x.dtype and residual.device == x.device):
         return F.relu((bn(x) if count else _batch_norm(x, bn)) + residual)
     return ko.batch_norm_add_relu(x, residual, *_bn_state(x, bn, count))
+
+
+def _params_ok(x, params):
+    """Whether Kitsune's BatchNorm ops take x with these weight and bias tensors."""
+    return not (any(t.dtype != x.dtype for t in params) or torch.is_autocast_enabled(x.device.type) or
+                (x.device.type == "cuda" and x.dtype not in (torch.float32, torch.float16, torch.bfloat16)))
+
+
+def _f_batch_norm_relu(x, running_mean, running_var, weight, bias, training, momentum, eps):
+    """relu(F.batch_norm(...)) as a Dynamo graph spells nn.BatchNorm (its mode, momentum
+    and count already decided), through batch_norm_relu where the dtypes allow it."""
+    from ... import ops as ko
+    args = (running_mean, running_var, weight, bias, training, momentum, eps)
+    if not _params_ok(x, [t for t in (weight, bias) if t is not None]):
+        return F.relu(F.batch_norm(x, *args))
+    return ko.batch_norm_relu(x, *args)
+
+
+def _f_batch_norm_add_relu(x, residual, running_mean, running_var, weight, bias, training, momentum, eps):
+    """relu(F.batch_norm(...) + residual), as _f_batch_norm_relu, through
+    batch_norm_add_relu where the residual has x's shape, dtype and device."""
+    from ... import ops as ko
+    args = (running_mean, running_var, weight, bias, training, momentum, eps)
+    if not (_params_ok(x, [t for t in (weight, bias) if t is not None]) and isinstance(residual, torch.Tensor)
+            and residual.shape == x.shape and residual.dtype == x.dtype and residual.device == x.device):
+        return F.relu(F.batch_norm(x, *args) + residual)
+    return ko.batch_norm_add_relu(x, residual, *args)
+
+
+def _f_batch_norm(node):
+    """Whether node is F.batch_norm with its eight arguments given in order, no keyword
+    (the form a Dynamo graph gives nn.BatchNorm)."""
+    return (node.op == "call_function" and node.target is F.batch_norm and len(node.args) == 8
+            and not node.kwargs)
 
 
 def _bn_state(x, bn, count):
@@ -106,15 +138,22 @@ def _bn_feeding(gm, add, a, b):
     """(BatchNorm node, the other operand) when an operand of add (a first) is an
     nn.BatchNorm1d/2d/3d call read only by add, else None."""
     for h, r in ((a, b), (b, a)):
-        if h.op == "call_module" and type(_module(gm, h)) in _BATCH_NORMS and len(h.users) == 1 and \
-                next(iter(h.users)) is add and len(h.args) == 1 and not h.kwargs:
+        if not isinstance(h, tfx.Node) or len(h.users) != 1 or next(iter(h.users)) is not add:
+            continue
+        if (h.op == "call_module" and type(_module(gm, h)) in _BATCH_NORMS and len(h.args) == 1 and not h.kwargs) \
+                or _f_batch_norm(h):
             return h, r
     return None
 
 
 def _rewrite_relu_batch_norm(gm, g, node, act, where, report):
-    """relu(nn.BatchNorm1d/2d/3d(x)) -> batch_norm_relu (through _batch_norm_relu)."""
+    """relu(nn.BatchNorm1d/2d/3d(x)) -> batch_norm_relu (through _batch_norm_relu), and
+    relu(F.batch_norm(...)), a Dynamo graph's BatchNorm (through _f_batch_norm_relu)."""
     kind, inner, _ = act
+    if kind == "relu" and isinstance(inner, tfx.Node) and _f_batch_norm(inner):   # a Dynamo graph's
+        _fuse_pair(g, node, inner, where, report, "relu(batch_norm)", "batch_norm_relu",
+                   lambda: g.call_function(_f_batch_norm_relu, inner.args))
+        return True
     bn = _module(gm, inner) if kind == "relu" and isinstance(inner, tfx.Node) else None
     if type(bn) not in _BATCH_NORMS:
         return False
@@ -132,7 +171,8 @@ def _rewrite_batch_norm_add_relu(gm, g, node, inner, a, b, where, report):
     h, r = fed
     report.fused.append((where, f"relu(batch_norm(x) + r) -> batch_norm_add_relu ({h.name})"))
     with g.inserting_before(node):
-        new = g.call_function(_batch_norm_add_relu, (h.args[0], r, g.get_attr(h.target)))
+        new = (g.call_function(_f_batch_norm_add_relu, (h.args[0], r) + tuple(h.args[1:])) if _f_batch_norm(h) else
+               g.call_function(_batch_norm_add_relu, (h.args[0], r, g.get_attr(h.target))))
     node.replace_all_uses_with(new)
     g.erase_node(node)
     g.erase_node(inner)

@@ -198,3 +198,78 @@ def test_gpu_new_shapes_after_the_graphs_overflow_are_captured_when_they_come_ba
     # captured: 8, 16, 24 (8 dropped), 32 on its return, 8 (seen before), 40 on its return;
     # eager once each: 32, 40, 48 (new after the first drop)
     assert st["uncaptured_steps"] == 3 and st["captures"] == 6 and st["replays"] == 1, st
+
+
+def _hf_gpt2_lm():
+    T = pytest.importorskip("transformers")
+    cfg = T.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
+                       embd_pdrop=0.0, attn_pdrop=0.0)
+
+    class LM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm = T.GPT2LMHeadModel(cfg)
+
+        def forward(self, ids, labels):
+            return self.lm(input_ids=ids, labels=labels).loss
+    g = torch.Generator().manual_seed(6)
+    batches = [(ids, ids) for ids in (torch.randint(0, 64, (2, 16), generator=g) for _ in range(4))]
+    return LM(), None, batches
+
+
+def _tv_resnet18():
+    tv = pytest.importorskip("torchvision")
+    g = torch.Generator().manual_seed(7)
+    batches = [(torch.randn(4, 3, 64, 64, generator=g), torch.randint(0, 10, (4,), generator=g)) for _ in range(4)]
+    return tv.models.resnet18(num_classes=10), F.cross_entropy, batches
+
+
+def _dynamo_step_against_eager(make, device, tol, **kw):
+    torch.manual_seed(0)
+    model, loss_fn, batches = make()
+    model = model.to(device)
+    batches = [tuple(t.to(device) for t in b) for b in batches]
+    twin = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(twin.parameters(), lr=1e-3, momentum=0.9)
+    want = []
+    for b in batches:
+        ref_opt.zero_grad(set_to_none=True)
+        loss = loss_fn(twin(*b[:-1]), b[-1]) if loss_fn is not None else twin(*b)
+        loss.backward()
+        ref_opt.step()
+        want.append(loss.detach())
+    torch._dynamo.reset()
+    opt = KitsuneOptimizer(torch.optim.SGD, model.parameters(), lr=1e-3, momentum=0.9)
+    step = kitsune.compile_step(model, loss_fn, opt, dynamo=True, **kw)
+    got = [step(*b) for b in batches]
+    report = kitsune.fx.backend.last_compile_report
+    torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=tol, atol=tol)
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=tol, atol=tol, msg=name)
+    return step.stats(), report
+
+
+@pytest.mark.parametrize("make", [_hf_gpt2_lm, _tv_resnet18], ids=["hf_gpt2", "tv_resnet18"])
+def test_compile_step_dynamo_path_trains_as_eager_on_cpu(make):
+    """compile_step(dynamo=True): the forward runs through Kitsune's own Dynamo path (the
+    patterns in Dynamo's graphs, AOTAutograd, no Inductor); on the CPU its eager steps
+    train as the plain model does."""
+    import kitsune.fx  # noqa: F401 - the backend's report
+    st, report = _dynamo_step_against_eager(make, "cpu", 1e-4)
+    assert st["eager_steps"] == 4 and report is not None and len(report.fused) > 0, (st, str(report))
+    with pytest.raises(ValueError, match="dynamo must be True or False"):
+        kitsune.compile_step(torch.nn.Linear(2, 2), None, torch.optim.SGD([torch.zeros(1)], lr=1), dynamo=1)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("make", [_hf_gpt2_lm, _tv_resnet18], ids=["hf_gpt2", "tv_resnet18"])
+def test_gpu_compile_step_dynamo_path_captures_and_trains_as_eager(make):
+    """compile_step(dynamo=True) on the GPU: the Dynamo-compiled forward is captured with
+    the backward and the update (every step after the first replays) and trains as eager
+    (fp32, cuDNN deterministic, no TF32; NCHW, as the eager twin: the channels-last
+    comparison is test_zoo_gpu's)."""
+    import kitsune.fx  # noqa: F401
+    with torch.backends.cudnn.flags(enabled=True, deterministic=True, allow_tf32=False):
+        st, _ = _dynamo_step_against_eager(make, "cuda", 2e-4, channels_last=False)
+    assert st["reason"] is None and st["replays"] == 3, st

@@ -27,8 +27,8 @@ class _ChannelsLast:
         put back, and the step runs NCHW from then on. With a stream plan still to make,
         the forward runs through kitsune.sched.shape_recorder where it can: the shapes the
         plan needs are noted on the way (_plan_streams then skips its run on fake tensors)."""
-        run = self._shape_recorder()
-        self._shapes_recorded = run is not None   # a step that raises is warmed up again next call
+        run = self._shape_recorder() if not self.dynamo else self._runner()   # Dynamo compiles here
+        self._shapes_recorded = run is not None and not self.dynamo   # a step that raises is warmed up again next call
         if self._cl:
             from ..sched import saved_state
             restore = saved_state(self.model)

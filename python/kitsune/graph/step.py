@@ -34,7 +34,7 @@ class CompiledStep(_Capture, _MemoryPlanning, _ConvGradTrials, _ChannelsLast):
 
     def __init__(self, model, loss_fn, optimizer, *, max_shapes=8, autocast_dtype=None, max_grad_norm=None,
                  streams=4, channels_last=None, plan_memory=None, stream_costs=None, fuse_loss=True,
-                 optimizer_in_backward=True, micro_batches=1):
+                 optimizer_in_backward=True, micro_batches=1, dynamo=False):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"compile_step: model must be a torch.nn.Module, got {type(model).__name__}")
         if loss_fn is not None and not callable(loss_fn):
@@ -67,6 +67,9 @@ class CompiledStep(_Capture, _MemoryPlanning, _ConvGradTrials, _ChannelsLast):
         if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
             raise ValueError(f"compile_step: micro_batches must be an int >= 1, got {micro_batches!r}")
         self.micro_batches = micro_batches
+        if not isinstance(dynamo, bool):
+            raise ValueError(f"compile_step: dynamo must be True or False, got {dynamo!r}")
+        self.dynamo, self._dynamo_model = dynamo, None
         self._opt_stream = None   # the stream the update runs on during the backward (capture_in_backward)
         self._ib_launches = 0   # the last capture's optimizer launches during the backward
         self._loss_info = {"fused_loss": 0, "fused_loss_left": []}   # the last step's FusedLoss counts
@@ -163,7 +166,7 @@ class CompiledStep(_Capture, _MemoryPlanning, _ConvGradTrials, _ChannelsLast):
         """The forward, loss and backward of the step (every micro-batch's, gradients
         accumulating, each loss divided by their number), then clipping; returns the
         loss (the micro-batches' mean)."""
-        model = self.model if model is None else model
+        model = self._runner() if model is None else model
         k = self.micro_batches
         if k == 1:
             loss = self._micro_step(batch, model, 1)
@@ -176,6 +179,18 @@ class CompiledStep(_Capture, _MemoryPlanning, _ConvGradTrials, _ChannelsLast):
             params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
             torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm, foreach=True)
         return loss
+
+    def _runner(self):
+        """What runs the forward: the model, or with dynamo=True the model compiled by
+        Kitsune's own Dynamo path (torch.compile(backend="kitsune", options={"inductor":
+        False}): Dynamo's graphs with the patterns, AOTAutograd's forward and backward run
+        as traced), made on first use; graph breaks run eagerly between its graphs."""
+        if not self.dynamo:
+            return self.model
+        if self._dynamo_model is None:
+            from ..fx.backend import kitsune_backend
+            self._dynamo_model = torch.compile(self.model, backend=kitsune_backend, options={"inductor": False})
+        return self._dynamo_model
 
     def _micro_step(self, batch, model, k):
         """One forward, loss and backward of (loss / k); returns the loss, detached."""
@@ -332,9 +347,10 @@ class CompiledStep(_Capture, _MemoryPlanning, _ConvGradTrials, _ChannelsLast):
     def _plan_streams(self, batch, device):
         """The model to capture: with kitsune.sched's streams when its plan gains, else the
         model itself (stats() says which and why)."""
-        if self.streams == 1:
-            self._stream_info = {"streams": 1, "streams_reason": "streams=1", "stream_shapes": None}
-            return self.model
+        if self.streams == 1 or self.dynamo:
+            self._stream_info = {"streams": 1, "streams_reason": "dynamo=True" if self.dynamo else "streams=1",
+                                 "stream_shapes": None}
+            return self._runner()
         from .. import sched
         inputs = batch[:-1] if self.loss_fn is not None else batch
         try:
@@ -439,10 +455,11 @@ def _signature(batch):
 
 def compile_step(model, loss_fn, optimizer, *, max_shapes=8, autocast_dtype=None, max_grad_norm=None, streams=4,
                  channels_last=None, plan_memory=None, stream_costs=None, fuse_loss=True, optimizer_in_backward=True,
-                 micro_batches=1):
+                 micro_batches=1, dynamo=False):
     """A callable ``step(*batch) -> loss`` running the whole training step as a CUDA
     graph; see kitsune.graph."""
     return CompiledStep(model, loss_fn, optimizer, max_shapes=max_shapes, autocast_dtype=autocast_dtype,
                         max_grad_norm=max_grad_norm, streams=streams, channels_last=channels_last,
                         plan_memory=plan_memory, stream_costs=stream_costs, fuse_loss=fuse_loss,
-                        optimizer_in_backward=optimizer_in_backward, micro_batches=micro_batches)
+                        optimizer_in_backward=optimizer_in_backward, micro_batches=micro_batches,
+                        dynamo=dynamo)

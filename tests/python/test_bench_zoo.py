@@ -1,0 +1,32 @@
+"""bench/zoo.py runs: its --smoke mode (tiny configurations of the zoo's models, on the
+CPU, each recipe Kitsune's CPU path can run) writes a row for every model and recipe,
+none failed, and losses equal to eager's where the recipe's arithmetic is eager's."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from support import REPO, env
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("torchvision")
+
+
+def test_zoo_smoke(tmp_path):
+    r = subprocess.run([sys.executable, os.path.join(REPO, "bench", "zoo.py"), "--smoke", "--out", str(tmp_path),
+                        "--models", "gpt2,llama,vit", "--recipes", "eager,kitsune,kitsune_dynamo"],
+                       capture_output=True, text=True, env=dict(env(), CUDA_VISIBLE_DEVICES=""), timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads((tmp_path / "zoo.json").read_text())
+    rows = {(row["model"], row["recipe"]): row for row in doc["rows"]}
+    assert set(rows) == {(m, rc) for m in ("gpt2", "llama", "vit") for rc in ("eager", "kitsune", "kitsune_dynamo")}
+    for key, row in rows.items():
+        assert "error" not in row, (key, row)
+    for m in ("gpt2", "llama", "vit"):   # fp32 on the CPU, the same batches: eager's losses
+        want = rows[m, "eager"]["losses"]
+        for rc in ("kitsune", "kitsune_dynamo"):
+            assert rows[m, rc]["losses"] == pytest.approx(want, rel=1e-4), (m, rc)
+    assert "| gpt2 |" in (tmp_path / "zoo.md").read_text()

@@ -8,7 +8,7 @@ Writes kernels_bandwidth.png (bf16 % of copy bandwidth per op at 64 MB / 256 MB 
 1 GB, the 85% target marked), kernels_loss_head.png (forward + backward time and
 peak memory), kernels_train_models.png (ms/step, eager / kitsune.optimize /
 torch.compile) and models.png (bench/models.py: ms/step of each model by recipe, log
-scale).
+scale), and zoo.png the same from bench/zoo.py's zoo.json where there is one.
 """
 import argparse
 import json
@@ -114,6 +114,9 @@ def main():
     loss_head(a.results, "kernels_loss_head_d3e61a6.json", "kernels_loss_head.png")
     train_models(a.results, "kernels_train_models_d3e61a6.json", "kernels_train_models.png")
     models(a.results, "models_bf15c55.json", "models.png")
+    if os.path.exists(os.path.join(a.results, "zoo.json")):   # bench/zoo.py's current result
+        models(a.results, "zoo.json", "zoo.png")
+        print("wrote zoo.png in", a.results)
     print("wrote kernels_bandwidth.png, kernels_loss_head.png, kernels_train_models.png, models.png in", a.results)
 
 

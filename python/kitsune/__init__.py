@@ -27,10 +27,12 @@ def optimize(model, inplace=False, report=None):
     return _optimize(model, inplace, report)
 
 
-def explain(model):
-    """What :func:`optimize` would fuse and leave in ``model``, with reasons (kitsune.fx)."""
+def explain(model, *args, dynamo=False, **kwargs):
+    """What :func:`optimize` would fuse and leave in ``model``, with reasons; with
+    ``dynamo=True`` and example inputs, what Kitsune's Dynamo path does, graph breaks
+    included (kitsune.fx)."""
     from .fx import explain as _explain
-    return _explain(model)
+    return _explain(model, *args, dynamo=dynamo, **kwargs)
 
 
 def KitsuneOptimizer(optimizer, params=None, **kwargs):

@@ -380,3 +380,30 @@ def test_dynamo_path_fuses_batch_norms_and_refuses_unknown_options():
     torch._dynamo.reset()
     with pytest.raises(Exception, match="unknown option"):
         torch.compile(model, backend="kitsune", options={"fast": True})(**inputs)
+
+
+def test_explain_dynamo_lists_graph_breaks_and_fusions():
+    """explain(model, *inputs, dynamo=True) says what the Dynamo path fuses in each graph
+    and where Dynamo broke the graph and why; the model's buffers are as before."""
+    class Breaks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.bn = nn.Linear(8, 8), nn.Linear(8, 8), nn.BatchNorm1d(8)
+
+        def forward(self, x):
+            h = torch.relu(self.a(x))
+            print("a graph break")   # noqa: T201 - Dynamo breaks the graph here
+            return torch.relu(self.bn(self.b(h)))
+
+    m = Breaks().train()
+    before = copy.deepcopy(m.state_dict())
+    report = kitsune.explain(m, torch.randn(4, 8), dynamo=True)
+    assert len(report.breaks) == 1 and "print" in report.breaks[0][0] and "test_zoo.py" in report.breaks[0][1], \
+        report.breaks
+    whats = [w for _, w in report.fused]
+    assert any("linear_act" in w for w in whats) and any("batch_norm_relu" in w for w in whats), str(report)
+    assert "1 graph break" in str(report)
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    with pytest.raises(TypeError, match="example inputs are for dynamo=True"):
+        kitsune.explain(m, torch.randn(4, 8))

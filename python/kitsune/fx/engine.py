@@ -34,12 +34,17 @@ class Report:
     left: list = field(default_factory=list)
     untraced: list = field(default_factory=list)
     rewritten: list = field(default_factory=list)
+    # explain(..., dynamo=True): Dynamo's graph breaks, (why, where in the user's code)
+    breaks: list = field(default_factory=list)
 
     def __str__(self):
         lines = [f"kitsune: {len(self.fused)} fused, {len(self.left)} left"]
+        if self.breaks:
+            lines[0] += f", {len(self.breaks)} graph break(s)"
         lines += [f"  fused  {w}: {what}" for w, what in self.fused]
         lines += [f"  left   {w}: {why}" for w, why in self.left]
         lines += [f"  not rewritten whole {w}: {why}" for w, why in self.untraced]
+        lines += [f"  graph break at {w}: {why}" for why, w in self.breaks]
         return "\n".join(lines)
 
 
@@ -167,9 +172,41 @@ def optimize(model, inplace=False, report=None):
     return _walk(m, report, "", apply=True)
 
 
-def explain(model):
+def _break_reason(text):
+    """Dynamo's reason for a graph break in one line: its heading and its explanation."""
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    why = lines[0] if lines else "?"
+    more = next((ln.split(":", 1)[1].strip() for ln in lines[1:] if ln.startswith("Explanation:")), None)
+    return f"{why}: {more}" if more else why
+
+
+def explain(model, *args, dynamo=False, **kwargs):
     """A :class:`Report` of what :func:`optimize` would fuse and leave, with reasons;
-    the model is not changed."""
+    the model is not changed. ``dynamo=True``: what Kitsune's Dynamo path
+    (torch.compile(backend="kitsune", options={"inductor": False})) does on the example
+    inputs ``args`` / ``kwargs``: the model runs once under torch._dynamo.explain (its
+    buffers and the random generators put back after), each graph Dynamo makes is
+    rewritten on a copy (a fusion's ``where`` is "graph<i>.<node>"), and ``breaks`` lists
+    each graph break with its reason and where in the user's code."""
     report = Report()
-    _walk(model, report, "", apply=False)
+    if not dynamo:
+        if args or kwargs:
+            raise TypeError("kitsune.explain: example inputs are for dynamo=True; explain(model) traces the "
+                            "model's code and runs nothing")
+        _walk(model, report, "", apply=False)
+        return report
+    import torch
+    from ..sched import saved_state
+    restore = saved_state(model)
+    try:
+        out = torch._dynamo.explain(model)(*args, **kwargs)
+    finally:
+        restore()
+        torch._dynamo.reset()
+    for i, g in enumerate(out.graphs):
+        _rewrite(copy.deepcopy(g), report, f"graph{i}.", linear_bias=True, optimize_only=True)
+    for b in out.break_reasons:
+        frames = getattr(b, "user_stack", None) or []
+        where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
+        report.breaks.append((_break_reason(str(b.reason)), where))
     return report

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from .adopt import Rewritten, adopt, clash
 from .match import _act
-from .patterns.batch_norm import _rewrite_batch_counts, _rewrite_relu_batch_norm
+from .patterns.batch_norm import _keep_functional_batch_norms, _rewrite_batch_counts, _rewrite_relu_batch_norm
 from .patterns.conv import _rewrite_bias_cat, _rewrite_conv
 from .patterns.dropout import _gelu_left_to_dropout, _rewrite_bias_dropout_add, _rewrite_gelu_dropout
 from .patterns.embedding import _rewrite_embedding
@@ -91,6 +91,8 @@ def _rewrite(gm, report, prefix, linear_bias=True, optimize_only=True):
     bias left (linear_bias) and the BatchNorms' batch counts (optimize_only)."""
     from .. import ops as ko  # noqa: F401 - loads the bridge (the ops' CPU and CUDA kernels)
     g = gm.graph
+    if not optimize_only:   # the Inductor backend's graph
+        _keep_functional_batch_norms(g)
     for node in list(g.nodes):
         if getattr(node, "_erased", False):   # removed by an earlier rewrite
             continue

@@ -65,7 +65,19 @@ def _f_batch_norm(node):
     """Whether node is F.batch_norm with its eight arguments given in order, no keyword
     (the form a Dynamo graph gives nn.BatchNorm)."""
     return (node.op == "call_function" and node.target is F.batch_norm and len(node.args) == 8
-            and not node.kwargs)
+            and not node.kwargs and not node.meta.get(_KEEP))
+
+
+# Set by the Inductor backend on F.batch_norm nodes: Inductor fuses BatchNorm with its
+# neighbours itself, and its reinplacing of a fused op that mutates the running statistics
+# failed an assertion (torchvision ResNet-18 and MobileNetV3 under torch.compile, CPU).
+_KEEP = "kitsune_keep_batch_norm"
+
+
+def _keep_functional_batch_norms(g):
+    for n in g.nodes:
+        if n.op == "call_function" and n.target is F.batch_norm:
+            n.meta[_KEEP] = True
 
 
 def _bn_state(x, bn, count):

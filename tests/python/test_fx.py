@@ -1358,3 +1358,45 @@ def test_embeddings_become_kitsune_embedding():
         "normed.weight"}
     for a, b in zip(ga, gb):
         torch.testing.assert_close(a, b)
+
+
+def test_hf_rms_norm_written_out_becomes_rms_norm():
+    """Hugging Face's RMSNorm (pow, mean, rsqrt, the fp32 upcast and the cast back, times
+    the weight; either operand order) runs as kitsune.rms_norm: outputs and gradients of
+    the original in float32; in bfloat16 within a rounding; with a float32 weight on
+    bfloat16 input (a float32 result) the written-out ops run, dtype and values exact."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    class WeightLast(torch.nn.Module):   # the same, written the other way round, with torch.pow
+        def __init__(self):
+            super().__init__()
+            self.weight, self.eps = torch.nn.Parameter(torch.randn(16)), 1e-5
+
+        def forward(self, x):
+            h = x.to(torch.float32)
+            h = h * torch.rsqrt(torch.pow(h, 2).mean(-1, keepdim=True) + self.eps)
+            return h.to(x.dtype) * self.weight
+
+    assert transformers is not None
+    torch.manual_seed(0)
+    for make in (lambda: LlamaRMSNorm(16, eps=1e-6), WeightLast):
+        m = make()
+        with torch.no_grad():
+            m.weight.normal_()
+        report = kitsune.fx.Report()
+        fast = kitsune.optimize(m, report=report)
+        assert [w for _, w in report.fused] == ["HF RMSNorm (pow, mean, rsqrt, weight) -> kitsune.rms_norm"], str(report)
+        x = torch.randn(3, 5, 16, requires_grad=True)
+        a, b = fast(x), m(x)
+        torch.testing.assert_close(a, b)
+        ga = torch.autograd.grad(a.square().sum(), [x, fast.weight])
+        gb = torch.autograd.grad(b.square().sum(), [x, m.weight])
+        for u, v in zip(ga, gb):
+            torch.testing.assert_close(u, v, rtol=1e-4, atol=1e-5)
+        xb = x.detach().bfloat16()
+        fb, mb = copy.deepcopy(fast).bfloat16(), copy.deepcopy(m).bfloat16()
+        torch.testing.assert_close(fb(xb).float(), mb(xb).float(), rtol=1.6e-2, atol=1.6e-2)
+        out = fast(xb)   # float32 weight, bfloat16 input: HF's result is float32
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, m(xb), rtol=0, atol=0)

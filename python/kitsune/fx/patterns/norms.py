@@ -143,3 +143,95 @@ def _rewrite_rms_norm(gm, g, node, where, report):
         node.replace_all_uses_with(new)
         g.erase_node(node)
     return True
+
+
+# ---- Hugging Face's RMSNorm, written out (LlamaRMSNorm and the models that copy it) ----
+#   x32 = x.to(torch.float32)
+#   y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+#   out = weight * y.to(x.dtype)          (or y.to(x.dtype) * weight)
+
+def _hf_rms_norm(x, weight, eps, dtype):
+    """weight * (x32 * rsqrt(mean(x32^2, -1) + eps)).to(dtype), x32 = x in float32, as HF's
+    RMSNorm computes it, through kitsune.rms_norm where the result is x's dtype (dtype and
+    the weight's are x's; rounded once instead of twice), else the same ops as written."""
+    from ... import ops as ko
+    if (isinstance(weight, torch.Tensor) and dtype == x.dtype and weight.dtype == x.dtype and weight.dim() == 1
+            and x.dim() >= 1 and weight.shape[0] == x.shape[-1]
+            and x.dtype in (torch.float32, torch.float16, torch.bfloat16)):
+        return ko.rms_norm(x, weight, eps)
+    x32 = x.to(torch.float32)
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+
+
+def _method_or_fn(node, name, fn=None):
+    """Whether node is x.<name>(...) or fn(x, ...)."""
+    return isinstance(node, tfx.Node) and ((node.op == "call_method" and node.target == name) or
+                                           (fn is not None and node.op == "call_function" and node.target is fn))
+
+
+def _to_dtype(node):
+    """(tensor, dtype) for node = t.to(dtype) (dtype a torch.dtype or a node), else None."""
+    if not (_method_or_fn(node, "to") and len(node.args) == 2 and not node.kwargs):
+        return None
+    return node.args[0], node.args[1]
+
+
+def _hf_rms_chain(y):
+    """(x, eps) when y is x32 * rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) with x32 =
+    x.to(torch.float32) read by nothing else, every inner node read once; else None."""
+    ab = _binary(y, "mul")
+    if not ab or ab[0] is None:
+        return None
+    for x32, r in (ab[:2], ab[1::-1]):
+        if not (_method_or_fn(r, "rsqrt", torch.rsqrt) and len(r.args) == 1 and len(r.users) == 1):
+            continue
+        add = r.args[0]
+        if not (isinstance(add, tfx.Node) and add.op == "call_function" and add.target in (operator.add, torch.add)
+                and len(add.args) == 2 and not add.kwargs and len(add.users) == 1):
+            continue
+        mean, eps = add.args if isinstance(add.args[0], tfx.Node) else add.args[::-1]
+        if not (isinstance(eps, float) and _method_or_fn(mean, "mean", torch.mean) and len(mean.users) == 1):
+            continue
+        dims = list(mean.args[1:]) + [mean.kwargs.get("dim")]
+        keep = mean.kwargs.get("keepdim", mean.args[2] if len(mean.args) > 2 else False)
+        if not (dims[0] in (-1, (-1,), [-1]) and keep is True):
+            continue
+        p = mean.args[0]
+        if not (_method_or_fn(p, "pow", torch.pow) and len(p.args) == 2 and p.args[1] == 2 and p.args[0] is x32
+                and len(p.users) == 1):
+            continue
+        cast = _to_dtype(x32)
+        if cast is None or cast[1] is not torch.float32 or len(x32.users) != 2:
+            continue
+        return cast[0], eps, (y, r, add, mean, p, x32)
+    return None
+
+
+def _rewrite_hf_rms_norm(gm, g, node, where, report):
+    """weight * rms(x).to(dtype), Hugging Face's RMSNorm written out -> rms_norm (through
+    _hf_rms_norm, which keeps the ops where the dtypes differ)."""
+    ab = _binary(node, "mul")
+    if not ab or ab[0] is None:
+        return False
+    for w, t in (ab[:2], ab[1::-1]):
+        cast = _to_dtype(t)
+        if cast is None or len(t.users) != 1 or not isinstance(cast[0], tfx.Node) or len(cast[0].users) != 1:
+            continue
+        found = _hf_rms_chain(cast[0])
+        if found is None:
+            continue
+        x, eps, chain = found
+        dtype = cast[1]
+        # x.dtype read for the cast back: the node is x's getattr, or a dtype Dynamo wrote in
+        if isinstance(dtype, tfx.Node) and not (dtype.op == "call_function" and dtype.target is getattr
+                                                and dtype.args == (x, "dtype")):
+            continue
+        report.fused.append((where, "HF RMSNorm (pow, mean, rsqrt, weight) -> kitsune.rms_norm"))
+        with g.inserting_before(node):
+            new = g.call_function(_hf_rms_norm, (x, w, eps, dtype))
+        node.replace_all_uses_with(new)
+        g.erase_node(node)
+        for n in (t,) + chain:
+            g.erase_node(n)
+        return True
+    return False

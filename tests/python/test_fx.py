@@ -3,6 +3,7 @@ rewritten, outputs stay equal, and what is left comes with a reason. (The rewrit
 graph runs the ops' CPU reference kernels here; the GPU kernels are checked
 against the same references in test_ops.py.)"""
 import copy
+import math
 import sys
 
 import pytest
@@ -1400,3 +1401,39 @@ def test_hf_rms_norm_written_out_becomes_rms_norm():
         out = fast(xb)   # float32 weight, bfloat16 input: HF's result is float32
         assert out.dtype == torch.float32
         torch.testing.assert_close(out, m(xb), rtol=0, atol=0)
+
+
+def test_tanh_gelu_written_out_becomes_one_gelu():
+    """GPT-2's tanh-GELU written out (0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 *
+    x^3)))) becomes F.gelu(approximate="tanh"), and after a Linear linear_act(gelu_tanh);
+    the tanh it contains is not reported as left; values and gradients are the original's.
+    A chain whose inner value is read elsewhere is left alone."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.activations import NewGELUActivation
+
+    class MLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.act = torch.nn.Linear(8, 16), NewGELUActivation()
+
+        def forward(self, x):
+            return self.act(self.fc(x))
+
+    class Shared(torch.nn.Module):   # tanh's input also returned: not the pattern
+        def forward(self, x):
+            inner = math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))
+            return 0.5 * x * (1.0 + torch.tanh(inner)), inner
+
+    assert transformers is not None
+    torch.manual_seed(0)
+    for m, want in ((NewGELUActivation(), ["gelu (one ATen op)"]),
+                    (MLP(), ["gelu (one ATen op)", "linear_act(gelu_tanh) (fc)"])):
+        report = kitsune.fx.Report()
+        fast = kitsune.optimize(m, report=report)
+        assert [w.split(" -> ")[1] for _, w in report.fused] == want and not report.left, str(report)
+        x = torch.randn(4, 8, requires_grad=True)
+        a, b = fast(x), m(x)
+        torch.testing.assert_close(a, b)
+        torch.testing.assert_close(torch.autograd.grad(a.sum(), x)[0], torch.autograd.grad(b.sum(), x)[0])
+    report = kitsune.explain(Shared())
+    assert not any("tanh-GELU" in w for _, w in report.fused), str(report)

@@ -155,7 +155,7 @@ def _build(arch, training):
 
 # ---- what ran: kitsune op calls, attributed to the rewritten module they ran in ----
 # The op each fusion of a Report runs (its "what" is "<pattern> -> <op> (...)"); None: no kitsune op.
-_FUSION_OPS = {"foreach_add": None}
+_FUSION_OPS = {"foreach_add": None, "gelu": None}
 # What a call of the op is seen as, where not torch.ops.kitsune.<op> (its Python side picks a variant).
 _CALLED_AS = {"cross_entropy_with_grad": "cross_entropy", "linear_cross_entropy_with_grad": "linear_cross_entropy"}
 

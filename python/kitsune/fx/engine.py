@@ -16,7 +16,7 @@ from .patterns.embedding import _rewrite_embedding
 from .patterns.linear import _rewrite_attention_score, _rewrite_linear_bias, _rewrite_relu_linear
 from .patterns.loss import _rewrite_loss
 from .patterns.norms import _rewrite_add_layer_norm, _rewrite_hf_rms_norm, _rewrite_relu_layer_norm, _rewrite_rms_norm
-from .patterns.pointwise import _rewrite_pointwise_act, _rewrite_swiglu
+from .patterns.pointwise import _rewrite_pointwise_act, _rewrite_swiglu, _rewrite_tanh_gelu
 from .patterns.pool import _rewrite_global_avg_pool, _rewrite_max_pool
 from .trace import frozen_optional, hooked_inside, not_called_by, other_mode, trace
 
@@ -81,7 +81,8 @@ _NODE_REWRITES = (
     (_rewrite_gelu_dropout, False),
     (_rewrite_attention_score, False),
     (_rewrite_loss, False),
-    (_rewrite_hf_rms_norm, True),   # before swiglu, which takes every product
+    (_rewrite_hf_rms_norm, True),   # these two before swiglu, which takes every product
+    (_rewrite_tanh_gelu, True),
     (_rewrite_swiglu, False),
     (_rewrite_rms_norm, False),
 )

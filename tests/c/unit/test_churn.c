@@ -133,6 +133,129 @@ Test(churn, following_the_peak_keeps_remapping) {
   kt_pool_destroy(p);
 }
 
+/* Training-step-shaped lifetimes, as bench/memplan_traces.c makes them (forward
+ * activations freed in reverse by the backward pass, a temporary a layer each way,
+ * gradients kept to the end of the step; sizes 32 KiB to 256 MiB), here ended with the
+ * step so that steps can follow each other on one pool. */
+typedef struct { size_t size; int start, end; } life;
+
+static uint64_t xs(uint64_t *s) { *s ^= *s << 13; *s ^= *s >> 7; *s ^= *s << 17; return *s; }
+
+static int make_step(uint64_t seed, life *b) {
+  uint64_t s = seed * 0x9E3779B97F4A7C15ull;
+  int layers = 4 + (int)(xs(&s) % 12), n = 0, t = 0;
+  const size_t unit = 32 * KiB;
+  for (int l = 0; l < layers; l++, t++) {
+    b[n++] = (life){unit * (1 + xs(&s) % 4096), t, -1};
+    b[n++] = (life){unit * (1 + xs(&s) % 8192), t, t + 1};
+  }
+  int grads = n + 1;
+  for (int l = layers - 1; l >= 0; l--, t++) {
+    b[n++] = (life){unit * (1 + xs(&s) % 8192), t, t + 1};
+    b[n++] = (life){unit * (1 + xs(&s) % 2048), t, -2};
+    b[2 * l].end = t + 1;
+  }
+  for (int i = grads; i < n; i += 2) b[i].end = t + 1;
+  return n;
+}
+
+/* One step on p (frees first at each time); returns its live peak. */
+static size_t run_step(kt_pool_t *p, const life *b, int n) {
+  void *ptr[6 * 16];
+  size_t live = 0, peak = 0;
+  for (int t = 0; t <= 2 * 16 + 1; t++) {
+    for (int i = 0; i < n; i++)
+      if (b[i].end == t) { cr_assert_eq(kt_free(p, ptr[i], b[i].size, NULL), KT_OK); live -= b[i].size; }
+    for (int i = 0; i < n; i++)
+      if (b[i].start == t) {
+        cr_assert_eq(kt_alloc(p, b[i].size, NULL, &ptr[i]), KT_OK);
+        live += b[i].size;
+        if (live > peak) peak = live;
+      }
+  }
+  cr_assert_eq(live, 0);
+  return peak;
+}
+
+/* The same step again and again (a training loop of fixed shapes): after the first,
+ * no backend call at all, on 100 different steps. */
+static void repeated_steps(int release_on_grow, double *mean, uint64_t *later_calls, uint64_t *later_syncs) {
+  double sum = 0;
+  *later_calls = *later_syncs = 0;
+  for (uint64_t seed = 1; seed <= 100; seed++) {
+    life b[6 * 16];
+    int n = make_step(seed, b);
+    kt_pool_t *p = churn_pool(be, 1, release_on_grow);
+    size_t peak = run_step(p, b, n);
+    kt_fake_counts c0, c1;
+    kt_fake_get_counts(be, &c0);
+    for (int k = 1; k < 5; k++) run_step(p, b, n);
+    kt_fake_get_counts(be, &c1);
+    *later_calls += calls(&c1) - calls(&c0) + event_calls(&c1) - event_calls(&c0);
+    *later_syncs += c1.syncs - c0.syncs;
+    kt_stats st;
+    kt_get_stats(p, &st);
+    sum += (double)st.reserved_bytes.peak / (double)peak;
+    kt_pool_destroy(p);
+  }
+  *mean = sum / 100;
+}
+
+Test(churn, a_repeated_training_step_makes_no_backend_call_after_the_first) {
+  double mean, mean_fp;
+  uint64_t n, syncs, n_fp, syncs_fp;
+  repeated_steps(KT_RELEASE_SEGMENTS, &mean, &n, &syncs);
+  repeated_steps(KT_RELEASE_FOLLOW_PEAK, &mean_fp, &n_fp, &syncs_fp);
+  cr_log_info("a step repeated 5 times, 100 steps, VMM: %llu backend calls in repeats 2-5, peak reserved / live "
+              "peak %.4f (mean); following the peak: %llu calls (%llu synchronizations), %.4f",
+              (unsigned long long)n, mean, (unsigned long long)n_fp, (unsigned long long)syncs_fp, mean_fp);
+  cr_assert_eq(n, 0);
+  cr_assert_leq(mean, 1.2, "1.14 when written");
+}
+
+/* Steps of changing shapes (60 different steps on one pool, as shape-varying training):
+ * after warm-up a new shape may need more memory mapped, but nothing is unmapped and
+ * nothing synchronizes. */
+static void varying_steps(int release_on_grow, double *mean, double *late_calls, double *late_syncs) {
+  double sum = 0;
+  uint64_t lc = 0, ls = 0;
+  for (uint64_t rep = 0; rep < 20; rep++) {
+    kt_pool_t *p = churn_pool(be, 1, release_on_grow);
+    size_t peak = 0;
+    kt_fake_counts c0 = {0}, c1;
+    for (int k = 0; k < 60; k++) {
+      if (k == 30) kt_fake_get_counts(be, &c0);
+      life b[6 * 16];
+      int n = make_step(1000 + rep * 100 + (uint64_t)k, b);
+      size_t pk = run_step(p, b, n);
+      if (pk > peak) peak = pk;
+    }
+    kt_fake_get_counts(be, &c1);
+    lc += calls(&c1) - calls(&c0) + event_calls(&c1) - event_calls(&c0);
+    ls += c1.syncs - c0.syncs;
+    cr_assert(release_on_grow == KT_RELEASE_FOLLOW_PEAK || (c1.syncs == c0.syncs && c1.unmaps == c0.unmaps),
+              "run %llu: %llu synchronizations, %llu unmaps after warm-up", (unsigned long long)rep,
+              (unsigned long long)(c1.syncs - c0.syncs), (unsigned long long)(c1.unmaps - c0.unmaps));
+    kt_stats st;
+    kt_get_stats(p, &st);
+    sum += (double)st.reserved_bytes.peak / (double)peak;
+    kt_pool_destroy(p);
+  }
+  *mean = sum / 20;
+  *late_calls = (double)lc / 20;
+  *late_syncs = (double)ls / 20;
+}
+
+Test(churn, changing_shapes_unmap_and_synchronize_nothing_after_warm_up) {
+  double mean, calls_late, syncs_late, mean_fp, calls_fp, syncs_fp;
+  varying_steps(KT_RELEASE_SEGMENTS, &mean, &calls_late, &syncs_late);
+  varying_steps(KT_RELEASE_FOLLOW_PEAK, &mean_fp, &calls_fp, &syncs_fp);
+  cr_log_info("60 steps of changing shapes, VMM: %.1f backend calls in the last 30 (%.1f synchronizations), peak "
+              "reserved / live peak %.4f (mean of 20 runs); following the peak: %.1f calls (%.1f synchronizations), "
+              "%.4f", calls_late, syncs_late, mean, calls_fp, syncs_fp, mean_fp);
+  cr_assert_leq(mean, 1.2, "1.11 when written");
+}
+
 /* Blocks of every kind (slab classes, large, one used on another stream) on two
  * streams, freed one by one: no free releases, unmaps or synchronizes, whatever the
  * pool mode, even with a limit lowered below what is reserved. */

@@ -1,5 +1,9 @@
 """relu(a + b) -> add_relu, tanh(a * b) -> mul_tanh, gelu(x + bias) and gelu(linear(x))
 -> bias_gelu (tanh GELU after a Linear: linear_act(gelu_tanh)), silu(g) * u -> swiglu."""
+import math
+import operator
+
+import torch
 import torch.fx as tfx
 import torch.nn as nn
 import torch.nn.functional as F
@@ -108,4 +112,93 @@ def _rewrite_swiglu(gm, g, node, where, report):
             g.erase_node(node)
             g.erase_node(s)
             break
+    return True
+
+
+# ---- the tanh approximation of GELU, written out (GPT-2's NewGELUActivation and its copies) ----
+#   0.5 * x * (1.0 + tanh(sqrt(2 / pi) * (x + 0.044715 * x ** 3)))
+
+def _scaled(node):
+    """(constant, other) for node = c * other or other * c with c a Python number, else None."""
+    if not (isinstance(node, tfx.Node) and node.op == "call_function" and node.target in (operator.mul, torch.mul)
+            and len(node.args) == 2 and not node.kwargs):
+        return None
+    a, b = node.args
+    if isinstance(a, (int, float)) and isinstance(b, tfx.Node):
+        return float(a), b
+    if isinstance(b, (int, float)) and isinstance(a, tfx.Node):
+        return float(b), a
+    return None
+
+
+def _plus(node, const=None):
+    """(a, b) for node = a + b (const: one operand that Python number, returned as b)."""
+    if not (isinstance(node, tfx.Node) and node.op == "call_function" and node.target in (operator.add, torch.add)
+            and len(node.args) == 2 and not node.kwargs):
+        return None
+    a, b = node.args
+    if const is None:
+        return (a, b) if isinstance(a, tfx.Node) and isinstance(b, tfx.Node) else None
+    if isinstance(a, (int, float)) and a == const:
+        return b, a
+    if isinstance(b, (int, float)) and b == const:
+        return a, b
+    return None
+
+
+def _tanh_gelu_of(node):
+    """(x, the chain's nodes) when node computes 0.5 * x * (1 + tanh(sqrt(2/pi) * (x +
+    0.044715 * x^3))) in GPT-2's order of operations, every inner node read once."""
+    ab = _binary(node, "mul")
+    if not ab or ab[0] is None:
+        return None
+    for half, rest in (ab[:2], ab[1::-1]):
+        h = _scaled(half)
+        one = _plus(rest, 1.0)
+        if not (h and abs(h[0] - 0.5) < 1e-12 and one):
+            continue
+        x, t = h[1], one[0]
+        if not (isinstance(t, tfx.Node) and t.op == "call_function" and t.target in (torch.tanh, F.tanh)
+                and len(t.args) == 1):
+            continue
+        k = _scaled(t.args[0])
+        if not (k and abs(k[0] - math.sqrt(2.0 / math.pi)) < 1e-6):
+            continue
+        inner = _plus(k[1])
+        if not inner:
+            continue
+        cube = next((_scaled(v) for v, other in (inner, inner[::-1]) if other is x), None)
+        if not (cube and abs(cube[0] - 0.044715) < 1e-9):
+            continue
+        p = cube[1]
+        if not (isinstance(p, tfx.Node) and ((p.op == "call_function" and p.target is torch.pow) or
+                                              (p.op == "call_method" and p.target == "pow"))
+                and len(p.args) == 2 and p.args[0] is x and p.args[1] in (3, 3.0)):
+            continue
+        chain = (half, rest, t, t.args[0], k[1], next(v for v in inner if v is not x), p)
+        if any(len(n.users) != 1 for n in chain):
+            continue
+        return x, chain
+    return None
+
+
+def _rewrite_tanh_gelu(gm, g, node, where, report):
+    """The tanh-GELU written out -> F.gelu(x, approximate="tanh") (one kernel instead of
+    eight), then offered to the activation patterns (bias_gelu, linear_act)."""
+    found = _tanh_gelu_of(node)
+    if found is None:
+        return False
+    x, chain = found
+    report.fused.append((where, "tanh-GELU written out (pow, tanh, 5 products and sums) -> gelu (one ATen op)"))
+    with g.inserting_before(node):
+        new = g.call_function(F.gelu, (x,), {"approximate": "tanh"})
+    node.replace_all_uses_with(new)
+    g.erase_node(node)
+    prefix = where[:len(where) - len(node.name)]
+    gone = {prefix + n.name for n in chain}
+    report.left[:] = [(w, why) for w, why in report.left if w not in gone]   # the tanh's "left", say
+    for n in chain:
+        g.erase_node(n)
+    from ..engine import _rewrite_activation   # the GELU's own patterns, with what feeds it
+    _rewrite_activation(gm, g, new, where, report)
     return True

@@ -76,7 +76,6 @@ Test(arena, streams_never_share_free_extents) {
   kt_pool_t *q = test_pool_keep(be);   /* released segments may come back anywhere: keep them */
   void *a, *b;
   kt_stream_t s1 = (kt_stream_t)0x100, s2 = (kt_stream_t)0x200;
-  kt_fake_hold_events(be, 1);   /* s1's work is still running */
   cr_assert_eq(kt_alloc(q, 8 * MiB, s1, &a), KT_OK);
   cr_assert_eq(kt_free(q, a, 0, s1), KT_OK);
   cr_assert_eq(kt_alloc(q, 8 * MiB, s2, &b), KT_OK);
@@ -84,43 +83,6 @@ Test(arena, streams_never_share_free_extents) {
   void *c;
   cr_assert_eq(kt_alloc(q, 8 * MiB, s1, &c), KT_OK);
   cr_assert_eq(a, c, "s1 should reuse its own freed block");
-  kt_fake_complete_events(be);
-  kt_fake_hold_events(be, 0);
-  kt_pool_destroy(q);
-}
-
-/* Where the arena would grow, an event recorded on another stream that freed memory
- * lets that memory serve once it completes; until then the arena grows instead. */
-Test(arena, another_streams_freed_memory_serves_once_its_event_completes) {
-  kt_pool_t *q = test_pool_keep(be);
-  kt_stream_t s1 = (kt_stream_t)0x100, s2 = (kt_stream_t)0x200;
-  void *a, *b, *c, *d;
-  cr_assert_eq(kt_alloc(q, 12 * MiB, s1, &a), KT_OK);   /* its own 12 MiB segment */
-  kt_fake_hold_events(be, 1);                            /* s1's work still runs */
-  cr_assert_eq(kt_free(q, a, 0, s1), KT_OK);
-  kt_fake_counts f0, f1;
-  kt_fake_get_counts(be, &f0);
-  cr_assert_eq(kt_alloc(q, 12 * MiB, s2, &b), KT_OK);
-  kt_fake_get_counts(be, &f1);
-  cr_assert_neq(b, a, "s1's work may still touch a");
-  cr_assert_eq(f1.reserves, f0.reserves + 1, "the arena grew instead");
-  cr_assert_eq(f1.event_records, f0.event_records + 1, "one event on s1, no synchronization");
-  cr_assert_eq(f1.syncs, f0.syncs);
-  cr_assert_eq(kt_pool_validate(q), KT_OK);
-  kt_fake_complete_events(be);                           /* s1's work is done */
-  kt_fake_hold_events(be, 0);
-  cr_assert_eq(kt_alloc(q, 12 * MiB, s2, &c), KT_OK);
-  kt_fake_get_counts(be, &f0);
-  cr_assert_eq(c, a, "s1's freed memory serves s2 now");
-  cr_assert_eq(f0.reserves, f1.reserves, "no growth");
-  cr_assert_eq(f0.syncs, f1.syncs);
-  cr_assert_eq(kt_alloc(q, 12 * MiB, s1, &d), KT_OK);    /* nothing free: grows; s2 holds no free extent */
-  cr_assert(d != a && d != b);
-  cr_assert_eq(kt_pool_validate(q), KT_OK);
-  cr_assert_eq(kt_free(q, b, 0, s2), KT_OK);
-  cr_assert_eq(kt_free(q, c, 0, s2), KT_OK);
-  cr_assert_eq(kt_free(q, d, 0, s1), KT_OK);
-  cr_assert_eq(kt_pool_validate(q), KT_OK);
   kt_pool_destroy(q);
 }
 

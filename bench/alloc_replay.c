@@ -1,6 +1,7 @@
 /* bench/alloc_replay.c — replays an allocation trace against the allocator.
  *
- *   alloc_replay TRACE.csv [--backend fake|cuda] [--repeat R] [--json FILE] [--vmm]
+ *   alloc_replay TRACE.csv [--backend fake|cuda] [--repeat R] [--json FILE] [--vmm] [--passes P]
+ *                [--release-on-grow 0|1|2]
  *
  * TRACE is what kt_trace_start / kitsune.allocator.trace() record:
  *   thread,time_ns,action,ptr,size,stream
@@ -12,6 +13,12 @@
  * bridge's device pool does on one GPU. With --vmm the end state is also split by 2 MiB
  * granule: how many granules the live blocks touch and how full they are (the cache
  * that fragmentation pins), and how much is reserved beyond them (free granules kept).
+ * --passes P replays the trace P times on one pool (blocks still live at the end of a
+ * pass are freed first), so passes after the first show the warmed-up pool; on the fake
+ * backend each pass prints the backend calls it made per allocation, and the first pass
+ * its two halves (by allocation) too. ns/op and peaks are over all passes.
+ * --release-on-grow sets kt_pool_options.release_on_grow (default 1, KT_RELEASE_SEGMENTS;
+ * 2 is KT_RELEASE_FOLLOW_PEAK).
  */
 #include "bench_common.h"
 
@@ -91,6 +98,39 @@ static granules granule_split(void **ptr, size_t *size, uint64_t *key, size_t ca
   return r;
 }
 
+/* Backend calls between two snapshots of the fake's counters. */
+typedef struct calls {
+  uint64_t reserves, releases, va_reserves, maps, unmaps, syncs, ev_creates, ev_records, ev_queries;
+  int64_t reserved_total;   /* bytes the pool ever reserved or mapped (its stats) */
+} calls;
+
+static calls calls_now(const kt_backend *be, kt_pool_t *pool) {
+  calls c = {0};
+  if (strcmp(be->name, "fake")) return c;
+  kt_fake_counts k;
+  kt_fake_get_counts(be, &k);
+  kt_stats st;
+  kt_get_stats(pool, &st);
+  c = (calls){k.reserves, k.releases, k.va_reserves, k.maps, k.unmaps, k.syncs, k.event_creates, k.event_records,
+              k.event_queries, st.reserved_bytes.allocated};
+  return c;
+}
+
+static void calls_print(const char *what, calls a, calls b, long allocs) {
+  double n = allocs ? (double)allocs : 1;
+  uint64_t total = (b.reserves - a.reserves) + (b.releases - a.releases) + (b.va_reserves - a.va_reserves) +
+                   (b.maps - a.maps) + (b.unmaps - a.unmaps) + (b.syncs - a.syncs) + (b.ev_creates - a.ev_creates) +
+                   (b.ev_records - a.ev_records) + (b.ev_queries - a.ev_queries);
+  printf("  %s: %ld allocs, backend calls %llu (%.4f per alloc): reserve %llu, release %llu, va_reserve %llu, "
+         "map %llu, unmap %llu, synchronize %llu, event create %llu record %llu query %llu; %.0f MiB reserved or mapped\n",
+         what, allocs, (unsigned long long)total, (double)total / n, (unsigned long long)(b.reserves - a.reserves),
+         (unsigned long long)(b.releases - a.releases), (unsigned long long)(b.va_reserves - a.va_reserves),
+         (unsigned long long)(b.maps - a.maps), (unsigned long long)(b.unmaps - a.unmaps),
+         (unsigned long long)(b.syncs - a.syncs), (unsigned long long)(b.ev_creates - a.ev_creates),
+         (unsigned long long)(b.ev_records - a.ev_records), (unsigned long long)(b.ev_queries - a.ev_queries),
+         (double)(b.reserved_total - a.reserved_total) / 1048576.0);
+}
+
 static void map_del(map *m, size_t i) {   /* backward-shift deletion */
   m->key[i] = 0; m->n--;
   for (size_t j = (i + 1) & (m->cap - 1); m->key[j]; j = (j + 1) & (m->cap - 1)) {
@@ -102,16 +142,18 @@ static void map_del(map *m, size_t i) {   /* backward-shift deletion */
 
 int main(int argc, char **argv) {
   const char *path = NULL, *backend = "fake", *json = NULL;
-  int repeat = 1, vmm = 0;
+  int repeat = 1, vmm = 0, passes = 1, release = KT_RELEASE_SEGMENTS;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--backend") && i + 1 < argc) backend = argv[++i];
     else if (!strcmp(argv[i], "--repeat") && i + 1 < argc) repeat = atoi(argv[++i]);
     else if (!strcmp(argv[i], "--json") && i + 1 < argc) json = argv[++i];
     else if (!strcmp(argv[i], "--vmm")) vmm = 1;
+    else if (!strcmp(argv[i], "--passes") && i + 1 < argc && atoi(argv[i + 1]) > 0) passes = atoi(argv[++i]);
+    else if (!strcmp(argv[i], "--release-on-grow") && i + 1 < argc) release = atoi(argv[++i]);
     else if (!path && argv[i][0] != '-') path = argv[i];
-    else { fprintf(stderr, "usage: %s TRACE.csv [--backend fake|cuda] [--repeat R] [--json FILE] [--vmm]\n", argv[0]); return 2; }
+    else { fprintf(stderr, "usage: %s TRACE.csv [--backend fake|cuda] [--repeat R] [--json FILE] [--vmm] [--passes P] [--release-on-grow 0|1|2]\n", argv[0]); return 2; }
   }
-  if (!path) { fprintf(stderr, "usage: %s TRACE.csv [--backend fake|cuda] [--repeat R] [--json FILE] [--vmm]\n", argv[0]); return 2; }
+  if (!path) { fprintf(stderr, "usage: %s TRACE.csv [--backend fake|cuda] [--repeat R] [--json FILE] [--vmm] [--passes P] [--release-on-grow 0|1|2]\n", argv[0]); return 2; }
   FILE *f = fopen(path, "r");
   if (!f) { fprintf(stderr, "cannot read %s\n", path); return 1; }
   size_t cap = 1 << 16, n = 0;
@@ -163,37 +205,64 @@ int main(int argc, char **argv) {
     kt_pool_options o;
     kt_pool_options_default(&o);
     o.vmm = vmm;
+    o.release_on_grow = release;
     kt_pool_t *pool;
     if (kt_pool_create(&o, be, &pool) != KT_OK) return 1;
     map m = {0};
     size_t live = 0;
     peak_live = 0; ops = 0; missing = 0;
-    double t0 = now_s();
-    for (size_t i = 0; i < n; i++) {
-      ev *e = &evs[i];
-      kt_stream_t s = NULL;
-      for (int k = 0; k < nstreams; k++) if (streams[k] == e->stream) { s = mapped[k]; break; }
-      if (e->action == 'a') {
-        void *p;
-        if (kt_alloc(pool, e->size, s, &p) != KT_OK) { fprintf(stderr, "replay: allocation of %zu failed\n", e->size); return 1; }
-        if (p) map_put(&m, e->ptr, p, e->size);
-        live += e->size;
-        if (live > peak_live) peak_live = live;
-      } else if (e->action == 'f') {
-        long k = map_find(&m, e->ptr);
-        if (k < 0) { missing++; continue; }   /* allocated before the trace started */
-        kt_free(pool, m.val[k], m.size[k], s);
-        live -= m.size[k];
-        map_del(&m, (size_t)k);
-      } else if (e->action == 'r') {
-        long k = map_find(&m, e->ptr);
-        if (k >= 0) kt_record_stream(pool, m.val[k], s);
-      } else {
-        kt_empty_cache(pool);
+    long nallocs = 0;
+    for (size_t i = 0; i < n; i++) nallocs += evs[i].action == 'a';
+    double dt = 0;   /* the passes' time, without the printing between them */
+    for (int pass = 0; pass < passes; pass++) {
+      calls c0 = calls_now(be, pool), chalf = c0;
+      long allocs = 0;
+      double tp = now_s();
+      for (size_t i = 0; i < n; i++) {
+        ev *e = &evs[i];
+        kt_stream_t s = NULL;
+        for (int k = 0; k < nstreams; k++) if (streams[k] == e->stream) { s = mapped[k]; break; }
+        if (e->action == 'a') {
+          void *p;
+          if (allocs == nallocs / 2) chalf = calls_now(be, pool);
+          allocs++;
+          if (kt_alloc(pool, e->size, s, &p) != KT_OK) { fprintf(stderr, "replay: allocation of %zu failed\n", e->size); return 1; }
+          if (p) map_put(&m, e->ptr, p, e->size);
+          live += e->size;
+          if (live > peak_live) peak_live = live;
+        } else if (e->action == 'f') {
+          long k = map_find(&m, e->ptr);
+          if (k < 0) { missing++; continue; }   /* allocated before the trace started */
+          kt_free(pool, m.val[k], m.size[k], s);
+          live -= m.size[k];
+          map_del(&m, (size_t)k);
+        } else if (e->action == 'r') {
+          long k = map_find(&m, e->ptr);
+          if (k >= 0) kt_record_stream(pool, m.val[k], s);
+        } else {
+          kt_empty_cache(pool);
+        }
+        ops++;
       }
-      ops++;
+      if (passes > 1 && pass + 1 < passes) {   /* what the trace left live: freed before the next pass */
+        for (size_t i = 0; i < m.cap; i++)
+          if (m.key[i]) { kt_free(pool, m.val[i], m.size[i], NULL); live -= m.size[i]; m.key[i] = 0; }
+        m.n = 0;
+      }
+      double dtp = now_s() - tp;
+      dt += dtp;
+      if (r == repeat - 1 && !strcmp(be->name, "fake")) {
+        char what[64];
+        calls c1 = calls_now(be, pool);
+        if (passes > 1) printf("pass %d: %.1f ns/op\n", pass + 1, dtp * 1e9 / (double)(n ? n : 1));
+        if (pass == 0) {
+          calls_print("first half ", c0, chalf, nallocs / 2);
+          calls_print("second half", chalf, c1, allocs - nallocs / 2);
+        }
+        snprintf(what, sizeof what, "pass %d     ", pass + 1);
+        calls_print(what, c0, c1, allocs);
+      }
     }
-    double dt = now_s() - t0;
     if (dt < best) best = dt;
     kt_stats st;
     kt_get_stats(pool, &st);

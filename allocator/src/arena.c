@@ -5,18 +5,29 @@
  * s scans bin_of(s) for the smallest extent that fits, then the next non-empty
  * bins, whose extents are all larger than s. Each free extent carries a tag: the
  * stream whose work may still touch it (NULL for fresh memory). A search on
- * stream S looks at S's extents, then untagged ones; it never takes another
- * stream's. Neighbours coalesce when their tags agree or one is untagged (the
- * merged extent keeps the tag: confining fresh memory to S is always safe).
+ * stream S looks at S's extents and untagged ones (find() says in which order); it
+ * never takes another stream's. Neighbours coalesce when their tags agree or one is
+ * untagged (the merged extent keeps the tag: confining fresh memory to S is always
+ * safe). Where a VMM pool's arena would grow, other streams' free extents become
+ * untagged once an event recorded on their stream has completed (reclaim_streams).
  *
  * A VMM pool (kt_pool_options.vmm) grows by reserving address space, not memory: a
  * range of twice the device's memory is one segment whose extents split and
  * coalesce like any other, and a granule (2 MiB) is mapped when an extent that
  * overlaps it is taken. Every granule a taken extent touches is mapped; a free
- * extent's may or may not be. Before the mapped total passes its highest value so
- * far, granules that lie wholly in free space are unmapped (after one device
- * synchronization) until the growth fits under it, so the pool's peak follows the
- * peak of live bytes instead of the history of its segments.
+ * extent's may or may not be. The range has two halves, fenced: large blocks are
+ * carved from the lower, slabs from the upper. Slabs stay until kt_empty_cache, so
+ * among large blocks they would pin granules in the middle of free space; apart, the
+ * churn of issue 45 (bench/churn_trace.py) held 1.21x its live peak instead of 1.30x.
+ * Granules go back only on pressure: kt__arena_trim, called by kt_empty_cache, the
+ * OOM retry, growth that would pass the memory limit and, with release_on_grow =
+ * KT_RELEASE_FOLLOW_PEAK, growth past the highest mapped total so far. Unmapping at
+ * that mark kept reserved within 1% of the live peak, but a workload whose live bytes
+ * move around never settled: it synchronized and remapped on growth for ever (the churn
+ * of issue 45 mapped 3.3 GiB and synchronized 242 times in its first pass of 20,000
+ * allocations, 90 times in the second). Without it the mapped set grows until the
+ * workload's layout fits, and then allocations make no backend call; the cost is
+ * memory (docs/allocator.md, "When memory goes back to the device", has both sides).
  * Everything here runs under pool->arena_lock.
  */
 #include <stdlib.h>
@@ -72,26 +83,35 @@ static bool fits(const kt_extent *e, size_t size, size_t align) {
 
 static bool place_in_range(const kt_extent *e, size_t size, size_t align, uintptr_t *out);
 
+/* A VMM range's slabs come from above its fence, large blocks from below it. */
+static inline bool on_its_side(const kt_extent *e, int kind) {
+  return !e->seg->fence || (kind == KT_EXT_SLAB) == (e->addr >= e->seg->fence);
+}
+
 /* Best fit for size in b. mapped: only extents where size goes without mapping a
  * granule (a VMM range's mapped run holds it; a segment's extent, wherever it fits).
  * Extents of a VMM range include their unmapped parts, so a fit by size alone can
  * pick a small, half-unmapped hole and map it while a mapped run elsewhere sits
- * free. That is the better trade while the pool may trim (the snug hole keeps
- * fragmentation down, and growth past the high mark unmaps idle granules first:
- * on the H100, shape-varying training held 1.017x its live bytes with the mapped
- * search always first, 1.013x without, bench/results/archive/h100_alloc_shapes_f0e05ef.log
- * against alloc_shapes.json), but not while releases are held: nothing can be
- * trimmed then, and a map there is a device allocation inside a CUDA graph
- * capture, whose pool relies on the range kt_pool_prepare_capture made ready. */
-static kt_extent *best_fit(kt_bins *b, size_t size, size_t align, bool mapped) {
+ * free. That is the better trade while growth trims (KT_RELEASE_FOLLOW_PEAK: the
+ * snug hole keeps fragmentation down, and growth past the high mark unmaps idle
+ * granules first: on the H100, shape-varying training held 1.017x its live bytes
+ * with the mapped search always first, 1.013x without,
+ * bench/results/archive/h100_alloc_shapes_f0e05ef.log against alloc_shapes.json).
+ * Otherwise the mapped search goes first: by default nothing trims, so a granule
+ * mapped is memory kept, and while releases are held a map is a device allocation
+ * inside a CUDA graph capture, whose pool relies on the range
+ * kt_pool_prepare_capture made ready. */
+static kt_extent *best_fit(kt_bins *b, size_t size, size_t align, int kind, bool mapped, uintptr_t *at) {
   if (!b->count) return NULL;
   for (int i = next_bin(b, kt__bin_of(size)); i >= 0; i = next_bin(b, i + 1)) {
     kt_extent *best = NULL;
-    uintptr_t at;
+    uintptr_t here = 0;
     for (kt_extent *e = b->head[i]; e; e = e->fnext)
       if (fits(e, size, align) && (!best || e->size < best->size || (e->size == best->size && e->addr < best->addr)) &&
-          (!mapped || !e->seg->gmap || place_in_range(e, size, align, &at)))
+          on_its_side(e, kind) && (!mapped || !e->seg->gmap || place_in_range(e, size, align, &here))) {
         best = e;
+        if (mapped) *at = e->seg->gmap ? here : align_up(e->addr, align);
+      }
     if (best) return best;
   }
   return NULL;
@@ -132,7 +152,7 @@ void kt__arena_free_spares(kt_pool_t *p) {
 static kt_extent *split_front(kt_pool_t *p, kt_extent *e, size_t at) {
   kt_extent *f = extent_new(p);
   if (!f) return NULL;
-  f->addr = e->addr; f->size = at; f->seg = e->seg; f->tag = e->tag; f->kind = KT_EXT_FREE;
+  f->addr = e->addr; f->size = at; f->seg = e->seg; f->tag = e->tag; f->seq = e->seq; f->kind = KT_EXT_FREE;
   f->aprev = e->aprev; f->anext = e;
   if (e->aprev) e->aprev->anext = f; else e->seg->first = f;
   e->aprev = f;
@@ -145,7 +165,7 @@ static kt_extent *split_front(kt_pool_t *p, kt_extent *e, size_t at) {
 static kt_extent *split_back(kt_pool_t *p, kt_extent *e, size_t keep) {
   kt_extent *f = extent_new(p);
   if (!f) return NULL;
-  f->addr = e->addr + keep; f->size = e->size - keep; f->seg = e->seg; f->tag = e->tag; f->kind = KT_EXT_FREE;
+  f->addr = e->addr + keep; f->size = e->size - keep; f->seg = e->seg; f->tag = e->tag; f->seq = e->seq; f->kind = KT_EXT_FREE;
   f->anext = e->anext; f->aprev = e;
   if (e->anext) e->anext->aprev = f;
   e->anext = f;
@@ -198,8 +218,9 @@ static void link_segment(kt_pool_t *p, kt_segment *s, kt_extent *e) {
 }
 
 /* Address space for a VMM range: twice the device's memory (free space in it is
- * never short of room to coalesce), 64 GiB when the backend cannot say. Records
- * the device's memory, if known, in p->vmm_device. */
+ * never short of room to coalesce), 64 GiB when the backend cannot say, twice the
+ * request if that is more (each half of the range must hold it). Records the
+ * device's memory, if known, in p->vmm_device. */
 static size_t range_bytes(kt_pool_t *p, size_t size) {
   if (!p->vmm_range) {
     size_t free_b = 0, total = 0;
@@ -207,31 +228,44 @@ static size_t range_bytes(kt_pool_t *p, size_t size) {
       p->vmm_device = total;
     else
       total = (size_t)32 << 30;
-    p->vmm_range = align_up(2 * total, KT_GRANULE);
+    p->vmm_range = align_up(2 * total, 2 * KT_GRANULE);
   }
-  size_t need = align_up(size, KT_GRANULE);
+  size_t need = 2 * align_up(size, KT_GRANULE);
   return need > p->vmm_range ? need : p->vmm_range;
 }
 
-/* A new VMM range as one free extent; KT_ERR_UNAVAILABLE when the backend cannot
+/* A new VMM range as two free extents, the halves on either side of its fence;
+ * *out is the one kind is carved from. KT_ERR_UNAVAILABLE when the backend cannot
  * map, KT_ERR_OOM for a request larger than the device. */
-static kt_status grow_range(kt_pool_t *p, size_t size, kt_extent **out) {
+static kt_status grow_range(kt_pool_t *p, size_t size, int kind, kt_extent **out) {
   size_t bytes = range_bytes(p, size);
   if (p->vmm_device && size > p->vmm_device) return KT_ERR_OOM;   /* no range for what cannot be mapped */
   kt_segment *s = calloc(1, sizeof *s);
-  kt_extent *e = extent_new(p);
+  kt_extent *e = extent_new(p), *up = extent_new(p);
   uint8_t *gmap = calloc(bytes / KT_GRANULE, 1);
-  if (!s || !e || !gmap) { free(s); free(e); free(gmap); return KT_ERR_HOST_OOM; }
+  if (!s || !e || !up || !gmap) {
+    free(s); free(gmap);
+    if (e) extent_free(p, e);
+    if (up) extent_free(p, up);
+    return KT_ERR_HOST_OOM;
+  }
   void *base = NULL;
   kt_status st = p->be->va_reserve(p->be->ctx, p->device, bytes, &base);
   if (st == KT_OK && (!base || ((uintptr_t)base & (KT_GRANULE - 1)) || ((uintptr_t)base + bytes) >> KT_VA_BITS)) {
     p->be->va_release(p->be->ctx, p->device, base, bytes);   /* a backend bug; never hand it out */
     st = KT_ERR_BACKEND;
   }
-  if (st != KT_OK) { free(s); free(e); free(gmap); return st; }
+  if (st != KT_OK) { free(s); free(gmap); extent_free(p, e); extent_free(p, up); return st; }
   s->base = (uintptr_t)base; s->size = bytes; s->gmap = gmap;
-  link_segment(p, s, e);
-  *out = e;
+  link_segment(p, s, e);   /* e: the whole range, binned */
+  kt__bins_remove(&p->untagged, e);
+  s->fence = s->base + bytes / 2;
+  e->size = bytes / 2;
+  up->addr = s->fence; up->size = bytes / 2; up->seg = s; up->kind = KT_EXT_FREE;
+  up->aprev = e; e->anext = up;
+  kt__bins_insert(&p->untagged, e);
+  kt__bins_insert(&p->untagged, up);
+  *out = kind == KT_EXT_SLAB ? up : e;
   return KT_OK;
 }
 
@@ -310,8 +344,9 @@ size_t kt__arena_trim(kt_pool_t *p, size_t want) {
   return t.done;
 }
 
-/* Maps every granule that taken extent e touches. Growth past the highest mapped
- * total so far (or past the limit) first unmaps idle granules to make room. */
+/* Maps every granule that taken extent e touches. Growth past the limit (and, with
+ * KT_RELEASE_FOLLOW_PEAK, past the highest mapped total so far) first unmaps idle
+ * granules to make room. */
 static kt_status back_extent(kt_pool_t *p, kt_extent *e, kt_oom_info *oom) {
   kt_segment *s = e->seg;
   size_t g0 = (e->addr - s->base) / KT_GRANULE;
@@ -325,7 +360,7 @@ static kt_status back_extent(kt_pool_t *p, kt_extent *e, kt_oom_info *oom) {
   }
   bool held = atomic_load(&p->hold_releases) > 0;   /* no synchronization: grow, or fail at the limit */
   int64_t room = INT64_MAX;   /* mapping more than this first unmaps idle granules */
-  if (p->release_on_grow) room = p->vmm_high - p->reserved;
+  if (p->release_on_grow >= KT_RELEASE_FOLLOW_PEAK) room = p->vmm_high - p->reserved;
   if (p->limit && (int64_t)p->limit - p->reserved < room) room = (int64_t)p->limit - p->reserved;
   if ((int64_t)need > room && !held) kt__arena_trim(p, (size_t)((int64_t)need - room));
   if (p->limit && (size_t)p->reserved + need > p->limit) {
@@ -431,28 +466,125 @@ static size_t idle_bytes(kt_pool_t *p) {
   return n;
 }
 
-kt_status kt__arena_take(kt_pool_t *p, kt_heap *tag, size_t size, size_t align, int kind,
-                         kt_extent **out, kt_oom_info *oom) {
+static bool mergeable(const kt_extent *a, const kt_extent *b);
+static void merge_next(kt_pool_t *p, kt_extent *lo, kt_extent *hi);
+
+/* The better of two fits: the smaller extent, then the lower address; its start in *at. */
+static kt_extent *better(kt_extent *a, uintptr_t at_a, kt_extent *b, uintptr_t at_b, uintptr_t *at) {
+  if (!b || (a && !(b->size < a->size || (b->size == a->size && b->addr < a->addr)))) { *at = at_a; return a; }
+  *at = at_b;
+  return b;
+}
+
+/* The free extent a request on stream tag goes to, or NULL. In a VMM range, best fit
+ * over tag's extents and the untagged ones together: untagged space there is the
+ * range's unmapped tail or memory other streams freed (reclaim_streams), and best
+ * fit ranks both right. Among segments, tag's extents first: untagged space there is
+ * what fresh segments have not handed out yet, and taking freed holes before it keeps
+ * segments whole (the churn of issue 45 held 1.60x its live peak this way, 1.83x with
+ * one best fit over both). */
+static kt_extent *find(kt_pool_t *p, kt_heap *tag, size_t size, size_t align, int kind, bool held, bool *grows,
+                         uintptr_t *at) {
   kt_extent *e = NULL;
-  bool held = atomic_load(&p->hold_releases) > 0;
-  if (p->vmm_range && held) {   /* held VMM pool: mapped room first (see best_fit) */
-    if (tag) e = best_fit(&tag->bins, size, align, true);
-    if (!e) e = best_fit(&p->untagged, size, align, true);
-  }
-  if (!e && tag) e = best_fit(&tag->bins, size, align, false);
-  if (!e) e = best_fit(&p->untagged, size, align, false);
-  if (!e && p->release_on_grow && !held && idle_bytes(p) >= size) {
-    /* Nothing fits but whole idle segments add up to the request: give them back
-     * before reserving more (their cudaFree synchronizes). */
-    kt_segment *idle = kt__arena_collect_idle(p);
-    while (idle) {
-      kt_segment *sg = idle;
-      idle = sg->next;
-      kt__segment_release(p, sg);
+  uintptr_t a1 = 0, a2 = 0;
+  if (p->vmm) {
+    if (held || p->release_on_grow < KT_RELEASE_FOLLOW_PEAK) {   /* mapped room first (see best_fit) */
+      kt_extent *t = tag ? best_fit(&tag->bins, size, align, kind, true, &a1) : NULL;
+      kt_extent *u = best_fit(&p->untagged, size, align, kind, true, &a2);
+      e = better(t, a1, u, a2, at);
+      if (e) { *grows = false; return e; }   /* a mapped run (or a segment) holds it */
     }
+    kt_extent *t = tag ? best_fit(&tag->bins, size, align, kind, false, &a1) : NULL;
+    kt_extent *u = best_fit(&p->untagged, size, align, kind, false, &a2);
+    e = better(t, 0, u, 0, at);
+  } else {
+    if (tag) e = best_fit(&tag->bins, size, align, kind, false, &a1);
+    if (!e) e = best_fit(&p->untagged, size, align, kind, false, &a1);
   }
+  if (!e) { *grows = true; return NULL; }
+  *at = align_up(e->addr, align);
+  *grows = e->seg->gmap && !place_in_range(e, size, align, at);
+  return e;
+}
+
+/* Free extents of h freed before its reclaim event was recorded become untagged and
+ * coalesce with their neighbours (a tagged neighbour's tag wins: confining memory to
+ * a stream is always safe). */
+static void untag_heap(kt_pool_t *p, kt_heap *h, uint64_t upto) {
+  for (kt_segment *s = p->segments; s && h->bins.count; s = s->next)
+    for (kt_extent *e = s->first; e; e = e->anext) {
+      if (e->kind != KT_EXT_FREE || e->tag != h || e->seq > upto) continue;
+      kt__bins_remove(&h->bins, e);
+      e->tag = NULL;
+      kt_extent *a = e->aprev, *n = e->anext;
+      if (a && mergeable(a, e)) {
+        kt__bins_remove(kt__bins_for(p, a->tag), a);
+        merge_next(p, a, e);
+        e = a;
+      }
+      if (n && mergeable(e, n)) {
+        kt__bins_remove(kt__bins_for(p, n->tag), n);
+        merge_next(p, e, n);
+      }
+      kt__bins_insert(kt__bins_for(p, e->tag), e);
+    }
+}
+
+/* Nothing fits stream tag and the arena is about to grow: memory other streams freed
+ * may serve instead, once their work is done. Each other heap holding free extents
+ * gets an event recorded on its stream (no synchronization), queried at once (a stream
+ * with no work queued is done) and at later growths: once it has completed, what that
+ * heap had freed before the record becomes usable by every stream. Runs only where
+ * the arena would otherwise grow, so a pool whose workload fits makes none of these
+ * calls, and none while events are deferred (a capture). The requesting stream arms
+ * no event for itself: its extents serve it already, and untagging them only changed
+ * which ones later searches preferred (a random churn on one stream held 1.13x its
+ * live peak so, 1.07x without). VMM pools only: among segments, memory moves between
+ * streams as whole idle segments (release_on_grow), and untagging broke segments up
+ * (the 8-thread stress test's pool grew from 1.24 GB to 1.7 GB). Returns true when
+ * extents were untagged (search again). */
+static bool reclaim_streams(kt_pool_t *p, kt_heap *tag) {
+  if (atomic_load_explicit(&p->defer_events, memory_order_relaxed)) return false;
+  bool any = false;
+  for (int pass = 0; pass < 2; pass++)   /* a stream with no work queued completes its event at once */
+    for (kt_heap *h = p->heap_list; h; h = h->next) {
+      if (h->reclaim_ev) {
+        int done = 0;
+        if (p->be->event_query(p->be->ctx, p->device, h->reclaim_ev, &done) != KT_OK || !done) continue;
+        size_t before = h->bins.count;
+        untag_heap(p, h, h->reclaim_seq);
+        any |= h->bins.count != before;
+        kt__event_give(p, h->reclaim_ev);
+        h->reclaim_ev = NULL;
+      }
+      if (pass || !h->bins.count || h == tag) continue;
+      kt_event_t ev = NULL;
+      if (kt__event_take(p, &ev) != KT_OK) continue;
+      if (p->be->event_record(p->be->ctx, p->device, ev, h->stream) != KT_OK) { kt__event_give(p, ev); continue; }
+      h->reclaim_ev = ev;
+      h->reclaim_seq = p->put_seq;
+    }
+  return any;
+}
+
+kt_status kt__arena_take(kt_pool_t *p, kt_heap *tag, size_t size, size_t align, int kind,
+                         kt_extent **out, kt_oom_info *oom, kt_segment **release) {
+  bool held = atomic_load(&p->hold_releases) > 0;
+  bool grows;   /* no free extent holds it, or (VMM) it would map granules */
+  uintptr_t start = 0;
+  kt_extent *e = find(p, tag, size, align, kind, held, &grows, &start);
+  if (grows && p->vmm && reclaim_streams(p, tag))   /* extents merged (e may be gone): search again */
+    e = find(p, tag, size, align, kind, held, &grows, &start);
+  if (!e && release && p->release_on_grow && !held && idle_bytes(p) >= size) {
+    /* Nothing fits but whole idle segments add up to the request: they go back
+     * before the pool reserves more, released by the caller once arena_lock is
+     * dropped (their cudaFree synchronizes). */
+    *release = kt__arena_collect_idle(p);
+    return KT__RELEASE_FIRST;
+  }
+  bool fresh = !e;
   if (!e && p->vmm) {   /* on failure a segment is tried, which fills the OOM info if it fails too */
-    kt_status st = grow_range(p, size, &e);
+    kt_status st = grow_range(p, size, kind, &e);
     if (st == KT_ERR_UNAVAILABLE) p->vmm = 0;   /* the device cannot map: segments from now on */
     if (st != KT_OK) e = NULL;
   }
@@ -460,9 +592,8 @@ kt_status kt__arena_take(kt_pool_t *p, kt_heap *tag, size_t size, size_t align, 
     kt_status st = grow(p, size, &e, oom);
     if (st != KT_OK) return st;
   }
+  if (fresh) start = align_up(e->addr, align);   /* a new range or segment: its start */
   kt_heap *was = e->tag;
-  uintptr_t start = align_up(e->addr, align);
-  if (e->seg->gmap) place_in_range(e, size, align, &start);
   kt_status st = carve(p, e, start, size, out);
   if (st != KT_OK) return st;
   /* marked in use before arena_lock is dropped: never mergeable while unlocked */
@@ -471,13 +602,16 @@ kt_status kt__arena_take(kt_pool_t *p, kt_heap *tag, size_t size, size_t align, 
   return st;
 }
 
+/* b follows a in address order. */
 static bool mergeable(const kt_extent *a, const kt_extent *b) {
-  return a->kind == KT_EXT_FREE && b->kind == KT_EXT_FREE && (a->tag == b->tag || !a->tag || !b->tag);
+  return a->kind == KT_EXT_FREE && b->kind == KT_EXT_FREE && (a->tag == b->tag || !a->tag || !b->tag) &&
+         b->addr != b->seg->fence;
 }
 
 /* hi follows lo in address order; neither is in a bin. hi goes. */
 static void merge_next(kt_pool_t *p, kt_extent *lo, kt_extent *hi) {
   if (!lo->tag) lo->tag = hi->tag;
+  if (hi->seq > lo->seq) lo->seq = hi->seq;
   lo->size += hi->size;
   lo->anext = hi->anext;
   if (hi->anext) hi->anext->aprev = lo;
@@ -485,7 +619,7 @@ static void merge_next(kt_pool_t *p, kt_extent *lo, kt_extent *hi) {
 }
 
 void kt__arena_put(kt_pool_t *p, kt_extent *e, kt_heap *tag) {
-  e->kind = KT_EXT_FREE; e->tag = tag; e->slab = NULL;
+  e->kind = KT_EXT_FREE; e->tag = tag; e->slab = NULL; e->seq = ++p->put_seq;
   kt_extent *a = e->aprev, *n = e->anext;
   if (a && mergeable(a, e)) {
     kt__bins_remove(kt__bins_for(p, a->tag), a);
@@ -508,7 +642,7 @@ void kt__arena_untag_all(kt_pool_t *p) {
       }
     for (kt_extent *e = s->first; e; e = e->anext) {   /* coalesce, then bin */
       if (e->kind != KT_EXT_FREE) continue;
-      while (e->anext && e->anext->kind == KT_EXT_FREE) merge_next(p, e, e->anext);
+      while (e->anext && e->anext->kind == KT_EXT_FREE && e->anext->addr != s->fence) merge_next(p, e, e->anext);
       kt__bins_insert(&p->untagged, e);
     }
   }
@@ -556,13 +690,15 @@ void kt__segment_release(kt_pool_t *p, kt_segment *s) {
 }
 
 /* A VMM range's free extents count only their mapped granules, so every bin may
- * need a look; a plain segment's largest extent is in the highest non-empty bin. */
+ * need a look; a plain segment's largest extent is in the highest non-empty bin.
+ * Free space above a range's fence serves slabs only and is not counted. */
 static size_t largest_in(const kt_bins *b) {
   size_t best = 0;
   for (int i = KT_NUM_BINS - 1; i >= 0; i--) {
     if (!(b->bits[i >> 6] & ((uint64_t)1 << (i & 63)))) continue;
     bool plain = false;
     for (kt_extent *e = b->head[i]; e; e = e->fnext) {
+      if (!on_its_side(e, KT_EXT_LARGE)) continue;
       size_t n = e->seg->gmap ? mapped_within(e->seg, e->addr, e->addr + e->size) : e->size;
       plain |= !e->seg->gmap;
       if (n > best) best = n;
@@ -613,9 +749,12 @@ kt_status kt__arena_validate(kt_pool_t *p) {
       for (size_t k = 0; k < s->size / KT_GRANULE; k++) n += s->gmap[k];
       CHECK(n * KT_GRANULE == s->mapped);
     }
+    CHECK(!s->fence || (s->gmap && s->fence == s->base + s->size / 2));
     uintptr_t at = s->base;
     for (kt_extent *e = s->first; e; e = e->anext) {
       CHECK(e->seg == s && e->addr == at && e->size > 0 && e->size % KT_QUANTUM == 0);
+      CHECK(!s->fence || e->addr >= s->fence || e->addr + e->size <= s->fence);   /* no extent spans the fence */
+      CHECK(e->kind == KT_EXT_FREE || on_its_side(e, e->kind));
       CHECK(!e->anext || e->anext->aprev == e);
       if (s->gmap && e->kind != KT_EXT_FREE)   /* what is handed out is mapped */
         for (uintptr_t g = e->addr & ~(uintptr_t)(KT_GRANULE - 1); g < e->addr + e->size; g += KT_GRANULE)

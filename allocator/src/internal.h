@@ -15,7 +15,9 @@
  * Invariants (kt_pool_validate checks them, at a quiescent point):
  *   reserved == sum(segment sizes) == sum(extent sizes over all segments)
  *   a FREE extent is in exactly one bin set: its tag's heap, or the untagged set
- *   no two address-adjacent FREE extents of one segment share a tag (coalesced)
+ *   no two address-adjacent FREE extents of one segment share a tag (coalesced),
+ *     except on either side of a VMM range's fence
+ *   no extent spans a VMM range's fence; SLAB extents lie above it, LARGE below
  *   blocks of a slab in state FREE == slab.nfree (on the heap's list)
  *                                     + those in tcache bins of the slab's stream
  *   packed.allocated_units*512 == sum of live block sizes
@@ -137,6 +139,7 @@ struct kt_extent {
   kt_extent *fprev, *fnext;   /* bin list while FREE */
   kt_segment *seg;
   kt_heap *tag;               /* FREE: stream it is confined to (NULL: any) */
+  uint64_t seq;               /* FREE: pool's put_seq when it (or its newest part) was freed */
   kt_slab *slab;              /* SLAB */
   kt_block blk;               /* LARGE: the block */
   uint16_t bin;
@@ -148,6 +151,8 @@ struct kt_segment {
   size_t size;               /* bytes of memory, or of address space for a VMM range */
   uint8_t *gmap;             /* VMM range: a byte a granule, 1 = mapped; NULL: backend segment */
   size_t mapped;             /* VMM range: bytes mapped */
+  uintptr_t fence;           /* VMM range: its middle; slabs above, large blocks below, and
+                              * no free extent spans it (0: a backend segment) */
   kt_extent *first;
   kt_segment *prev, *next;
   void *nvtx_heap;
@@ -176,6 +181,11 @@ struct kt_heap {
   kt_block *free[KT_NUM_CLASSES];
   kt_slab *slabs;
   kt_bins bins;            /* under the pool's arena_lock */
+  /* Reclaim (arena_lock): an event recorded on this stream when the arena had to grow;
+   * once it completes, the free extents tagged with this heap whose seq is at most
+   * reclaim_seq become untagged (their stream's work finished). NULL: none armed. */
+  kt_event_t reclaim_ev;
+  uint64_t reclaim_seq;
   kt_heap *next;           /* pool's list of heaps */
 } __attribute__((aligned(KT_CACHELINE)));
 
@@ -241,8 +251,9 @@ struct kt_pool {
   uint64_t n_reserves, n_releases, n_retries, n_ooms;   /* VMM: map and unmap calls */
   size_t vmm_range;                    /* address space a VMM range reserves (0: not yet known) */
   size_t vmm_device;                   /* the device's memory (0: unknown): larger requests fail at once */
-  int64_t vmm_high;                    /* most bytes ever mapped: growth past it unmaps idle granules first */
+  int64_t vmm_high;                    /* most bytes ever mapped (KT_RELEASE_FOLLOW_PEAK: growth past it unmaps idle granules first) */
   uint64_t n_trims;                    /* synchronizations to unmap idle granules */
+  uint64_t put_seq;                    /* extents freed into the arena so far (kt_extent.seq) */
   kt_extent *spare_extents;            /* recycled descriptors, linked by anext */
   int nspare_extents;
   int64_t large_req_alloc, large_req_freed, large_bytes_alloc, large_bytes_freed;
@@ -337,11 +348,18 @@ int kt__bin_of(size_t size);
 void kt__bins_insert(kt_bins *b, kt_extent *e);
 void kt__bins_remove(kt_bins *b, kt_extent *e);
 kt_bins *kt__bins_for(kt_pool_t *p, kt_heap *tag);
-/* Best fit for size at align among tag's free extents, then untagged ones; grows
- * the arena (may call the backend) when nothing fits. The extent comes back
- * marked kind (SLAB or LARGE), so it is never coalesced once the lock is dropped. */
+/* Best fit for size at align among tag's free extents and untagged ones (find() in
+ * arena.c says how); where that would grow a VMM pool, first untags what other streams
+ * freed before an event that has completed (reclaim_streams), then grows (may call
+ * the backend). The extent comes back
+ * marked kind (SLAB or LARGE), so it is never coalesced once the lock is dropped.
+ * release: where release_on_grow would give idle segments back before growing, they
+ * are unlinked into *release and KT__RELEASE_FIRST returned: the caller releases them
+ * with kt__segment_release (arena_lock dropped: cudaFree synchronizes) and takes
+ * again. NULL: no release before growing. */
+#define KT__RELEASE_FIRST ((kt_status)100)
 kt_status kt__arena_take(kt_pool_t *p, kt_heap *tag, size_t size, size_t align, int kind,
-                         kt_extent **out, kt_oom_info *oom);
+                         kt_extent **out, kt_oom_info *oom, kt_segment **release);
 /* Returns an extent to the free bins with tag, coalescing. */
 void kt__arena_put(kt_pool_t *p, kt_extent *e, kt_heap *tag);
 /* Every free extent becomes untagged (usable by any stream) and coalesces with its
@@ -355,6 +373,9 @@ kt_segment *kt__arena_collect_idle(kt_pool_t *p);
  * range down, until at least want bytes went back (SIZE_MAX: all). Synchronizes the
  * device first when there is anything to unmap. Returns the bytes unmapped. */
 size_t kt__arena_trim(kt_pool_t *p, size_t want);
+/* Events from the pool's cache (pool.c; take pending_lock, a leaf). */
+kt_status kt__event_take(kt_pool_t *p, kt_event_t *ev);
+void kt__event_give(kt_pool_t *p, kt_event_t ev);
 /* Frees the recycled extent descriptors (pool teardown). */
 void kt__arena_free_spares(kt_pool_t *p);
 void kt__segment_release(kt_pool_t *p, kt_segment *s);

@@ -99,7 +99,7 @@ void kt_pool_options_default(kt_pool_options *o) {
   memset(o, 0, sizeof *o);
   o->track_lifetimes = 1;
   o->peak_slack = KT_DEFAULT_PEAK_SLACK;
-  o->release_on_grow = 1;
+  o->release_on_grow = KT_RELEASE_FOLLOW_PEAK;
   o->shared_segment = KT_DEFAULT_SHARED_SEGMENT;
 }
 
@@ -170,6 +170,8 @@ void kt_pool_destroy(kt_pool_t *p) {
   kt__arena_free_spares(p);
   for (int c = 0; c < KT_NUM_CLASSES; c++)
     for (kt_slab *s = p->retired[c], *sn; s; s = sn) { sn = s->next; free(s); }
+  for (kt_heap *h = p->heap_list; h; h = h->next)
+    if (h->reclaim_ev) p->be->event_destroy(p->be->ctx, p->device, h->reclaim_ev);
   for (int i = 0; i < p->nevents; i++) p->be->event_destroy(p->be->ctx, p->device, p->event_cache[i]);
   free(p->event_cache);
   for (kt_uses *u = p->uses_cache, *un; u; u = un) { un = u->next; free(u); }
@@ -457,6 +459,19 @@ static void event_put(kt_pool_t *p, kt_event_t ev) {
   p->event_cache[p->nevents++] = ev;
 }
 
+kt_status kt__event_take(kt_pool_t *p, kt_event_t *ev) {
+  pthread_mutex_lock(&p->pending_lock);
+  kt_status st = event_get(p, ev);
+  pthread_mutex_unlock(&p->pending_lock);
+  return st;
+}
+
+void kt__event_give(kt_pool_t *p, kt_event_t ev) {
+  pthread_mutex_lock(&p->pending_lock);
+  event_put(p, ev);
+  pthread_mutex_unlock(&p->pending_lock);
+}
+
 static kt_uses *uses_get(kt_pool_t *p) {
   pthread_mutex_lock(&p->pending_lock);
   kt_uses *u = p->uses_cache;
@@ -673,13 +688,33 @@ static void oom_subtract_credits(kt_pool_t *p) {
   last_oom.cached = last_oom.reserved > last_oom.live ? last_oom.reserved - last_oom.live : 0;
 }
 
+/* kt__arena_take, called and returning with arena_lock held. Idle segments that
+ * release_on_grow gives back before growing are released with the lock dropped (each
+ * cudaFree synchronizes the device); then the take runs again, growing if it must. */
+static kt_status arena_take_locked(kt_pool_t *p, kt_heap *h, size_t size, size_t align, int kind,
+                                   kt_extent **out, kt_oom_info *oom) {
+  kt_segment *idle = NULL;
+  kt_status st = kt__arena_take(p, h, size, align, kind, out, oom, &idle);
+  if (st != KT__RELEASE_FIRST) return st;
+  pthread_mutex_unlock(&p->arena_lock);
+  while (idle) {
+    kt_segment *s = idle;
+    idle = s->next;
+    kt__segment_release(p, s);
+  }
+  pthread_mutex_lock(&p->arena_lock);
+  return kt__arena_take(p, h, size, align, kind, out, oom, NULL);
+}
+
 /* arena_take with one retry after releasing cache (none while releases are held);
- * fills the thread's OOM info. */
+ * fills the thread's OOM info. Returns KT_OK with arena_lock held (the caller
+ * finishes the extent and unlocks: one lock a large allocation), anything else
+ * without. */
 static kt_status take_extent(kt_pool_t *p, kt_heap *h, size_t size, size_t align, int kind, size_t requested,
                              kt_extent **out) {
   kt_oom_info oom = {0};
   pthread_mutex_lock(&p->arena_lock);
-  kt_status st = kt__arena_take(p, h, size, align, kind, out, &oom);
+  kt_status st = arena_take_locked(p, h, size, align, kind, out, &oom);
   if (st == KT_ERR_OOM && !atomic_load(&p->hold_releases)) {
     p->n_retries++;
     pthread_mutex_unlock(&p->arena_lock);
@@ -688,7 +723,7 @@ static kt_status take_extent(kt_pool_t *p, kt_heap *h, size_t size, size_t align
     kt__nvtx_pop(p);
     memset(&oom, 0, sizeof oom);
     pthread_mutex_lock(&p->arena_lock);
-    st = kt__arena_take(p, h, size, align, kind, out, &oom);
+    st = arena_take_locked(p, h, size, align, kind, out, &oom);
   }
   int nested = nested_depth > 0;
   if (st == KT_ERR_OOM) {
@@ -704,6 +739,7 @@ static kt_status take_extent(kt_pool_t *p, kt_heap *h, size_t size, size_t align
     last_oom = oom;
   }
   if (!nested) nested_oom_set = 0;   /* a parent's failure that a retry got past */
+  if (st == KT_OK) return st;
   pthread_mutex_unlock(&p->arena_lock);
   if (st == KT_ERR_OOM && last_oom.requested == requested) oom_subtract_credits(p);
   if (st == KT_ERR_OOM && nested) {
@@ -730,8 +766,7 @@ static KT_NOINLINE kt_status slab_new(kt_pool_t *p, kt_heap *h, int cls, size_t 
   const kt_class_geom *g = &kt__geom[cls];
   kt_extent *e;
   kt_status st = take_extent(p, h, g->slab_bytes, KT_PAGE, KT_EXT_SLAB, requested, &e);
-  if (st != KT_OK) return st;
-  pthread_mutex_lock(&p->arena_lock);
+  if (st != KT_OK) return st;   /* KT_OK: arena_lock held */
   kt_slab *s = slab_descriptor(p, cls);
   if (s) st = kt__radix_set_range(p, e->addr, g->slab_bytes, (uintptr_t)s | 1);
   if (!s || st != KT_OK) {
@@ -860,8 +895,7 @@ static KT_NOINLINE kt_status alloc_large(kt_pool_t *p, size_t size, size_t align
   if (rounded < align) rounded = align;   /* a page-aligned block spans its page (kt__alloc_nested) */
   kt_extent *e;
   st = take_extent(p, h, rounded, align, KT_EXT_LARGE, size, &e);
-  if (st != KT_OK) return st;
-  pthread_mutex_lock(&p->arena_lock);
+  if (st != KT_OK) return st;   /* KT_OK: arena_lock held */
   st = kt__radix_set(p, e->addr, (uintptr_t)e);
   if (st != KT_OK) {
     kt__arena_put(p, e, h);
@@ -1040,7 +1074,17 @@ kt_status kt_pool_prepare_capture(kt_pool_t *p, size_t bytes, size_t *ready) {
     if (bytes > KT_MAX_ALLOC) bytes = KT_MAX_ALLOC;
     bytes = (bytes + KT_SEGMENT_ALIGN - 1) & ~(KT_SEGMENT_ALIGN - 1);
     kt_extent *e;
-    if (have < bytes && kt__arena_take(p, NULL, bytes, KT_QUANTUM, KT_EXT_LARGE, &e, NULL) == KT_OK) {
+    kt_segment *idle = NULL;   /* the device is synchronized: idle segments go back under the lock */
+    kt_status t = have < bytes ? kt__arena_take(p, NULL, bytes, KT_QUANTUM, KT_EXT_LARGE, &e, NULL, &idle) : KT_ERR_OOM;
+    if (t == KT__RELEASE_FIRST) {
+      while (idle) {
+        kt_segment *s = idle;
+        idle = s->next;
+        kt__segment_release(p, s);
+      }
+      t = kt__arena_take(p, NULL, bytes, KT_QUANTUM, KT_EXT_LARGE, &e, NULL, NULL);
+    }
+    if (t == KT_OK) {
       kt__arena_put(p, e, NULL);   /* stays mapped (VMM) or reserved, free for any stream */
       have = kt__arena_largest_untagged(p);
     }

@@ -66,7 +66,8 @@ class Stats(ctypes.Structure):
 
 class PoolOptions(ctypes.Structure):
     _fields_ = [("device", ctypes.c_int), ("memory_limit", ctypes.c_size_t), ("track_lifetimes", ctypes.c_int),
-                ("peak_slack", ctypes.c_size_t), ("release_on_grow", ctypes.c_int), ("vmm", ctypes.c_int)]
+                ("peak_slack", ctypes.c_size_t), ("release_on_grow", ctypes.c_int), ("vmm", ctypes.c_int),
+                ("shared_segment", ctypes.c_size_t)]
 
 
 class Sync(ctypes.Structure):

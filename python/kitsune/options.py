@@ -29,9 +29,10 @@ OPTIONS = (
            "source checkout", read_by="loader"),
     Option("KITSUNE_BRIDGE", "path", None,
            "path of the PyTorch bridge (libkitsune_torch.so); unset: beside libkitsune.so", read_by="loader"),
-    Option("KITSUNE_RELEASE_ON_GROW", "bool", 1,
-           "before a pool grows, give idle cached memory back to the device (every pool the installed "
-           "allocator makes)", read_by="bridge"),
+    Option("KITSUNE_RELEASE_ON_GROW", "int", 2,
+           "what a pool of the installed allocator gives back before it grows: 2 idle segments, and a VMM "
+           "pool unmaps idle granules to follow its peak (one device sync then); 1 idle segments only, a VMM "
+           "pool unmaps nothing (no backend call once warm, more memory held); 0 nothing", read_by="bridge"),
     Option("KITSUNE_VMM", "int", None,
            "1: the device's pool grows by mapping 2 MiB granules of one address range; 0: by segments; "
            "unset: VMM when the process sees one GPU", read_by="bridge"),

@@ -15,8 +15,10 @@
  *    U, an event is recorded on each U at free time and the block is not handed out
  *    again — on any stream — until all those events have completed.
  *  - Memory is never handed from one stream's free list to another stream while work
- *    that used it may still run; idle memory moves between streams only by being
- *    returned to the backend or by coming from a fresh segment.
+ *    that used it may still run; idle memory moves between streams by being returned
+ *    to the backend, by coming from a fresh segment, or, in a VMM pool where the pool
+ *    would otherwise grow, once an event recorded on the stream that freed it has
+ *    completed (no synchronization).
  *
  * Errors: every call returns kt_status. KT_ERR_OOM is distinct from invalid
  * arguments; after an OOM, kt_last_oom() describes it on the calling thread.
@@ -59,17 +61,26 @@ typedef struct kt_pool_options {
    * threads a peak may overstate the true one by at most peak_slack for each other
    * thread cache. 0 makes peaks exact always, at one shared atomic per call. */
   size_t peak_slack;
-  /* 1 (default): before reserving a new segment, give idle segments back to the
-   * backend when together they are at least the request: on shape-varying training
-   * this held 1.13x the live bytes instead of 1.89x, for a synchronizing release
-   * now and then (bench/results/alloc_shapes.json). 0 keeps every segment cached. */
+  /* What the pool gives back on its own before it grows. Whatever the value, cached
+   * memory goes back on kt_empty_cache, when the backend refuses growth (the OOM
+   * retry) and when growth would pass the memory limit; never on a free.
+   *  KT_RELEASE_SEGMENTS (1): before reserving a new segment, idle segments
+   *    that together are at least the request go back (a cudaFree, which synchronizes,
+   *    made with no pool lock held): on shape-varying training this held 1.13x the
+   *    live bytes instead of 1.89x (bench/results/alloc_shapes.json). A VMM pool maps
+   *    granules and unmaps none: once it holds what the workload's layout needs,
+   *    allocations make no backend call.
+   *  KT_RELEASE_FOLLOW_PEAK (2, default): as 1, and a VMM pool unmaps idle granules (after a
+   *    device synchronization) before its mapped total passes its highest value so
+   *    far, so reserved follows the live peak more closely, at a synchronization and
+   *    remaps on growth that recur in a steady state (docs/allocator.md has numbers).
+   *  KT_RELEASE_NEVER (0): nothing; segments stay cached. */
   int release_on_grow;
   /* 1: when the backend has virtual-memory entries, the pool reserves address space
-   * (twice the device's memory, or the request if larger) and maps 2 MiB granules
-   * as blocks need them. Free space then coalesces across what would have been
-   * separate segments, and before the mapped total passes its highest value so far
-   * the pool unmaps idle granules (one device synchronization) instead. reserved
-   * counts mapped bytes. 0 (default): cudaMalloc-style segments. */
+   * (twice the device's memory, or twice the request if larger) and maps 2 MiB
+   * granules as blocks need them. Free space then coalesces across what would have
+   * been separate segments. reserved counts mapped bytes. 0 (default): cudaMalloc-style
+   * segments. */
   int vmm;
   /* Bytes of the segment a request under half of it gets, carved by later requests
    * too (one backend call serves many): KT_DEFAULT_SHARED_SEGMENT, 20 MiB, since a
@@ -79,12 +90,14 @@ typedef struct kt_pool_options {
   size_t shared_segment;
 } kt_pool_options;
 
+enum { KT_RELEASE_NEVER = 0, KT_RELEASE_SEGMENTS = 1, KT_RELEASE_FOLLOW_PEAK = 2 };
+
 #define KT_DEFAULT_SHARED_SEGMENT ((size_t)20 << 20)
 
 #define KT_DEFAULT_PEAK_SLACK ((size_t)2 << 20)
 
 /* Fills defaults: device 0, no limit, lifetimes tracked, 2 MiB peak slack,
- * idle segments released before growing. */
+ * idle memory released before growing (KT_RELEASE_FOLLOW_PEAK). */
 void kt_pool_options_default(kt_pool_options *opt);
 
 /* The backend must outlive the pool. */
@@ -103,7 +116,10 @@ kt_status kt_free_idle(kt_pool_t *pool, void *ptr, size_t size);
 /* Declares that the live block containing ptr (its start) is used on stream. */
 kt_status kt_record_stream(kt_pool_t *pool, void *ptr, kt_stream_t stream);
 
-/* Returns cached memory that is truly idle to the backend. */
+/* Returns cached memory that is truly idle to the backend. Besides this call, the
+ * pool gives memory back only when growth would pass its memory limit, when the
+ * backend refuses growth (one retry after releasing the cache), and as
+ * kt_pool_options.release_on_grow says; never on a free. */
 kt_status kt_empty_cache(kt_pool_t *pool);
 /* While held (calls nest), growth never gives idle memory back first: no device
  * synchronization and no cudaFree, which a CUDA graph capture would not survive.

@@ -60,7 +60,11 @@ kt_status create_device_pool(int device, kt_pool_t** out, bool device_pool, int 
   kt_pool_options o;
   kt_pool_options_default(&o);
   o.device = device;
-  o.release_on_grow = option_int(Opt::kReleaseOnGrow, o.release_on_grow) != 0;
+  // 0 none, 1 idle segments (a VMM pool then unmaps nothing), 2 also unmap idle granules
+  // to follow the peak (the default): kitsune/alloc.h, KT_RELEASE_*
+  const int release = option_int(Opt::kReleaseOnGrow, o.release_on_grow);
+  o.release_on_grow = release < KT_RELEASE_NEVER ? KT_RELEASE_NEVER
+                      : release > KT_RELEASE_FOLLOW_PEAK ? KT_RELEASE_FOLLOW_PEAK : release;
   o.vmm = device_pool && option_int(Opt::kVmm, device_count == 1) != 0;
   if (be) o.shared_segment = KT_SEGMENT_ALIGN;   // a private pool's segments are cheap blocks of the device's
   return kt_pool_create(&o, be ? be : kt_cuda_backend(), out);

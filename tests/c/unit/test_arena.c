@@ -76,6 +76,7 @@ Test(arena, streams_never_share_free_extents) {
   kt_pool_t *q = test_pool_keep(be);   /* released segments may come back anywhere: keep them */
   void *a, *b;
   kt_stream_t s1 = (kt_stream_t)0x100, s2 = (kt_stream_t)0x200;
+  kt_fake_hold_events(be, 1);   /* s1's work is still running */
   cr_assert_eq(kt_alloc(q, 8 * MiB, s1, &a), KT_OK);
   cr_assert_eq(kt_free(q, a, 0, s1), KT_OK);
   cr_assert_eq(kt_alloc(q, 8 * MiB, s2, &b), KT_OK);
@@ -83,7 +84,30 @@ Test(arena, streams_never_share_free_extents) {
   void *c;
   cr_assert_eq(kt_alloc(q, 8 * MiB, s1, &c), KT_OK);
   cr_assert_eq(a, c, "s1 should reuse its own freed block");
+  kt_fake_complete_events(be);
+  kt_fake_hold_events(be, 0);
   kt_pool_destroy(q);
+}
+
+/* Among segments, memory another stream freed comes back only as a whole idle
+ * segment, released before growing (release_on_grow): no event makes it another
+ * stream's in place (VMM pools do that: test_vmm.c). */
+Test(arena, segments_move_memory_between_streams_as_whole_idle_segments) {
+  kt_stream_t s1 = (kt_stream_t)0x100, s2 = (kt_stream_t)0x200;
+  void *a, *b, *c;
+  cr_assert_eq(kt_alloc(pool, 12 * MiB, s1, &a), KT_OK);   /* its own 12 MiB segment */
+  cr_assert_eq(kt_alloc(pool, 12 * MiB, s1, &b), KT_OK);
+  cr_assert_eq(kt_free(pool, a, 0, s1), KT_OK);
+  kt_fake_counts f0, f1;
+  kt_fake_get_counts(be, &f0);
+  cr_assert_eq(kt_alloc(pool, 12 * MiB, s2, &c), KT_OK);
+  kt_fake_get_counts(be, &f1);
+  cr_assert_eq(f1.event_records, f0.event_records, "no event");
+  cr_assert_eq(f1.releases, f0.releases + 1, "a's idle segment went back");
+  cr_assert_eq(f1.reserves, f0.reserves + 1, "and s2 got a fresh one");
+  cr_assert_eq(kt_pool_validate(pool), KT_OK);
+  cr_assert_eq(kt_free(pool, b, 0, s1), KT_OK);
+  cr_assert_eq(kt_free(pool, c, 0, s2), KT_OK);
 }
 
 Test(arena, free_list_is_lifo_and_slab_counts_match) {
@@ -179,7 +203,7 @@ Test(arena, stats_identities_over_random_operations) {
 Test(arena, release_on_grow_gives_idle_segments_back_first) {
   kt_pool_options o;
   kt_pool_options_default(&o);
-  cr_assert_eq(o.release_on_grow, 1, "on by default");
+  cr_assert_eq(o.release_on_grow, KT_RELEASE_FOLLOW_PEAK, "on by default (segments: as KT_RELEASE_SEGMENTS)");
   kt_pool_t *q;
   cr_assert_eq(kt_pool_create(&o, be, &q), KT_OK);
   void *a, *b, *c;

@@ -204,10 +204,13 @@ Test(capture, a_child_out_of_memory_leaves_the_parent_whole) {
 
 Test(capture, free_idle_hands_a_large_block_to_every_stream_at_once) {
   void *a, *b, *c;
+  kt_fake_hold_events(fb, 1);   /* stream 1's work still runs: its free memory stays its own */
   cr_assert_eq(kt_alloc(parent, 8 * MiB, test_stream(1), &a), KT_OK);
   cr_assert_eq(kt_free(parent, a, 0, NULL), KT_OK);
   cr_assert_eq(kt_alloc(parent, 8 * MiB, test_stream(2), &b), KT_OK);
   cr_assert_neq(b, a, "a plain free keeps the block on stream 1");
+  kt_fake_complete_events(fb);
+  kt_fake_hold_events(fb, 0);
   cr_assert_eq(kt_free_idle(parent, b, 8 * MiB), KT_OK);
   cr_assert_eq(kt_alloc(parent, 8 * MiB, test_stream(3), &c), KT_OK);
   cr_assert_eq(c, b, "an idle free is for any stream");
@@ -223,11 +226,17 @@ Test(capture, free_idle_hands_a_large_block_to_every_stream_at_once) {
 Test(capture, a_backend_needs_a_parent) { cr_assert_null(kt_pool_backend_create(NULL)); }
 
 /* A VMM range's free extents count their unmapped parts too. While releases are
- * held (a capture), a block goes where a mapped run holds it, not into a smaller,
- * half-unmapped hole that would need maps; otherwise best fit by size wins (less
- * fragmentation, and growth can trim). */
-static void mapped_run_or_hole(int held) {
+ * held (a capture), and by default, a block goes where a mapped run holds it, not
+ * into a smaller, half-unmapped hole that would need maps. With
+ * KT_RELEASE_FOLLOW_PEAK, best fit by size wins (growth trims idle granules then). */
+static void mapped_run_or_hole(int held, int follow_peak) {
   void *a, *b, *c, *d, *x;
+  kt_pool_destroy(parent);
+  kt_pool_options o;
+  kt_pool_options_default(&o);
+  o.vmm = 1;
+  o.release_on_grow = follow_peak ? KT_RELEASE_FOLLOW_PEAK : KT_RELEASE_SEGMENTS;
+  cr_assert_eq(kt_pool_create(&o, fb, &parent), KT_OK);
   cr_assert_eq(kt_alloc(parent, 20 * MiB, NULL, &a), KT_OK);
   cr_assert_eq(kt_alloc(parent, 5 * MiB, NULL, &b), KT_OK);
   cr_assert_eq(kt_alloc(parent, 20 * MiB, NULL, &c), KT_OK);
@@ -241,10 +250,10 @@ static void mapped_run_or_hole(int held) {
   uint64_t maps = counts().maps;
   if (held) cr_assert_eq(kt_pool_hold_releases(parent, 1), KT_OK);
   cr_assert_eq(kt_alloc(parent, 4 * MiB, NULL, &x), KT_OK);
-  if (held) {
+  if (!follow_peak || held) {
     cr_assert_eq(counts().maps, maps, "the 5 MiB hole fits by size but would map two granules");
     cr_assert_neq(x, b);
-    cr_assert_eq(kt_pool_hold_releases(parent, 0), KT_OK);
+    if (held) cr_assert_eq(kt_pool_hold_releases(parent, 0), KT_OK);
   } else {
     cr_assert((char *)x >= (char *)b && (char *)x + 4 * MiB <= (char *)b + 5 * MiB,
               "best fit by size: in the hole (over its mapped end)");
@@ -255,8 +264,10 @@ static void mapped_run_or_hole(int held) {
   cr_assert_eq(kt_free(parent, c, 0, NULL), KT_OK);
   assert_stats_identities(parent);
 }
-Test(capture, held_a_block_goes_to_a_mapped_run_before_a_smaller_unmapped_hole) { mapped_run_or_hole(1); }
-Test(capture, not_held_a_block_takes_the_snug_hole_and_maps_it) { mapped_run_or_hole(0); }
+Test(capture, held_a_block_goes_to_a_mapped_run_before_a_smaller_unmapped_hole) { mapped_run_or_hole(1, 0); }
+Test(capture, releasing_segments_a_block_goes_to_a_mapped_run_too) { mapped_run_or_hole(0, 0); }
+Test(capture, following_the_peak_a_block_takes_the_snug_hole_and_maps_it) { mapped_run_or_hole(0, 1); }
+Test(capture, following_the_peak_held_a_block_goes_to_a_mapped_run) { mapped_run_or_hole(1, 1); }
 
 /* The child's shared-segment reservation fails and its exact one succeeds: the
  * parent's failure is not reported later as someone else's. */

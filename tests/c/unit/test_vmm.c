@@ -1,7 +1,9 @@
 /* Unit: VMM pools (kt_pool_options.vmm) on the fake backend: granules mapped on
- * demand, free space coalescing across growth, idle granules unmapped (after a
- * synchronization) before the mapped total passes its high mark, limits, failures,
- * streams, teardown, and the fallback to segments without VMM entries. */
+ * demand, slabs and large blocks on either side of the range's fence, free space
+ * coalescing across growth, idle granules unmapped (after a synchronization) only on
+ * pressure (limit, refused map, empty_cache) or, with KT_RELEASE_FOLLOW_PEAK, before
+ * the mapped total passes its high mark, streams, teardown, and the fallback to
+ * segments without VMM entries. */
 #include "common.h"
 #include "internal.h"
 
@@ -50,10 +52,14 @@ Test(vmm, granules_are_mapped_as_blocks_need_them) {
   cr_assert_eq(c.mapped_bytes, 12 * MiB, "11 MiB touches six 2 MiB granules");
   cr_assert(kt_fake_owns(vbe, a, 11 * MiB));
   cr_assert_eq(vp->nsegments, 1);
-  void *s;   /* a small block: its slab lands in the granule a's tail left mapped */
+  uintptr_t fence = vp->segments->fence;
+  cr_assert_eq(fence, vp->segments->base + vp->segments->size / 2);
+  cr_assert_lt((uintptr_t)a, fence, "large blocks below the fence");
+  void *s;   /* a small block: its slab comes from above the fence, in a granule of its own */
   cr_assert_eq(kt_alloc(vp, 1000, NULL, &s), KT_OK);
   cr_assert(kt_fake_owns(vbe, s, 1000));
-  cr_assert_eq(counts().mapped_bytes, 12 * MiB);
+  cr_assert_eq((uintptr_t)s, fence);
+  cr_assert_eq(counts().mapped_bytes, 14 * MiB);
   check(vp);
   cr_assert_eq(kt_free(vp, a, 0, NULL), KT_OK);
   cr_assert_eq(kt_free(vp, s, 0, NULL), KT_OK);
@@ -74,7 +80,37 @@ Test(vmm, free_space_coalesces_across_what_were_separate_growths) {
   check(vp);
 }
 
-Test(vmm, growth_past_the_high_mark_unmaps_idle_granules_first) {
+/* By default growth maps more and unmaps nothing: no synchronization, and the
+ * mapped granules stay for the next allocations. */
+Test(vmm, growth_maps_more_and_unmaps_nothing_by_default) {
+  void *a, *b, *c, *d;
+  cr_assert_eq(kt_alloc(vp, 20 * MiB, NULL, &a), KT_OK);
+  cr_assert_eq(kt_alloc(vp, 20 * MiB, NULL, &b), KT_OK);
+  cr_assert_eq(kt_free(vp, a, 0, NULL), KT_OK);          /* a 20 MiB hole, mapped */
+  kt_fake_counts k0 = counts();
+  cr_assert_eq(kt_alloc(vp, 30 * MiB, NULL, &c), KT_OK);  /* fits no hole: lands above b */
+  kt_fake_counts k1 = counts();
+  cr_assert_eq(k1.syncs, k0.syncs, "no synchronization");
+  cr_assert_eq(k1.unmaps, k0.unmaps, "nothing unmapped");
+  cr_assert_eq(vp->reserved, (int64_t)(70 * MiB));
+  cr_assert(kt_fake_owns(vbe, a, 20 * MiB), "a's granules stay mapped");
+  cr_assert_eq(kt_alloc(vp, 20 * MiB, NULL, &d), KT_OK);  /* and serve the next 20 MiB */
+  cr_assert_eq(d, a);
+  kt_fake_counts k2 = counts();
+  cr_assert(k2.maps == k1.maps && k2.syncs == k1.syncs && k2.unmaps == k1.unmaps);
+  check(vp);
+  cr_assert_eq(kt_free(vp, b, 0, NULL), KT_OK);
+  cr_assert_eq(kt_free(vp, c, 0, NULL), KT_OK);
+  cr_assert_eq(kt_free(vp, d, 0, NULL), KT_OK);
+  cr_assert_eq(counts().unmaps, k0.unmaps, "frees unmap nothing");
+  cr_assert_eq(kt_empty_cache(vp), KT_OK);
+  cr_assert_eq(counts().mapped_bytes, 0);
+  check(vp);
+}
+
+Test(vmm, following_the_peak_growth_past_the_high_mark_unmaps_idle_granules_first) {
+  kt_pool_destroy(vp);
+  vp = vmm_pool(vbe, 0, KT_RELEASE_FOLLOW_PEAK);
   void *a, *b, *c;
   cr_assert_eq(kt_alloc(vp, 20 * MiB, NULL, &a), KT_OK);
   cr_assert_eq(kt_alloc(vp, 20 * MiB, NULL, &b), KT_OK);
@@ -157,17 +193,51 @@ Test(vmm, a_refused_map_is_retried_once_then_reported_and_nothing_leaks) {
   cr_assert_eq(kt_free(vp, a, 0, NULL), KT_OK);
 }
 
-Test(vmm, another_streams_idle_granules_go_back_before_growing) {
+Test(vmm, following_the_peak_another_streams_idle_granules_go_back_before_growing) {
+  kt_pool_destroy(vp);
+  vp = vmm_pool(vbe, 0, KT_RELEASE_FOLLOW_PEAK);
   kt_stream_t s = (kt_stream_t)(uintptr_t)0x5040, t = (kt_stream_t)(uintptr_t)0x5080;
   void *a, *b;
   cr_assert_eq(kt_alloc(vp, 20 * MiB, s, &a), KT_OK);
+  kt_fake_hold_events(vbe, 1);                   /* s's work still runs */
   cr_assert_eq(kt_free(vp, a, 0, s), KT_OK);     /* free on s: confined to s */
   cr_assert_eq(kt_alloc(vp, 20 * MiB, t, &b), KT_OK);
   cr_assert_neq(a, b, "t never takes address space s's work may still touch");
   cr_assert_eq(vp->reserved, (int64_t)(20 * MiB), "but the memory behind it went back and came again");
   cr_assert(!kt_fake_owns(vbe, a, 20 * MiB));
   check(vp);
+  kt_fake_hold_events(vbe, 0);
   cr_assert_eq(kt_free(vp, b, 0, t), KT_OK);
+}
+
+/* By default another stream's free memory is not unmapped: an event recorded on that
+ * stream where the pool would map more lets it serve once the event completes. */
+Test(vmm, another_streams_granules_serve_once_its_event_completes) {
+  kt_stream_t s = (kt_stream_t)(uintptr_t)0x5040, t = (kt_stream_t)(uintptr_t)0x5080;
+  void *a, *b, *c;
+  cr_assert_eq(kt_alloc(vp, 20 * MiB, s, &a), KT_OK);
+  kt_fake_hold_events(vbe, 1);                   /* s's work still runs */
+  cr_assert_eq(kt_free(vp, a, 0, s), KT_OK);
+  kt_fake_counts k0 = counts();
+  cr_assert_eq(kt_alloc(vp, 20 * MiB, t, &b), KT_OK);
+  kt_fake_counts k1 = counts();
+  cr_assert_neq(a, b, "t never takes address space s's work may still touch");
+  cr_assert(kt_fake_owns(vbe, a, 20 * MiB), "nor unmaps it");
+  cr_assert_eq(k1.syncs, k0.syncs);
+  cr_assert_eq(k1.unmaps, k0.unmaps);
+  cr_assert_eq(k1.event_records, k0.event_records + 1, "an event on s instead");
+  cr_assert_eq(vp->reserved, (int64_t)(40 * MiB));
+  check(vp);
+  kt_fake_complete_events(vbe);                  /* s's work is done */
+  kt_fake_hold_events(vbe, 0);
+  cr_assert_eq(kt_alloc(vp, 20 * MiB, t, &c), KT_OK);
+  cr_assert_eq(c, a, "s's freed granules serve t");
+  kt_fake_counts k2 = counts();
+  cr_assert_eq(k2.maps, k1.maps, "nothing mapped");
+  cr_assert_eq(k2.syncs, k1.syncs);
+  check(vp);
+  cr_assert_eq(kt_free(vp, b, 0, t), KT_OK);
+  cr_assert_eq(kt_free(vp, c, 0, t), KT_OK);
 }
 
 Test(vmm, largest_free_block_counts_mapped_granules_only) {
@@ -246,6 +316,8 @@ Test(vmm, random_churn_keeps_blocks_mapped_and_the_peak_near_live) {
 }
 
 Test(vmm, held_releases_grow_past_the_mark_without_synchronizing) {
+  kt_pool_destroy(vp);
+  vp = vmm_pool(vbe, 0, KT_RELEASE_FOLLOW_PEAK);
   void *a, *b, *c;
   cr_assert_eq(kt_pool_hold_releases(vp, 0), KT_ERR_INVALID, "not held");
   cr_assert_eq(kt_pool_hold_releases(vp, 1), KT_OK);

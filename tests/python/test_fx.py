@@ -1437,3 +1437,28 @@ def test_tanh_gelu_written_out_becomes_one_gelu():
         torch.testing.assert_close(torch.autograd.grad(a.sum(), x)[0], torch.autograd.grad(b.sum(), x)[0])
     report = kitsune.explain(Shared())
     assert not any("tanh-GELU" in w for _, w in report.fused), str(report)
+
+
+def test_hf_conv1d_becomes_a_linear_for_the_linear_patterns():
+    """GPT-2's MLP (Conv1D, tanh-GELU written out, Conv1D, dropout): each Conv1D (addmm over
+    rows with an (in, out) weight) is taken as F.linear(x, W.t(), b), so c_fc + GELU
+    becomes linear_act(gelu_tanh) and c_proj linear_act(none); outputs and gradients (of
+    the (in, out) weights too) are the original's, and the state dict keeps its names."""
+    T = pytest.importorskip("transformers")
+    from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
+    torch.manual_seed(0)
+    cfg = T.GPT2Config(n_embd=16, resid_pdrop=0.0)
+    m = GPT2MLP(64, cfg).train()
+    report = kitsune.fx.Report()
+    fast = kitsune.optimize(m, report=report)
+    got = sorted(w.split(" -> ")[1] for _, w in report.fused)
+    assert got == ["gelu (one ATen op)", "linear_act(gelu_tanh) (linear)", "linear_act(none) (the bias gradient by "
+                   "column sum)"], str(report)
+    assert list(fast.state_dict()) == list(m.state_dict())
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    a, b = fast(x), m(x)
+    torch.testing.assert_close(a, b)
+    ga = torch.autograd.grad(a.square().sum(), [x] + list(fast.parameters()))
+    gb = torch.autograd.grad(b.square().sum(), [x] + list(m.parameters()))
+    for u, v in zip(ga, gb):
+        torch.testing.assert_close(u, v, rtol=1e-4, atol=1e-5)

@@ -13,7 +13,7 @@ from .patterns.batch_norm import _keep_functional_batch_norms, _rewrite_batch_co
 from .patterns.conv import _rewrite_bias_cat, _rewrite_conv
 from .patterns.dropout import _gelu_left_to_dropout, _rewrite_bias_dropout_add, _rewrite_gelu_dropout
 from .patterns.embedding import _rewrite_embedding
-from .patterns.linear import _rewrite_attention_score, _rewrite_linear_bias, _rewrite_relu_linear
+from .patterns.linear import _rewrite_attention_score, _rewrite_conv1d, _rewrite_linear_bias, _rewrite_relu_linear
 from .patterns.loss import _rewrite_loss
 from .patterns.norms import _rewrite_add_layer_norm, _rewrite_hf_rms_norm, _rewrite_relu_layer_norm, _rewrite_rms_norm
 from .patterns.pointwise import _rewrite_pointwise_act, _rewrite_swiglu, _rewrite_tanh_gelu
@@ -70,6 +70,7 @@ def _rewrite_activation(gm, g, node, where, report):
 # only: not in the torch.compile backend, where Inductor fuses these ops with their
 # neighbours itself).
 _NODE_REWRITES = (
+    (_rewrite_conv1d, True),   # HF's Conv1D as F.linear, before anything reads it
     (_rewrite_conv, False),
     (_rewrite_max_pool, True),
     (_rewrite_embedding, True),

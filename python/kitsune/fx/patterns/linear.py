@@ -5,7 +5,7 @@ import operator
 import torch
 import torch.fx as tfx
 
-from ..match import _attr_or_node, _fuse_pair, _linear_of
+from ..match import _attr_or_node, _fuse_pair, _linear_of, _param
 
 
 def _rewrite_relu_linear(gm, g, node, act, where, report):
@@ -90,3 +90,69 @@ def _rewrite_attention_score(gm, g, node, where, report):
     g.erase_node(a)
     g.erase_node(kt_node)
     return True
+
+
+# ---- Hugging Face's Conv1D (GPT-2's projections): a Linear with its weight stored (in, out) ----
+#   size_out = x.size()[:-1] + (nf,)
+#   out = torch.addmm(bias, x.view(-1, x.size(-1)), weight).view(size_out)
+
+def _tensor_meta(node):
+    """The example tensor Dynamo noted for node, or None (a traced graph notes none)."""
+    v = node.meta.get("example_value", node.meta.get("val")) if isinstance(node, tfx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _shape_is_rows_then(node, x, n):
+    """Whether node, a view's shape argument, is x's shape but the last dim, then n:
+    x.size()[:-1] + (n,) as traced, or the same numbers as a tuple (Dynamo's); None
+    when that cannot be told (x made by an earlier rewrite, with no example noted)."""
+    if isinstance(node, (tuple, list)):
+        t = _tensor_meta(x)
+        if t is None:
+            return None if all(isinstance(d, int) for d in node) and node[-1] == n else False
+        return tuple(node) == tuple(t.shape[:-1]) + (n,)
+    if not (isinstance(node, tfx.Node) and node.op == "call_function" and node.target is operator.add
+            and len(node.args) == 2 and tuple(node.args[1]) == (n,)):
+        return False
+    head = node.args[0]
+    if not (isinstance(head, tfx.Node) and head.op == "call_function" and head.target is operator.getitem
+            and head.args[1] == slice(None, -1, None)):
+        return False
+    size = head.args[0]
+    return isinstance(size, tfx.Node) and size.op == "call_method" and size.target == "size" and \
+        size.args == (x,)
+
+
+def _rewrite_conv1d(gm, g, node, where, report):
+    """addmm(b, x.view(-1, in), W).view(x.shape[:-1] + (out,)), HF's Conv1D, -> F.linear(x,
+    W.t(), b), so the Linear patterns take it (linear_act with its epilogue or the bias
+    gradient by column sum). W must be a 2-D (in, out) tensor and b its 1-D bias."""
+    if not (node.op == "call_method" and node.target == "view" and len(node.args) == 2 and not node.kwargs):
+        return False
+    mm = node.args[0]
+    if not (isinstance(mm, tfx.Node) and mm.op == "call_function" and mm.target is torch.addmm
+            and len(mm.args) == 3 and not mm.kwargs and len(mm.users) == 1):
+        return False
+    b, rows, w = mm.args
+    if not (isinstance(rows, tfx.Node) and rows.op == "call_method" and rows.target == "view"
+            and len(rows.args) == 3 and rows.args[1] == -1 and len(rows.users) == 1):
+        return False
+    x = rows.args[0]
+    wt = _param(gm, w) if w.op == "get_attr" else _tensor_meta(w)
+    bt = _param(gm, b) if isinstance(b, tfx.Node) and b.op == "get_attr" else _tensor_meta(b)
+    if not (isinstance(wt, torch.Tensor) and wt.dim() == 2 and isinstance(bt, torch.Tensor) and bt.dim() == 1
+            and bt.shape[0] == wt.shape[1]):
+        return False
+    same = _shape_is_rows_then(node.args[1], x, wt.shape[1])
+    if same is False:
+        return False
+    # a change of spelling, not a fusion: what the Linear patterns then make of it is reported
+    with g.inserting_before(node):
+        lin = g.call_function(torch.nn.functional.linear, (x, g.call_method("t", (w,)), b))
+        # unconfirmed shapes: the view kept (the same elements in the same order either way)
+        out = lin if same else g.call_method("view", (lin, node.args[1]))
+    node.replace_all_uses_with(out)
+    g.erase_node(node)
+    g.erase_node(mm)
+    g.erase_node(rows)
+    return True   # the F.linear meets the activation patterns from its user, and the bias rewrite

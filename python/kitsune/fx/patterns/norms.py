@@ -84,6 +84,9 @@ def _rewrite_add_layer_norm(gm, g, node, where, report):
         pair = g.call_function(_add_layer_norm, (a, c, wn, bn, float(eps)))
         h = g.call_function(operator.getitem, (pair, 0))
         y = g.call_function(operator.getitem, (pair, 1))
+    for new, old in ((y, node), (h, x)):   # Dynamo's example values, for later patterns' shape checks
+        if "example_value" in old.meta:   # (the shape is the same; under autocast the dtype may not be)
+            new.meta["example_value"] = old.meta["example_value"]
     node.replace_all_uses_with(y)
     g.erase_node(node)
     x.replace_all_uses_with(h)

@@ -80,8 +80,10 @@ def build(name, gen, smoke=False):
     if name in ("gpt2", "llama", "bert"):
         import transformers as T
         if name == "gpt2":
-            cfg = (T.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64) if smoke
-                   else T.GPT2Config())
+            # smoke: no dropout, so every recipe's losses can be compared with eager's (Kitsune's fused
+            # dropout draws its own masks)
+            cfg = (T.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64, resid_pdrop=0.0,
+                                embd_pdrop=0.0, attn_pdrop=0.0) if smoke else T.GPT2Config())
             model, vocab, shape = T.GPT2LMHeadModel(cfg), cfg.vocab_size, (2, 32) if smoke else (8, 1024)
         elif name == "llama":
             kw = (dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -92,7 +94,8 @@ def build(name, gen, smoke=False):
             model, vocab, shape = T.LlamaForCausalLM(cfg), cfg.vocab_size, (2, 32) if smoke else (8, 1024)
         else:
             cfg = (T.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-                                vocab_size=256, max_position_embeddings=64) if smoke else T.BertConfig())
+                                vocab_size=256, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                                attention_probs_dropout_prob=0.0) if smoke else T.BertConfig())
             model, vocab, shape = T.BertForMaskedLM(cfg), cfg.vocab_size, (2, 32) if smoke else (32, 128)
         batches = []
         for _ in range(4):

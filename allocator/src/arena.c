@@ -468,6 +468,7 @@ static size_t idle_bytes(kt_pool_t *p) {
 
 static bool mergeable(const kt_extent *a, const kt_extent *b);
 static void merge_next(kt_pool_t *p, kt_extent *lo, kt_extent *hi);
+static kt_extent *coalesce_and_bin(kt_pool_t *p, kt_extent *e);
 
 /* The better of two fits: the smaller extent, then the lower address; its start in *at. */
 static kt_extent *better(kt_extent *a, uintptr_t at_a, kt_extent *b, uintptr_t at_b, uintptr_t *at) {
@@ -516,17 +517,7 @@ static void untag_heap(kt_pool_t *p, kt_heap *h, uint64_t upto) {
       if (e->kind != KT_EXT_FREE || e->tag != h || e->seq > upto) continue;
       kt__bins_remove(&h->bins, e);
       e->tag = NULL;
-      kt_extent *a = e->aprev, *n = e->anext;
-      if (a && mergeable(a, e)) {
-        kt__bins_remove(kt__bins_for(p, a->tag), a);
-        merge_next(p, a, e);
-        e = a;
-      }
-      if (n && mergeable(e, n)) {
-        kt__bins_remove(kt__bins_for(p, n->tag), n);
-        merge_next(p, e, n);
-      }
-      kt__bins_insert(kt__bins_for(p, e->tag), e);
+      e = coalesce_and_bin(p, e);
     }
 }
 
@@ -618,8 +609,9 @@ static void merge_next(kt_pool_t *p, kt_extent *lo, kt_extent *hi) {
   extent_free(p, hi);
 }
 
-void kt__arena_put(kt_pool_t *p, kt_extent *e, kt_heap *tag) {
-  e->kind = KT_EXT_FREE; e->tag = tag; e->slab = NULL; e->seq = ++p->put_seq;
+/* e, free and in no bin, merged with the neighbours it may merge with and put in its
+ * tag's bin; returns the extent that now holds it. */
+static kt_extent *coalesce_and_bin(kt_pool_t *p, kt_extent *e) {
   kt_extent *a = e->aprev, *n = e->anext;
   if (a && mergeable(a, e)) {
     kt__bins_remove(kt__bins_for(p, a->tag), a);
@@ -631,6 +623,12 @@ void kt__arena_put(kt_pool_t *p, kt_extent *e, kt_heap *tag) {
     merge_next(p, e, n);
   }
   kt__bins_insert(kt__bins_for(p, e->tag), e);
+  return e;
+}
+
+void kt__arena_put(kt_pool_t *p, kt_extent *e, kt_heap *tag) {
+  e->kind = KT_EXT_FREE; e->tag = tag; e->slab = NULL; e->seq = ++p->put_seq;
+  coalesce_and_bin(p, e);
 }
 
 void kt__arena_untag_all(kt_pool_t *p) {

@@ -3,6 +3,8 @@ covers, why a step falls back (naming the parameter), and gradients conformed to
 parameters' strides."""
 import torch
 
+from .ops._check import dense as _dense
+
 
 def _no_state_yet(sgd, group, state):
     """Whether a parameter's optimizer state lacks what a captured update reads (Adam's
@@ -39,7 +41,9 @@ def _conform_grads(params):
     in other strides (a channels-last weight whose convolution's cuDNN kernel returned an
     NCHW gradient: torchvision ResNet-18's last 3 x 3 convolutions on 32 x 32 images, 1 x 1
     activations there) a copy of the gradient in the parameter's own strides, as
-    AccumulateGrad would have made it, so the fused step takes it instead of falling back."""
+    AccumulateGrad would have made it, so the fused step takes it instead of falling back.
+    Returns how many it conformed."""
+    n = 0
     with torch.no_grad():
         for p in params:
             g = p.grad
@@ -48,6 +52,22 @@ def _conform_grads(params):
                     or not _dense(p) or not _dense(g)):
                 continue
             p.grad = torch.empty_like(p, memory_format=torch.preserve_format).copy_(g)
+            n += 1
+    return n
+
+
+def _fusable_or_why(params, conform=True):
+    """None when the fused step takes every parameter of params with its gradient, else
+    why not (naming the parameter). Only where the C++ check refuses (the cold path) are
+    dense gradients in other strides than their parameters' conformed (conform=False:
+    not here; the in-backward hook did it on the gradient's stream) and the check made
+    again, so a step whose gradients are in order pays one C++ call."""
+    lib = torch.ops.kitsune
+    if not params or lib.optim_fusable(params, [p.grad for p in params]):
+        return None
+    if conform and _conform_grads(params) and lib.optim_fusable(params, [p.grad for p in params]):
+        return None
+    return _not_fusable(params, [p.grad for p in params])
 
 
 def _not_fusable(params, grads):
@@ -70,14 +90,3 @@ def _not_fusable(params, grads):
         if what is not None:
             return f"parameter {i} of the step {what}"
     return "a parameter the fused step cannot take"
-
-
-def _dense(t):
-    """Non-overlapping and dense, as the C++ check (a permutation of a contiguous tensor)."""
-    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1)
-    expect = 1
-    for st, sz in dims:
-        if st != expect:
-            return False
-        expect *= sz
-    return True

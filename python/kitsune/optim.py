@@ -24,7 +24,7 @@ from collections import OrderedDict
 import torch
 
 from . import ops as _ops  # noqa: F401 - loads the bridge (torch.ops.kitsune.adam_ / sgd_)
-from ._optim_checks import _conform_grads, _decoupled, _no_state_yet, _not_fusable, _why_not
+from ._optim_checks import _conform_grads, _decoupled, _fusable_or_why, _no_state_yet, _why_not
 
 _lib = torch.ops.kitsune
 _AMP_UNSCALED = torch.amp.grad_scaler.OptState.UNSCALED   # GradScaler: unscale_ done since update()
@@ -356,20 +356,18 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             live = [p for p in g["params"] if p.grad is not None]
             if not live:
                 continue
-            _conform_grads(live)
             states = [opt.state[p] for p in live]
             for p, st in zip(live, states):
                 if len(st) == 0:   # as torch.optim.Adam initialises it (non-capturable)
                     st["step"] = torch.tensor(0.0, dtype=torch.get_default_dtype())
                     st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            work.append((g, live, [p.grad for p in live], states))
-        if not work:
-            return None
-        flat, flat_grads = [p for w in work for p in w[1]], [p for w in work for p in w[2]]
-        if not _lib.optim_fusable(flat, flat_grads):
-            return _not_fusable(flat, flat_grads)
-        for g, live, grads, states in work:
+            work.append((g, live, states))
+        why = _fusable_or_why([p for w in work for p in w[1]])
+        if why is not None:
+            return why
+        for g, live, states in work:
+            grads = [p.grad for p in live]   # after _fusable_or_why, which may conform them
             beta1, beta2 = g["betas"]
             decoupled = _decoupled(opt, g)
             # the steps are counted and the tensors bucketed by (device, dtype, step) in C++
@@ -382,9 +380,9 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         """Returns the reason when the step cannot be fused (nothing stepped), else None."""
         opt = self.optimizer
         live = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
-        _conform_grads(live)
-        if live and not _lib.optim_fusable(live, [p.grad for p in live]):
-            return _not_fusable(live, [p.grad for p in live])
+        why = _fusable_or_why(live)
+        if why is not None:
+            return why
         for g in opt.param_groups:
             momentum = float(g["momentum"])
             buckets = {}
@@ -517,10 +515,10 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         if why is not None:
             refuse(why)
         flat = [p for ps in live for p in ps]
-        if bind:   # on the stream the update runs on (an in-backward bucket's were conformed by its hook)
-            _conform_grads(flat)
-        if flat and not _lib.optim_fusable(flat, [p.grad for p in flat]):
-            refuse(_not_fusable(flat, [p.grad for p in flat]))
+        # conformed here on the stream the update runs on; an in-backward bucket's by its hook
+        why = _fusable_or_why(flat, conform=bind)
+        if why is not None:
+            refuse(why)
         if any(p.device.type != "cuda" or p.device != flat[0].device for p in flat):
             refuse("the parameters must be on one CUDA device")
         sgd = isinstance(opt, torch.optim.SGD)

@@ -77,3 +77,18 @@ def graph_us(fn, xs, reps, calls=50, reset=None):
         times.append(a.elapsed_time(b) * 1e3 / calls)
     del graph
     return sorted(times)[len(times) // 2]
+
+
+def run_child(cmd, model, recipe, env=None):
+    """Runs a benchmark's child process (cmd), passing its output through, and returns the
+    row it printed as "ROW <json>", or an error row naming its exit status."""
+    import subprocess
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    row = None
+    for line in proc.stdout:
+        if line.startswith("ROW "):
+            row = json.loads(line[4:])
+        else:
+            print(line, end="", flush=True)
+    rc = proc.wait()
+    return row or {"model": model, "recipe": recipe, "error": f"the child process exited with {rc} and no result"}

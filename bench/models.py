@@ -59,7 +59,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -71,7 +70,7 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "kernels"))
-from benchlib import write_result  # noqa: E402
+from benchlib import run_child, write_result  # noqa: E402
 import kitsune  # noqa: E402
 from sched_demo import Inception  # noqa: E402
 
@@ -315,15 +314,7 @@ def in_child(spec, recipe, args):
     env = dict(os.environ)
     if args.cudnn_mode_b:   # read once per process, at its first convolution: set before the child starts
         env["TORCH_CUDNN_USE_HEURISTIC_MODE_B"] = "1"
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
-    row = None
-    for line in proc.stdout:
-        if line.startswith("ROW "):
-            row = json.loads(line[4:])
-        else:
-            print(line, end="", flush=True)
-    rc = proc.wait()
-    return row or {"model": spec, "recipe": recipe, "error": f"the child process exited with {rc} and no result"}
+    return run_child(cmd, spec, recipe, env)
 
 
 def describe(row):

@@ -42,7 +42,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -55,7 +54,7 @@ import torch.nn.functional as F  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from benchlib import write_result  # noqa: E402
+from benchlib import run_child, write_result  # noqa: E402
 import kitsune  # noqa: E402
 
 MODELS = ["gpt2", "llama", "bert", "vit", "resnet50"]
@@ -310,15 +309,7 @@ def in_child(name, recipe, args):
     cmd = [sys.executable, os.path.abspath(__file__), "--child", name, recipe, "--steps", str(args.steps)]
     cmd += ["--smoke"] if args.smoke else []
     cmd += ["--dynamic"] if args.dynamic else []
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    row = None
-    for line in proc.stdout:
-        if line.startswith("ROW "):
-            row = json.loads(line[4:])
-        else:
-            print(line, end="", flush=True)
-    rc = proc.wait()
-    return row or {"model": name, "recipe": recipe, "error": f"the child process exited with {rc} and no result"}
+    return run_child(cmd, name, recipe)
 
 
 def describe(row):

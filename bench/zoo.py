@@ -138,7 +138,8 @@ def eager_step(model, loss_fn, opt, device):
 def stock_graph_step(model, loss_fn, opt_spec):
     cm = torch.compile(model)
     cls, kw = opt_spec
-    opt = cls(model.parameters(), fused=True, capturable=True, **kw)
+    # Adam's step count lives on the device under capture; SGD has nothing to make capturable
+    opt = cls(model.parameters(), fused=True, **(dict(capturable=True) if cls is not torch.optim.SGD else {}), **kw)
     state = {}
 
     def step(*batch):

@@ -62,13 +62,15 @@ OPTIMIZERS = {
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
 @pytest.mark.parametrize("make", [_resnet18, _gpt2], ids=["resnet18", "gpt2"])
 def test_gpu_one_liner_captures_the_zoo_recipe(make, opt_name, amp):
-    """fp32 (cuDNN deterministic, no TF32, learning rates / 100): the one-liner's losses
-    and parameters are an eager twin's to fp32 rounding; for the conv net the twin runs
-    channels-last as compile_step does (against an NCHW twin, ResNet-18's fp32 losses
-    under SGD part by 2e-2 of 3 by step 7 at lr 5e-4, with or without optimize, with the
-    update in or after the backward, one stream or four, while NCHW against NCHW agrees
-    to 2e-6: H200, tools/gpu/zoo_diag.py). bf16 autocast: captured, and the losses stay
-    near eager's (0.31 of 3.0 by step 5 against the NCHW twin at full learning rates)."""
+    """fp32 (cuDNN deterministic, no TF32, small learning rates): the one-liner's losses
+    and its parameters' updates are an eager twin's to fp32 rounding; for the conv net the
+    twin runs channels-last as compile_step does. The conv net's rate is 1e-4 of the
+    recipe's: at 1e-2 of it (lr 5e-4) ResNet-18's tiny training amplifies rounding, so
+    that eager fp32 itself, NCHW or NHWC, ends 14-21% of the update away from an fp64
+    eager run after 8 steps, and the one-liner 14% (H200, tools/gpu/zoo_diag.py); at
+    5e-6, eager fp32 stays within 0.3% of fp64 (CPU). bf16 autocast: captured, and the
+    losses stay near eager's (0.31 of 3.0 by step 5 against the NCHW twin at full
+    learning rates)."""
     with torch.backends.cudnn.flags(enabled=True, deterministic=amp is None, allow_tf32=amp is not None):
         old = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = amp is not None
@@ -91,7 +93,8 @@ def _one_liner(make, opt_name, amp):
                    for b in batches]
     cls, kw = OPTIMIZERS[opt_name]
     if amp is None:   # small steps: the check is the arithmetic, not how training amplifies rounding
-        kw = dict(kw, lr=kw["lr"] / 100)
+        kw = dict(kw, lr=kw["lr"] * (1e-4 if conv else 1e-2))
+    start = [p.detach().clone() for p in model.parameters()]
 
     # eager, with torch.optim as the user had it
     ref_opt = cls(twin.parameters(), **kw)
@@ -115,5 +118,9 @@ def _one_liner(make, opt_name, amp):
     torch.testing.assert_close(torch.stack(got), torch.stack(ref), rtol=tol, atol=tol)
     for (name, a), b in zip(fast.named_parameters(), twin.parameters()):
         assert torch.isfinite(a).all(), name
-        if amp is None:
-            torch.testing.assert_close(a, b, rtol=1e-3, atol=5e-4, msg=name)
+    if amp is None:   # the update, all parameters together: the one-liner's against eager's
+        ours = torch.cat([(a.detach() - s).flatten() for a, s in zip(fast.parameters(), start)])
+        theirs = torch.cat([(b.detach() - s).flatten() for b, s in zip(twin.parameters(), start)])
+        assert theirs.norm() > 0
+        rel = ((ours - theirs).norm() / theirs.norm()).item()
+        assert rel < 2e-2, f"the update is {rel:.2e} of eager's away from it"

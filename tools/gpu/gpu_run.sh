@@ -116,7 +116,7 @@ if [[ $parts == *" zoo "* ]]; then   # bench/zoo.py (BENCH_ZOO_ARGS, e.g. "--mod
 fi
 if [[ $parts == *" zoodiag "* ]]; then   # tools/gpu/zoo_diag.py: ResNet-18's one-liner against eager twins
   echo "== zoo diag =="; KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \
-    python3 tools/gpu/zoo_diag.py 2>&1 | grep -v -i "warn"
+    python3 tools/gpu/zoo_diag.py ${ZOODIAG_ARGS:-} 2>&1 | grep -v -i "warn"
 fi
 if [[ $parts == *" models "* ]]; then   # bench/models.py (BENCH_MODELS_ARGS)
   echo "== models =="; time KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \

@@ -27,8 +27,17 @@ process's first use of the GPU is no recipe's setup). Reported per recipe: ms/st
 median of blocks of 10 steps between CUDA events, from step 20), setup seconds (the
 first 3 steps' wall time less 3 steady steps), peak memory allocated and reserved above
 what was there before the recipe, the loss after the last step against eager's, and
-compile_step's counts (replays, eager steps, why not captured). Writes zoo.json and
-zoo.md to --out (bench/kernels/plot.py draws zoo.png from the JSON).
+compile_step's counts (replays, eager steps, why not captured). The table compares
+losses as the mean of the last 10 steps against eager's (one step's loss, on 4 batches
+that the models memorise, swings by 1 from step to step). stock_graph's first call runs
+its 3 warm-up steps as real updates on the first batch, as PyTorch's whole-network
+capture example does, so its losses are 3 steps ahead of the others. Writes zoo.json
+and zoo.md to --out (bench/kernels/plot.py draws zoo.png from the JSON).
+
+    python bench/zoo.py --merge A.json B.json ... [--out DIR]
+
+joins runs of the same commit, device and step count made in separate calls (a GPU
+call has a time limit) into one zoo.json and zoo.md.
 
 --dynamic: GPT-2 small, batch 8, each step's sequence length drawn from 64..1024 (a
 seeded stream, the same for every recipe): eager, compile (it recompiles, then marks
@@ -325,6 +334,42 @@ def describe(row):
                f"{', ' + cs['reason'] if cs['reason'] else ''}]" if cs else ""))
 
 
+def late_loss(row):
+    """The mean loss of a row's last 10 steps."""
+    tail = row["losses"][-10:]
+    return sum(tail) / len(tail)
+
+
+def merge(paths, out):
+    """One zoo.json (and zoo.md) from runs in separate calls: same commit, device, steps
+    and mode; a (model, recipe) in two runs keeps the later run's row."""
+    docs = []
+    for p in paths:
+        with open(p) as f:
+            docs.append(json.load(f))
+    keys = ("bench", "commit", "device", "torch", "steps", "dynamic", "smoke", "autocast")
+    for d in docs[1:]:
+        differ = [k for k in keys if d.get(k) != docs[0].get(k)]
+        if differ:
+            sys.exit(f"bench/zoo.py --merge: {paths[0]} and another run differ in {', '.join(differ)}")
+    rows = {}
+    for d in sorted(docs, key=lambda d: d.get("date", "")):
+        for r in d["rows"]:
+            rows[(r["model"], r.get("recipe"))] = r
+    merged = {k: docs[0].get(k) for k in keys}
+    merged.update(date=max(d.get("date", "") for d in docs), rows=list(rows.values()),
+                  runs=[{"date": d.get("date"), "models": list(dict.fromkeys(r["model"] for r in d["rows"])),
+                         "recipes": list(dict.fromkeys(r.get("recipe") for r in d["rows"]))} for d in docs])
+    name = merged["bench"]
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, name + ".json"), "w") as f:
+        json.dump(merged, f, indent=1)
+    md = table(merged["rows"], dynamic=bool(merged.get("dynamic")))
+    with open(os.path.join(out, name + ".md"), "w") as f:
+        f.write(md)
+    print(md)
+
+
 def table(rows, dynamic=False):
     """Markdown: each model's ms/step by recipe, Kitsune against torch.compile and the best
     stock recipe, setup, peak memory and the final loss against eager's."""
@@ -333,7 +378,8 @@ def table(rows, dynamic=False):
     recipes = [rc for rc in RECIPES if any((m, rc) in by for m in models)]
     head = ["model"] + [f"{rc} ms" for rc in recipes] + ["kitsune / compile", "kitsune / best stock"]
     if not dynamic:
-        head += ["setup s (compile, kitsune)", "peak MiB (compile, kitsune)", "loss - eager's (kitsune)"]
+        head += ["setup s (compile, kitsune)", "peak MiB (compile, kitsune)",
+                 "last-10 loss - eager's (compile, kitsune)"]
     out = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
 
     def ok(m, rc):
@@ -352,7 +398,8 @@ def table(rows, dynamic=False):
         if not dynamic:
             cells.append(f"{f(c and c['setup_s'], '.1f')}, {f(k and k['setup_s'], '.1f')}")
             cells.append(f"{f(c and c.get('peak_reserved_mib'), '.0f')}, {f(k and k.get('peak_reserved_mib'), '.0f')}")
-            cells.append(f(k["final_loss"] - e["final_loss"] if k and e else None, "+.4f"))
+            cells.append(f"{f(c and e and late_loss(c) - late_loss(e), '+.3f')}, "
+                         f"{f(k and e and late_loss(k) - late_loss(e), '+.3f')}")
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
 
@@ -365,8 +412,12 @@ def main():
     ap.add_argument("--steps", type=int, default=None, help="steps a recipe (default 100; --dynamic 60; --smoke 4)")
     ap.add_argument("--dynamic", action="store_true", help="GPT-2 with a new sequence length most steps")
     ap.add_argument("--smoke", action="store_true", help="tiny models, CPU allowed, in this process")
+    ap.add_argument("--merge", nargs="+", metavar="JSON", help="join runs made in separate calls into --out")
     ap.add_argument("--child", nargs=2, metavar=("MODEL", "RECIPE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.merge:
+        merge(args.merge, args.out)
+        return
     if args.steps is None:
         args.steps = 4 if args.smoke else 60 if args.dynamic else 100
     if args.child:

@@ -48,6 +48,9 @@ OPTIONS = (
     Option("KITSUNE_SEGV_BACKTRACE", "bool", 0,
            "1: kitsune.allocator.install() sets a SIGSEGV handler that prints the native stack to stderr "
            "(tools/resolve_bt.py resolves it)", read_by="bridge"),
+    Option("KITSUNE_CHAINS", "bool", 1,
+           "Kitsune's Dynamo path groups the pointwise ATen ops between its patterns into "
+           "kitsune.pointwise_chain calls, one launch each; 0: each runs as its own ATen kernel"),
     Option("KITSUNE_STREAM_PRIORITY", "bool", 1,
            "compile_step's capture stream and the branch streams run at the device's greatest priority; "
            "0: CUDA's default"),

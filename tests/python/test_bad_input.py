@@ -86,6 +86,8 @@ class Op:
     with_out: bool = False
     answers: bool = False
     fixed: tuple = ()
+    takes_bool: bool = False   # bool tensors are valid operands (pointwise_chain: 0 and 1)
+    float64: bool = True       # False: float64 is refused on every device (pointwise_chain computes in fp32)
 
 
 # ---- references: ATen compositions -----------------------------------------------------
@@ -263,6 +265,9 @@ def _adam_args(shapes=((4, 3), (5,))):
 ACT = {"none": lambda t: t, "relu": F.relu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}
 LN = (1e-5,)
 
+# (program, consts, out_regs, out_dtypes) of silu(r0 + r1) * 0.5 stored as bfloat16
+_CHAIN_ARGS = ([1, 2, 0, 1, 0, 19, 3, 2, 0, 0, 0, 4, 0, 0, 0, 3, 5, 3, 4, 0], [0.5], [5], [torch.bfloat16])
+
 OPS = {
     "add_relu": Op(lambda: (r(4, 8), r(4, 8)), lambda a, b: F.relu(a + b),
                    shapes=[lambda: (r(4, 8), r(5, 8)), lambda: (r(4, 8), r(3))],
@@ -284,6 +289,12 @@ OPS = {
     "swiglu_backward": Op(lambda: (r(4, 8), r(4, 8), r(4, 8)), _binary_backward(lambda g, u: F.silu(g) * u),
                           shapes=[lambda: (r(3, 8), r(4, 8), r(4, 8))], empty=[lambda: (r(0, 8), r(0, 8), r(0, 8))],
                           zero_dim=[lambda: (r(), r(), r())]),
+    # silu(a + b) * 0.5 in fp32, as bfloat16: bool inputs are valid (0 / 1), integers are not
+    "pointwise_chain": Op(lambda: ([r(4, 8), r(8)], *_CHAIN_ARGS),
+                          lambda xs, *a: [(F.silu(xs[0].float() + xs[1].float()) * 0.5).to(torch.bfloat16)],
+                          shapes=[lambda: ([r(4, 8), r(7)], *_CHAIN_ARGS)],
+                          empty=[lambda: ([r(0, 8), r(8)], *_CHAIN_ARGS)],
+                          zero_dim=[lambda: ([r(), r(3)], *_CHAIN_ARGS)], takes_bool=True, float64=False),
     "bias_gelu": Op(lambda: (r(4, 8), r(8), "tanh"), lambda x, b, a: F.gelu(x + b, approximate=a),
                     shapes=[lambda: (r(4, 8), r(7), "none"), lambda: (r(4, 8), r(4, 8), "none")],
                     empty=[lambda: (r(0, 8), r(8), "none"), lambda: (r(4, 0), r(0), "none")],
@@ -622,13 +633,16 @@ def cases(name):
         for i in slots:
             if leaves[i].dtype != dt:
                 out.append(Case("dtype", f"tensor {i} as {dt}", _variant(op, _set(i, lambda t, dt=dt: _convert(t, dt))),
-                                must_raise=leaves[i].is_floating_point() and not op.answers))
+                                must_raise=leaves[i].is_floating_point() and not op.answers
+                                and not (dt == torch.bool and op.takes_bool)))
         if len(every) > 1:
             out.append(Case("dtype", f"every floating tensor as {dt}",
-                            _variant(op, _set_all(every, lambda t, dt=dt: _convert(t, dt))), must_raise=not op.answers))
+                            _variant(op, _set_all(every, lambda t, dt=dt: _convert(t, dt))),
+                            must_raise=not op.answers and not (dt == torch.bool and op.takes_bool)))
     if every:   # float64: the CPU references take it (gradcheck); on CUDA, a kernel refuses it by name
         out.append(Case("dtype", "every floating tensor as torch.float64",
-                        _variant(op, _set_all(every, lambda t: t.to(torch.float64))), cpu_must_answer=True))
+                        _variant(op, _set_all(every, lambda t: t.to(torch.float64))), cpu_must_answer=op.float64,
+                        must_raise=not op.float64))
     # one tensor on meta beside CPU ones (but not every device tensor on meta beside the
     # host ones: the rng of the dropout ops is a CPU tensor on every device)
     host = {i for i in slots if position[i] in op.host}

@@ -279,6 +279,53 @@ kt_status kt_batch_norm_backward(kt_dtype t, const void *grad, const void *x, co
                                  int relu, void *stream);
 int64_t kt_batch_norm_workspace(int64_t N, int64_t C, int64_t S);
 
+/* ---- pointwise chains: one launch runs a small program over every element ----
+ * A chain is a straight-line program over fp32 registers, given at launch (no code
+ * is generated): registers 0 .. n_in-1 hold the element of each input, each op
+ * writes one register from up to three others (or a constant), and each output
+ * stores one register, rounded once to its dtype. Inputs have any strides over the
+ * output's shape (stride 0 along a broadcast dimension, in elements); outputs have the
+ * strides out_stride gives (a dense layout: contiguous, channels-last, a transpose). Dtypes: KT_F32, KT_F16, KT_BF16, or KT_CHAIN_BOOL (one
+ * byte, 0 or 1; loaded as 0.0 / 1.0, stored as value != 0). kt_chain_check says
+ * KT_ERR_INVALID for a program that reads a register before it is written, an op
+ * or register or constant out of range, or a bad count, shape or dtype. */
+#define KT_CHAIN_MAX_IN 8
+#define KT_CHAIN_MAX_OUT 4
+#define KT_CHAIN_MAX_OPS 64
+#define KT_CHAIN_MAX_REGS 32
+#define KT_CHAIN_MAX_DIM 6
+#define KT_CHAIN_MAX_CONST 16
+#define KT_CHAIN_BOOL 3
+typedef enum kt_chain_opcode {
+  KT_OP_CONST = 0,   /* dst = consts[a] */
+  KT_OP_ADD, KT_OP_SUB, KT_OP_MUL, KT_OP_DIV,
+  KT_OP_MAX, KT_OP_MIN,   /* NaN if either is NaN (torch.maximum / minimum) */
+  KT_OP_POW,   /* a ** b (powf) */
+  KT_OP_NEG, KT_OP_EXP, KT_OP_LOG, KT_OP_TANH, KT_OP_SIGMOID, KT_OP_ERF, KT_OP_RSQRT, KT_OP_SQRT,
+  KT_OP_RELU, KT_OP_GELU, KT_OP_GELU_TANH, KT_OP_SILU, KT_OP_ABS, KT_OP_RECIP, KT_OP_LOG1P,
+  KT_OP_GT, KT_OP_LT, KT_OP_GE, KT_OP_LE, KT_OP_EQ, KT_OP_NE,   /* 1.0 or 0.0 */
+  KT_OP_WHERE,   /* a != 0 ? b : c */
+  KT_OP_ROUND_BF16, KT_OP_ROUND_F16,   /* a rounded to bf16 / fp16 and back: a cast */
+  KT_OP_TO_BOOL,   /* a != 0 */
+  KT_OP_GELU_BWD, KT_OP_GELU_TANH_BWD,   /* a * gelu'(b): gelu_backward(grad = a, x = b) */
+  KT_OP_COUNT
+} kt_chain_opcode;
+typedef struct kt_chain_op {
+  uint8_t op, dst, a, b, c;
+} kt_chain_op;
+typedef struct kt_chain {
+  int32_t n_in, n_out, n_ops, ndim;
+  int64_t shape[KT_CHAIN_MAX_DIM];
+  int64_t in_stride[KT_CHAIN_MAX_IN][KT_CHAIN_MAX_DIM];
+  int64_t out_stride[KT_CHAIN_MAX_OUT][KT_CHAIN_MAX_DIM];
+  int32_t in_dtype[KT_CHAIN_MAX_IN], out_dtype[KT_CHAIN_MAX_OUT], out_reg[KT_CHAIN_MAX_OUT];
+  float consts[KT_CHAIN_MAX_CONST];
+  kt_chain_op ops[KT_CHAIN_MAX_OPS];
+} kt_chain;
+kt_status kt_chain_check(const kt_chain *c);
+/* in: n_in pointers, out: n_out pointers (NULL allowed when there are no elements) */
+kt_status kt_chain_run(const kt_chain *c, const void *const *in, void *const *out, void *stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -36,11 +36,18 @@ def kitsune_backend(gm, example_inputs, options=None):
 
 
 def _aten_aot(gm, example_inputs):
-    """AOTAutograd over gm with graphs that run as traced (boxed, no compiler)."""
+    """AOTAutograd over gm with graphs that run as traced (boxed, no compiler), the
+    pointwise ops left between patterns in each grouped into chains (fx/chains.py)
+    unless KITSUNE_CHAINS=0."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
+    from .. import options
+    from . import chains
+
     def as_traced(g, _inputs):
+        if options.get("KITSUNE_CHAINS"):
+            chains.fuse(g)
         return make_boxed_func(g.forward)
     return aot_autograd(fw_compiler=as_traced, bw_compiler=as_traced)(gm, example_inputs)
 

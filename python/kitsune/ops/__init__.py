@@ -57,6 +57,9 @@ Ops (reference semantics):
                                             (max_pool2d(x, ...), x, ..., x) for n other users
                                             of x: their gradients added in the pooling's
                                             backward pass, not one launch each
+  pointwise_chain(inputs, program, consts, out_regs, out_dtypes)
+                                            a program of pointwise ops run per element in one
+                                            launch (ops/chain.py; made by kitsune/fx/chains.py)
   global_avg_pool(x, dim=(-2, -1), keepdim=False)
                                             x.mean(dim, keepdim) over H and W of (N, C, H, W):
                                             on CUDA for channels-last x one kernel each way,
@@ -94,6 +97,7 @@ _lib = torch.ops.kitsune
 from .avg_pool import global_avg_pool  # noqa: E402
 from .batch_norm import batch_norm_add_relu, batch_norm_relu  # noqa: E402
 from .cat import bias_cat  # noqa: E402
+from . import chain as _chain  # noqa: E402,F401  (pointwise_chain's fake kernel and Program)
 from .cross_entropy import cross_entropy, linear_cross_entropy  # noqa: E402
 from .dropout import bias_dropout_add, dropout_mask, gelu_dropout  # noqa: E402
 from .embedding import embedding  # noqa: E402

@@ -781,3 +781,80 @@ kt_status kt__arena_validate(kt_pool_t *p) {
   CHECK(binned == nfree);
   return KT_OK;
 }
+
+/* ---- memory map (kt_pool_walk) ------------------------------------------------------- */
+typedef struct walk {
+  kt_walk_fn fn;
+  void *ctx;
+  kt_walk_segment seg;
+  uintptr_t lo, hi;   /* the segment's bounds: pieces are clipped to them */
+} walk;
+
+static int walk_piece(walk *w, uintptr_t a, uintptr_t b, size_t requested, kt_stream_t stream, int state) {
+  if (a < w->lo) a = w->lo;
+  if (b > w->hi) b = w->hi;
+  if (a >= b) return 0;
+  kt_walk_block blk = {a, b - a, state == KT_WALK_FREE ? 0 : requested, state == KT_WALK_FREE ? NULL : stream, state};
+  return w->fn(w->ctx, &w->seg, &blk);
+}
+
+static int walk_state(const kt_block *b) {   /* relaxed: a tcache may change it meanwhile */
+  switch (__atomic_load_n(&b->state, __ATOMIC_RELAXED)) {
+    case KT_BLOCK_LIVE: return KT_WALK_LIVE;
+    case KT_BLOCK_PENDING: return KT_WALK_PENDING;
+    default: return KT_WALK_FREE;
+  }
+}
+
+/* e's blocks within the walk's segment, gaps (a slab's tail) as free space. */
+static int walk_extent(walk *w, const kt_extent *e) {
+  const uintptr_t end = e->addr + e->size;
+  if (e->kind == KT_EXT_FREE) return walk_piece(w, e->addr, end, 0, NULL, KT_WALK_FREE);
+  if (e->kind == KT_EXT_LARGE)
+    return walk_piece(w, e->addr, end, e->blk.requested, e->blk.heap ? e->blk.heap->stream : NULL,
+                      walk_state(&e->blk));
+  const kt_slab *s = e->slab;
+  const size_t cs = kt__geom[s->cls].size;
+  uintptr_t at = e->addr;
+  int r = 0;
+  for (uint32_t i = 0; i < s->nblocks && !r; i++) {
+    const kt_block *b = &s->blocks[i];
+    if (b->addr > at) r = walk_piece(w, at, b->addr, 0, NULL, KT_WALK_FREE);
+    if (!r) r = walk_piece(w, b->addr, b->addr + cs, b->requested, b->heap ? b->heap->stream : NULL, walk_state(b));
+    at = b->addr + cs;
+  }
+  return r ? r : walk_piece(w, at, end, 0, NULL, KT_WALK_FREE);
+}
+
+/* The segment [lo, hi) of s: its start, then every extent that overlaps it. */
+static int walk_segment(walk *w, const kt_segment *s, uintptr_t lo, uintptr_t hi) {
+  w->seg = (kt_walk_segment){lo, hi - lo, s->gmap != NULL};
+  w->lo = lo, w->hi = hi;
+  int r = w->fn(w->ctx, &w->seg, NULL);
+  for (const kt_extent *e = s->first; e && !r; e = e->anext)
+    if (e->addr < hi && e->addr + e->size > lo) r = walk_extent(w, e);
+  return r;
+}
+
+kt_status kt_pool_walk(kt_pool_t *p, kt_walk_fn fn, void *ctx) {
+  if (!p || !fn) return KT_ERR_INVALID;
+  walk w = {fn, ctx, {0, 0, 0}, 0, 0};
+  int r = 0;
+  pthread_mutex_lock(&p->heap_lock);
+  pthread_mutex_lock(&p->arena_lock);
+  for (const kt_segment *s = p->segments; s && !r; s = s->next) {
+    if (!s->gmap) {
+      r = walk_segment(&w, s, s->base, s->base + s->size);
+      continue;
+    }
+    const size_t n = s->size / KT_GRANULE;   /* a VMM range: each run of mapped granules */
+    size_t r0, r1, from = 0;
+    while (!r && next_run(s, from, n, 1, &r0, &r1)) {
+      r = walk_segment(&w, s, s->base + r0 * KT_GRANULE, s->base + r1 * KT_GRANULE);
+      from = r1;
+    }
+  }
+  pthread_mutex_unlock(&p->arena_lock);
+  pthread_mutex_unlock(&p->heap_lock);
+  return r ? KT_ERR_INVALID : KT_OK;
+}

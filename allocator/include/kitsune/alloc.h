@@ -254,6 +254,32 @@ size_t kt_class_size(int cls);
 kt_status kt_trace_start(kt_pool_t *pool, const char *path);
 kt_status kt_trace_stop(kt_pool_t *pool);
 
+/* ---- memory map: what a snapshot shows ------------------------------------- */
+/* A segment: device memory the pool holds (a backend segment, or a run of mapped
+ * granules of a VMM range), and its blocks in address order, which cover it exactly:
+ * a live block (requested bytes, stream it was allocated on), one freed but waiting
+ * for other streams' work (pending), or free space (an idle slab block, a slab's
+ * tail, a free extent). */
+enum { KT_WALK_FREE = 0, KT_WALK_LIVE = 1, KT_WALK_PENDING = 2 };
+typedef struct kt_walk_block {
+  uintptr_t addr;
+  size_t size;          /* bytes it occupies: a class's size, a large block's extent */
+  size_t requested;     /* live and pending: what the caller asked for; 0 for free space */
+  kt_stream_t stream;   /* live and pending: the allocation stream; free: NULL */
+  int state;            /* KT_WALK_* */
+} kt_walk_block;
+typedef struct kt_walk_segment {
+  uintptr_t base;
+  size_t size;
+  int vmm;              /* 1: mapped granules of a VMM range */
+} kt_walk_segment;
+/* Calls fn(ctx, segment, NULL) as each segment begins, then fn(ctx, segment, block)
+ * for each of its blocks. Holds the pool's locks throughout (fn must not call into
+ * the pool); a block that another thread allocates or frees meanwhile is shown in
+ * either state. A non-zero return from fn stops the walk: KT_ERR_INVALID is returned. */
+typedef int (*kt_walk_fn)(void *ctx, const kt_walk_segment *seg, const kt_walk_block *blk);
+kt_status kt_pool_walk(kt_pool_t *pool, kt_walk_fn fn, void *ctx);
+
 /* ---- debugging ------------------------------------------------------------ */
 /* O(n) walk of every structure checking invariants; KT_OK or KT_ERR_INVALID.
  * Call it while no other thread is inside the pool (a checkpoint). */

@@ -101,6 +101,52 @@ def test_memory_stats_api_reports_kitsune_numbers():
     assert r["acc_after_reset"] == 4096
 
 
+@pytest.mark.gpu
+@gpu
+def test_memory_snapshot_and_history_open_in_pytorchs_tools(tmp_path):
+    """_record_memory_history + _snapshot under Kitsune: segments covered by their blocks,
+    allocated bytes as memory_allocated says, each live tensor a block with the stack of
+    the Python function that made it, alloc and free entries in the trace, and PyTorch's
+    own memory_viz functions read it; _dump_snapshot writes the pickle the visualizer
+    opens."""
+    out = run(f"""
+        import json, pickle, torch, kitsune.allocator as ka
+        from torch.cuda import _memory_viz as viz
+        ka.install()
+        torch.cuda.memory._record_memory_history(max_entries=1000)
+        def make_the_tensors():
+            return [torch.empty(n, dtype=torch.uint8, device="cuda") for n in (1000, 70000, 3 << 20, 9 << 20)]
+        keep = make_the_tensors()
+        gone = torch.empty(5 << 20, dtype=torch.uint8, device="cuda")
+        del gone
+        snap = torch.cuda.memory._snapshot()
+        segs = snap["segments"]
+        cover = all(sum(b["size"] for b in s["blocks"]) == s["total_size"] for s in segs)
+        live = {{b["address"]: b for s in segs for b in s["blocks"] if b["state"] == "active_allocated"}}
+        named = [any("make_the_tensors" in f["name"] for f in live[t.data_ptr()].get("frames", []))
+                 for t in keep if t.data_ptr() in live]
+        actions = [e["action"] for e in snap["device_traces"][0]]
+        viz.segment_plot(snap)
+        viz.trace_plot(snap)
+        viz.segsum(snap)
+        viz.trace(snap)
+        torch.cuda.memory._dump_snapshot("{tmp_path / 'snap.pickle'}")
+        with open("{tmp_path / 'snap.pickle'}", "rb") as f:
+            again = pickle.load(f)
+        torch.cuda.memory._record_memory_history(enabled=None)
+        print(json.dumps({{"segments": len(segs), "cover": cover, "named": named,
+                          "allocated": sum(b["size"] for b in live.values()),
+                          "torch_allocated": torch.cuda.memory_allocated(),
+                          "alloc": actions.count("alloc"), "free": actions.count("free_completed"),
+                          "pickled": len(again["segments"])}}))
+    """)
+    r = json.loads(out.strip().splitlines()[-1])
+    assert r["segments"] > 0 and r["cover"] and r["pickled"] == r["segments"]
+    assert r["named"] == [True] * 4, r["named"]
+    assert r["allocated"] == r["torch_allocated"]
+    assert r["alloc"] >= 5 and r["free"] >= 1
+
+
 VMM_CHURN = """
     import json, random, torch, kitsune.allocator as ka
     ka.install()

@@ -97,6 +97,7 @@ void* KitsuneAllocator::raw_alloc_with_stream(size_t n, cudaStream_t stream) {
 // holding that pool's segment starts, so private pools are asked first.
 void KitsuneAllocator::raw_delete(void* ptr) {
   int dev = c10::cuda::current_device();   // a guess
+  if (C10_UNLIKELY(history_on_.load(std::memory_order_relaxed))) history_free(dev, ptr);
   if (has_private_.load(std::memory_order_relaxed) && ptr && free_private(ptr, dev) == KT_OK) return;
   free_any(ptr, dev);
 }
@@ -105,6 +106,7 @@ void KitsuneAllocator::free_ctx(void* ctx) {
   uintptr_t v = reinterpret_cast<uintptr_t>(ctx);
   void* ptr = reinterpret_cast<void*>(v & ~(kDeviceMask | kPrivateBit));
   int dev = static_cast<int>(v & kDeviceMask);
+  if (C10_UNLIKELY(history_on_.load(std::memory_order_relaxed))) history_free(dev, ptr);
   if (C10_UNLIKELY(v & kPrivateBit)) {
     if (!ptr) return;   // a 0-byte allocation (free_any returns on NULL itself)
     if (free_private(ptr, dev) != KT_OK) TORCH_WARN("Kitsune: free of ", ptr, " (a graph or MemPool block) on device ",
@@ -128,6 +130,7 @@ void* KitsuneAllocator::alloc_on(c10::DeviceIndex dev, size_t n, cudaStream_t st
     if (st == KT_ERR_OOM) notify_oom(dev, n);
     raise_status(st, "allocation", n, dev);
   }
+  if (C10_UNLIKELY(history_on_.load(std::memory_order_relaxed))) history_alloc(dev, p, n, stream);
   return p;
 }
 
@@ -289,12 +292,6 @@ cca::ShareableHandle KitsuneAllocator::shareIpcHandle(void*) {
 
 std::shared_ptr<void> KitsuneAllocator::getIpcDevPtr(std::string) {
   TORCH_CHECK(false, "Kitsune: CUDA IPC handles are not supported by kitsune.allocator");
-}
-
-void KitsuneAllocator::recordHistory(bool enabled, cca::CreateContextFn, size_t, cca::RecordContext, bool,
-                                     const std::vector<std::string>&) {
-  TORCH_CHECK(!enabled, "Kitsune: torch.cuda.memory._record_memory_history is not supported; "
-                        "record a trace with kitsune.allocator.trace(path) instead");
 }
 
 void KitsuneAllocator::attachOutOfMemoryObserver(cca::OutOfMemoryObserver observer) {

@@ -30,6 +30,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
@@ -105,7 +106,19 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
   void resetPeakStats(c10::DeviceIndex device) override;
   void add_private_stats(c10::DeviceIndex device, kt_stats* st);   // private_pools.cpp
   std::vector<cca::StreamSegmentSize> getExpandableSegmentSizes(c10::DeviceIndex) override { return {}; }
-  cca::SnapshotInfo snapshot(c10::cuda::MempoolId_t, bool) override { return {}; }
+  // ---- memory history and snapshots (history.cpp) ----------------------------------
+  // torch.cuda.memory._snapshot(): segments and blocks from kt_pool_walk (the device
+  // pools; a private pool's when its id is asked), with the stacks recorded while
+  // _record_memory_history was on; recordHistory: alloc / free entries with their
+  // stacks, as PyTorch's allocator keeps them.
+  cca::SnapshotInfo snapshot(c10::cuda::MempoolId_t mempool_id, bool include_traces) override;
+  struct HistoryLive {   // a block allocated while history was on
+    size_t size;
+    cudaStream_t stream;
+    std::shared_ptr<c10::GatheredContext> context;
+  };
+  void recordHistory(bool enabled, cca::CreateContextFn context_recorder, size_t alloc_trace_max_entries,
+                     cca::RecordContext when, bool clear_history, const std::vector<std::string>& skip_actions) override;
 
   // ---- private pools: CUDA graphs, torch.cuda.MemPool (private_pools.cpp) ----------
   void beginAllocateToPool(c10::DeviceIndex dev, c10::cuda::MempoolId_t id,
@@ -123,8 +136,6 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
   // ---- not supported yet: clear errors, never silent misbehaviour (allocator.cpp) ---
   cca::ShareableHandle shareIpcHandle(void*) override;
   std::shared_ptr<void> getIpcDevPtr(std::string) override;
-  void recordHistory(bool enabled, cca::CreateContextFn, size_t, cca::RecordContext, bool,
-                     const std::vector<std::string>&) override;
   void attachOutOfMemoryObserver(cca::OutOfMemoryObserver observer) override;
   void attachAllocatorTraceTracker(cca::AllocatorTraceTracker) override {}
   void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override;
@@ -159,6 +170,19 @@ class KitsuneAllocator final : public cca::CUDAAllocator {
                 " has no pool (", pools_.size(), " devices initialised)");
     return pools_[device];
   }
+
+  // ---- memory history (history.cpp): called on every allocation and free while on ----
+  void history_alloc(c10::DeviceIndex dev, void* p, size_t n, cudaStream_t stream);
+  void history_free(int dev, void* p);
+  std::atomic<bool> history_on_{false};
+  std::mutex history_mu_;
+  cca::CreateContextFn history_recorder_ = nullptr;   // under history_mu_, as the rest
+  cca::RecordContext history_when_ = cca::RecordContext::NEVER;
+  size_t history_max_ = 0;
+  std::unordered_set<std::string> history_skip_;
+  std::unordered_map<uintptr_t, HistoryLive> history_live_;
+  std::vector<std::vector<c10::CachingDeviceAllocator::TraceEntry>> history_;   // a ring per device
+  std::vector<size_t> history_next_;                                            // its oldest entry
 
   // ---- allocation and frees (allocator.cpp) ---------------------------------------
   void* alloc_on(c10::DeviceIndex dev, size_t n, cudaStream_t stream, bool* priv = nullptr);

@@ -12,4 +12,13 @@ if ls .deps/debs/libcriterion-dev_*.deb >/dev/null 2>&1; then echo "gpu-deps: al
 fi
 for d in .deps/debs/*.deb; do dpkg -x "$d" .deps/root; done
 bash tools/jemalloc.sh   # the pinned pool's private jemalloc, built here (no network there)
+# RMM's pool for bench/alloc_churn.py (rmm_pool): wheels for the GPU machine's Python 3.12,
+# installed there into /tmp/site by tools/gpu/gpu_run.sh's part "churn" (about 6 MB)
+if ls .deps/wheels/rmm_cu13-*.whl >/dev/null 2>&1; then echo "gpu-deps: RMM wheels already downloaded"; else
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .deps/wheels \
+    "rmm-cu13==26.10.*" "librmm-cu13==26.10.*" "rapids-logger==0.3.*" \
+    || echo "gpu-deps: RMM wheels not downloaded (bench/alloc_churn.py then skips rmm_pool)"
+fi
 echo "gpu-deps: unpacked into .deps/root ($(du -sh .deps | cut -f1)); carry .deps"

@@ -4,7 +4,7 @@
 # only the pytest part of gpu-test, on KT_PYTEST_ARGS (paths and options; default tests/python); "data" adds
 # make bench-data, "kernels" make bench-kernels, "profile" tools/gpu/profile_train.py, "gaps"
 # tools/gpu/step_gaps.py, "optim" bench/kernels/optimizer.py, "ew" bench/kernels/elementwise.py, "lact" bench/kernels/linear_act.py, "colsum" bench/kernels/colsum.py, "pool" bench/kernels/pool.py, "losses" bench/loss_match.py (LOSS_ARGS), "copies" tools/gpu/copy_sources.py (COPY_MODELS, COPY_ARGS), "train" bench/kernels/train_models.py,
-# "ncu" Nsight Compute on the dropout kernels, "ncu_ln" on the LayerNorm ones, "ncu_optim" on the fused AdamW step, "memsets" tools/gpu/graph_memsets.py, "models" bench/models.py, "zoo" bench/zoo.py (BENCH_ZOO_ARGS), "zoodiag" tools/gpu/zoo_diag.py (ZOODIAG_ARGS), "vitdiag" tools/gpu/vit_diag.py, "chains" test_chains.py + bench/kernels/chains.py, "zooprof" tools/gpu/zoo_profile.py (ZOOPROF), "variants" tools/gpu/models_variants.py (VARIANTS, VARIANTS_ARGS or BENCH_MODELS_ARGS), "gmem" bench/graph_memory.py, "ab" tools/gpu/ab_env.py (AB_SETTING, AB_MODELS), "pgraph"
+# "ncu" Nsight Compute on the dropout kernels, "ncu_ln" on the LayerNorm ones, "ncu_optim" on the fused AdamW step, "memsets" tools/gpu/graph_memsets.py, "models" bench/models.py, "zoo" bench/zoo.py (BENCH_ZOO_ARGS), "zoodiag" tools/gpu/zoo_diag.py (ZOODIAG_ARGS), "vitdiag" tools/gpu/vit_diag.py, "chains" test_chains.py + bench/kernels/chains.py, "zooprof" tools/gpu/zoo_profile.py (ZOOPROF), "churn" bench/alloc_churn.py, "variants" tools/gpu/models_variants.py (VARIANTS, VARIANTS_ARGS or BENCH_MODELS_ARGS), "gmem" bench/graph_memory.py, "ab" tools/gpu/ab_env.py (AB_SETTING, AB_MODELS), "pgraph"
 # tools/gpu/profile_graph.py, "host" tools/gpu/host_replay.py, "alloc" the VMM C suites on CUDA, the allocator pytest,
 # bench/alloc_shapes.py and bench/alloc_torch.py; KT_NO_CLEAN=1 keeps
 # the last call's build). Everything is logged to $OUT/run.log; JSON results and the
@@ -180,6 +180,14 @@ if [[ $parts == *" alloc "* ]]; then   # allocator under torch: VMM suites, its 
     python3 bench/alloc_shapes.py --out "$OUT" ${BENCH_SHAPES_ARGS:-}
   echo "== alloc_torch =="; time KT_COMMIT=${KT_COMMIT:-?} KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \
     python3 bench/alloc_torch.py --out "$OUT" ${BENCH_ATORCH_ARGS:-}
+fi
+if [[ $parts == *" churn "* ]]; then   # bench/alloc_churn.py: the churn ring and random_allocations per allocator
+  if ls .deps/wheels/rmm_cu13-*.whl >/dev/null 2>&1; then   # RMM (make gpu-deps), for rmm_pool
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .deps/wheels/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  fi
+  echo "== alloc_churn =="; time KT_COMMIT=${KT_COMMIT:-?} KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \
+    python3 bench/alloc_churn.py --out "$OUT" ${BENCH_CHURN_ARGS:-}
 fi
 if [[ $parts == *" demo "* ]]; then
   echo "== demo =="; make demo-run

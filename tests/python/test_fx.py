@@ -1462,3 +1462,45 @@ def test_hf_conv1d_becomes_a_linear_for_the_linear_patterns():
     gb = torch.autograd.grad(b.square().sum(), [x] + list(m.parameters()))
     for u, v in zip(ga, gb):
         torch.testing.assert_close(u, v, rtol=1e-4, atol=1e-5)
+
+
+class _UpcastLoss(torch.nn.Module):
+    """Hugging Face's causal-LM loss shape: logits.float().view(-1, V) into cross_entropy."""
+
+    def __init__(self, vocab=40):
+        super().__init__()
+        self.emb, self.head, self.vocab = torch.nn.Embedding(vocab, 16), torch.nn.Linear(16, vocab), vocab
+
+    def forward(self, ids, labels):
+        logits = self.head(torch.tanh(self.emb(ids)))
+        return torch.nn.functional.cross_entropy(logits.float().view(-1, self.vocab), labels.view(-1),
+                                                 ignore_index=-100)
+
+
+@pytest.mark.parametrize("path", ["optimize", "dynamo"])
+@pytest.mark.parametrize("amp", [torch.bfloat16, None], ids=["bf16", "fp32"])
+def test_cross_entropy_of_upcast_logits_reads_bf16_as_it_is(path, amp):
+    """cross_entropy(x.float().view(...)) -> kitsune.cross_entropy(x, float_loss=True) on
+    bf16 x: the loss float32 and eager's, gradients as eager's to bf16 rounding; on fp32
+    logits the written path runs."""
+    import copy
+    torch.manual_seed(0)
+    model = _UpcastLoss()
+    twin = copy.deepcopy(model)
+    ids = torch.randint(0, 40, (4, 8))
+    labels = ids.clone()
+    labels[0, :3] = -100
+    report = kitsune.explain(model, ids, labels, dynamo=True) if path == "dynamo" else kitsune.explain(model)
+    assert any("x.float()" in what for _, what in report.fused), report
+    torch._dynamo.reset()
+    fast = (torch.compile(model, backend="kitsune", options={"inductor": False}) if path == "dynamo"
+            else kitsune.optimize(model, inplace=True))
+    with torch.autocast("cpu", dtype=amp or torch.float32, enabled=amp is not None):
+        got, want = fast(ids, labels), twin(ids, labels)
+    assert got.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    got.backward()
+    want.backward()
+    tol = 2e-2 if amp is not None else 1e-5
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=tol, atol=tol * q.grad.abs().max().item(), msg=name)

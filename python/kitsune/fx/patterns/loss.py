@@ -62,6 +62,33 @@ def _cross_entropy(logits, target, ignore_index, label_smoothing):
     return F.cross_entropy(logits, target, ignore_index=ignore_index, label_smoothing=label_smoothing)
 
 
+def _cross_entropy_upcast(logits, view, target, ignore_index, label_smoothing):
+    """F.cross_entropy(logits.float()[.view(*view)], target): bf16 logits are read as
+    they are (fp32 arithmetic, the loss float32, the gradient bf16 as the upcast's
+    backward would give it), so the float32 copy and its float32 gradient never exist;
+    other dtypes take the written path. float16 keeps it: its gradient would be
+    rounded before a loss scale reaches it (FusedLoss says more)."""
+    x = logits if view is None else logits.view(*view)
+    if logits.dtype == torch.bfloat16 and _ce_fits(x, target):
+        return torch.ops.kitsune.cross_entropy(x, target, ignore_index, label_smoothing, True)
+    x = logits.float() if view is None else logits.float().view(*view)
+    return _cross_entropy(x, target, ignore_index, label_smoothing)
+
+
+def _upcast_of(node):
+    """x when node is x.float() or x.to(torch.float32), else None."""
+    if not (isinstance(node, tfx.Node) and node.op == "call_method"):
+        return None
+    if node.target == "float" and len(node.args) == 1 and not node.kwargs:
+        return node.args[0]
+    if node.target == "to" and not node.kwargs and len(node.args) == 2 and node.args[1] is torch.float32:
+        return node.args[0]
+    if node.target == "to" and len(node.args) == 1 and set(node.kwargs) == {"dtype"} and \
+            node.kwargs["dtype"] is torch.float32:
+        return node.args[0]
+    return None
+
+
 _CE_ARGS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
 
 
@@ -182,6 +209,19 @@ def _rewrite_loss(gm, g, node, where, report):
     if lin:
         report.left.append((where, f"cross_entropy(linear): the logits {logits.name} are also used elsewhere "
                                    "(fused as cross_entropy only)"))
+    source = _upcast_of(logits)
+    if source is not None and len(logits.users) == 1:   # HF's loss: logits.float().view(-1, V)
+        report.fused.append((where, "cross_entropy(x.float()) -> kitsune.cross_entropy (bf16 read as it is, "
+                                    "the loss float32)"))
+        with g.inserting_before(node):
+            new = g.call_function(_cross_entropy_upcast, (source, view, ce["target"], ce["ignore_index"],
+                                                          float(ce["label_smoothing"])))
+        node.replace_all_uses_with(new)
+        g.erase_node(node)
+        if view is not None:
+            g.erase_node(inp)
+        g.erase_node(logits)
+        return True
     report.fused.append((where, "cross_entropy -> kitsune.cross_entropy"))
     _swap(g, node, _cross_entropy, (inp, ce["target"], ce["ignore_index"], float(ce["label_smoothing"])))
     return True

@@ -35,6 +35,32 @@ def kitsune_backend(gm, example_inputs, options=None):
     return _aten_aot(gm, example_inputs)
 
 
+def settle_hf_loss_functions(model):
+    """Hugging Face models whose ``loss_function`` property warns on every call
+    (``loss_type`` unknown to transformers, as on GPT-2: it falls back to ForCausalLM's
+    loss) break Dynamo's graph at that warning (logger.warning_once), which splits the
+    LM head from its loss. Each such module in model gets the function the property
+    returns, through the property's own setter, once and eagerly (the warning printed
+    once, as it is without Kitsune), so the trace runs through. Returns a function that
+    undoes it."""
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING
+    except ImportError:
+        return lambda: None
+    settled = []
+    for m in model.modules():
+        prop = getattr(type(m), "loss_function", None)
+        if isinstance(prop, property) and prop.fset is not None and "_loss_function" not in vars(m) and \
+                getattr(m, "loss_type", None) not in LOSS_MAPPING:
+            m.loss_function = m.loss_function
+            settled.append(m)
+
+    def undo():
+        for m in settled:
+            vars(m).pop("_loss_function", None)
+    return undo
+
+
 def _aten_aot(gm, example_inputs):
     """AOTAutograd over gm with graphs that run as traced (boxed, no compiler), the
     pointwise ops left between patterns in each grouped into chains (fx/chains.py)

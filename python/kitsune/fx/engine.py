@@ -204,7 +204,12 @@ def explain(model, *args, dynamo=False, **kwargs):
     from ..sched import saved_state
     restore = saved_state(model)
     try:
-        out = torch._dynamo.explain(model)(*args, **kwargs)
+        from .backend import settle_hf_loss_functions
+        unsettle = settle_hf_loss_functions(model)
+        try:
+            out = torch._dynamo.explain(model)(*args, **kwargs)
+        finally:
+            unsettle()
     finally:
         restore()
         torch._dynamo.reset()

@@ -188,7 +188,8 @@ class CompiledStep(_Capture, _MemoryPlanning, _ConvGradTrials, _ChannelsLast):
         if not self.dynamo:
             return self.model
         if self._dynamo_model is None:
-            from ..fx.backend import kitsune_backend
+            from ..fx.backend import kitsune_backend, settle_hf_loss_functions
+            settle_hf_loss_functions(self.model)   # (kept: the model traces whole from now on)
             self._dynamo_model = torch.compile(self.model, backend=kitsune_backend, options={"inductor": False})
         return self._dynamo_model
 

@@ -154,14 +154,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return gx * grad, gw * grad, None, (gb * grad if ctx.has_bias else None), None, None, None, None
 
 
-def linear_cross_entropy(x, weight, target, bias=None, ignore_index=-100, label_smoothing=0.0, chunk_size=0):
+def linear_cross_entropy(x, weight, target, bias=None, ignore_index=-100, label_smoothing=0.0, chunk_size=0,
+                         float_loss=False):
     """F.cross_entropy(F.linear(x, weight, bias), target) computed chunk_size rows at a
     time (0 chooses: each chunk's logits about the size of x), so the full logits
-    tensor never exists. x (..., H), weight (C, H), target (...) int64."""
+    tensor never exists. x (..., H), weight (C, H), target (...) int64. The loss has the
+    logits' dtype, float32 under autocast (as F.cross_entropy's) or with float_loss
+    (F.cross_entropy(F.linear(...).float(), target): 16-bit logits upcast first)."""
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or
                                               (bias is not None and bias.requires_grad))
     if not needs_grad:   # the op's autocast kernel casts like F.linear
-        return _lib.linear_cross_entropy(x, weight, target, bias, ignore_index, label_smoothing, chunk_size)
+        return _lib.linear_cross_entropy(x, weight, target, bias, ignore_index, label_smoothing, chunk_size,
+                                         float_loss)
     dev = x.device.type
     if torch.is_autocast_enabled(dev):   # as F.linear under autocast; the loss in fp32 as F.cross_entropy's
         dt = torch.get_autocast_dtype(dev)
@@ -170,4 +174,5 @@ def linear_cross_entropy(x, weight, target, bias=None, ignore_index=-100, label_
         with torch.autocast(dev, enabled=False):
             return _LinearCrossEntropy.apply(x, weight, target, bias, ignore_index, label_smoothing, chunk_size,
                                              True)
-    return _LinearCrossEntropy.apply(x, weight, target, bias, ignore_index, label_smoothing, chunk_size, False)
+    return _LinearCrossEntropy.apply(x, weight, target, bias, ignore_index, label_smoothing, chunk_size,
+                                     bool(float_loss))

@@ -30,9 +30,18 @@ def _logits_size(x, weight, *dim):
     return shape[dim[0]] if dim else shape
 
 
-def _linear_cross_entropy(x, weight, bias, target, view, ignore_index, label_smoothing):
-    """F.cross_entropy(linear(x).view(*view), target) through the chunked op when the
-    view only flattens the leading dims (view None: no view), else unfused."""
+def _linear_cross_entropy(x, weight, bias, target, view, ignore_index, label_smoothing, upcast=False):
+    """F.cross_entropy(linear(x)[.float()].view(*view), target) through the chunked op when
+    the view only flattens the leading dims (view None: no view), else unfused. upcast:
+    the logits went through .float() (Hugging Face's loss): the loss float32; taken
+    when the logits would be bfloat16 or float32 (float16's gradient would be rounded
+    before a loss scale reaches it, so that keeps the written path)."""
+    dev = x.device.type
+    logits_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+    if upcast and logits_dtype not in (torch.bfloat16, torch.float32):
+        logits = F.linear(x, weight, bias).float()
+        logits = logits if view is None else logits.view(*view)
+        return F.cross_entropy(logits, target, ignore_index=ignore_index, label_smoothing=label_smoothing)
     from ... import ops as ko
     logits_shape = tuple(x.shape[:-1]) + (weight.shape[0],)
     rows = x.numel() // max(x.shape[-1], 1)
@@ -42,8 +51,9 @@ def _linear_cross_entropy(x, weight, bias, target, view, ignore_index, label_smo
               x.dtype == weight.dtype and (bias is None or bias.dtype == x.dtype))))
     if ok:
         return ko.linear_cross_entropy(x.reshape(rows, x.shape[-1]), weight, target.reshape(rows), bias,
-                                       ignore_index, label_smoothing)
+                                       ignore_index, label_smoothing, float_loss=upcast)
     logits = F.linear(x, weight, bias)
+    logits = logits.float() if upcast else logits
     logits = logits if view is None else logits.view(*view)
     return F.cross_entropy(logits, target, ignore_index=ignore_index, label_smoothing=label_smoothing)
 
@@ -210,6 +220,23 @@ def _rewrite_loss(gm, g, node, where, report):
         report.left.append((where, f"cross_entropy(linear): the logits {logits.name} are also used elsewhere "
                                    "(fused as cross_entropy only)"))
     source = _upcast_of(logits)
+    up_lin = _linear_of(gm, source) if source is not None and len(logits.users) == 1 else None
+    if up_lin and len(source.users) == 1:   # HF's LM head and loss: linear(x).float().view(-1, V)
+        report.fused.append((where, f"cross_entropy(linear(x).float()) -> linear_cross_entropy ({source.name}; "
+                                    "the logits never exist, the loss float32)"))
+        x, w, b = up_lin
+        with g.inserting_before(source):
+            w, b = _attr_or_node(g, w), _attr_or_node(g, b)
+        with g.inserting_before(node):
+            new = g.call_function(_linear_cross_entropy, (x, w, b, ce["target"], view, ce["ignore_index"],
+                                                          float(ce["label_smoothing"]), True))
+        node.replace_all_uses_with(new)
+        g.erase_node(node)
+        if view is not None:
+            g.erase_node(inp)
+        g.erase_node(logits)
+        g.erase_node(source)
+        return True
     if source is not None and len(logits.users) == 1:   # HF's loss: logits.float().view(-1, V)
         report.fused.append((where, "cross_entropy(x.float()) -> kitsune.cross_entropy (bf16 read as it is, "
                                     "the loss float32)"))

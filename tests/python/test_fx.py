@@ -1552,3 +1552,49 @@ def test_hf_gpt2_head_and_loss_trace_whole_and_fuse(amp):
     tol = 3e-2 if amp is not None else 1e-4
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=tol, atol=tol * q.grad.abs().max().item(), msg=name)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_optimize_gives_hf_causal_lms_kitsunes_loss(family):
+    """optimize sets a causal LM's loss_function (transformers' setter) to
+    causal_lm_loss: the same loss (mean over labelled tokens, or the sum over
+    num_items_in_batch), float32 under bf16 autocast, gradients as eager's; explain says
+    so and changes nothing; a base model (no loss) is left alone."""
+    import copy
+    T = pytest.importorskip("transformers")
+    from kitsune.fx.patterns.loss import causal_lm_loss
+    torch.manual_seed(0)
+    if family == "gpt2":
+        model = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+                                               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    else:
+        model = T.LlamaForCausalLM(T.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                                 num_key_value_heads=2, intermediate_size=64, vocab_size=64,
+                                                 max_position_embeddings=32))
+    report = kitsune.explain(model)
+    assert [w for w, what in report.swapped if what.startswith("loss_function")] == [type(model).__name__]
+    assert "_loss_function" not in vars(model)
+    fast = kitsune.optimize(model)
+    assert vars(fast)["_loss_function"] is causal_lm_loss
+    assert "_loss_function" not in vars(fast.base_model)
+    ids = torch.randint(0, 64, (3, 16))
+    labels = ids.clone()
+    labels[0, :6] = -100
+    labels[1] = -100   # a row with nothing labelled
+    for amp in (None, torch.bfloat16):
+        for items in (None, torch.tensor(17)):
+            fast.zero_grad()
+            model.zero_grad()
+            with torch.autocast("cpu", dtype=amp or torch.float32, enabled=amp is not None):
+                got = fast(input_ids=ids, labels=labels, num_items_in_batch=items).loss
+                want = model(input_ids=ids, labels=labels, num_items_in_batch=items).loss
+            assert got.dtype == want.dtype == torch.float32
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            got.backward()
+            want.backward()
+            tol = 2e-2 if amp is not None else 1e-5
+            for (name, p), q in zip(fast.named_parameters(), model.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=tol, atol=tol * q.grad.abs().max().item(), msg=name)
+    nothing = torch.full_like(labels, -100)   # the sum over nothing is 0 (the mean NaN, as PyTorch's)
+    assert causal_lm_loss(torch.randn(3, 16, 64), nothing, 64, num_items_in_batch=5).item() == 0.0
+    assert causal_lm_loss(torch.randn(3, 16, 64), nothing, 64).isnan()

@@ -204,10 +204,15 @@ class _KitsuneOps(TorchFunctionMode):
         return super().__exit__(*exc)
 
 
-def _expected_ops(report, calls):
+def _expected_ops(report, calls, labelled=False):
     """{(module path, op): count} that report promises for one forward in which each
-    rewritten module was called calls[path] times."""
+    rewritten module was called calls[path] times; labelled: the forward computed a
+    Hugging Face loss, whose swapped loss_function runs kitsune.cross_entropy once,
+    outside any rewritten module."""
     want = collections.Counter()
+    for _, what in report.swapped:
+        if labelled and "causal_lm_loss" in what:
+            want[None, "cross_entropy"] += 1
     for where, what in report.fused:
         path = max((p for p in report.rewritten if p == "" or where.startswith(p + ".")), key=len)
         op = _fusion_op(what)
@@ -292,7 +297,7 @@ def test_optimize(arch, mode):
     want = _forward(eager, inputs, outputs)
     for i, (a, b) in enumerate(zip(got, want)):
         _close(a, b, f"output {i}")
-    assert seen.ops == _expected_ops(report, seen.calls), (dict(seen.ops), str(report))
+    assert seen.ops == _expected_ops(report, seen.calls, labelled="labels" in inputs), (dict(seen.ops), str(report))
     assert set(seen.calls) == set(report.rewritten), "a rewritten module never ran"
     _loss(got).backward()
     _loss(want).backward()

@@ -14,7 +14,7 @@ from .patterns.conv import _rewrite_bias_cat, _rewrite_conv
 from .patterns.dropout import _gelu_left_to_dropout, _rewrite_bias_dropout_add, _rewrite_gelu_dropout
 from .patterns.embedding import _rewrite_embedding
 from .patterns.linear import _rewrite_attention_score, _rewrite_conv1d, _rewrite_linear_bias, _rewrite_relu_linear
-from .patterns.loss import _rewrite_loss
+from .patterns.loss import _rewrite_loss, _settle_causal_lm_losses
 from .patterns.norms import _rewrite_add_layer_norm, _rewrite_hf_rms_norm, _rewrite_relu_layer_norm, _rewrite_rms_norm
 from .patterns.pointwise import _rewrite_pointwise_act, _rewrite_swiglu, _rewrite_tanh_gelu
 from .patterns.pool import _rewrite_global_avg_pool, _rewrite_max_pool
@@ -29,19 +29,22 @@ class Report:
     trace.py), whose children were tried instead; ``rewritten`` the paths of the modules
     optimize makes run a rewritten graph ("" the model itself). A fusion's ``where`` is
     the path of its module, then the node's name; it runs each time that module is
-    called."""
+    called. ``swapped``: (where, what) for what optimize sets on a module without
+    rewriting it (a Hugging Face causal LM's loss_function), used when that runs."""
     fused: list = field(default_factory=list)
     left: list = field(default_factory=list)
     untraced: list = field(default_factory=list)
     rewritten: list = field(default_factory=list)
     # explain(..., dynamo=True): Dynamo's graph breaks, (why, where in the user's code)
     breaks: list = field(default_factory=list)
+    swapped: list = field(default_factory=list)
 
     def __str__(self):
         lines = [f"kitsune: {len(self.fused)} fused, {len(self.left)} left"]
         if self.breaks:
             lines[0] += f", {len(self.breaks)} graph break(s)"
         lines += [f"  fused  {w}: {what}" for w, what in self.fused]
+        lines += [f"  swapped {w}: {what}" for w, what in self.swapped]
         lines += [f"  left   {w}: {why}" for w, why in self.left]
         lines += [f"  not rewritten whole {w}: {why}" for w, why in self.untraced]
         lines += [f"  graph break at {w}: {why}" for why, w in self.breaks]
@@ -174,6 +177,7 @@ def optimize(model, inplace=False, report=None):
     first. Pass a :class:`Report` to get what was fused and left."""
     report = report if report is not None else Report()
     m = model if inplace else copy.deepcopy(model)
+    _settle_causal_lm_losses(m, report, apply=True)
     return _walk(m, report, "", apply=True)
 
 
@@ -198,6 +202,7 @@ def explain(model, *args, dynamo=False, **kwargs):
         if args or kwargs:
             raise TypeError("kitsune.explain: example inputs are for dynamo=True; explain(model) traces the "
                             "model's code and runs nothing")
+        _settle_causal_lm_losses(model, report, apply=False)
         _walk(model, report, "", apply=False)
         return report
     import torch

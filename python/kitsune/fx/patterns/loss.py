@@ -85,6 +85,55 @@ def _cross_entropy_upcast(logits, view, target, ignore_index, label_smoothing):
     return _cross_entropy(x, target, ignore_index, label_smoothing)
 
 
+def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
+                   **kwargs):
+    """transformers' ForCausalLMLoss (the labels shifted left by one, ignore_index rows
+    left out; the mean, or with num_items_in_batch the sum over it), with
+    kitsune.cross_entropy reading bf16 logits as they are (fp32 arithmetic, a float32
+    loss) where the original makes a float32 copy of them (and then of their gradient).
+    float16 logits take the original: their gradient would be rounded before a loss
+    scale reaches it. kitsune.optimize sets it as a causal LM's loss_function, through
+    transformers' own setter."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+    if logits.dtype not in (torch.bfloat16, torch.float32) or not isinstance(ignore_index, int):
+        return ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs)
+    if shift_labels is None:
+        labels = F.pad(labels, (0, 1), value=ignore_index)
+        shift_labels = labels[..., 1:].contiguous()
+    x = logits.reshape(-1, vocab_size)
+    t = shift_labels.reshape(-1).to(x.device)
+    loss = torch.ops.kitsune.cross_entropy(x, t, ignore_index, 0.0, True)   # the mean over labelled rows
+    if num_items_in_batch is None:
+        return loss
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    n = (t != ignore_index).sum()
+    total = torch.where(n > 0, loss * n, torch.zeros_like(loss))   # the sum; 0 when nothing is labelled
+    return total / num_items_in_batch
+
+
+def _settle_causal_lm_losses(model, report, apply):
+    """Each transformers causal LM in model whose loss_function is ForCausalLMLoss gets
+    causal_lm_loss through the property's setter (apply; explain only reports it)."""
+    try:
+        from transformers.loss.loss_utils import ForCausalLMLoss
+    except ImportError:
+        return
+    for name, m in model.named_modules():
+        prop = getattr(type(m), "loss_function", None)
+        # the models that compute it (transformers' names: ...ForCausalLM, GPT-2's ...LMHeadModel); a base
+        # model's property gives the same function but nothing calls it
+        if not (isinstance(prop, property) and prop.fset is not None and
+                type(m).__name__.endswith(("ForCausalLM", "LMHeadModel"))):
+            continue
+        if m.loss_function is not ForCausalLMLoss:   # (GPT-2's property warns once here, as on its first step)
+            continue
+        report.swapped.append((name or type(m).__name__, "loss_function: ForCausalLMLoss -> kitsune causal_lm_loss "
+                                                       "(bf16 logits read as they are, the loss float32)"))
+        if apply:
+            m.loss_function = causal_lm_loss
+
+
 def _upcast_of(node):
     """x when node is x.float() or x.to(torch.float32), else None."""
     if not (isinstance(node, tfx.Node) and node.op == "call_method"):

@@ -218,3 +218,56 @@ def test_results_page_and_readme_headline_are_current():
     r = subprocess.run([sys.executable, os.path.join(REPO, "tools", "results.py"), "--check"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def _kitsune_cli(*args, cwd=None):
+    e = dict(os.environ, PYTHONPATH=PYDIR)
+    return subprocess.run([sys.executable, "-m", "kitsune", *args], capture_output=True, text=True, env=e,
+                          timeout=300, cwd=cwd)
+
+
+def test_profile_refuses_bad_arguments_by_name(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('ran')\n")
+    r = _kitsune_cli("profile", "--max-entries", "0", str(script))
+    assert r.returncode == 2 and "--max-entries must be at least 1, got 0" in r.stderr and "ran" not in r.stdout
+    r = _kitsune_cli("profile", str(tmp_path / "missing.py"))
+    assert r.returncode == 2 and "no script at" in r.stderr
+
+
+def test_profile_without_a_gpu_says_so(tmp_path):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("checks the no-GPU path")
+    script = tmp_path / "train.py"
+    script.write_text("print('ran')\n")
+    r = _kitsune_cli("profile", str(script))
+    assert r.returncode == 2 and "needs a CUDA device" in r.stderr and "ran" not in r.stdout
+
+
+@pytest.mark.gpu
+def test_profile_writes_the_snapshot_and_timeline_of_a_script(tmp_path):
+    """python -m kitsune profile SCRIPT ARGS: the script runs as __main__ with its own
+    arguments under Kitsune's allocator; its exit status comes back; memory.pickle (the
+    snapshot PyTorch's visualizer opens, with the script's allocations and their
+    stacks) and the two HTML views are written; the summary names the peaks."""
+    pytest.importorskip("torch")
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import sys, torch\n"
+        "def grow():\n"
+        "    return [torch.empty(int(sys.argv[1]) << 20, dtype=torch.uint8, device='cuda') for _ in range(3)]\n"
+        "keep = grow()\n"
+        "sys.exit(3)\n")
+    out = tmp_path / "prof"
+    r = _kitsune_cli("profile", "--out", str(out), str(script), "5", cwd=str(tmp_path))
+    assert r.returncode == 3, r.stderr
+    assert "Kitsune's allocator" in r.stderr and "peak allocated" in r.stderr
+    import pickle
+    with open(out / "memory.pickle", "rb") as f:
+        snap = pickle.load(f)
+    frames = [f["name"] for t in snap["device_traces"] for e in t if e["action"] == "alloc" and e["size"] == 5 << 20
+              for f in e.get("frames", [])]
+    assert "grow" in frames
+    for name in ("memory_timeline.html", "memory_segments.html"):
+        assert (out / name).stat().st_size > 1000

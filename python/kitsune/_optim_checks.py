@@ -56,6 +56,15 @@ def _conform_grads(params):
     return n
 
 
+def _local(t):
+    """A DTensor's local shard (FSDP2's sharded parameters, their gradients and the optimizer
+    state made like them), which the fused kernels update in place; any other tensor (or
+    None) as it is. The updates are elementwise, so each rank steps its own shard."""
+    if t is not None and type(t).__name__ == "DTensor" and hasattr(t, "to_local"):
+        return t.to_local()
+    return t
+
+
 def _fusable_or_why(params, conform=True):
     """None when the fused step takes every parameter of params with its gradient, else
     why not (naming the parameter). Only where the C++ check refuses (the cold path) are
@@ -63,11 +72,14 @@ def _fusable_or_why(params, conform=True):
     not here; the in-backward hook did it on the gradient's stream) and the check made
     again, so a step whose gradients are in order pays one C++ call."""
     lib = torch.ops.kitsune
-    if not params or lib.optim_fusable(params, [p.grad for p in params]):
+
+    def fusable():
+        return lib.optim_fusable([_local(p) for p in params], [_local(p.grad) for p in params])
+    if not params or fusable():
         return None
-    if conform and _conform_grads(params) and lib.optim_fusable(params, [p.grad for p in params]):
+    if conform and _conform_grads(params) and fusable():
         return None
-    return _not_fusable(params, [p.grad for p in params])
+    return _not_fusable([_local(p) for p in params], [_local(p.grad) for p in params])
 
 
 def _not_fusable(params, grads):

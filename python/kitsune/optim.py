@@ -24,7 +24,7 @@ from collections import OrderedDict
 import torch
 
 from . import ops as _ops  # noqa: F401 - loads the bridge (torch.ops.kitsune.adam_ / sgd_)
-from ._optim_checks import _conform_grads, _decoupled, _fusable_or_why, _no_state_yet, _why_not
+from ._optim_checks import _conform_grads, _decoupled, _fusable_or_why, _local, _no_state_yet, _why_not
 
 _lib = torch.ops.kitsune
 _AMP_UNSCALED = torch.amp.grad_scaler.OptState.UNSCALED   # GradScaler: unscale_ done since update()
@@ -371,7 +371,8 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             beta1, beta2 = g["betas"]
             decoupled = _decoupled(opt, g)
             # the steps are counted and the tensors bucketed by (device, dtype, step) in C++
-            _lib.adam_step_(live, grads, [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states],
+            _lib.adam_step_([_local(p) for p in live], [_local(x) for x in grads],
+                            [_local(st["exp_avg"]) for st in states], [_local(st["exp_avg_sq"]) for st in states],
                             [st["step"] for st in states], float(g["lr"]), float(beta1), float(beta2),
                             float(g["eps"]), float(g["weight_decay"]), decoupled)
         return None
@@ -396,9 +397,9 @@ class KitsuneOptimizer(torch.optim.Optimizer):
                     buf = st["momentum_buffer"] = torch.empty_like(p, memory_format=torch.preserve_format)
                 key = (p.device, p.dtype, first)
                 lists = buckets.setdefault(key, ([], [], []))
-                lists[0].append(p), lists[1].append(p.grad)
+                lists[0].append(_local(p)), lists[1].append(_local(p.grad))
                 if momentum != 0:
-                    lists[2].append(buf)
+                    lists[2].append(_local(buf))
             for (_, _, first), (ps, gs, bs) in buckets.items():
                 _lib.sgd_(ps, gs, bs, float(g["lr"]), momentum, float(g["dampening"]), float(g["weight_decay"]),
                           bool(g["nesterov"]), first)

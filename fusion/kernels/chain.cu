@@ -44,7 +44,7 @@ __host__ __device__ inline float chain_gelu_tanh_grad(float x) {
 }
 __host__ __device__ inline float chain_nan_or(float a, float b, float v) { return (a != a || b != b) ? NAN : v; }
 
-__device__ inline float chain_op(int op, float a, float b, float c, float k) {
+__host__ __device__ inline float chain_op(int op, float a, float b, float c, float k) {
   switch (op) {
     case KT_OP_CONST: return k;
     case KT_OP_ADD: return a + b;
@@ -85,7 +85,7 @@ __device__ inline float chain_op(int op, float a, float b, float c, float k) {
   return NAN;   // kt_chain_check refused every other opcode
 }
 
-__device__ inline float chain_load(const void *p, int64_t i, int dt) {
+__host__ __device__ inline float chain_load(const void *p, int64_t i, int dt) {
   switch (dt) {
     case KT_F32: return static_cast<const float *>(p)[i];
     case KT_F16: return __half2float(static_cast<const __half *>(p)[i]);
@@ -94,7 +94,7 @@ __device__ inline float chain_load(const void *p, int64_t i, int dt) {
   }
 }
 
-__device__ inline void chain_store(void *p, int64_t i, int dt, float v) {
+__host__ __device__ inline void chain_store(void *p, int64_t i, int dt, float v) {
   switch (dt) {
     case KT_F32: static_cast<float *>(p)[i] = v; break;
     case KT_F16: static_cast<__half *>(p)[i] = __float2half_rn(v); break;
@@ -110,44 +110,48 @@ struct ChainPtrs {
   uint32_t out_flat;   // bit k: output k is written there
 };
 
+// One element: its inputs loaded, the program run, its outputs stored. The kernel runs it
+// for each element; kt_chain_run_host, the same code on the CPU, for tests.
+__host__ __device__ inline void chain_element(const kt_chain &c, const ChainPtrs &p, int64_t i, bool all_flat) {
+  float r[KT_CHAIN_MAX_REGS];
+  int64_t coord[KT_CHAIN_MAX_DIM];
+  if (all_flat) {
+    for (int k = 0; k < c.n_in; k++) r[k] = chain_load(p.in[k], i, c.in_dtype[k]);
+  } else {
+    int64_t rest = i;
+    for (int d = c.ndim - 1; d >= 0; d--) {
+      coord[d] = rest % c.shape[d];
+      rest /= c.shape[d];
+    }
+    for (int k = 0; k < c.n_in; k++) {
+      int64_t off = i;
+      if (!(p.flat >> k & 1u)) {
+        off = 0;
+        for (int d = 0; d < c.ndim; d++) off += coord[d] * c.in_stride[k][d];
+      }
+      r[k] = chain_load(p.in[k], off, c.in_dtype[k]);
+    }
+  }
+#pragma unroll 1
+  for (int j = 0; j < c.n_ops; j++) {
+    const kt_chain_op o = c.ops[j];
+    const bool is_const = o.op == KT_OP_CONST;
+    r[o.dst] = chain_op(o.op, is_const ? 0.f : r[o.a], r[o.b], r[o.c], is_const ? c.consts[o.a] : 0.f);
+  }
+  for (int k = 0; k < c.n_out; k++) {
+    int64_t off = i;
+    if (!all_flat && !(p.out_flat >> k & 1u)) {
+      off = 0;
+      for (int d = 0; d < c.ndim; d++) off += coord[d] * c.out_stride[k][d];
+    }
+    chain_store(p.out[k], off, c.out_dtype[k], r[c.out_reg[k]]);
+  }
+}
+
 __global__ void __launch_bounds__(256) chain_kernel(const __grid_constant__ kt_chain c, ChainPtrs p, int64_t n) {
   const int64_t stride = (int64_t)gridDim.x * blockDim.x;
   const bool all_flat = p.flat == (1u << c.n_in) - 1u && p.out_flat == (1u << c.n_out) - 1u;
-  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-    float r[KT_CHAIN_MAX_REGS];
-    int64_t coord[KT_CHAIN_MAX_DIM];
-    if (all_flat) {
-      for (int k = 0; k < c.n_in; k++) r[k] = chain_load(p.in[k], i, c.in_dtype[k]);
-    } else {
-      int64_t rest = i;
-      for (int d = c.ndim - 1; d >= 0; d--) {
-        coord[d] = rest % c.shape[d];
-        rest /= c.shape[d];
-      }
-      for (int k = 0; k < c.n_in; k++) {
-        int64_t off = i;
-        if (!(p.flat >> k & 1u)) {
-          off = 0;
-          for (int d = 0; d < c.ndim; d++) off += coord[d] * c.in_stride[k][d];
-        }
-        r[k] = chain_load(p.in[k], off, c.in_dtype[k]);
-      }
-    }
-#pragma unroll 1
-    for (int j = 0; j < c.n_ops; j++) {
-      const kt_chain_op o = c.ops[j];
-      const bool is_const = o.op == KT_OP_CONST;
-      r[o.dst] = chain_op(o.op, is_const ? 0.f : r[o.a], r[o.b], r[o.c], is_const ? c.consts[o.a] : 0.f);
-    }
-    for (int k = 0; k < c.n_out; k++) {
-      int64_t off = i;
-      if (!all_flat && !(p.out_flat >> k & 1u)) {
-        off = 0;
-        for (int d = 0; d < c.ndim; d++) off += coord[d] * c.out_stride[k][d];
-      }
-      chain_store(p.out[k], off, c.out_dtype[k], r[c.out_reg[k]]);
-    }
-  }
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) chain_element(c, p, i, all_flat);
 }
 
 bool chain_dtype_ok(int dt) { return dt == KT_F32 || dt == KT_F16 || dt == KT_BF16 || dt == KT_CHAIN_BOOL; }
@@ -196,35 +200,58 @@ extern "C" kt_status kt_chain_check(const kt_chain *c) {
   return KT_OK;
 }
 
-extern "C" kt_status kt_chain_run(const kt_chain *c, const void *const *in, void *const *out, void *stream) {
+namespace {
+
+// The checks and the pointers of a run; *n the element count (0: nothing to do).
+kt_status chain_setup(const kt_chain *c, const void *const *in, void *const *out, ChainPtrs *p, int64_t *n) {
   kt_status st = kt_chain_check(c);
   if (st != KT_OK) return st;
-  if (c->n_in > 0 && !in) return KT_ERR_INVALID;
-  if (!out) return KT_ERR_INVALID;
-  int64_t n = 1, contiguous[KT_CHAIN_MAX_DIM];
+  if ((c->n_in > 0 && !in) || !out) return KT_ERR_INVALID;
+  int64_t count = 1, contiguous[KT_CHAIN_MAX_DIM];
   for (int d = c->ndim - 1; d >= 0; d--) {
-    contiguous[d] = n;
-    n *= c->shape[d];
+    contiguous[d] = count;
+    count *= c->shape[d];
   }
-  if (n == 0) return KT_OK;
-  ChainPtrs p = {};
+  *n = count;
+  if (count == 0) return KT_OK;
+  *p = ChainPtrs{};
   for (int k = 0; k < c->n_in; k++) {
     if (!in[k]) return KT_ERR_INVALID;
-    p.in[k] = in[k];
+    p->in[k] = in[k];
     bool flat = true;
     for (int d = 0; d < c->ndim; d++) flat = flat && (c->shape[d] == 1 || c->in_stride[k][d] == contiguous[d]);
-    p.flat |= (uint32_t)flat << k;
+    p->flat |= (uint32_t)flat << k;
   }
   for (int k = 0; k < c->n_out; k++) {
     if (!out[k]) return KT_ERR_INVALID;
-    p.out[k] = out[k];
+    p->out[k] = out[k];
     bool flat = true;
     for (int d = 0; d < c->ndim; d++) flat = flat && (c->shape[d] == 1 || c->out_stride[k][d] == contiguous[d]);
-    p.out_flat |= (uint32_t)flat << k;
+    p->out_flat |= (uint32_t)flat << k;
   }
+  return KT_OK;
+}
+
+}  // namespace
+
+extern "C" kt_status kt_chain_run(const kt_chain *c, const void *const *in, void *const *out, void *stream) {
+  ChainPtrs p;
+  int64_t n = 0;
+  kt_status st = chain_setup(c, in, out, &p, &n);
+  if (st != KT_OK || n == 0) return st;
   int64_t blocks = (n + 255) / 256;
   const int64_t cap = (int64_t)132 * 16;   // a few waves on the largest GPUs; the loop strides over the rest
   if (blocks > cap) blocks = cap;
   chain_kernel<<<(unsigned)blocks, 256, 0, (cudaStream_t)stream>>>(*c, p, n);
   return kt::status_of(cudaGetLastError());
+}
+
+extern "C" kt_status kt_chain_run_host(const kt_chain *c, const void *const *in, void *const *out) {
+  ChainPtrs p;
+  int64_t n = 0;
+  kt_status st = chain_setup(c, in, out, &p, &n);
+  if (st != KT_OK || n == 0) return st;
+  const bool all_flat = p.flat == (1u << c->n_in) - 1u && p.out_flat == (1u << c->n_out) - 1u;
+  for (int64_t i = 0; i < n; i++) chain_element(*c, p, i, all_flat);
+  return KT_OK;
 }

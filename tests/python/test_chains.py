@@ -230,13 +230,12 @@ def test_a_value_read_between_members_keeps_the_order():
     torch.testing.assert_close(gm(x, w), f(x, w))
 
 
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_gpu_kernel_matches_the_cpu_reference(dtype):
+def _random_chains(dtype, trials=40):
+    """(inputs, program args) of random programs over a strided, a broadcast and a transposed
+    input, the outputs in the dtype given, in fp32, and one transposed."""
     g = torch.Generator().manual_seed(11)
     names = [n for n in OPCODES if n not in ("CONST", "TO_BOOL", "WHERE", "POW", "LOG", "RSQRT", "SQRT", "LOG1P")]
-    for trial in range(40):
+    for trial in range(trials):
         xs = [torch.randn(33, 65, generator=g).to(dtype), torch.randn(65, generator=g).to(dtype),
               torch.randn(65, 33, generator=g).to(dtype).t()]
         p = Program(3)
@@ -249,16 +248,39 @@ def test_gpu_kernel_matches_the_cpu_reference(dtype):
             regs.append(r)
         p.output(regs[-1], dtype)
         p.output(regs[-2], torch.float32)
-        want = chain(xs, *p.args())
+        p.output(regs[-3], torch.bool if trial % 2 else dtype)
+        yield xs, p.args([65, 1, 1, 33, 1, 33] if trial % 3 == 0 else ())
+
+
+_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}   # chains of up to 24 transcendentals
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_kernels_code_on_the_cpu_matches_the_reference(dtype):
+    """The CUDA kernel's per-element code (kt_chain_run_host: addressing, loads, opcodes,
+    stores) against the ATen reference, written apart, on random programs."""
+    interpreted = torch.ops.kitsune._pointwise_chain_interpreted
+    for xs, args in _random_chains(dtype):
+        want = chain(xs, *args)
+        got = interpreted(xs, *args)
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype and a.stride() == b.stride()
+            torch.testing.assert_close(a.float(), b.float(), rtol=_TOL[dtype], atol=_TOL[dtype], equal_nan=True)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gpu_kernel_matches_the_cpu_reference(dtype):
+    for xs, args in _random_chains(dtype):
+        want = chain(xs, *args)
         cuda = [x.cuda() for x in xs]
         for o in want:   # poison: blocks of the outputs' sizes full of NaN, freed just before
-            torch.full(o.shape, float("nan"), dtype=o.dtype, device="cuda")
-        got = chain(cuda, *p.args())
-        tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+            torch.full(o.shape, float("nan"), device="cuda").to(o.dtype)
+        got = chain(cuda, *args)
         for a, b in zip(got, want):
-            assert a.is_cuda and a.dtype == b.dtype
-            torch.testing.assert_close(a.cpu().float(), b.float(), rtol=tol, atol=tol, equal_nan=True)
-
+            assert a.is_cuda and a.dtype == b.dtype and a.stride() == b.stride()
+            torch.testing.assert_close(a.cpu().float(), b.float(), rtol=_TOL[dtype], atol=_TOL[dtype], equal_nan=True)
 
 def test_outputs_in_the_strides_asked():
     x = torch.randn(5, 6)

@@ -325,6 +325,9 @@ typedef struct kt_chain {
 kt_status kt_chain_check(const kt_chain *c);
 /* in: n_in pointers, out: n_out pointers (NULL allowed when there are no elements) */
 kt_status kt_chain_run(const kt_chain *c, const void *const *in, void *const *out, void *stream);
+/* The kernel's per-element code run on the CPU over host memory (for tests: it checks the
+ * kernel's addressing and arithmetic against an independent reference without a GPU). */
+kt_status kt_chain_run_host(const kt_chain *c, const void *const *in, void *const *out);
 
 #ifdef __cplusplus
 }

@@ -16,6 +16,7 @@ TORCH_LIBRARY(kitsune, m) {
   m.def("swiglu(Tensor gate, Tensor up) -> Tensor");
   m.def("swiglu_backward(Tensor grad, Tensor gate, Tensor up) -> (Tensor, Tensor)");
   m.def("pointwise_chain(Tensor[] inputs, int[] program, float[] consts, int[] out_regs, ScalarType[] out_dtypes, int[] out_strides=[]) -> Tensor[]");
+  m.def("_pointwise_chain_interpreted(Tensor[] inputs, int[] program, float[] consts, int[] out_regs, ScalarType[] out_dtypes, int[] out_strides=[]) -> Tensor[]");
   m.def("rms_norm(Tensor x, Tensor weight, float eps=1e-6) -> Tensor");
   m.def("rms_norm_backward(Tensor grad, Tensor x, Tensor weight, float eps=1e-6) -> (Tensor, Tensor)");
   m.def("layer_norm_relu(Tensor x, int[] normalized_shape, Tensor? weight=None, Tensor? bias=None, float eps=1e-5) -> Tensor");

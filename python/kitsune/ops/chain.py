@@ -126,6 +126,7 @@ def _check_program(program, consts, out_regs, n_in):
         fail(op, "the program is not valid: an output register is never written")
 
 
+@torch.library.register_fake("kitsune::_pointwise_chain_interpreted")
 @torch.library.register_fake("kitsune::pointwise_chain")
 def _(inputs, program, consts, out_regs, out_dtypes, out_strides=()):
     op = "pointwise_chain"

@@ -183,7 +183,8 @@ std::vector<Tensor> chain_cpu(at::TensorList inputs, at::IntArrayRef program, at
   kt_chain c = describe(inputs, program, consts, out_regs, out_dtypes, out_strides, &shape);
   const at::Device dev = inputs.empty() ? at::Device(at::kCPU) : inputs[0].device();
   std::vector<Tensor> r(KT_CHAIN_MAX_REGS);
-  for (int k = 0; k < c.n_in; k++) r[k] = inputs[k].to(at::kFloat);
+  // every register at the full shape, dense (ATen's CPU gelu_backward refuses a broadcast operand)
+  for (int k = 0; k < c.n_in; k++) r[k] = inputs[k].to(at::kFloat).expand(c10::IntArrayRef(shape)).contiguous();
   for (int j = 0; j < c.n_ops; j++) {
     const kt_chain_op& o = c.ops[j];
     const bool is_const = o.op == KT_OP_CONST;
@@ -202,9 +203,36 @@ std::vector<Tensor> chain_cpu(at::TensorList inputs, at::IntArrayRef program, at
   return outs;
 }
 
+// _pointwise_chain_interpreted: the CUDA kernel's per-element code run on the CPU
+// (kt_chain_run_host), for tests: it and chain_cpu are written apart, so comparing them
+// checks the kernel's addressing, loads, stores and arithmetic without a GPU.
+std::vector<Tensor> chain_interpreted(at::TensorList inputs, at::IntArrayRef program, at::ArrayRef<double> consts,
+                                      at::IntArrayRef out_regs, at::ArrayRef<at::ScalarType> out_dtypes,
+                                      at::IntArrayRef out_strides) {
+  c10::DimVector shape;
+  kt_chain c = describe(inputs, program, consts, out_regs, out_dtypes, out_strides, &shape);
+  std::vector<const void*> in(inputs.size());
+  for (size_t k = 0; k < inputs.size(); k++) {
+    Tensor e = inputs[k].expand(c10::IntArrayRef(shape));
+    for (int d = 0; d < c.ndim; d++) c.in_stride[k][d] = shape[d] == 1 ? 0 : e.stride(d);
+    in[k] = inputs[k].data_ptr();
+  }
+  std::vector<Tensor> outs;
+  std::vector<void*> out;
+  for (size_t k = 0; k < out_regs.size(); k++) {
+    outs.push_back(new_output(c, (int)k, shape, at::TensorOptions().dtype(out_dtypes[k])));
+    out.push_back(outs.back().data_ptr());
+  }
+  TORCH_CHECK(kt_chain_run_host(&c, in.data(), out.data()) == KT_OK, "kitsune._pointwise_chain_interpreted failed");
+  return outs;
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(kitsune, CPU, m) { m.impl("pointwise_chain", &chain_cpu); }
+TORCH_LIBRARY_IMPL(kitsune, CPU, m) {
+  m.impl("pointwise_chain", &chain_cpu);
+  m.impl("_pointwise_chain_interpreted", &chain_interpreted);
+}
 TORCH_LIBRARY_IMPL(kitsune, CUDA, m) { m.impl("pointwise_chain", &chain_cuda); }
 
 }  // namespace bridge

@@ -1464,6 +1464,17 @@ def test_hf_conv1d_becomes_a_linear_for_the_linear_patterns():
         torch.testing.assert_close(u, v, rtol=1e-4, atol=1e-5)
 
 
+def _loss_and_grads_match(got, want, ours, theirs, rtol, atol, grad_tol):
+    """got / want: the losses of ours / theirs (modules with the same parameters): float32,
+    close, and after backward every gradient close (grad_tol relative to its largest)."""
+    assert got.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+    got.backward()
+    want.backward()
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=grad_tol, atol=grad_tol * q.grad.abs().max().item(), msg=name)
+
+
 class _UpcastLoss(torch.nn.Module):
     """Hugging Face's causal-LM loss shape: logits.float().view(-1, V) into cross_entropy
     (the logits scaled after the head, so that the head's linear stays apart)."""
@@ -1503,14 +1514,9 @@ def test_cross_entropy_of_upcast_logits_reads_bf16_as_it_is(path, amp, head):
             else kitsune.optimize(model, inplace=True))
     with torch.autocast("cpu", dtype=amp or torch.float32, enabled=amp is not None):
         got, want = fast(ids, labels), twin(ids, labels)
-    assert got.dtype == want.dtype == torch.float32
     # bf16 and the fused head: its logits are not rounded to bf16 before the loss, eager's are
-    torch.testing.assert_close(got, want, rtol=1e-3 if amp is not None else 1e-5, atol=1e-5)
-    got.backward()
-    want.backward()
-    tol = 2e-2 if amp is not None else 1e-5
-    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=tol, atol=tol * q.grad.abs().max().item(), msg=name)
+    _loss_and_grads_match(got, want, model, twin, 1e-3 if amp is not None else 1e-5, 1e-5,
+                          2e-2 if amp is not None else 1e-5)
 
 
 @pytest.mark.parametrize("amp", [torch.bfloat16, None], ids=["bf16", "fp32"])
@@ -1545,13 +1551,7 @@ def test_hf_gpt2_head_and_loss_trace_whole_and_fuse(amp):
     fast = torch.compile(model, backend="kitsune", options={"inductor": False})
     with torch.autocast("cpu", dtype=amp or torch.float32, enabled=amp is not None):
         got, want = fast(ids, ids), twin(ids, ids)
-    assert got.dtype == want.dtype == torch.float32
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    got.backward()
-    want.backward()
-    tol = 3e-2 if amp is not None else 1e-4
-    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=tol, atol=tol * q.grad.abs().max().item(), msg=name)
+    _loss_and_grads_match(got, want, model, twin, 1e-4, 1e-4, 3e-2 if amp is not None else 1e-4)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
@@ -1588,13 +1588,7 @@ def test_optimize_gives_hf_causal_lms_kitsunes_loss(family):
             with torch.autocast("cpu", dtype=amp or torch.float32, enabled=amp is not None):
                 got = fast(input_ids=ids, labels=labels, num_items_in_batch=items).loss
                 want = model(input_ids=ids, labels=labels, num_items_in_batch=items).loss
-            assert got.dtype == want.dtype == torch.float32
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-            got.backward()
-            want.backward()
-            tol = 2e-2 if amp is not None else 1e-5
-            for (name, p), q in zip(fast.named_parameters(), model.parameters()):
-                torch.testing.assert_close(p.grad, q.grad, rtol=tol, atol=tol * q.grad.abs().max().item(), msg=name)
+            _loss_and_grads_match(got, want, fast, model, 1e-5, 1e-5, 2e-2 if amp is not None else 1e-5)
     nothing = torch.full_like(labels, -100)   # the sum over nothing is 0 (the mean NaN, as PyTorch's)
     assert causal_lm_loss(torch.randn(3, 16, 64), nothing, 64, num_items_in_batch=5).item() == 0.0
     assert causal_lm_loss(torch.randn(3, 16, 64), nothing, 64).isnan()

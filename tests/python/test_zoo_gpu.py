@@ -68,7 +68,8 @@ def test_gpu_one_liner_captures_the_zoo_recipe(make, opt_name, amp):
     recipe's: at 1e-2 of it (lr 5e-4) ResNet-18's tiny training amplifies rounding, so
     that eager fp32 itself, NCHW or NHWC, ends 14-21% of the update away from an fp64
     eager run after 8 steps, and the one-liner 14% (H200, tools/gpu/zoo_diag.py); at
-    5e-6, eager fp32 stays within 0.3% of fp64 (CPU). bf16 autocast: captured, and the
+    5e-6, eager fp32 stays within 0.3% of fp64 (CPU, tools/gpu/zoo_diag.py --lr 5e-6,
+    bench/results/archive/cpu_zoo_diag_lr5e-6.log). bf16 autocast: captured, and the
     losses stay near eager's (0.31 of 3.0 by step 5 against the NCHW twin at full
     learning rates)."""
     with torch.backends.cudnn.flags(enabled=True, deterministic=amp is None, allow_tf32=amp is not None):

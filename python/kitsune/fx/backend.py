@@ -47,11 +47,10 @@ def settle_hf_loss_functions(model):
         from transformers.loss.loss_utils import LOSS_MAPPING
     except ImportError:
         return lambda: None
+    from .patterns.loss import hf_loss_modules
     settled = []
-    for m in model.modules():
-        prop = getattr(type(m), "loss_function", None)
-        if isinstance(prop, property) and prop.fset is not None and "_loss_function" not in vars(m) and \
-                getattr(m, "loss_type", None) not in LOSS_MAPPING:
+    for _, m in hf_loss_modules(model):
+        if "_loss_function" not in vars(m) and getattr(m, "loss_type", None) not in LOSS_MAPPING:
             m.loss_function = m.loss_function
             settled.append(m)
 

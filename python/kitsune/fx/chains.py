@@ -207,18 +207,15 @@ class _Group:
         self.shape, self.device = tuple(out.shape), out.device
 
     def inputs(self):
-        seen = []
-        for m in self.members:
-            for a in m.args:
-                if isinstance(a, torch.fx.Node) and a not in self.set and a not in seen:
-                    seen.append(a)
-        return seen
+        return _inputs_of(self.members)
 
 
-def _inputs_of(members, extra):
-    inside = set(members) | {extra}
+def _inputs_of(members, extra=None):
+    """The nodes members (and extra) read that are none of them, in first-read order."""
+    more = [extra] if extra is not None else []
+    inside = set(members) | set(more)
     seen = []
-    for m in list(members) + [extra]:
+    for m in list(members) + more:
         for a in m.args:
             if isinstance(a, torch.fx.Node) and a not in inside and a not in seen:
                 seen.append(a)

@@ -15,7 +15,7 @@ in the dense layout out_strides gives (the strides of each output in turn).
 """
 import torch
 
-from ._check import dense, fail
+from ._check import broadcast_shape, dense, fail
 
 MAX_IN, MAX_OUT, MAX_OPS, MAX_REGS, MAX_DIM, MAX_CONST = 8, 4, 64, 32, 6, 16
 
@@ -46,10 +46,6 @@ class Program:
         self.code, self.consts, self.out_regs, self.out_dtypes = [], [], [], []
         self._free = list(range(MAX_REGS - 1, n_inputs - 1, -1))   # popped from the end: lowest first
         self._const_reg = {}
-
-    def full(self):
-        """Whether another instruction or constant may not fit."""
-        return len(self.code) >= MAX_OPS or len(self.consts) >= MAX_CONST or not self._free
 
     def const(self, value):
         value = float(value)
@@ -92,20 +88,6 @@ class Program:
         return self._free.pop()
 
 
-def broadcast_shape(inputs):
-    shape = []
-    for k, t in enumerate(inputs):
-        s = list(t.shape)
-        n = max(len(shape), len(s))
-        a, b = [1] * (n - len(shape)) + shape, [1] * (n - len(s)) + s
-        for x, y in zip(a, b):
-            if not (x == y or x == 1 or y == 1):
-                fail("pointwise_chain", f"inputs[{k}] of shape {s} does not broadcast with the other inputs' shape "
-                                        f"{shape}")
-        shape = [y if x == 1 else x for x, y in zip(a, b)]
-    return shape
-
-
 def _check_program(program, consts, out_regs, n_in):
     """What kt_chain_check and the bridge refuse in a program (the fake kernel's copy)."""
     op = "pointwise_chain"
@@ -146,7 +128,7 @@ def _(inputs, program, consts, out_regs, out_dtypes, out_strides=()):
         if d not in DTYPES:
             fail(op, f"out_dtypes[{k}] is {d}; a chain takes float32, float16, bfloat16 and bool")
     _check_program(program, consts, out_regs, len(inputs))
-    shape = broadcast_shape(inputs)
+    shape = list(broadcast_shape(op, {f"inputs[{k}]": t for k, t in enumerate(inputs)})) if inputs else []
     if len(shape) > MAX_DIM:
         fail(op, f"the inputs broadcast to {len(shape)} dimensions; at most {MAX_DIM}")
     if out_strides and len(out_strides) != len(out_regs) * len(shape):

@@ -110,6 +110,28 @@ Tensor new_output(const kt_chain& c, int k, const c10::DimVector& shape, const a
   return t;
 }
 
+// What a run of the kernel's code takes: the inputs' strides over the shape (into c),
+// their pointers, and the new outputs with theirs, on `options`' device.
+struct Bound {
+  std::vector<const void*> in;
+  std::vector<Tensor> outs;
+  std::vector<void*> out;
+};
+Bound bind(kt_chain& c, at::TensorList inputs, const c10::DimVector& shape, at::ArrayRef<at::ScalarType> out_dtypes,
+           const at::TensorOptions& options) {
+  Bound b;
+  for (size_t k = 0; k < inputs.size(); k++) {
+    Tensor e = inputs[k].expand(c10::IntArrayRef(shape));   // a view: broadcast dimensions get stride 0
+    for (int d = 0; d < c.ndim; d++) c.in_stride[k][d] = shape[d] == 1 ? 0 : e.stride(d);
+    b.in.push_back(inputs[k].data_ptr());   // expand keeps the storage offset: the same first element
+  }
+  for (size_t k = 0; k < out_dtypes.size(); k++) {
+    b.outs.push_back(new_output(c, (int)k, shape, options.dtype(out_dtypes[k])));
+    b.out.push_back(b.outs.back().data_ptr());
+  }
+  return b;
+}
+
 std::vector<Tensor> chain_cuda(at::TensorList inputs, at::IntArrayRef program, at::ArrayRef<double> consts,
                                at::IntArrayRef out_regs, at::ArrayRef<at::ScalarType> out_dtypes,
                                at::IntArrayRef out_strides) {
@@ -117,21 +139,10 @@ std::vector<Tensor> chain_cuda(at::TensorList inputs, at::IntArrayRef program, a
   kt_chain c = describe(inputs, program, consts, out_regs, out_dtypes, out_strides, &shape);
   TORCH_CHECK(!inputs.empty(), "kitsune.", kOp, ": the CUDA kernel needs an input to name the device");
   TORCH_CHECK(inputs[0].is_cuda(), "kitsune.", kOp, ": inputs[0] is on ", inputs[0].device());
-  std::vector<const void*> in(inputs.size());
-  for (size_t k = 0; k < inputs.size(); k++) {
-    Tensor e = inputs[k].expand(c10::IntArrayRef(shape));   // a view: broadcast dimensions get stride 0
-    for (int d = 0; d < c.ndim; d++) c.in_stride[k][d] = shape[d] == 1 ? 0 : e.stride(d);
-    in[k] = inputs[k].data_ptr();   // expand keeps the storage offset: the same first element
-  }
   c10::cuda::CUDAGuard g(inputs[0].device());
-  std::vector<Tensor> outs;
-  std::vector<void*> out;
-  for (size_t k = 0; k < out_regs.size(); k++) {
-    outs.push_back(new_output(c, (int)k, shape, inputs[0].options().dtype(out_dtypes[k])));
-    out.push_back(outs.back().data_ptr());
-  }
-  check_launch(kt_chain_run(&c, in.data(), out.data(), stream_of(outs[0])), kOp);
-  return outs;
+  Bound b = bind(c, inputs, shape, out_dtypes, inputs[0].options());
+  check_launch(kt_chain_run(&c, b.in.data(), b.out.data(), stream_of(b.outs[0])), kOp);
+  return b.outs;
 }
 
 // One instruction over whole fp32 tensors, as the kernel computes it per element.
@@ -211,20 +222,9 @@ std::vector<Tensor> chain_interpreted(at::TensorList inputs, at::IntArrayRef pro
                                       at::IntArrayRef out_strides) {
   c10::DimVector shape;
   kt_chain c = describe(inputs, program, consts, out_regs, out_dtypes, out_strides, &shape);
-  std::vector<const void*> in(inputs.size());
-  for (size_t k = 0; k < inputs.size(); k++) {
-    Tensor e = inputs[k].expand(c10::IntArrayRef(shape));
-    for (int d = 0; d < c.ndim; d++) c.in_stride[k][d] = shape[d] == 1 ? 0 : e.stride(d);
-    in[k] = inputs[k].data_ptr();
-  }
-  std::vector<Tensor> outs;
-  std::vector<void*> out;
-  for (size_t k = 0; k < out_regs.size(); k++) {
-    outs.push_back(new_output(c, (int)k, shape, at::TensorOptions().dtype(out_dtypes[k])));
-    out.push_back(outs.back().data_ptr());
-  }
-  TORCH_CHECK(kt_chain_run_host(&c, in.data(), out.data()) == KT_OK, "kitsune._pointwise_chain_interpreted failed");
-  return outs;
+  Bound b = bind(c, inputs, shape, out_dtypes, at::TensorOptions());
+  TORCH_CHECK(kt_chain_run_host(&c, b.in.data(), b.out.data()) == KT_OK, "kitsune._pointwise_chain_interpreted failed");
+  return b.outs;
 }
 
 }  // namespace

@@ -112,6 +112,15 @@ def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_i
     return total / num_items_in_batch
 
 
+def hf_loss_modules(model):
+    """(name, module) for each module of model whose class has transformers'
+    ``loss_function`` property with its setter (PreTrainedModel's)."""
+    for name, m in model.named_modules():
+        prop = getattr(type(m), "loss_function", None)
+        if isinstance(prop, property) and prop.fset is not None:
+            yield name, m
+
+
 def _settle_causal_lm_losses(model, report, apply):
     """Each transformers causal LM in model whose loss_function is ForCausalLMLoss gets
     causal_lm_loss through the property's setter (apply; explain only reports it)."""
@@ -119,12 +128,10 @@ def _settle_causal_lm_losses(model, report, apply):
         from transformers.loss.loss_utils import ForCausalLMLoss
     except ImportError:
         return
-    for name, m in model.named_modules():
-        prop = getattr(type(m), "loss_function", None)
+    for name, m in hf_loss_modules(model):
         # the models that compute it (transformers' names: ...ForCausalLM, GPT-2's ...LMHeadModel); a base
         # model's property gives the same function but nothing calls it
-        if not (isinstance(prop, property) and prop.fset is not None and
-                type(m).__name__.endswith(("ForCausalLM", "LMHeadModel"))):
+        if not type(m).__name__.endswith(("ForCausalLM", "LMHeadModel")):
             continue
         if m.loss_function is not ForCausalLMLoss:   # (GPT-2's property warns once here, as on its first step)
             continue
@@ -226,6 +233,18 @@ def _is_size_of(node, of):
     return node.op == "call_method" and node.target == "size" and node.args[0] is of
 
 
+def _replace_loss(g, node, fn, args, dead):
+    """node (the cross_entropy call) becomes fn(*args); dead: the nodes it consumed that
+    nothing else reads now (the view, the logits, ...), erased in that order (None skipped)."""
+    with g.inserting_before(node):
+        new = g.call_function(fn, args)
+    node.replace_all_uses_with(new)
+    g.erase_node(node)
+    for d in dead:
+        if d is not None:
+            g.erase_node(d)
+
+
 def _rewrite_loss(gm, g, node, where, report):
     """cross_entropy(linear(x)[.view(...)], target) and cross_entropy(logits, target); True
     for every F.cross_entropy node."""
@@ -256,14 +275,9 @@ def _rewrite_loss(gm, g, node, where, report):
                 g.erase_node(u)
         if view is not None:
             view = tuple(inp.args[1:])   # now with the size calls replaced
-        with g.inserting_before(node):
-            new = g.call_function(_linear_cross_entropy, (x, w, b, ce["target"], view, ce["ignore_index"],
-                                                          float(ce["label_smoothing"])))
-        node.replace_all_uses_with(new)
-        g.erase_node(node)
-        if view is not None:
-            g.erase_node(inp)
-        g.erase_node(logits)
+        _replace_loss(g, node, _linear_cross_entropy, (x, w, b, ce["target"], view, ce["ignore_index"],
+                                                       float(ce["label_smoothing"])),
+                      (inp if view is not None else None, logits))
         return True
     if lin:
         report.left.append((where, f"cross_entropy(linear): the logits {logits.name} are also used elsewhere "
@@ -276,27 +290,16 @@ def _rewrite_loss(gm, g, node, where, report):
         x, w, b = up_lin
         with g.inserting_before(source):
             w, b = _attr_or_node(g, w), _attr_or_node(g, b)
-        with g.inserting_before(node):
-            new = g.call_function(_linear_cross_entropy, (x, w, b, ce["target"], view, ce["ignore_index"],
-                                                          float(ce["label_smoothing"]), True))
-        node.replace_all_uses_with(new)
-        g.erase_node(node)
-        if view is not None:
-            g.erase_node(inp)
-        g.erase_node(logits)
-        g.erase_node(source)
+        _replace_loss(g, node, _linear_cross_entropy, (x, w, b, ce["target"], view, ce["ignore_index"],
+                                                       float(ce["label_smoothing"]), True),
+                      (inp if view is not None else None, logits, source))
         return True
     if source is not None and len(logits.users) == 1:   # HF's loss: logits.float().view(-1, V)
         report.fused.append((where, "cross_entropy(x.float()) -> kitsune.cross_entropy (bf16 read as it is, "
                                     "the loss float32)"))
-        with g.inserting_before(node):
-            new = g.call_function(_cross_entropy_upcast, (source, view, ce["target"], ce["ignore_index"],
-                                                          float(ce["label_smoothing"])))
-        node.replace_all_uses_with(new)
-        g.erase_node(node)
-        if view is not None:
-            g.erase_node(inp)
-        g.erase_node(logits)
+        _replace_loss(g, node, _cross_entropy_upcast, (source, view, ce["target"], ce["ignore_index"],
+                                                       float(ce["label_smoothing"])),
+                      (inp if view is not None else None, logits))
         return True
     report.fused.append((where, "cross_entropy -> kitsune.cross_entropy"))
     _swap(g, node, _cross_entropy, (inp, ce["target"], ce["ignore_index"], float(ce["label_smoothing"])))

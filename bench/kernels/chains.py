@@ -81,7 +81,7 @@ def main():
                 out = gm(x, y, b)
                 got = out[0] if isinstance(out, (list, tuple)) else out
                 tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
-                torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol)
+                torch.testing.assert_close(got.double(), ref.double(), rtol=tol, atol=tol)
                 compiled = torch.compile(fn)
                 compiled(x, y, b)
                 bytes_moved = 2 * x.numel() * x.element_size() + b.numel() * b.element_size() + \

@@ -13,7 +13,8 @@ from .patterns.batch_norm import _keep_functional_batch_norms, _rewrite_batch_co
 from .patterns.conv import _rewrite_bias_cat, _rewrite_conv
 from .patterns.dropout import _gelu_left_to_dropout, _rewrite_bias_dropout_add, _rewrite_gelu_dropout
 from .patterns.embedding import _rewrite_embedding
-from .patterns.linear import _rewrite_attention_score, _rewrite_conv1d, _rewrite_linear_bias, _rewrite_relu_linear
+from .patterns.linear import (_rewrite_attention_score, _rewrite_conv1d, _rewrite_linear_bias, _rewrite_relu_linear,
+                              _settle_wide_linears)
 from .patterns.loss import _rewrite_loss, _settle_causal_lm_losses
 from .patterns.norms import _rewrite_add_layer_norm, _rewrite_hf_rms_norm, _rewrite_relu_layer_norm, _rewrite_rms_norm
 from .patterns.pointwise import _rewrite_pointwise_act, _rewrite_swiglu, _rewrite_tanh_gelu
@@ -178,7 +179,9 @@ def optimize(model, inplace=False, report=None):
     report = report if report is not None else Report()
     m = model if inplace else copy.deepcopy(model)
     _settle_causal_lm_losses(m, report, apply=True)
-    return _walk(m, report, "", apply=True)
+    m = _walk(m, report, "", apply=True)
+    _settle_wide_linears(m, report, apply=True)
+    return m
 
 
 def _break_reason(text):
@@ -204,6 +207,7 @@ def explain(model, *args, dynamo=False, **kwargs):
                             "model's code and runs nothing")
         _settle_causal_lm_losses(model, report, apply=False)
         _walk(model, report, "", apply=False)
+        _settle_wide_linears(model, report, apply=False)
         return report
     import torch
     from ..sched import saved_state

@@ -102,7 +102,7 @@ from .cross_entropy import cross_entropy, linear_cross_entropy  # noqa: E402
 from .dropout import bias_dropout_add, dropout_mask, gelu_dropout  # noqa: E402
 from .embedding import embedding  # noqa: E402
 from .layer_norm import add_layer_norm, layer_norm_relu  # noqa: E402
-from .linear import attention_score, linear_act  # noqa: E402
+from .linear import attention_score, linear_act, wide_linear  # noqa: E402
 from . import optim as _optim  # noqa: E402,F401  (the fused optimizer ops' fake kernels)
 from .pointwise import add_relu, bias_gelu, channel_bias, mul_tanh, swiglu  # noqa: E402
 from .pool import bias_relu_pool, max_pool2d, max_pool2d_branches  # noqa: E402
@@ -113,5 +113,5 @@ __all__ = [
     "add_relu", "mul_tanh", "bias_gelu", "swiglu", "channel_bias", "rms_norm", "layer_norm_relu", "add_layer_norm",
     "cross_entropy", "linear_cross_entropy", "sum_squared", "mean_abs", "gelu_dropout", "bias_dropout_add",
     "dropout_mask", "batch_norm_relu", "batch_norm_add_relu", "max_pool2d", "max_pool2d_branches", "bias_relu_pool",
-    "global_avg_pool", "bias_cat", "embedding", "linear_act", "attention_score",
+    "global_avg_pool", "bias_cat", "embedding", "linear_act", "attention_score", "wide_linear",
 ]

@@ -34,3 +34,65 @@ def linear_act(x, weight, bias, act="relu"):
     activation in its epilogue; gelu is the GEMM, then bias_gelu; none is F.linear's GEMM,
     and its backward sums the bias gradient with Kitsune's column-sum kernel."""
     return _lib.linear_act(x, weight, bias, act)
+
+
+# ---- wide_linear: a linear layer whose output width cuBLAS runs slowly ----
+def _padded(n):
+    return (n + 63) // 64 * 64
+
+
+class _WideLinear(torch.autograd.Function):
+    """F.linear with the output features padded to a multiple of 64 inside the GEMMs:
+    an odd width (GPT-2's 50257 classes, BERT's 30522) keeps cuBLAS on slow sm75-era
+    kernels, in the backward's two GEMMs too. The output is a view of the padded
+    result (row stride the padded width), so nothing is copied in the forward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, dtype):
+        n, k = weight.shape
+        x2 = x.reshape(-1, k).to(dtype)
+        wp = weight.new_zeros((_padded(n), k), dtype=dtype)
+        wp[:n].copy_(weight)
+        out = x2.new_empty((x2.shape[0], wp.shape[0]))
+        if bias is None:
+            torch.mm(x2, wp.t(), out=out)
+        else:
+            bp = bias.new_zeros((wp.shape[0],), dtype=dtype)
+            bp[:n].copy_(bias)
+            torch.addmm(bp, x2, wp.t(), out=out)
+        ctx.save_for_backward(x2, wp)
+        ctx.n, ctx.x_shape, ctx.has_bias = n, x.shape, bias is not None
+        return out[:, :n].view(*x.shape[:-1], n)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x2, wp = ctx.saved_tensors
+        n = ctx.n
+        gp = grad.new_empty((x2.shape[0], wp.shape[0]), dtype=wp.dtype)
+        gp[:, n:].zero_()
+        gp[:, :n].copy_(grad.reshape(-1, n))
+        gx = (gp @ wp).view(ctx.x_shape) if ctx.needs_input_grad[0] else None
+        gw = (gp.t() @ x2)[:n] if ctx.needs_input_grad[1] else None
+        gb = gp[:, :n].sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return gx, gw, gb, None
+
+
+def wide_linear(x, weight, bias=None):
+    """F.linear(x, weight, bias) for a weight whose number of rows (output features) is
+    not a multiple of 8, on CUDA: the GEMMs run over the rows padded to a multiple of 64
+    with zeros (a padded copy of the weight per call), and the output is a view into the
+    padded result whose rows are the padded width apart, so ``out.view(-1, n)`` works
+    but ``out.view(-1)`` does not (``reshape`` does). Under autocast the GEMMs run in the
+    autocast dtype, as F.linear's. Elsewhere (the CPU, or traced by torch.compile, where
+    Inductor pads on its own) it is F.linear."""
+    if isinstance(x, torch.fx.Proxy) or not x.is_cuda or torch.compiler.is_compiling() or weight.dim() != 2 or \
+            x.shape[-1] != weight.shape[1]:
+        return torch.nn.functional.linear(x, weight, bias)
+    if torch.is_autocast_enabled("cuda"):
+        dtype = torch.get_autocast_dtype("cuda")
+    else:
+        if x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype):
+            return torch.nn.functional.linear(x, weight, bias)   # its error
+        dtype = x.dtype
+    with torch.autocast("cuda", enabled=False):
+        return _WideLinear.apply(x, weight, bias, dtype)

@@ -27,9 +27,19 @@ std::pair<Tensor, Tensor> ce_views(const Tensor& logits, const Tensor& target, d
   TORCH_CHECK(smoothing >= 0 && smoothing <= 1, "kitsune.", op, ": label_smoothing must be in [0, 1], got ",
               smoothing);
   TORCH_CHECK(logits.size(-1) > 0, "kitsune.", op, ": logits have no classes");
-  Tensor l = logits.reshape({-1, logits.size(-1)}).contiguous();
+  // The kernel takes rows a stride apart (a wide Linear's padded logits, kitsune.ops.wide_linear):
+  // kept as they are when that stride is 16-byte aligned, as the vector loads need.
+  Tensor l = logits.reshape({-1, logits.size(-1)});
+  const bool rows_apart = kernel && l.stride(1) == 1 && l.stride(0) > l.size(1) &&
+                          l.stride(0) * (int64_t)l.element_size() % 16 == 0;
+  if (!rows_apart) l = l.contiguous();
   if ((uintptr_t)l.data_ptr() & 15) l = l.clone();   // the gradient's alignment must match
   return {l, target.reshape({-1}).contiguous()};
+}
+// The logits' gradient for the kernel: rows as far apart as the logits' (it takes one stride).
+Tensor ce_grad_like(const Tensor& l) {
+  if (l.stride(0) == l.size(1) || l.size(0) <= 1) return at::empty_like(l, at::MemoryFormat::Contiguous);
+  return at::empty({l.size(0), l.stride(0)}, l.options()).narrow(1, 0, l.size(1));
 }
 // grad / (number of targets that are not ignore_index), fp32 on the device, one kernel
 // and no host sync; an undefined grad means 1.
@@ -73,10 +83,10 @@ std::tuple<Tensor, Tensor> ce_forward_cuda(const Tensor& logits, const Tensor& t
   c10::cuda::CUDAGuard g(l.device());
   Tensor scale = with_grad ? ce_scale(t, ignore, Tensor(), op) : Tensor();
   Tensor losses = at::empty({l.size(0)}, l.options().dtype(at::kFloat));
-  Tensor gl = with_grad ? at::empty_like(l) : Tensor();
+  Tensor gl = with_grad ? ce_grad_like(l) : Tensor();
   check_launch(kt_cross_entropy(dtype_of(l, op), l.data_ptr(), t.data_ptr<int64_t>(), losses.data_ptr<float>(),
                                 with_grad ? gl.data_ptr() : nullptr, with_grad ? scale.data_ptr<float>() : nullptr,
-                                l.size(0), l.size(1), l.size(1), ignore, (float)smoothing, stream_of(l)),
+                                l.size(0), l.size(1), l.stride(0), ignore, (float)smoothing, stream_of(l)),
                op);
   return {ce_mean(losses, t, ignore, ce_loss_dtype(l, float_loss), op), with_grad ? gl.view(logits.sizes()) : Tensor()};
 }
@@ -110,9 +120,9 @@ Tensor cross_entropy_backward_cuda(const Tensor& grad, const Tensor& logits, con
   check_ce_grad(grad, logits);
   c10::cuda::CUDAGuard g(l.device());
   Tensor scale = ce_scale(t, ignore, grad, "cross_entropy_backward");
-  Tensor gl = at::empty_like(l);
+  Tensor gl = ce_grad_like(l);
   check_launch(kt_cross_entropy(dtype_of(l, "cross_entropy_backward"), l.data_ptr(), t.data_ptr<int64_t>(), nullptr,
-                                gl.data_ptr(), scale.data_ptr<float>(), l.size(0), l.size(1), l.size(1), ignore,
+                                gl.data_ptr(), scale.data_ptr<float>(), l.size(0), l.size(1), l.stride(0), ignore,
                                 (float)smoothing, stream_of(l)),
                "cross_entropy_backward");
   return gl.view(logits.sizes());
@@ -345,7 +355,12 @@ struct CrossEntropyFn : torch::autograd::Function<CrossEntropyFn> {
       grad = s[0] * go[0];   // the saved gradient serves the next backward too
     } else {
       grad = s[0];   // released after this backward: ours to scale
-      rescale.call(grad, go[0]);
+      Tensor span = grad;
+      if (!grad.is_contiguous()) {   // rows apart (ce_grad_like): the span over them is this buffer's too
+        const int64_t c = grad.size(-1), rows = grad.numel() / c, ld = grad.stride(-2);
+        span = grad.as_strided({(rows - 1) * ld + c}, {1});
+      }
+      rescale.call(span, go[0]);
     }
     return {grad, Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }

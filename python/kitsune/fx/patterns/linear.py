@@ -1,11 +1,12 @@
 """GEMMs: relu(linear(x)) -> linear_act(relu), any other Linear with a bias ->
-linear_act(none), (q @ k^T) * s -> attention_score."""
+linear_act(none), (q @ k^T) * s -> attention_score; a wide Linear whose width cuBLAS
+runs slowly (an LM head's vocabulary) -> wide_linear."""
 import operator
 
 import torch
 import torch.fx as tfx
 
-from ..match import _attr_or_node, _fuse_pair, _linear_of, _param
+from ..match import _attr, _attr_or_node, _fuse_pair, _linear_of, _param, _swap
 
 
 def _rewrite_relu_linear(gm, g, node, act, where, report):
@@ -30,12 +31,48 @@ def _rewrite_linear_bias(gm, g, prefix, report):
         lin = _linear_of(gm, node)
         if lin is None or lin[2] is None:
             continue
+        w = _attr(gm, lin[1][5:]) if isinstance(lin[1], str) else _param(gm, lin[1])
+        if isinstance(w, torch.Tensor) and is_wide(w):
+            report.fused.append((f"{prefix}{node.name}", f"linear -> wide_linear ({w.shape[0]} features padded to "
+                                                         f"{(w.shape[0] + 63) // 64 * 64} in the GEMMs)"))
+            with g.inserting_before(node):
+                args = (lin[0], _attr_or_node(g, lin[1]), _attr_or_node(g, lin[2]))
+            _swap(g, node, ko.wide_linear, args)
+            continue
         report.fused.append((f"{prefix}{node.name}", "linear -> linear_act(none) (the bias gradient by column sum)"))
         with g.inserting_before(node):
             new = g.call_function(ko.linear_act, (lin[0], _attr_or_node(g, lin[1]), _attr_or_node(g, lin[2]),
                                                   "none"))
         node.replace_all_uses_with(new)
         g.erase_node(node)
+
+
+def is_wide(weight):
+    """A Linear weight whose output features (rows) cuBLAS runs slowly: 4096 or more and
+    not a multiple of 8 (GPT-2's 50257 classes, BERT's 30522), over a width of input
+    features that is one."""
+    return weight.dim() == 2 and weight.shape[0] >= 4096 and weight.shape[0] % 8 != 0 and weight.shape[1] % 8 == 0
+
+
+class WideLinear(torch.nn.Linear):
+    """An nn.Linear (same parameters, state_dict and isinstance) whose forward is
+    kitsune.ops.wide_linear: the GEMMs over the output features padded to a multiple
+    of 64. kitsune.optimize gives it to the wide Linears its patterns left alone."""
+
+    def forward(self, x):
+        from ... import ops as ko
+        return ko.wide_linear(x, self.weight, self.bias)
+
+
+def _settle_wide_linears(model, report, apply):
+    """Each nn.Linear of model (the class itself) with a wide weight becomes a WideLinear
+    (apply; explain only reports it)."""
+    for name, m in model.named_modules():
+        if type(m) is torch.nn.Linear and is_wide(m.weight):
+            report.swapped.append((name or type(m).__name__, f"Linear({m.in_features}, {m.out_features}) -> "
+                                   f"WideLinear (the GEMMs over {(m.out_features + 63) // 64 * 64} features)"))
+            if apply:
+                m.__class__ = WideLinear
 
 
 def _attention_score(q, k, scale):

@@ -74,6 +74,7 @@ struct ChainLop {
 
 struct ChainProg {
   int32_t n_in, n_out, n_lops, n_slots, ndim;
+  bool small;   // fewer than 2^31 elements: coordinates in 32-bit arithmetic
   int32_t in_dtype[KT_CHAIN_MAX_IN], out_dtype[KT_CHAIN_MAX_OUT];
   uint8_t in_slot[KT_CHAIN_MAX_IN];   // SRC_NONE: the input is never read
   uint8_t out_src[KT_CHAIN_MAX_OUT];   // SRC_ACC, SRC_CONST | k or a slot
@@ -154,13 +155,27 @@ __host__ __device__ inline void chain_store8(void *p, int64_t i, int dt, const f
 // Offsets of elements i0 .. i0+cnt-1 of an operand with strides st over the merged shape.
 __host__ __device__ inline void chain_offsets(const ChainProg &p, const int64_t *st, int64_t i0, int cnt, int64_t off[E]) {
   int64_t coord[KT_CHAIN_MAX_DIM];
-  int64_t rest = i0, o = 0;
+  int64_t o = 0;
+  if (p.small) {   // 32-bit division: a few instructions where a 64-bit one is a long routine
+    uint32_t rest = (uint32_t)i0;
 #pragma unroll
-  for (int d = KT_CHAIN_MAX_DIM - 1; d >= 0; d--) {
-    if (d < p.ndim) {
-      coord[d] = rest % p.shape[d];
-      rest /= p.shape[d];
-      o += coord[d] * st[d];
+    for (int d = KT_CHAIN_MAX_DIM - 1; d >= 0; d--) {
+      if (d < p.ndim) {
+        const uint32_t s = (uint32_t)p.shape[d], q = rest / s;
+        coord[d] = rest - q * s;
+        rest = q;
+        o += coord[d] * st[d];
+      }
+    }
+  } else {
+    int64_t rest = i0;
+#pragma unroll
+    for (int d = KT_CHAIN_MAX_DIM - 1; d >= 0; d--) {
+      if (d < p.ndim) {
+        coord[d] = rest % p.shape[d];
+        rest /= p.shape[d];
+        o += coord[d] * st[d];
+      }
     }
   }
   for (int e = 0; e < E; e++) {
@@ -482,6 +497,7 @@ kt_status chain_setup(const kt_chain *c, const void *const *in, void *const *out
   *n = count;
   if (count == 0) return KT_OK;
   *p = ChainProg{};
+  p->small = count < ((int64_t)1 << 31);
   p->n_in = c->n_in;
   p->n_out = c->n_out;
   chain_merge_dims(c, p);

@@ -47,12 +47,12 @@ def events(workload):
     if workload == "churn":
         from churn_trace import churn
         return list(churn())
-    ids, out = {}, []
+    ids, out = {}, []   # a live pointer's block id (ids count up: a pointer freed and reused is a new block)
     with open(os.path.join(HERE, "traces", "random_10k_4mib.csv")) as f:
-        for row in csv.DictReader(f):
+        for n, row in enumerate(csv.DictReader(f)):
             if row["action"] == "alloc":
-                ids[row["ptr"]] = len(ids) + 1
-                out.append(("alloc", ids[row["ptr"]], int(row["size"])))
+                ids[row["ptr"]] = n
+                out.append(("alloc", n, int(row["size"])))
             elif row["action"] == "free":
                 out.append(("free", ids.pop(row["ptr"]), int(row["size"])))
     return out

@@ -444,7 +444,8 @@ def main():
             rows.append(row)
             print(describe(row), flush=True)
             write_result(args.out, name, {"steps": args.steps, "smoke": args.smoke, "dynamic": args.dynamic,
-                                          "autocast": "bfloat16", "rows": rows})
+                                          "autocast": "bfloat16", "rows": rows,
+                                          "runs": [{"models": models, "recipes": recipes}]})
     md = table(rows, dynamic=args.dynamic)
     with open(os.path.join(args.out, name + ".md"), "w") as f:
         f.write(md)

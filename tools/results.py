@@ -180,6 +180,35 @@ def render_models(doc):
     return out
 
 
+# ---- allocation churn: bench/alloc_churn.py ----------------------------------------------
+def render_alloc_churn(doc):
+    out = ["Each allocator in its own process replays the workload twice with torch.empty and del; the second "
+           "pass is timed. held: device memory the process holds after the passes above what it held before "
+           "(cudaMemGetInfo); live peak: the largest sum of live requested bytes.", ""]
+    body = []
+    for r in rows_of(doc):
+        if "us_per_alloc" not in r:
+            body.append([r.get("workload"), r.get("allocator"), "failed" if "error" in r else "skipped",
+                         r.get("error") or r.get("skipped") or "", "", "", ""])
+            continue
+        body.append([r["workload"], r["allocator"], num(r["us_per_alloc"]), num(r["first_pass_us_per_alloc"]),
+                     num(r["held_mib"]), num(r["live_peak_mib"]), num(r["held_over_live"], 3)])
+    return out + table(["workload", "allocator", "us / alloc", "first pass", "held MiB", "live peak MiB",
+                        "held / live"], body)
+
+
+# ---- pointwise chains: bench/kernels/chains.py ---------------------------------------------
+def render_chains(doc):
+    out = ["kitsune.pointwise_chain (one launch of the precompiled interpreter) against eager ATen (a kernel an "
+           "op) and Inductor's generated kernel for the same chain; median of the calls between CUDA events, L2 "
+           "flushed before each; GB/s counts each input and output once.", ""]
+    body = [[r["chain"], r["dtype"], r["mb"], num(r["eager_ms"]), num(r["inductor_ms"]), num(r["kitsune_ms"]),
+             num(r["kitsune_gbs"]), f"{r['kitsune_pct_copy']:.0f}%", ratio(r["kitsune_ms"], r["inductor_ms"])]
+            for r in rows_of(doc)]
+    return out + table(["chain", "dtype", "MB", "eager ms", "Inductor ms", "Kitsune ms", "Kitsune GB/s",
+                        "of copy", "Kitsune / Inductor"], body)
+
+
 # ---- the model zoo: bench/zoo.py ----------------------------------------------------------
 ZOO_RECIPES = ["eager", "compile", "stock_graph", "kitsune", "kitsune_dynamo"]
 ZOO_NAMES = {"gpt2": "HF GPT-2 124M, batch 8 x 1024", "llama": "HF Llama-style ~160M (GQA), batch 8 x 1024",
@@ -189,10 +218,10 @@ ZOO_NAMES = {"gpt2": "HF GPT-2 124M, batch 8 x 1024", "llama": "HF Llama-style ~
 
 def zoo_command(doc):
     runs = doc.get("runs")
-    if runs:   # joined from calls made one after another (bench/zoo.py --merge)
+    if runs:   # the models and recipes of each run (several: joined by bench/zoo.py --merge)
         parts = [f"`python3 bench/zoo.py --models {','.join(r['models'])} --recipes {','.join(r['recipes'])}`"
                  for r in runs]
-        return " and ".join(parts) + ", joined by `python3 bench/zoo.py --merge`"
+        return parts[0] if len(parts) == 1 else " and ".join(parts) + ", joined by `python3 bench/zoo.py --merge`"
     return "`python3 bench/zoo.py" + (" --dynamic" if doc.get("dynamic") else "") + "`"
 
 
@@ -624,6 +653,10 @@ def literal(text):
 # (file, title, does the program use torch, command, table), in the order LATEST.md gives them
 SECTIONS = [
     ("zoo.json", "The model zoo: models people train, by the recipes they would pick", True, zoo_command, render_zoo),
+    ("zoo_lm_head.json", "The model zoo again: GPT-2 and BERT with the LM head's GEMMs padded (wide_linear)", True,
+     zoo_command, render_zoo),
+    ("alloc_churn.json", "Allocation churn from Python, per allocator", True,
+     script("bench/alloc_churn.py"), render_alloc_churn),
     ("models.json", "Training steps: eager, torch.compile and Kitsune", True,
      lambda d: f"`{models_command(d)}`", render_models),
     ("kernels_train_models.json", "GPT-2 and LLaMA-style training: Kitsune's kernels without a CUDA graph", True,
@@ -647,6 +680,9 @@ SECTIONS = [
     ("kernels_elementwise.json", "Fused elementwise and normalisation kernels: GB/s against copy", True,
      lambda d: "`python3 bench/kernels/elementwise.py" + (" --quick" if d.get("reps") == 7 else "")
                + flags(d, ("flush", "write", "--flush")) + "` (part of `make bench-kernels`)", render_elementwise),
+    ("kernels_chains.json", "Pointwise chains: one precompiled kernel against Inductor's", True,
+     lambda d: "`python3 bench/kernels/chains.py" + (" --quick" if all(r["mb"] == 64 for r in rows_of(d)) else "")
+               + "`", render_chains),
     ("kernels_loss_head.json", "LM head with cross-entropy", True,
      lambda d: "`python3 bench/kernels/loss_head.py" + (" --quick" if d.get("reps") == 5 else "")
                + "` (part of `make bench-kernels`)", render_loss_head),

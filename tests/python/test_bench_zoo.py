@@ -30,3 +30,21 @@ def test_zoo_smoke(tmp_path):
         for rc in ("kitsune", "kitsune_dynamo"):
             assert rows[m, rc]["losses"] == pytest.approx(want, rel=1e-4), (m, rc)
     assert "| gpt2 |" in (tmp_path / "zoo.md").read_text()
+
+
+@pytest.mark.parametrize("workload", ["churn", "random"])
+def test_alloc_churn_workloads_free_each_live_block_once(workload):
+    """bench/alloc_churn.py's events: every block allocated once before its one free
+    (the random trace reuses freed addresses: a new block each time), and all freed."""
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    import alloc_churn
+    live, seen = set(), set()
+    for action, i, size in alloc_churn.events(workload):
+        assert size >= 0
+        if action == "alloc":
+            assert i not in seen
+            seen.add(i)
+            live.add(i)
+        else:
+            live.remove(i)
+    assert not live and len(seen) == (20000 if workload == "churn" else 10000)

@@ -196,7 +196,8 @@ if [[ $parts == *" churn "* ]]; then   # bench/alloc_churn.py: the churn ring an
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       .deps/wheels/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   fi
-  echo "== alloc_churn =="; time KT_COMMIT=${KT_COMMIT:-?} KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \
+  echo "== alloc_churn =="; time KT_COMMIT=${KT_COMMIT:-?} KITSUNE_LIBRARY=$PWD/build/libkitsune.so \
+    PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH} \
     python3 bench/alloc_churn.py --out "$OUT" ${BENCH_CHURN_ARGS:-}
 fi
 if [[ $parts == *" demo "* ]]; then

@@ -75,6 +75,7 @@ struct ChainLop {
 struct ChainProg {
   int32_t n_in, n_out, n_lops, n_slots, ndim;
   bool small;   // fewer than 2^31 elements: coordinates in 32-bit arithmetic
+  bool inner_tile;   // the innermost dimension a multiple of E: a tile never crosses its end
   int32_t in_dtype[KT_CHAIN_MAX_IN], out_dtype[KT_CHAIN_MAX_OUT];
   uint8_t in_slot[KT_CHAIN_MAX_IN];   // SRC_NONE: the input is never read
   uint8_t out_src[KT_CHAIN_MAX_OUT];   // SRC_ACC, SRC_CONST | k or a slot
@@ -107,7 +108,13 @@ __host__ __device__ inline void chain_store(void *p, int64_t i, int dt, float v)
   }
 }
 
-// 8 consecutive elements from 16-byte-aligned p + i (i a multiple of 8).
+// Whether element i of p (dtype dt) starts a 16-byte-aligned vector.
+__host__ __device__ inline bool chain_aligned(const void *p, int64_t i, int dt) {
+  const int64_t size = dt == KT_F32 ? 4 : dt == KT_CHAIN_BOOL ? 1 : 2;
+  return ((uintptr_t)p + (uintptr_t)(i * size)) % 16 == 0;
+}
+
+// 8 consecutive elements from 16-byte-aligned p + i.
 __host__ __device__ inline void chain_load8(float v[E], const void *p, int64_t i, int dt) {
   if (dt == KT_F32) {
     const float4 *q = reinterpret_cast<const float4 *>(static_cast<const float *>(p) + i);
@@ -177,6 +184,10 @@ __host__ __device__ inline void chain_offsets(const ChainProg &p, const int64_t 
         o += coord[d] * st[d];
       }
     }
+  }
+  if (p.inner_tile) {   // a tile lies within one run of the innermost dimension
+    for (int e = 0; e < E; e++) off[e] = o + e * st[p.ndim - 1];
+    return;
   }
   for (int e = 0; e < E; e++) {
     off[e] = o;
@@ -284,7 +295,15 @@ __host__ __device__ inline void chain_tile(const ChainProg &p, float4 *slots, in
       } else {
         chain_offsets(p, p.in_stride[k], i0, cnt, off);
       }
-      for (int e = 0; e < E; e++) v[e] = e < cnt ? chain_load(p.in[k], off[e], p.in_dtype[k]) : 0.f;
+      const int64_t inner = p.ndim > 0 ? p.in_stride[k][p.ndim - 1] : 1;
+      if (whole && p.inner_tile && inner == 1 && chain_aligned(p.in[k], off[0], p.in_dtype[k])) {
+        chain_load8(v, p.in[k], off[0], p.in_dtype[k]);   // a row of a broadcast operand (a bias)
+      } else if (whole && p.inner_tile && inner == 0) {
+        const float x = chain_load(p.in[k], off[0], p.in_dtype[k]);   // one value along the row
+        for (int e = 0; e < E; e++) v[e] = x;
+      } else {
+        for (int e = 0; e < E; e++) v[e] = e < cnt ? chain_load(p.in[k], off[e], p.in_dtype[k]) : 0.f;
+      }
     }
     chain_put(slots, p.in_slot[k], t, nt, v);
   }
@@ -501,6 +520,7 @@ kt_status chain_setup(const kt_chain *c, const void *const *in, void *const *out
   p->n_in = c->n_in;
   p->n_out = c->n_out;
   chain_merge_dims(c, p);
+  p->inner_tile = p->ndim > 0 && p->shape[p->ndim - 1] % E == 0;
   for (int k = 0; k < c->n_in; k++) {
     if (!in[k]) return KT_ERR_INVALID;
     p->in[k] = in[k];

@@ -1,6 +1,6 @@
 """torch.empty + del, ns per pair, for each allocator in its own process.
 
-    python bench/alloc_torch.py [--out DIR] [--iters N] [--rounds R]
+    python bench/alloc_torch.py [--out DIR] [--iters N] [--rounds R]    # defaults 10000, 5
 
 Allocators: PyTorch's native caching allocator, backend:cudaMallocAsync,
 expandable_segments:True, and Kitsune (kitsune.allocator.install()). Each process
@@ -19,7 +19,7 @@ import statistics
 import subprocess
 import sys
 
-SIZES = [4096, 1 << 20, 64 << 20]
+SIZES = [512, 4096, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20]   # 512 B to 256 MiB
 KINDS = {"python": "torch.empty + del from Python",
          "aten": "at::empty + release from C++ (the op torch.empty runs, no interpreter)",
          "cpp": "allocate() + free through torch's allocator interface, from C++"}
@@ -70,8 +70,8 @@ def child(iters, cpu):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--iters", type=int, default=20000)
-    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--iters", type=int, default=10000)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--cpu", type=int, default=2,
                     help="CPU each child's timing thread is pinned to once CUDA is up (-1: none). Pinning the "
                          "whole process (taskset, before c09e134) put CUDA's helper threads on that CPU too")

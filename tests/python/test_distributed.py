@@ -45,7 +45,7 @@ def _reference(opt_name, world):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _worker(rank, world, port, wrap, opt_name, out):
+def _worker(rank, world, port, wrap, opt_name, out, driver="loop"):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -63,16 +63,22 @@ def _worker(rank, world, port, wrap, opt_name, out):
             model = torch.nn.parallel.DistributedDataParallel(model)
         cls, kw = OPTIMIZERS[opt_name]
         opt = kitsune.KitsuneOptimizer(cls, model.parameters(), **kw)
-        paths = []
+        paths, reason = [], None
+        step = kitsune.compile_step(model, lambda out, _: out.square().mean(), opt) if driver == "compile_step" \
+            else None
         for x in _batches(world):
             mine = x.chunk(world)[rank]
-            opt.zero_grad()
-            model(mine).square().mean().backward()
-            opt.step()
+            if step is not None:
+                step(mine, torch.zeros(()))
+                reason = step.stats()["reason"]
+            else:
+                opt.zero_grad()
+                model(mine).square().mean().backward()
+                opt.step()
             paths.append(opt.get_stats()["path"])
         params = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
         if rank == 0:
-            torch.save({"params": [p.detach().clone() for p in params], "paths": paths}, out)
+            torch.save({"params": [p.detach().clone() for p in params], "paths": paths, "reason": reason}, out)
     finally:
         dist.destroy_process_group()
 
@@ -88,4 +94,23 @@ def test_kitsune_optimizer_steps_sharded_and_replicated_parameters(world, wrap, 
     got = torch.load(out)
     assert all(p.startswith("fused") for p in got["paths"]), got["paths"]   # no fallback to torch.optim
     for a, b in zip(got["params"], _reference(opt_name, world)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("wrap", ["fsdp2", "ddp"])
+def test_compile_step_runs_distributed_models_eagerly_with_the_reason(wrap, tmp_path):
+    """compile_step over a DDP or FSDP2 model (two ranks) does not capture the collectives
+    it cannot: it says so in stats()['reason'] and its eager steps train as the
+    single-process run does, with the fused optimizer."""
+    import warnings
+    import torch.multiprocessing as mp
+    out = str(tmp_path / "rank0.pt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mp.start_processes(_worker, args=(2, _port(), wrap, "adamw", out, "compile_step"), nprocs=2, join=True,
+                           start_method="spawn")
+    got = torch.load(out)
+    assert ("DistributedDataParallel" if wrap == "ddp" else "sharded (FSDP2") in got["reason"], got["reason"]
+    assert all(p.startswith("fused") for p in got["paths"]), got["paths"]
+    for a, b in zip(got["params"], _reference("adamw", 2)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -380,6 +380,9 @@ class CompiledStep(_Capture, _MemoryPlanning, _ConvGradTrials, _ChannelsLast):
         self._graphs.clear()
 
     def _capture_blocker(self, batch):
+        why = _distributed_blocker(self.model)
+        if why is not None:
+            return why
         if not torch.cuda.is_available():
             return "CUDA is not available"
         devices = {p.device for p in self.model.parameters()}
@@ -452,6 +455,29 @@ def _signature(batch):
                                 f"hashable, so it cannot key a captured step") from None
             key.append(("value", type(b), b))
     return tuple(key)
+
+
+def _distributed_blocker(model):
+    """Why a model wrapped or sharded by torch.distributed cannot be captured, or None:
+    DDP's gradient all-reduce and FSDP2's all-gathers and reduce-scatters run from hooks
+    with host-side bookkeeping that a replayed graph would skip. The step then runs
+    eagerly: Kitsune's kernels and fused optimizer still apply."""
+    import torch.distributed as dist
+    if not dist.is_available():
+        return None
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return ("the model is DistributedDataParallel: its gradient all-reduce is not captured yet, so the step "
+                "runs eagerly (Kitsune's kernels and fused optimizer still apply)")
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:   # torch without FSDP2
+        FSDPModule = ()
+    from torch.distributed.tensor import DTensor
+    if any(isinstance(m, FSDPModule) for m in model.modules()) or \
+            any(isinstance(p, DTensor) for p in model.parameters()):
+        return ("the model is sharded (FSDP2 / DTensor parameters): its all-gathers and reduce-scatters are not "
+                "captured yet, so the step runs eagerly (Kitsune's kernels and fused optimizer still apply)")
+    return None
 
 
 def compile_step(model, loss_fn, optimizer, *, max_shapes=8, autocast_dtype=None, max_grad_norm=None, streams=4,

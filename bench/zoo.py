@@ -215,15 +215,12 @@ def _compile_step_row(step):
                                    "channels_last", "optimizer_in_backward", "setup_s")}
 
 
-def run(recipe, base, loss_fn, data, opt_spec, steps, device):
-    """One recipe's timed run on a copy of base; its row."""
-    fresh_peak(device)
+def time_steps(label, step, data, steps, device):
+    """Runs step over data (cycled) steps times: (losses, ms per step, first 3 steps' wall
+    seconds); label names the progress lines (None: none). ms: the median over blocks of 10 steps from step 20 on (CUDA events on
+    cuda; wall time elsewhere)."""
     cuda = device == "cuda"
-    alloc0 = torch.cuda.memory_allocated() if cuda else 0
-    reserved0 = torch.cuda.memory_reserved() if cuda else 0
-    model = copy.deepcopy(base)
     t0 = time.perf_counter()
-    step, cs = make(recipe, model, loss_fn, opt_spec, device)
     losses = [step(*data[i % len(data)]) for i in range(min(3, steps))]
     _sync(device)
     first_s = time.perf_counter() - t0
@@ -242,13 +239,26 @@ def run(recipe, base, loss_fn, data, opt_spec, steps, device):
             blocks.append((a, b, n, i))
         else:
             blocks.append((time.perf_counter() - h0, None, n, i))
-        if i % 20 == 0 or i == steps:
-            print(f"  {recipe}: step {i}/{steps}, loss {losses[-1].float().item():.4f}", flush=True)
+        if label is not None and (i % 20 == 0 or i == steps):
+            print(f"  {label}: step {i}/{steps}, loss {losses[-1].float().item():.4f}", flush=True)
     _sync(device)
     per = [((a.elapsed_time(b) if cuda else a * 1e3) / n, end) for a, b, n, end in blocks]
     timed = [ms for ms, end in per if end > 20] or [ms for ms, _ in per] or [float("nan")]
-    ms = statistics.median(timed)
-    row = {"recipe": recipe, "ms": ms, "setup_s": max(0.0, first_s - min(3, steps) * ms / 1e3),
+    return losses, statistics.median(timed), first_s
+
+
+def run(recipe, base, loss_fn, data, opt_spec, steps, device):
+    """One recipe's timed run on a copy of base; its row."""
+    fresh_peak(device)
+    cuda = device == "cuda"
+    alloc0 = torch.cuda.memory_allocated() if cuda else 0
+    reserved0 = torch.cuda.memory_reserved() if cuda else 0
+    model = copy.deepcopy(base)
+    t0 = time.perf_counter()
+    step, cs = make(recipe, model, loss_fn, opt_spec, device)
+    made_s = time.perf_counter() - t0
+    losses, ms, first_s = time_steps(recipe, step, data, steps, device)
+    row = {"recipe": recipe, "ms": ms, "setup_s": max(0.0, made_s + first_s - min(3, steps) * ms / 1e3),
            "final_loss": losses[-1].float().item(), "losses": [x.float().item() for x in losses],
            "steps": steps}
     if cuda:

@@ -48,3 +48,30 @@ def test_alloc_churn_workloads_free_each_live_block_once(workload):
         else:
             live.remove(i)
     assert not live and len(seen) == (20000 if workload == "churn" else 10000)
+
+
+def test_distributed_smoke(tmp_path):
+    """bench/distributed.py --smoke: torchrun with gloo on the CPU, one rank and two, DDP and
+    FSDP2 recipes: a row for each, none failed; Kitsune's recipes name why compile_step runs
+    them eagerly, step the fused optimizer, and train as the eager recipe does."""
+    pytest.importorskip("torch.distributed")
+    r = subprocess.run([sys.executable, os.path.join(REPO, "bench", "distributed.py"), "--smoke", "--out",
+                        str(tmp_path), "--models", "gpt2,llama", "--recipes",
+                        "ddp_eager,ddp_kitsune,fsdp_eager,fsdp_kitsune"],
+                       capture_output=True, text=True, env=dict(env(), CUDA_VISIBLE_DEVICES=""), timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads((tmp_path / "distributed.json").read_text())
+    rows = {(row["model"], row["recipe"], row["nproc"]): row for row in doc["rows"]}
+    want = {("gpt2", rc, n) for rc in ("ddp_eager", "ddp_kitsune") for n in (1, 2)} | \
+        {("llama", rc, n) for rc in ("fsdp_eager", "fsdp_kitsune") for n in (1, 2)}
+    assert set(rows) == want
+    for key, row in rows.items():
+        assert "error" not in row, (key, row)
+        if key[1].endswith("kitsune"):
+            eager = rows[key[0], key[1].replace("kitsune", "eager"), key[2]]
+            why = row["compile_step"]["reason"]
+            assert ("DistributedDataParallel" if key[1].startswith("ddp") else "sharded") in why, why
+            assert row["optimizer_path"].startswith("fused"), row["optimizer_path"]
+            for a, b in zip(row["losses"], eager["losses"]):
+                assert abs(a - b) < 1e-4 * max(1.0, abs(b)), (key, row["losses"], eager["losses"])
+    assert "scaling efficiency" in (tmp_path / "distributed.md").read_text()

@@ -4,7 +4,7 @@
 # only the pytest part of gpu-test, on KT_PYTEST_ARGS (paths and options; default tests/python); "data" adds
 # make bench-data, "kernels" make bench-kernels, "profile" tools/gpu/profile_train.py, "gaps"
 # tools/gpu/step_gaps.py, "optim" bench/kernels/optimizer.py, "ew" bench/kernels/elementwise.py, "lact" bench/kernels/linear_act.py, "colsum" bench/kernels/colsum.py, "pool" bench/kernels/pool.py, "losses" bench/loss_match.py (LOSS_ARGS), "copies" tools/gpu/copy_sources.py (COPY_MODELS, COPY_ARGS), "train" bench/kernels/train_models.py,
-# "ncu" Nsight Compute on the dropout kernels, "ncu_ln" on the LayerNorm ones, "ncu_optim" on the fused AdamW step, "memsets" tools/gpu/graph_memsets.py, "models" bench/models.py, "zoo" bench/zoo.py (BENCH_ZOO_ARGS), "zoodiag" tools/gpu/zoo_diag.py (ZOODIAG_ARGS), "vitdiag" tools/gpu/vit_diag.py, "vitloss" tools/gpu/vit_loss_diag.py, "ncu_chain" Nsight Compute on the chain kernel, "chains" test_chains.py + bench/kernels/chains.py, "zooprof" tools/gpu/zoo_profile.py (ZOOPROF), "churn" bench/alloc_churn.py, "variants" tools/gpu/models_variants.py (VARIANTS, VARIANTS_ARGS or BENCH_MODELS_ARGS), "gmem" bench/graph_memory.py, "ab" tools/gpu/ab_env.py (AB_SETTING, AB_MODELS), "pgraph"
+# "ncu" Nsight Compute on the dropout kernels, "ncu_ln" on the LayerNorm ones, "ncu_optim" on the fused AdamW step, "memsets" tools/gpu/graph_memsets.py, "models" bench/models.py, "zoo" bench/zoo.py (BENCH_ZOO_ARGS), "zoodiag" tools/gpu/zoo_diag.py (ZOODIAG_ARGS), "vitdiag" tools/gpu/vit_diag.py, "vitloss" tools/gpu/vit_loss_diag.py, "dist" bench/distributed.py (BENCH_DIST_ARGS), "ncu_chain" Nsight Compute on the chain kernel, "chains" test_chains.py + bench/kernels/chains.py, "zooprof" tools/gpu/zoo_profile.py (ZOOPROF), "churn" bench/alloc_churn.py, "variants" tools/gpu/models_variants.py (VARIANTS, VARIANTS_ARGS or BENCH_MODELS_ARGS), "gmem" bench/graph_memory.py, "ab" tools/gpu/ab_env.py (AB_SETTING, AB_MODELS), "pgraph"
 # tools/gpu/profile_graph.py, "host" tools/gpu/host_replay.py, "alloc" the VMM C suites on CUDA, the allocator pytest,
 # bench/alloc_shapes.py and bench/alloc_torch.py; KT_NO_CLEAN=1 keeps
 # the last call's build). Everything is logged to $OUT/run.log; JSON results and the
@@ -138,6 +138,10 @@ if [[ $parts == *" ncu_chain "* ]]; then   # Nsight Compute on the pointwise-cha
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section InstructionStats \
     python3 tools/gpu/ncu_chain.py > "$OUT/ncu_chain.log" 2>&1
   grep -E "^  [A-Za-z]|chain_kernel|ops:|Duration|Throughput|Registers|Achieved Occ|Theoretical Occ|Stall|Executed Ipc|Issue Slots|Block Limit|Warp Cycles" "$OUT/ncu_chain.log" | head -90
+fi
+if [[ $parts == *" dist "* ]]; then   # bench/distributed.py (BENCH_DIST_ARGS, e.g. "--nproc 2"): DDP / FSDP2 by torchrun
+  echo "== distributed =="; time KT_COMMIT=${KT_COMMIT:-?} KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \
+    python3 bench/distributed.py --out "$OUT" ${BENCH_DIST_ARGS:-} 2>&1 | grep -v -i "warn"
 fi
 if [[ $parts == *" vitloss "* ]]; then   # tools/gpu/vit_loss_diag.py: the fused loss on ViT-B/16 against F.cross_entropy
   echo "== vit loss diag =="; KITSUNE_LIBRARY=$PWD/build/libkitsune.so PYTHONPATH=$PWD/python \

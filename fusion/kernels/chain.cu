@@ -553,15 +553,18 @@ extern "C" kt_status kt_chain_run(const kt_chain *c, const void *const *in, void
   kt_status st = chain_setup(c, in, out, &p, &n);
   if (st != KT_OK || n == 0) return st;
   const int nt = chain_threads(p.n_slots);
-  const size_t smem = (size_t)p.n_slots * nt * E * sizeof(float);   // at most 40 slots x 64 x 32 B = 80 KB
-  static bool big_smem = false;   // raised once; setting it again from another thread is harmless
-  if (smem > 48 * 1024 && !big_smem) {
-    cudaError_t e = cudaFuncSetAttribute(chain_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024);
-    if (e != cudaSuccess) return kt::status_of(e);
-    big_smem = true;
-  }
+  const size_t smem = (size_t)p.n_slots * nt * E * sizeof(float);   // at most 32 slots x 64 x 32 B = 64 KB
   int dev = 0, sms = 132;
   if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  // More than 48 KB of dynamic shared memory is an opt-in of each device's: raised once on each
+  // (a device past the 64th raises it every time it needs it)
+  static std::atomic<uint64_t> big_smem{0};
+  const uint64_t bit = dev >= 0 && dev < 64 ? 1ull << dev : 0;
+  if (smem > 48 * 1024 && !(big_smem.load(std::memory_order_relaxed) & bit)) {
+    cudaError_t e = cudaFuncSetAttribute(chain_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024);
+    if (e != cudaSuccess) return kt::status_of(e);
+    big_smem.fetch_or(bit, std::memory_order_relaxed);
+  }
   const int64_t tile = (int64_t)nt * E;
   int64_t blocks = (n + tile - 1) / tile;
   const int64_t cap = (int64_t)sms * (2048 / nt);   // one wave at full occupancy; the loop strides over the rest

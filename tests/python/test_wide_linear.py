@@ -40,7 +40,27 @@ def test_padded_function_matches_linear_in_float64(n, bias):
     for a, r in zip(got, ref):
         assert a.shape == r.shape
         torch.testing.assert_close(a, r, rtol=1e-12, atol=1e-12)
-    assert out.view(-1, n).shape == (15, n)   # the idiom a loss uses works on the view
+    assert out.view(-1, n).shape == (15, n)   # the idiom a loss uses works on the padded rows
+
+
+def test_padded_output_takes_in_place_ops_and_refuses_double_backward():
+    """In-place ops on the output (a temperature, a mask) work as on F.linear's, with the
+    same gradients; a double backward raises rather than come out wrong."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(4099, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    out, want = _WideLinear.apply(x, w, None, torch.float64), F.linear(x, w)
+    for y in (out, want):
+        y.div_(2.0)
+        y[..., 4000:] = -1.0
+    torch.testing.assert_close(out, want)
+    up = torch.randn(2, 3, 4099, dtype=torch.float64, generator=g)
+    for a, b in zip(torch.autograd.grad(out, (x, w), up), torch.autograd.grad(want, (x, w), up)):
+        torch.testing.assert_close(a, b)
+    y = _WideLinear.apply(x, w, None, torch.float64)
+    gw, = torch.autograd.grad(y.square().sum(), w, create_graph=True)
+    with pytest.raises(RuntimeError):
+        torch.autograd.grad(gw.sum(), x)
 
 
 def test_is_wide_takes_wide_odd_widths_only():
@@ -122,3 +142,35 @@ def test_wide_linear_and_cross_entropy_under_bf16_autocast_on_cuda(bias):
         assert a.dtype == torch.float32 and a.isfinite().all()
         err = (a.double() - r).norm() / r.norm()
         assert err < 2e-2, err
+
+
+def _grad_strides(make):
+    """(with_grad's, backward's) gradient strides for the logits make() gives."""
+    logits = make()
+    t = torch.zeros(logits.shape[0], dtype=torch.long, device="cuda")
+    _, g = torch.ops.kitsune.cross_entropy_with_grad(logits, t, -100, 0.0, True)
+    g2 = torch.ops.kitsune.cross_entropy_backward(torch.ones((), device="cuda"), logits, t, -100, 0.0)
+    return g.stride(), g2.stride()
+
+
+_LAYOUTS = {"padded rows": lambda: torch.zeros(8, 64, device="cuda", dtype=torch.bfloat16)[:, :50],
+            "contiguous": lambda: torch.zeros(8, 50, device="cuda", dtype=torch.bfloat16),
+            "rows 51 apart": lambda: torch.zeros(8, 51, device="cuda", dtype=torch.bfloat16)[:, :50],
+            "one row": lambda: torch.zeros(1, 64, device="cuda", dtype=torch.bfloat16)[:, :50]}
+_WANT = {"padded rows": (64, 1), "contiguous": (50, 1), "rows 51 apart": (50, 1), "one row": (50, 1)}
+
+
+@pytest.mark.parametrize("layout", list(_LAYOUTS))
+def test_cross_entropy_fakes_lay_the_gradient_out_as_the_kernel(layout):
+    """The fake kernels promise the layout the CUDA bridge gives (rows as far apart as the
+    logits' when that is a 16-byte multiple): a traced backward rescales what it gets."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        got = _grad_strides(_LAYOUTS[layout])
+    assert got == (_WANT[layout], _WANT[layout])
+
+
+@gpu
+@pytest.mark.parametrize("layout", list(_LAYOUTS))
+def test_cross_entropy_gradient_layout_on_cuda_matches_its_fake(layout):
+    assert _grad_strides(_LAYOUTS[layout]) == (_WANT[layout], _WANT[layout])

@@ -59,6 +59,17 @@ def _ce_loss_dtype(logits, float_loss):
     return torch.float32 if float_loss and logits.dtype in (torch.float16, torch.bfloat16) else logits.dtype
 
 
+def _ce_grad_like(logits):
+    """The logits' gradient as the bridge lays it out (ce_views, ce_grad_like): on CUDA,
+    2-D logits whose rows are a 16-byte multiple apart (a wide_linear's padded rows) get
+    a gradient with rows as far apart; otherwise contiguous."""
+    if logits.dim() == 2 and logits.device.type == "cuda" and logits.shape[0] > 1 and logits.stride(1) == 1 and \
+            logits.stride(0) > logits.shape[1] and (logits.stride(0) * logits.element_size()) % 16 == 0 and \
+            (logits.storage_offset() * logits.element_size()) % 16 == 0:
+        return logits.new_empty_strided(tuple(logits.shape), (logits.stride(0), 1))
+    return contiguous_empty(logits)
+
+
 # ---- fake kernels: what the real ones check, then the outputs' shapes and layouts ----
 @torch.library.register_fake("kitsune::cross_entropy")
 def _(logits, target, ignore_index=-100, label_smoothing=0.0, float_loss=False):
@@ -70,13 +81,13 @@ def _(logits, target, ignore_index=-100, label_smoothing=0.0, float_loss=False):
 def _(grad, logits, target, ignore_index=-100, label_smoothing=0.0):
     _ce_views("cross_entropy_backward", logits, target, label_smoothing)
     _ce_grad(grad, logits)
-    return contiguous_empty(logits)
+    return _ce_grad_like(logits)
 
 
 @torch.library.register_fake("kitsune::cross_entropy_with_grad")
 def _(logits, target, ignore_index=-100, label_smoothing=0.0, float_loss=False):
     _ce_views("cross_entropy_with_grad", logits, target, label_smoothing)
-    return logits.new_empty((), dtype=_ce_loss_dtype(logits, float_loss)), contiguous_empty(logits)
+    return logits.new_empty((), dtype=_ce_loss_dtype(logits, float_loss)), _ce_grad_like(logits)
 
 
 @torch.library.register_fake("kitsune::cross_entropy_rescale_")

@@ -44,8 +44,9 @@ def _padded(n):
 class _WideLinear(torch.autograd.Function):
     """F.linear with the output features padded to a multiple of 64 inside the GEMMs:
     an odd width (GPT-2's 50257 classes, BERT's 30522) keeps cuBLAS on slow sm75-era
-    kernels, in the backward's two GEMMs too. The output is a view of the padded
-    result (row stride the padded width), so nothing is copied in the forward."""
+    kernels, in the backward's two GEMMs too. The output shares the padded result's
+    storage (rows the padded width apart), so nothing is copied in the forward; it is
+    not an autograd view of it, so in-place ops on it work as on F.linear's."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, dtype):
@@ -62,9 +63,14 @@ class _WideLinear(torch.autograd.Function):
             torch.addmm(bp, x2, wp.t(), out=out)
         ctx.save_for_backward(x2, wp)
         ctx.n, ctx.x_shape, ctx.has_bias = n, x.shape, bias is not None
-        return out[:, :n].view(*x.shape[:-1], n)
+        shape = (*x.shape[:-1], n)
+        strides = [1] * len(shape)
+        for d in range(len(shape) - 2, -1, -1):   # the padded result's rows, in x's leading shape
+            strides[d] = (wp.shape[0] if d == len(shape) - 2 else strides[d + 1] * shape[d + 1])
+        return out.new_empty(0).set_(out.untyped_storage(), 0, shape, strides)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable   # a double backward raises instead of coming out wrong
     def backward(ctx, grad):
         x2, wp = ctx.saved_tensors
         n = ctx.n
@@ -80,15 +86,17 @@ class _WideLinear(torch.autograd.Function):
 def wide_linear(x, weight, bias=None):
     """F.linear(x, weight, bias) for a weight whose number of rows (output features) is
     not a multiple of 8, on CUDA: the GEMMs run over the rows padded to a multiple of 64
-    with zeros (a padded copy of the weight per call), and the output is a view into the
-    padded result whose rows are the padded width apart, so ``out.view(-1, n)`` works
-    but ``out.view(-1)`` does not (``reshape`` does). Under autocast the GEMMs run in the
+    with zeros (a padded copy of the weight per call), and the output lies in the padded
+    result, its rows the padded width apart, so ``out.view(-1, n)`` works but
+    ``out.view(-1)`` does not (``reshape`` does). No double backward (it raises). Under autocast the GEMMs run in the
     autocast dtype, as F.linear's. Elsewhere (the CPU, or traced by torch.compile, where
     Inductor pads on its own) it is F.linear."""
     if isinstance(x, torch.fx.Proxy) or not x.is_cuda or torch.compiler.is_compiling() or weight.dim() != 2 or \
             x.shape[-1] != weight.shape[1]:
         return torch.nn.functional.linear(x, weight, bias)
     if torch.is_autocast_enabled("cuda"):
+        if torch.float64 in (x.dtype, weight.dtype):
+            return torch.nn.functional.linear(x, weight, bias)   # autocast leaves float64 alone
         dtype = torch.get_autocast_dtype("cuda")
     else:
         if x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype):

@@ -16,8 +16,8 @@ Recipes (bench/zoo.py's models, batches and optimizers, bf16 autocast):
 compile_step runs DDP and FSDP2 models eagerly and says why in its stats (their
 collectives are not captured yet); the row keeps that reason.
 
-Each rank takes the zoo's batch a step (rank r the zoo batch r steps ahead of rank 0's),
-so N GPUs train on N times the samples of one. Reported per model, recipe and N: ms per
+Each rank draws its own 4 batches of the zoo's size (from a seed of its rank; the weights
+from one seed on every rank), so N GPUs train on N times the samples of one. Reported per model, recipe and N: ms per
 step (bench/zoo.py's timing on rank 0, every rank in step through the collectives),
 samples per second per GPU, peak reserved MiB (the largest rank's), the losses (the mean
 over ranks a step) and, for N > 1, the scaling efficiency: one GPU's ms over N GPUs'.
@@ -85,10 +85,10 @@ def child(model_name, recipe, args):
     row = {"model": model_name, "recipe": recipe, "nproc": world}
     try:
         import kitsune
-        gen = torch.Generator().manual_seed(0)
-        torch.manual_seed(0)
+        torch.manual_seed(0)   # the weights: the same on every rank (FSDP2 shards what each rank holds)
+        gen = torch.Generator().manual_seed(1000 + rank)   # the batches: each rank its own
         base, loss_fn, data, (cls, kw) = zoo.build(model_name, gen, smoke=args.smoke)
-        data = [tuple(t.to(device) for t in data[(i + rank) % len(data)]) for i in range(len(data))]
+        data = [tuple(t.to(device) for t in b) for b in data]
         zoo.fresh_peak("cuda" if cuda else "cpu")
         t0 = time.perf_counter()
         model, holder = _wrap(model_name, recipe, base.to(device), device, cuda, local)

@@ -2,7 +2,6 @@
 FSDP2's sharded parameters (DTensors: each rank updates its own shard with the fused
 kernel) and over DDP's replicated ones, against torch.optim on an unsharded single-process
 twin. Two ranks, spawned; world size 1 too."""
-import copy
 import os
 import socket
 
@@ -110,7 +109,29 @@ def test_compile_step_runs_distributed_models_eagerly_with_the_reason(wrap, tmp_
         mp.start_processes(_worker, args=(2, _port(), wrap, "adamw", out, "compile_step"), nprocs=2, join=True,
                            start_method="spawn")
     got = torch.load(out)
-    assert ("DistributedDataParallel" if wrap == "ddp" else "sharded (FSDP2") in got["reason"], got["reason"]
+    assert ("DistributedDataParallel" if wrap == "ddp" else "sharded (FSDP)") in got["reason"], got["reason"]
     assert all(p.startswith("fused") for p in got["paths"]), got["paths"]
     for a, b in zip(got["params"], _reference("adamw", 2)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_capture_blocker_finds_data_parallel_and_sharded_models_anywhere(tmp_path):
+    """compile_step's reason to run eagerly, in one process (gloo, world size 1): DDP at the
+    top, inside a wrapper and under torch.compile; composable replicate; FSDP2 and DTensor
+    parameters; nothing for a plain model."""
+    from kitsune.graph.step import _distributed_blocker
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert _distributed_blocker(_model()) is None
+        ddp = torch.nn.parallel.DistributedDataParallel(_model())
+        for wrapped in (ddp, torch.nn.Sequential(ddp), torch.compile(ddp)):
+            assert "DistributedDataParallel" in _distributed_blocker(wrapped)
+        from torch.distributed._composable import replicate
+        assert "replicate" in _distributed_blocker(replicate(_model()))
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        sharded = _model()
+        fully_shard(sharded, mesh=init_device_mesh("cpu", (1,)))
+        assert "sharded (FSDP)" in _distributed_blocker(sharded)
+    finally:
+        dist.destroy_process_group()

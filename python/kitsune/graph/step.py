@@ -459,24 +459,32 @@ def _signature(batch):
 
 def _distributed_blocker(model):
     """Why a model wrapped or sharded by torch.distributed cannot be captured, or None:
-    DDP's gradient all-reduce and FSDP2's all-gathers and reduce-scatters run from hooks
-    with host-side bookkeeping that a replayed graph would skip. The step then runs
-    eagerly: Kitsune's kernels and fused optimizer still apply."""
+    DDP's gradient all-reduce (the wrapper anywhere in the model, or `replicate`) and
+    FSDP's all-gathers and reduce-scatters (FSDP1's wrapper, FSDP2's `fully_shard`,
+    DTensor parameters) run from hooks with host-side bookkeeping that a replayed graph
+    would skip. The step then runs eagerly: Kitsune's kernels and fused optimizer still
+    apply."""
     import torch.distributed as dist
     if not dist.is_available():
         return None
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        return ("the model is DistributedDataParallel: its gradient all-reduce is not captured yet, so the step "
-                "runs eagerly (Kitsune's kernels and fused optimizer still apply)")
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:   # torch without FSDP2
-        FSDPModule = ()
     from torch.distributed.tensor import DTensor
-    if any(isinstance(m, FSDPModule) for m in model.modules()) or \
-            any(isinstance(p, DTensor) for p in model.parameters()):
-        return ("the model is sharded (FSDP2 / DTensor parameters): its all-gathers and reduce-scatters are not "
-                "captured yet, so the step runs eagerly (Kitsune's kernels and fused optimizer still apply)")
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    try:
+        from torch.distributed._composable import replicate
+        replicated = replicate.state
+    except (ImportError, AttributeError):   # a torch without composable replicate
+        def replicated(m):
+            return None
+    eager = "runs eagerly (Kitsune's kernels and fused optimizer still apply)"
+    for m in model.modules():
+        if isinstance(m, torch.nn.parallel.DistributedDataParallel) or replicated(m) is not None:
+            return ("the model is data-parallel (DistributedDataParallel or replicate): its gradient all-reduce is "
+                    f"not captured yet, so the step {eager}")
+        if isinstance(m, (FSDPModule, FullyShardedDataParallel)):
+            return ("the model is sharded (FSDP): its all-gathers and reduce-scatters are not captured yet, so the "
+                    f"step {eager}")
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        return f"the model is sharded (DTensor parameters): their collectives are not captured yet, so the step {eager}"
     return None
 
 

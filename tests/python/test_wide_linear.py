@@ -110,6 +110,7 @@ def test_a_traced_wide_linear_with_bias_becomes_wide_linear():
     model = Head()
     report = kitsune.explain(model)
     assert any(w.endswith("decoder") and "wide_linear" in what for w, what in report.fused), report
+    assert report.swapped == []   # the graph calls wide_linear: the module itself is no longer called
     fast = kitsune.optimize(model)
     x = torch.randn(3, 16)
     torch.testing.assert_close(fast(x), model(x))

@@ -39,6 +39,8 @@ class Report:
     # explain(..., dynamo=True): Dynamo's graph breaks, (why, where in the user's code)
     breaks: list = field(default_factory=list)
     swapped: list = field(default_factory=list)
+    # the weights of wide Linears a graph rewrite gave to wide_linear (their modules are not swapped)
+    _wide_weights: set = field(default_factory=set, repr=False, compare=False)
 
     def __str__(self):
         lines = [f"kitsune: {len(self.fused)} fused, {len(self.left)} left"]

@@ -33,6 +33,7 @@ def _rewrite_linear_bias(gm, g, prefix, report):
             continue
         w = _attr(gm, lin[1][5:]) if isinstance(lin[1], str) else _param(gm, lin[1])
         if isinstance(w, torch.Tensor) and is_wide(w):
+            report._wide_weights.add(id(w))
             report.fused.append((f"{prefix}{node.name}", f"linear -> wide_linear ({w.shape[0]} features padded to "
                                                          f"{(w.shape[0] + 63) // 64 * 64} in the GEMMs)"))
             with g.inserting_before(node):
@@ -66,9 +67,10 @@ class WideLinear(torch.nn.Linear):
 
 def _settle_wide_linears(model, report, apply):
     """Each nn.Linear of model (the class itself) with a wide weight becomes a WideLinear
-    (apply; explain only reports it)."""
+    (apply; explain only reports it), but those a graph rewrite already gave to
+    wide_linear: their modules are no longer called."""
     for name, m in model.named_modules():
-        if type(m) is torch.nn.Linear and is_wide(m.weight):
+        if type(m) is torch.nn.Linear and is_wide(m.weight) and id(m.weight) not in report._wide_weights:
             report.swapped.append((name or type(m).__name__, f"Linear({m.in_features}, {m.out_features}) -> "
                                    f"WideLinear (the GEMMs over {(m.out_features + 63) // 64 * 64} features)"))
             if apply:

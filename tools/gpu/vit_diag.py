@@ -52,21 +52,22 @@ def one_liner(drop=None, optimize=True, torch_opt=False, **ckw):
     return out
 
 
-ref = eager()
-print("eager losses", " ".join(f"{v:.3f}" for v in ref[:12]), "...", flush=True)
-# On the H200: rewrites left out one at a time moved nothing; compile_step without optimize
-# parts as far as the one-liner, with torch's AdamW, one stream or Dynamo alike, and follows
-# eager within 0.003 with fuse_loss=False (archive/h200_chains_vitdiag_zooprof_b82abae.log).
-# Left: kitsune.cross_entropy's own arithmetic over 30 steps (eager, fused loss), or the
-# captured step around it (planned memory off; the update after the backward).
-VARIANTS = [("torch.compile", lambda: eager(True)),
-            ("eager, kitsune.cross_entropy", lambda: eager(fused_loss=True)),
-            ("eager, kitsune.cross_entropy, KitsuneOptimizer", lambda: eager(kitsune_opt=True, fused_loss=True)),
-            ("compile_step, no optimize", lambda: one_liner(optimize=False)),
-            ("compile_step, no optimize, plan_memory=False", lambda: one_liner(optimize=False, plan_memory=False)),
-            ("compile_step, no optimize, fuse_loss=False", lambda: one_liner(optimize=False, fuse_loss=False))]
-for name, run in VARIANTS:
-    got = run()
-    d = [a - b for a, b in zip(got, ref)]
-    print(f"{name:40s} max |loss - eager's| {max(map(abs, d[:20])):.3f} (first 20), {max(map(abs, d)):.3f} (all); "
-          "steps 4-11:", " ".join(f"{v:+.3f}" for v in d[4:12]), flush=True)
+if __name__ == "__main__":   # (vit_loss_diag.py imports the model and batches)
+    ref = eager()
+    print("eager losses", " ".join(f"{v:.3f}" for v in ref[:12]), "...", flush=True)
+    # On the H200: rewrites left out one at a time moved nothing; compile_step without optimize
+    # parts as far as the one-liner, with torch's AdamW, one stream or Dynamo alike, and follows
+    # eager within 0.003 with fuse_loss=False (archive/h200_chains_vitdiag_zooprof_b82abae.log).
+    # Left: kitsune.cross_entropy's own arithmetic over 30 steps (eager, fused loss), or the
+    # captured step around it (planned memory off).
+    VARIANTS = [("torch.compile", lambda: eager(True)),
+                ("eager, kitsune.cross_entropy", lambda: eager(fused_loss=True)),
+                ("eager, kitsune.cross_entropy, KitsuneOptimizer", lambda: eager(kitsune_opt=True, fused_loss=True)),
+                ("compile_step, no optimize", lambda: one_liner(optimize=False)),
+                ("compile_step, no optimize, plan_memory=False", lambda: one_liner(optimize=False, plan_memory=False)),
+                ("compile_step, no optimize, fuse_loss=False", lambda: one_liner(optimize=False, fuse_loss=False))]
+    for name, run in VARIANTS:
+        got = run()
+        d = [a - b for a, b in zip(got, ref)]
+        print(f"{name:40s} max |loss - eager's| {max(map(abs, d[:20])):.3f} (first 20), {max(map(abs, d)):.3f} (all); "
+              "steps 4-11:", " ".join(f"{v:+.3f}" for v in d[4:12]), flush=True)

@@ -5,17 +5,13 @@ bench/zoo.py's recipe, on one batch under autocast, kitsune.ops.cross_entropy ag
 F.cross_entropy in eager autograd: the loss and its dtype, the logits' gradient against
 a float64 reference, and the parameters' gradients. (On the H200 both logit gradients
 were 1.9e-5 from the reference at most, archive/h200_pytest_vitloss_zoo_ca18fba.log.)"""
+import copy
+
 import torch
-import torchvision as tv
 from kitsune import ops as ko
+from vit_diag import KW, base, batches   # the same model, batches and optimizer settings
 F = torch.nn.functional
-torch.backends.cudnn.benchmark = True
-g = torch.Generator().manual_seed(0)
-torch.manual_seed(0)
-model = tv.models.vit_b_16().cuda()
-batches = [(torch.randn(64, 3, 224, 224, generator=g).cuda(), torch.randint(0, 1000, (64,), generator=g).cuda())
-           for _ in range(4)]
-KW = dict(lr=3e-4, weight_decay=0.01)
+model = copy.deepcopy(base)
 opt = torch.optim.AdamW(model.parameters(), fused=True, **KW)
 for i in range(5):
     x, y = batches[i % 4]

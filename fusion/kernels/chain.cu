@@ -506,6 +506,14 @@ bool chain_contiguous(const ChainProg *p, const int64_t *st) {
   return true;
 }
 
+// Operand k's layout bits: flat (laid out as the merged shape, contiguously), vec (and
+// 16-byte aligned: loads and stores as vectors).
+void chain_layout(const ChainProg *p, const int64_t *stride, const void *ptr, int k, uint32_t *flat, uint32_t *vec) {
+  const bool f = chain_contiguous(p, stride);
+  *flat |= (uint32_t)f << k;
+  *vec |= (uint32_t)(f && (uintptr_t)ptr % 16 == 0) << k;
+}
+
 // The checks and the lowered program of a run; *n the element count (0: nothing to do).
 kt_status chain_setup(const kt_chain *c, const void *const *in, void *const *out, ChainProg *p, int64_t *n) {
   kt_status st = kt_chain_check(c);
@@ -525,17 +533,13 @@ kt_status chain_setup(const kt_chain *c, const void *const *in, void *const *out
     if (!in[k]) return KT_ERR_INVALID;
     p->in[k] = in[k];
     p->in_dtype[k] = c->in_dtype[k];
-    const bool flat = chain_contiguous(p, p->in_stride[k]);
-    p->flat |= (uint32_t)flat << k;
-    p->vec |= (uint32_t)(flat && (uintptr_t)in[k] % 16 == 0) << k;
+    chain_layout(p, p->in_stride[k], in[k], k, &p->flat, &p->vec);
   }
   for (int k = 0; k < c->n_out; k++) {
     if (!out[k]) return KT_ERR_INVALID;
     p->out[k] = out[k];
     p->out_dtype[k] = c->out_dtype[k];
-    const bool flat = chain_contiguous(p, p->out_stride[k]);
-    p->out_flat |= (uint32_t)flat << k;
-    p->out_vec |= (uint32_t)(flat && (uintptr_t)out[k] % 16 == 0) << k;
+    chain_layout(p, p->out_stride[k], out[k], k, &p->out_flat, &p->out_vec);
   }
   for (int k = 0; k < KT_CHAIN_MAX_CONST; k++) p->consts[k] = c->consts[k];
   chain_lower(c, p);
@@ -554,16 +558,20 @@ extern "C" kt_status kt_chain_run(const kt_chain *c, const void *const *in, void
   if (st != KT_OK || n == 0) return st;
   const int nt = chain_threads(p.n_slots);
   const size_t smem = (size_t)p.n_slots * nt * E * sizeof(float);   // at most 32 slots x 64 x 32 B = 64 KB
-  int dev = 0, sms = 132;
-  if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  // More than 48 KB of dynamic shared memory is an opt-in of each device's: raised once on each
-  // (a device past the 64th raises it every time it needs it)
-  static std::atomic<uint64_t> big_smem{0};
-  const uint64_t bit = dev >= 0 && dev < 64 ? 1ull << dev : 0;
-  if (smem > 48 * 1024 && !(big_smem.load(std::memory_order_relaxed) & bit)) {
+  // the device's SMs and its opt-in to more than 48 KB of dynamic shared memory, each read or
+  // raised once a device (kt::per_device), not on every launch
+  static std::atomic<int> sm_count[64], big_smem[64];
+  const int sms = kt::per_device(sm_count, 132, [](int dev) {
+    int v = 0;
+    return cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess ? v : 0;
+  });
+  auto opt_in = [](int) {
+    return cudaFuncSetAttribute(chain_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024) == cudaSuccess;
+  };
+  if (smem > 48 * 1024 && kt::per_device(big_smem, 0, opt_in) != 1) {
+    // a device past the 64th, or a failure: try once more for the error to report
     cudaError_t e = cudaFuncSetAttribute(chain_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024);
     if (e != cudaSuccess) return kt::status_of(e);
-    big_smem.fetch_or(bit, std::memory_order_relaxed);
   }
   const int64_t tile = (int64_t)nt * E;
   int64_t blocks = (n + tile - 1) / tile;
